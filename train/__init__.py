@@ -1,0 +1,1 @@
+"""Training: the DeepSpeed distillation trainers that learn drafts from the record stream."""
