@@ -13,7 +13,21 @@ from pipeline.prompts import PromptDataError
 from pipeline.target import TargetError
 
 # Errors that are the user's to fix: print the message, exit 2, no traceback.
-USER_ERRORS = (ConfigError, TargetError, PromptDataError)
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, TargetError, PromptDataError)
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    # serve/ imports torch; only pull its error types in once a command has loaded it.
+    extra: list[type[Exception]] = []
+    if "serve.engine" in sys.modules:
+        from serve.engine import EngineError, RequestError
+
+        extra += [EngineError, RequestError]
+    if "serve.drafts" in sys.modules:
+        from serve.drafts import DraftSpecError
+
+        extra.append(DraftSpecError)
+    return USER_ERRORS + tuple(extra)
 
 
 def _cmd_config_show(cfg: OSDConfig, args: argparse.Namespace) -> int:
@@ -70,6 +84,15 @@ def _cmd_demo(cfg: OSDConfig, args: argparse.Namespace) -> int:
     return run_demo(cfg, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
 
 
+def _cmd_bench_engine(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from serve.bench_engine import run_bench
+
+    run_bench(cfg, n_prompts=args.prompts, prompts_file=args.prompts_file, limit=args.limit,
+              max_new_tokens=args.max_new_tokens, k=args.k, draft_spec=args.draft, device=args.device,
+              max_prompt_chars=args.max_prompt_chars, json_path=args.json, target=args.target)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="osd",
@@ -98,6 +121,21 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(func=_cmd_data_stats)
 
+    bench_p = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
+    bench_sub = bench_p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    be = bench_sub.add_parser("engine", help="own AR and speculative decoding vs Hugging Face, one process")
+    be.add_argument("--prompts", type=int, default=8, metavar="N", help="ShareGPT held-out prompts (default 8)")
+    be.add_argument("--prompts-file", metavar="F", help="JSONL with a prompt field instead of ShareGPT")
+    be.add_argument("--limit", type=int, metavar="N", help="use at most N prompts")
+    be.add_argument("--max-new-tokens", type=int, default=96, metavar="M")
+    be.add_argument("--k", type=int, default=4, metavar="K", help="draft tokens per step (default 4)")
+    be.add_argument("--draft", default="truncate:4", metavar="SPEC", help="self or truncate:L (default truncate:4)")
+    be.add_argument("--device", default="cpu", help="cpu or cuda")
+    be.add_argument("--target", help="target spec (default: model.target)")
+    be.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer ShareGPT prompts")
+    be.add_argument("--json", metavar="PATH", default="reports/bench/engine.json", help="where to write JSON")
+    be.set_defaults(func=_cmd_bench_engine)
+
     demo = sub.add_parser("demo", help="prepare the target and complete a few held-out ShareGPT prompts")
     demo.add_argument("--prompts", type=int, default=3, help="how many prompts (default 3)")
     demo.add_argument("--max-new-tokens", type=int, default=48)
@@ -111,7 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_config(args.config)
         return func(cfg, args)
-    except USER_ERRORS as e:
+    except Exception as e:
+        if not isinstance(e, _user_errors()):
+            raise
         print(f"osd: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -69,18 +69,61 @@ class ServeConfig(_Section):
     num_replicas: int = Field(1, ge=1)
     num_cpus_per_replica: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(256, ge=1)
-    # Draft tokens proposed per step.
-    k: int = Field(4, ge=1, le=64)
+    # Draft tokens proposed per step; the draft stops early when its top probability at the
+    # next position falls below draft_confidence (0 disables that).
+    k: int = Field(4, ge=0, le=64)
+    draft_confidence: float = Field(0.0, ge=0.0, lt=1.0)
+    # Per request, grow the draft budget by 2 after a fully accepted step, shrink it by 1
+    # otherwise (within [1, k]).
+    adaptive_k: bool = True
+    # Context: prompt + max_new_tokens must fit; KV caches are preallocated to this length.
+    max_seq_len: int = Field(2048, ge=2)
+    # KV cache slots per replica (concurrent requests decoding at once).
+    max_concurrency: int = Field(2, ge=1)
     # Target top-k ids kept per verified position in each record.
     capture_top_k: int = Field(32, ge=1)
 
 
 class StreamConfig(_Section):
-    # Empty means: start a private redis-server under state_dir.
+    # redis:// or rediss:// (user:password@ allowed). Empty means: start a private
+    # redis-server under state_dir/redis (AOF on, fsync every second).
     redis_url: str = ""
     stream: str = "osd:records"
     group: str = "trainers"
+    # Approximate cap on the stream (XADD MAXLEN ~): old records are trimmed, never a request held.
     maxlen: int = Field(100_000, ge=1)
+    # Producer. Records wait here for the writer thread; when it is full, submit() drops.
+    queue_size: int = Field(10_000, ge=1)
+    # XADDs per pipelined round trip.
+    write_batch: int = Field(64, ge=1)
+    # Drop new records while the slowest consumer group lags by this many entries (0: no limit);
+    # the lag is read from XINFO GROUPS at most every lag_refresh_s.
+    lag_budget: int = Field(50_000, ge=0)
+    lag_refresh_s: float = Field(1.0, ge=0)
+    # Every Redis call gives up after socket_timeout_s, so a dead Redis costs bounded time.
+    socket_timeout_s: float = Field(2.0, gt=0)
+    connect_timeout_s: float = Field(1.0, gt=0)
+    # After a failed write the producer drops without trying for the back-off, doubled per
+    # failure up to the max.
+    reconnect_backoff_s: float = Field(0.5, gt=0)
+    reconnect_backoff_max_s: float = Field(10.0, gt=0)
+    # Consumer. Entries per XREADGROUP; BLOCK in ms (0: do not block), shorter than the socket timeout.
+    read_count: int = Field(64, ge=1)
+    block_ms: int = Field(1000, ge=0)
+    # Entries pending this long (a consumer died holding them) are taken over with XAUTOCLAIM.
+    claim_idle_ms: int = Field(60_000, ge=1)
+    # Record ids remembered to skip duplicates (0: no dedupe).
+    dedupe_window: int = Field(100_000, ge=0)
+    # Private redis-server: seconds for it to answer PING.
+    start_timeout_s: float = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _timeouts(self) -> "StreamConfig":
+        if self.block_ms >= self.socket_timeout_s * 1000:
+            raise ValueError("block_ms must be shorter than socket_timeout_s, or every blocking read times out")
+        if self.reconnect_backoff_max_s < self.reconnect_backoff_s:
+            raise ValueError("reconnect_backoff_max_s must be >= reconnect_backoff_s")
+        return self
 
 
 class TrainConfig(_Section):

@@ -1,0 +1,226 @@
+"""`osd bench engine`: own AR and speculative decoding against Hugging Face, one process.
+
+Every method decodes the same prompts greedily with the same token budget and stops at
+EOS. Speeds are tokens generated / wall seconds (prefill included, as a user sees it),
+summed over prompts; the per-prompt median is printed beside it. Methods run in an
+interleaved order per prompt so slow drift of the machine hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from pipeline.config import OSDConfig
+from pipeline.prompts import Prompt, chat_ids, load_jsonl, load_sharegpt
+from pipeline.target import load_target
+from serve.drafts import build_draft
+from serve.engine import EngineOptions, GenerationParams, SpecEngine, SpecStats
+
+METHODS = ("hf_ar", "hf_assisted", "ar", "sd", "sd_nocapture")
+LABELS = {
+    "hf_ar": "HF generate (AR)",
+    "hf_assisted": "HF assisted (same draft)",
+    "ar": "own AR",
+    "sd": "own speculative",
+    "sd_nocapture": "own speculative, capture off",
+}
+
+
+@dataclass
+class MethodRun:
+    tokens: list[int] = field(default_factory=list)  # tokens generated per prompt
+    seconds: list[float] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return sum(self.tokens) / sum(self.seconds) if self.seconds else 0.0
+
+    @property
+    def median_tok_s(self) -> float:
+        return statistics.median(t / s for t, s in zip(self.tokens, self.seconds)) if self.seconds else 0.0
+
+
+def select_prompts(cfg: OSDConfig, n: int, prompts_file: str | None, limit: int | None,
+                   max_chars: int) -> list[Prompt]:
+    if prompts_file:
+        prompts = load_jsonl(prompts_file, cfg.data)
+    else:
+        prompts = [p for p in load_sharegpt(cfg.data, split="held_out") if len(p.text) <= max_chars][:n]
+    return prompts[:limit] if limit else prompts
+
+
+def _hf_generate(model, ids: list[int], max_new: int, eos: int | None, pad: int, assistant=None) -> list[int]:
+    x = torch.tensor([ids], device=model.device)
+    kw: dict[str, Any] = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=pad, eos_token_id=eos,
+                              attention_mask=torch.ones_like(x))
+    if assistant is not None:
+        kw["assistant_model"] = assistant
+    with torch.inference_mode():
+        out = model.generate(x, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def _top2_gap(model, prefix: list[int]) -> float:
+    """Gap between the target's two largest logits after `prefix` (HF forward, fp32)."""
+    with torch.inference_mode():
+        logits = model(torch.tensor([prefix], device=model.device)).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = None, limit: int | None = None,
+              max_new_tokens: int = 96, k: int = 4, draft_spec: str = "truncate:4", device: str = "cpu",
+              max_prompt_chars: int = 1000, json_path: str | None = None, target: str | None = None,
+              log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
+    mcfg = cfg.model.model_copy(update={"device": device})
+    loaded = load_target(target or mcfg.target, mcfg, progress=True)
+    model, tok = loaded.model, loaded.tokenizer
+    draft = build_draft(draft_spec, model)
+    if draft is None:
+        raise ValueError("osd bench engine needs a draft: --draft self or truncate:L")
+    prompts = select_prompts(cfg, n_prompts, prompts_file, limit, max_prompt_chars)
+    if not prompts:
+        raise ValueError("no prompts selected")
+    serve_cfg = cfg.serve.model_copy(update={"k": k})
+    engine = SpecEngine(model, draft, tok, EngineOptions.from_config(serve_cfg))
+    eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids_list = [chat_ids(tok, p.text) for p in prompts]
+
+    def own(ids, n, speculate: bool, capture: bool):
+        r = engine.generate(ids, GenerationParams(max_new_tokens=n, speculate=speculate, capture=capture))
+        return r.output_ids, r.stats
+
+    Runner = Callable[[list[int], int], tuple[list[int], "SpecStats | None"]]
+    runners: dict[str, Runner] = {
+        "hf_ar": lambda ids, n: (_hf_generate(model, ids, n, eos, pad), None),
+        "hf_assisted": lambda ids, n: (_hf_generate(model, ids, n, eos, pad, assistant=draft), None),
+        "ar": lambda ids, n: own(ids, n, False, True),
+        "sd": lambda ids, n: own(ids, n, True, True),
+        "sd_nocapture": lambda ids, n: own(ids, n, True, False),
+    }
+    log(f"== osd bench engine: target {loaded.spec}, draft {draft_spec}, k={k}, {len(prompts)} prompts, "
+        f"max_new_tokens={max_new_tokens}, device={device}, threads={torch.get_num_threads()}")
+    # Warm-up: one short call per method (allocator, MKL/oneDNN kernels, HF caches).
+    for fn in runners.values():
+        fn(ids_list[0], 8)
+    runs = {m: MethodRun() for m in METHODS}
+    sd_stats = SpecStats()
+    capture_ratios: list[float] = []
+    for i, ids in enumerate(ids_list):
+        # Rotate the order per prompt so no method always runs first or last.
+        order = METHODS[i % len(METHODS):] + METHODS[: i % len(METHODS)]
+        for m in order:
+            t0 = time.perf_counter()
+            out, stats = runners[m](ids, max_new_tokens)
+            dt = time.perf_counter() - t0
+            runs[m].tokens.append(len(out))
+            runs[m].seconds.append(dt)
+            runs[m].outputs.append(out)
+            if m == "sd" and stats is not None:
+                sd_stats.merge(stats)
+        capture_ratios.append(runs["sd"].seconds[-1] / runs["sd_nocapture"].seconds[-1] - 1.0)
+        log(f"  [{i + 1}/{len(ids_list)}] {len(ids)} prompt tokens, "
+            + ", ".join(f"{m} {runs[m].tokens[-1] / runs[m].seconds[-1]:.1f}" for m in METHODS) + " tok/s")
+
+    mismatches = []
+    for m in ("ar", "sd", "sd_nocapture"):
+        for i, (ref, got) in enumerate(zip(runs["hf_ar"].outputs, runs[m].outputs)):
+            pos = _first_diff(ref, got)
+            if pos is not None:
+                gap = _top2_gap(model, ids_list[i] + ref[:pos]) if pos < len(ref) else None
+                mismatches.append({"method": m, "prompt": i, "position": pos, "top2_logit_gap": gap})
+
+    t_ar = sum(runs["ar"].seconds) / max(sum(runs["ar"].tokens), 1)
+    result: dict[str, Any] = {
+        "hf_ar_tok_s": runs["hf_ar"].tok_s,
+        "hf_assisted_tok_s": runs["hf_assisted"].tok_s,
+        "ar_tok_s": runs["ar"].tok_s,
+        "sd_tok_s": runs["sd"].tok_s,
+        "sd_nocapture_tok_s": runs["sd_nocapture"].tok_s,
+        "acceptance_rate": sd_stats.acceptance_rate,
+        "mean_accepted_len": sd_stats.mean_accepted_len,
+        "accepted_per_pos": sd_stats.accepted_per_pos,
+        "num_drafts": sd_stats.num_drafts,
+        "greedy_identical": not mismatches,
+        "mismatches": mismatches,
+        # Median over prompts of (time with capture / time without) - 1.
+        "capture_overhead_pct": 100.0 * statistics.median(capture_ratios),
+        "ar_vs_hf_ar": runs["ar"].tok_s / runs["hf_ar"].tok_s,
+        "sd_vs_hf_assisted": runs["sd"].tok_s / runs["hf_assisted"].tok_s,
+        "sd_vs_ar": runs["sd"].tok_s / runs["ar"].tok_s,
+        "median_tok_s": {m: runs[m].median_tok_s for m in METHODS},
+        # Where a speculative step's time goes, in ms per step (prefill excluded).
+        "sd_stage_ms_per_step": {n: 1e3 * t / max(sd_stats.num_steps, 1) for n, t in sd_stats.stage_s.items()},
+        "sd_steps": sd_stats.num_steps,
+        "adaptive_k": engine.options.adaptive_k,
+        "draft_confidence": engine.options.draft_confidence,
+        "tokens": {m: sum(runs[m].tokens) for m in METHODS},
+        "seconds": {m: sum(runs[m].seconds) for m in METHODS},
+        "target": loaded.spec,
+        "draft": draft_spec,
+        "k": k,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+    }
+    if draft_spec == "self":
+        # Ideal cost per emitted token with a perfect draft of the target's own cost:
+        # (one target forward + k draft steps) / (k + 1), both taken as own AR's time per token.
+        ideal = (t_ar + k * t_ar) / (k + 1)
+        per_tok = sum(runs["sd"].seconds) / max(sum(runs["sd"].tokens), 1)
+        result["self_ms_per_token"] = 1e3 * per_tok
+        result["self_ideal_ms_per_token"] = 1e3 * ideal
+        result["self_vs_ideal"] = per_tok / ideal
+    print_table(result, runs, log)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2))
+        log(f"wrote {json_path}")
+    return result
+
+
+def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callable[[str], None]) -> None:
+    base = runs["hf_ar"].tok_s
+    log("")
+    log(f"{'method':<32}{'tokens':>8}{'seconds':>9}{'tok/s':>8}{'median':>8}{'vs HF AR':>10}")
+    for m in METHODS:
+        r = runs[m]
+        log(f"{LABELS[m]:<32}{sum(r.tokens):>8}{sum(r.seconds):>9.1f}{r.tok_s:>8.1f}{r.median_tok_s:>8.1f}"
+            f"{r.tok_s / base:>9.2f}x")
+    log("")
+    log(f"acceptance rate {result['acceptance_rate']:.3f}, mean accepted length {result['mean_accepted_len']:.2f} "
+        f"tokens/step, own AR / HF AR {result['ar_vs_hf_ar']:.2f}x, own SD / HF assisted "
+        f"{result['sd_vs_hf_assisted']:.2f}x, own SD / own AR {result['sd_vs_ar']:.2f}x")
+    log(f"capture overhead (median per prompt) {result['capture_overhead_pct']:+.2f}%")
+    log("speculative step, ms per step: " + ", ".join(f"{n} {v:.1f}" for n, v in result["sd_stage_ms_per_step"].items()))
+    if "self_vs_ideal" in result:
+        log(f"draft=self: {result['self_ms_per_token']:.1f} ms/token vs ideal "
+            f"{result['self_ideal_ms_per_token']:.1f} ms/token ({result['self_vs_ideal']:.2f}x)")
+    if result["greedy_identical"]:
+        log("greedy_identical: true (own AR and SD outputs equal HF generate's on every prompt)")
+    else:
+        log(f"greedy_identical: false, {len(result['mismatches'])} outputs differ:")
+        for mm in result["mismatches"]:
+            log(f"  {mm['method']} prompt {mm['prompt']} position {mm['position']}: top-2 logit gap "
+                f"{mm['top2_logit_gap']}")
+    sys.stdout.flush()

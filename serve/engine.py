@@ -1,0 +1,440 @@
+"""The speculative decoding engine.
+
+One step is a chain of named stages, each a module-level function that can be timed alone:
+
+    prefill  -> propose -> score -> verify -> commit
+    (once)      draft:     target:  pure      accept tokens, roll both KV caches back,
+                k tokens   k+1 rows rule      record the target's top-k
+
+Autoregressive decoding is the same loop with no draft (k = 0), so the baseline and the
+speculative path share every line that is not speculation.
+
+KV convention: a sequence's cache holds every committed token except the last one, which
+is the first input of the next forward. After verify, each cache is truncated to the
+committed prefix, so rollback is a length change (see runner.StaticKVCache).
+
+Draft length: at most k tokens per step (config `serve.k`). Two rules shorten it:
+- confidence: drafting stops when the draft's top probability at the next position falls
+  below `draft_confidence` (0 disables it). Decided before drawing, so sampled drafts still
+  follow q and verification stays exact.
+- adaptive k (`adaptive_k`, on by default): per request, the step's draft budget grows by 2
+  after a step whose drafts were all accepted and shrinks by 1 (not below 1) otherwise, the
+  rule of Hugging Face's default assistant schedule. A poor draft then costs one draft
+  forward per step instead of k; a good one climbs back to k.
+Neither can change the output, only the cost. Never past the token budget or the context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Sequence
+
+import torch
+
+from pipeline.config import ServeConfig
+from serve.capture import Capture, CaptureBuffer
+from serve.runner import KVCache, Runner, make_runner
+from serve.verify import SamplingParams, verify_greedy, verify_sampling, warp_probs
+
+
+class EngineError(ValueError):
+    """The engine cannot be built from these models (vocab mismatch, bad options)."""
+
+
+class RequestError(ValueError):
+    """A request is invalid (too long, empty, bad ids); raised at the call, before any token."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    k: int = 4
+    draft_confidence: float = 0.0
+    adaptive_k: bool = True
+    capture: bool = True
+    capture_top_k: int = 32
+    max_seq_len: int = 2048
+    # KV cache slots preallocated for concurrent requests; more requests wait for a slot.
+    max_concurrency: int = 2
+
+    @classmethod
+    def from_config(cls, serve: "ServeConfig") -> "EngineOptions":
+        return cls(k=serve.k, draft_confidence=serve.draft_confidence, adaptive_k=serve.adaptive_k,
+                   capture_top_k=serve.capture_top_k,
+                   max_seq_len=serve.max_seq_len, max_concurrency=serve.max_concurrency)
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise EngineError(f"k must be >= 0, got {self.k}")
+        if not 0.0 <= self.draft_confidence < 1.0:
+            raise EngineError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
+        if self.capture_top_k < 1 or self.max_concurrency < 1 or self.max_seq_len < 2:
+            raise EngineError("capture_top_k, max_concurrency must be >= 1 and max_seq_len >= 2")
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    max_new_tokens: int = 64
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    capture: bool = True
+    # Set False to decode autoregressively on an engine that has a draft.
+    speculate: bool = True
+
+
+STAGES = ("propose", "score", "verify", "commit")
+
+
+@dataclass
+class SpecStats:
+    """Counters with the meanings of vLLM's spec_decode metrics."""
+
+    num_steps: int = 0  # target forwards after prefill
+    num_drafts: int = 0  # steps in which the draft proposed at least one token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # tokens emitted by steps (accepted + one per step)
+    accepted_per_pos: list[int] = field(default_factory=list)
+    # Wall seconds spent in each stage, summed over steps (prefill excluded).
+    stage_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Tokens emitted per target forward (1 for AR, up to k+1 for speculation)."""
+        return self.num_emitted_tokens / self.num_steps if self.num_steps else 0.0
+
+    def merge(self, other: "SpecStats") -> None:
+        self.num_steps += other.num_steps
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.num_emitted_tokens += other.num_emitted_tokens
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        a = self.accepted_per_pos + [0] * (n - len(self.accepted_per_pos))
+        b = other.accepted_per_pos + [0] * (n - len(other.accepted_per_pos))
+        self.accepted_per_pos = [x + y for x, y in zip(a, b)]
+        for name in STAGES:
+            self.stage_s[name] += other.stage_s[name]
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    text: str | None
+    stats: SpecStats
+    capture: Capture | None
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def usage(self) -> dict[str, int]:
+        p, c = len(self.prompt_ids), len(self.output_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+# ---------------------------------------------------------------- per-request state
+
+@dataclass
+class _Slot:
+    target: KVCache
+    draft: KVCache | None
+
+
+class _Seq:
+    """Mutable state of one request; nothing here is shared between requests."""
+
+    def __init__(self, prompt: list[int], params: GenerationParams, slot: _Slot, k: int, eos: frozenset[int],
+                 capture: CaptureBuffer | None, device: torch.device):
+        self.tokens = list(prompt)
+        self.n_prompt = len(prompt)
+        self.params = params
+        self.slot = slot
+        self.k = k  # this request's current draft budget (adaptive_k moves it within [1, k])
+        self.eos = eos
+        self.out: list[int] = []
+        self.finish: str | None = None
+        self.text: str | None = None
+        self.stats = SpecStats(accepted_per_pos=[0] * k)
+        self.capture = capture
+        self.cap_accepted: list[bool] = []
+        self.cap_draft_tokens: list[int] = []
+        self.cap_draft_probs: list[float] = []
+        self.device = device
+        seed = params.sampling.seed
+        self.gen = None
+        if not params.sampling.greedy:
+            self.gen = torch.Generator(device=device)
+            self.gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+
+    def pending(self, cache: KVCache) -> torch.Tensor:
+        """Committed tokens the cache has not seen yet (1, or 2 after a full acceptance)."""
+        return torch.tensor(self.tokens[cache.length:], dtype=torch.long, device=self.device)
+
+
+# ---------------------------------------------------------------- stages
+
+def prefill(target: Runner, draft: Runner | None, seq: _Seq) -> None:
+    """Run the prompt, all but its last token, through both models."""
+    slot = seq.slot
+    slot.target.truncate(0)
+    head = torch.tensor(seq.tokens[:-1], dtype=torch.long, device=seq.device)
+    if head.numel():
+        target.forward(head, slot.target)
+    if draft is not None and slot.draft is not None:
+        slot.draft.truncate(0)
+        if head.numel():
+            draft.forward(head, slot.draft)
+
+
+def propose(draft: Runner, seq: _Seq, k: int, confidence: float):
+    """Draft up to k tokens. Returns (tokens [n] long, q [n, V] probs or None, own-probs list)."""
+    params = seq.params.sampling
+    cache = seq.slot.draft
+    inp = seq.pending(cache)
+    tokens: list[int] = []
+    qs: list[torch.Tensor] = []
+    own: list[float] = []
+    for i in range(k):
+        logits = draft.forward(inp, cache)[-1]
+        probs = torch.softmax(logits, dim=-1) if params.greedy else warp_probs(logits, params)
+        # The first proposal is always made; later ones only while the draft is confident.
+        # Decided on the draft's top probability *before* drawing: stopping on the drawn token's
+        # own probability biases kept drafts away from q and made sampling lossy (greedy: same).
+        if i > 0 and float(probs.max()) < confidence:
+            break  # the cache keeps the proposals fed so far; commit trims what is rejected
+        if params.greedy:
+            tok = int(torch.argmax(probs))
+        else:
+            tok = int(torch.multinomial(probs, 1, generator=seq.gen))
+        p_tok = float(probs[tok])
+        tokens.append(tok)
+        own.append(p_tok)
+        if not params.greedy:
+            qs.append(probs)
+        inp = torch.tensor([tok], dtype=torch.long, device=seq.device)
+    drafts = torch.tensor(tokens, dtype=torch.long, device=seq.device)
+    q = torch.stack(qs) if qs else None
+    return drafts, q, own
+
+
+def score(target: Runner, seq: _Seq, drafts: torch.Tensor) -> torch.Tensor:
+    """One target forward over [last committed token, drafts...] -> logits [len(drafts)+1, V]."""
+    inp = torch.cat([seq.pending(seq.slot.target), drafts])
+    return target.forward(inp, seq.slot.target)
+
+
+def verify(seq: _Seq, drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor) -> tuple[int, int]:
+    params = seq.params.sampling
+    if params.greedy:
+        return verify_greedy(drafts, torch.argmax(logits, dim=-1))
+    return verify_sampling(drafts, q if q is not None else logits.new_zeros(0, logits.shape[-1]),
+                           warp_probs(logits, params), seq.gen)
+
+
+def commit(seq: _Seq, drafts: torch.Tensor, own: list[float], logits: torch.Tensor, n: int, nxt: int,
+           tokenizer: Any) -> list[int]:
+    """Accept n drafts plus `nxt`, roll both caches back to the committed prefix, record
+    capture rows, apply stop rules. Returns the tokens this step emitted."""
+    k = drafts.shape[0]
+    base = len(seq.tokens)
+    new = drafts[:n].tolist() + [nxt]
+    seq.slot.target.truncate(base - 1 + 1 + n)
+    if seq.slot.draft is not None and k:
+        seq.slot.draft.truncate(min(seq.slot.draft.length, base + n))
+    st = seq.stats
+    st.num_steps += 1
+    st.num_emitted_tokens += n + 1
+    if k:
+        st.num_drafts += 1
+        st.num_draft_tokens += k
+        st.num_accepted_tokens += n
+        for i in range(n):
+            st.accepted_per_pos[i] += 1
+    if seq.capture is not None:
+        seq.capture.add(logits[: n + 1])
+        seq.cap_accepted += [True] * n + [False]
+        seq.cap_draft_tokens += new[:n] + ([int(drafts[n])] if n < k else [-1])
+        seq.cap_draft_probs += own[:n] + ([own[n]] if n < k else [float("nan")])
+    emitted = []
+    for tok in new:
+        seq.tokens.append(tok)
+        seq.out.append(tok)
+        emitted.append(tok)
+        if tok in seq.eos:
+            seq.finish = "stop"
+            break
+        if len(seq.out) >= seq.params.max_new_tokens:
+            seq.finish = "length"
+            break
+    if seq.params.stop and tokenizer is not None:
+        _apply_stop_strings(seq, tokenizer)
+    return emitted
+
+
+def _apply_stop_strings(seq: _Seq, tokenizer: Any) -> None:
+    text = tokenizer.decode(seq.out, skip_special_tokens=True)
+    hits = [text.find(s) for s in seq.params.stop if s and s in text]
+    if hits:
+        seq.finish = "stop"
+        seq.text = text[: min(hits)]
+
+
+# ---------------------------------------------------------------- engine
+
+class SpecEngine:
+    """Holds a target and an optional draft (any causal LMs sharing a vocab).
+
+    `generate()` runs one request to the end; `stream()` is an async generator of token
+    lists for serving. Concurrent requests each take their own preallocated KV slot, and
+    their steps interleave under one lock (one forward at a time per engine).
+    """
+
+    def __init__(self, target_model: Any, draft_model: Any | None = None, tokenizer: Any = None,
+                 options: EngineOptions | None = None):
+        self.options = options or EngineOptions()
+        self.tokenizer = tokenizer
+        self.target = make_runner(target_model, self.options.max_seq_len)
+        self.draft = make_runner(draft_model, self.options.max_seq_len) if draft_model is not None else None
+        if self.draft is not None and self.draft.vocab_size != self.target.vocab_size:
+            raise EngineError(
+                f"draft vocab ({self.draft.vocab_size}) differs from the target's ({self.target.vocab_size}); "
+                f"speculative decoding needs one shared tokenizer and vocab"
+            )
+        if tokenizer is not None and len(tokenizer) > self.target.vocab_size:
+            raise EngineError(f"tokenizer has {len(tokenizer)} tokens, more than the model's {self.target.vocab_size}")
+        self.max_seq_len = min(self.target.max_seq_len, self.draft.max_seq_len if self.draft else 10**9)
+        self.device = self.target.device
+        eos = getattr(target_model.config, "eos_token_id", None)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos = tokenizer.eos_token_id
+        self.eos = frozenset(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+        self._slots: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        for _ in range(self.options.max_concurrency):
+            self._slots.put(_Slot(self.target.new_cache(), self.draft.new_cache() if self.draft else None))
+        self._lock = threading.Lock()
+
+    # -- validation at the call ------------------------------------------------
+
+    def check_request(self, prompt_ids: Sequence[int], params: GenerationParams) -> list[int]:
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise RequestError("prompt is empty")
+        if params.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise RequestError(f"prompt has token ids outside the vocab [0, {self.target.vocab_size}): {bad[:5]}")
+        if len(prompt) + params.max_new_tokens > self.max_seq_len:
+            raise RequestError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"the context of {self.max_seq_len} tokens"
+            )
+        return prompt
+
+    # -- the loop ---------------------------------------------------------------
+
+    def _start(self, prompt: list[int], params: GenerationParams, slot: _Slot) -> _Seq:
+        use_draft = self.draft is not None and params.speculate and self.options.k > 0
+        k = self.options.k if use_draft else 0
+        cap = None
+        if params.capture and self.options.capture:
+            cap = CaptureBuffer(params.max_new_tokens, min(self.options.capture_top_k, self.target.vocab_size),
+                                self.device)
+        seq = _Seq(prompt, params, slot, k, self.eos, cap, self.device)
+        prefill(self.target, self.draft if use_draft else None, seq)
+        return seq
+
+    def _step(self, seq: _Seq) -> list[int]:
+        remaining = seq.params.max_new_tokens - len(seq.out)
+        k = min(seq.k, remaining - 1, self.max_seq_len - len(seq.tokens) - 1)
+        clock = seq.stats.stage_s
+        t0 = time.perf_counter()
+        if k > 0:
+            drafts, q, own = propose(self.draft, seq, k, self.options.draft_confidence)
+        else:
+            drafts, q, own = torch.empty(0, dtype=torch.long, device=self.device), None, []
+        t1 = time.perf_counter()
+        logits = score(self.target, seq, drafts)
+        t2 = time.perf_counter()
+        n, nxt = verify(seq, drafts, q, logits)
+        t3 = time.perf_counter()
+        emitted = commit(seq, drafts, own, logits, n, nxt, self.tokenizer)
+        t4 = time.perf_counter()
+        clock["propose"] += t1 - t0
+        clock["score"] += t2 - t1
+        clock["verify"] += t3 - t2
+        clock["commit"] += t4 - t3
+        if self.options.adaptive_k and drafts.numel():
+            budget = self.options.k
+            seq.k = min(seq.k + 2, budget) if n == drafts.numel() else max(seq.k - 1, 1)
+        return emitted
+
+    def _result(self, seq: _Seq, prefill_s: float, decode_s: float) -> GenerationResult:
+        capture = None
+        if seq.capture is not None:
+            n = len(seq.out)
+            capture = seq.capture.finish(seq.out, seq.cap_accepted[:n], seq.cap_draft_tokens[:n],
+                                         seq.cap_draft_probs[:n])
+        text = seq.text
+        if text is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.out, skip_special_tokens=True)
+        return GenerationResult(seq.tokens[: seq.n_prompt], seq.out, seq.finish or "length", text, seq.stats,
+                                capture, prefill_s, decode_s)
+
+    def generate(self, prompt_ids: Sequence[int], params: GenerationParams | None = None) -> GenerationResult:
+        """Run one request to completion (blocking)."""
+        params = params or GenerationParams()
+        prompt = self.check_request(prompt_ids, params)
+        slot = self._slots.get()
+        try:
+            with self._lock:
+                t0 = time.perf_counter()
+                seq = self._start(prompt, params, slot)
+                t1 = time.perf_counter()
+                while seq.finish is None:
+                    self._step(seq)
+                t2 = time.perf_counter()
+            return self._result(seq, t1 - t0, t2 - t1)
+        finally:
+            self._slots.put(slot)
+
+    def stream(self, prompt_ids: Sequence[int], params: GenerationParams | None = None) -> "RequestStream":
+        """Validate now (so a bad request fails at the call), then stream token lists."""
+        params = params or GenerationParams()
+        return RequestStream(self, self.check_request(prompt_ids, params), params)
+
+    def _locked(self, fn, *args):
+        with self._lock:
+            return fn(*args)
+
+
+class RequestStream:
+    """`async for tokens in stream:` yields each step's new token ids; `.result` is set at the end."""
+
+    def __init__(self, engine: SpecEngine, prompt: list[int], params: GenerationParams):
+        self.engine, self.prompt, self.params = engine, prompt, params
+        self.result: GenerationResult | None = None
+
+    async def __aiter__(self) -> AsyncIterator[list[int]]:
+        eng = self.engine
+        slot = await asyncio.to_thread(eng._slots.get)
+        try:
+            t0 = time.perf_counter()
+            # Each stage runs in a worker thread so the event loop keeps serving other requests.
+            seq = await asyncio.to_thread(eng._locked, eng._start, self.prompt, self.params, slot)
+            t1 = time.perf_counter()
+            while seq.finish is None:
+                emitted = await asyncio.to_thread(eng._locked, eng._step, seq)
+                yield emitted
+            self.result = eng._result(seq, t1 - t0, time.perf_counter() - t1)
+        finally:
+            eng._slots.put(slot)

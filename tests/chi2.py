@@ -1,0 +1,30 @@
+"""Chi-square goodness of fit for the losslessness tests (torch only, no scipy)."""
+
+import torch
+
+
+def chi2_pvalue(observed, expected, min_expected: float = 5.0) -> float:
+    """Pearson chi-square goodness of fit; cells with expected < min_expected are pooled.
+
+    Cells with expected 0 must have observed 0 (checked by the caller's assertion here).
+    """
+    obs = torch.as_tensor(observed, dtype=torch.float64).flatten()
+    exp = torch.as_tensor(expected, dtype=torch.float64).flatten()
+    exp = exp * obs.sum() / exp.sum()
+    zero = exp <= 0
+    assert obs[zero].sum() == 0, "observed a token the exact distribution gives probability 0"
+    obs, exp = obs[~zero], exp[~zero]
+    rare = exp < min_expected
+    if rare.any():
+        o = torch.cat([obs[~rare], obs[rare].sum().view(1)])
+        e = torch.cat([exp[~rare], exp[rare].sum().view(1)])
+        if e[-1] < min_expected and e.numel() > 2:  # still too small: fold into the smallest other cell
+            j = int(torch.argmin(e[:-1]))
+            o[j] += o[-1]
+            e[j] += e[-1]
+            o, e = o[:-1], e[:-1]
+        obs, exp = o, e
+    df = obs.numel() - 1
+    assert df >= 1, "too few cells for a chi-square test"
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
