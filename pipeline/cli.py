@@ -78,6 +78,18 @@ def _cmd_data_stats(cfg: OSDConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    import os
+
+    from serve.launch import run_server
+
+    updates = {k: v for k, v in (("host", args.host), ("port", args.port), ("num_replicas", args.replicas),
+                                 ("draft", args.draft)) if v is not None}
+    if updates:  # re-validated, so a bad flag fails like a bad config value
+        cfg = load_config(args.config, overrides={"serve": updates})
+    return run_server(cfg, api_key=os.environ.get("OSD_API_KEY"))
+
+
 def _cmd_demo(cfg: OSDConfig, args: argparse.Namespace) -> int:
     from pipeline.demo import run_demo
 
@@ -91,6 +103,71 @@ def _cmd_bench_engine(cfg: OSDConfig, args: argparse.Namespace) -> int:
               max_new_tokens=args.max_new_tokens, k=args.k, draft_spec=args.draft, device=args.device,
               max_prompt_chars=args.max_prompt_chars, json_path=args.json, target=args.target)
     return 0
+
+
+def _cmd_bench_stream(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from pipeline.bench_stream import run_stream_bench
+    from pipeline.redis_server import RedisServerError
+
+    try:
+        run_stream_bench(cfg, records=args.records, tokens=args.tokens, top_k=args.top_k, json_path=args.json)
+    except RedisServerError as e:
+        print(f"osd: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _cmd_replay(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from pipeline.replay import ReplayError, run_replay, select_prompts
+
+    try:
+        prompts = select_prompts(cfg, args.prompts, args.prompts_file, args.split, args.domain,
+                                 args.max_prompt_chars)
+        url = args.url or f"http://{cfg.serve.host}:{cfg.serve.port}"
+        record = None if args.record is None else args.record == "on"
+        run_replay(cfg, url, prompts=prompts, concurrency=args.concurrency, rate=args.rate,
+                   max_tokens=args.max_tokens, temperature=args.temperature, chat=not args.completions,
+                   record=record, timeout_s=args.timeout, progress=not args.no_progress, json_path=args.json,
+                   compare_recording=args.compare_recording, duration_s=args.duration, seed=args.seed)
+    except ReplayError as e:
+        print(f"osd: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_bench_stream_parser(bench_sub: argparse._SubParsersAction) -> None:
+    bs = bench_sub.add_parser("stream", help="records through a private loopback redis-server: encode, XADD, read, ack")
+    bs.add_argument("--records", type=int, default=2000, metavar="N", help="records to produce and consume (default 2000)")
+    bs.add_argument("--tokens", type=int, default=256, metavar="N", help="positions per record (default 256)")
+    bs.add_argument("--top-k", type=int, default=32, metavar="K", help="target top-k per position (default 32)")
+    bs.add_argument("--json", metavar="PATH", default="reports/bench/stream.json", help="where to write JSON")
+    bs.set_defaults(func=_cmd_bench_stream)
+
+
+def _add_replay_parser(sub: argparse._SubParsersAction) -> None:
+    rp = sub.add_parser("replay", help="replay prompts against an OpenAI-compatible endpoint and summarise")
+    rp.add_argument("--url", help="server base URL (default http://{serve.host}:{serve.port})")
+    rp.add_argument("--prompts", type=int, metavar="N", help="how many prompts (default 32 from ShareGPT, all of a file)")
+    rp.add_argument("--prompts-file", metavar="F", help="JSONL with a prompt field instead of ShareGPT")
+    rp.add_argument("--split", choices=["train", "held_out"], default="held_out", help="ShareGPT split (default held_out)")
+    rp.add_argument("--domain", choices=["code", "math", "writing", "other"], help="only prompts of this domain")
+    rp.add_argument("--max-prompt-chars", type=int, default=1000, metavar="C", help="skip longer prompts (default 1000)")
+    loop = rp.add_mutually_exclusive_group()
+    loop.add_argument("--concurrency", type=int, metavar="C", help="closed loop with C in flight (default 4; 1 with --compare-recording)")
+    loop.add_argument("--rate", type=float, metavar="R", help="open loop: Poisson arrivals at R requests/s")
+    rp.add_argument("--max-tokens", type=int, default=64, metavar="M")
+    rp.add_argument("--temperature", type=float, default=0.0)
+    rp.add_argument("--completions", action="store_true", help="POST /v1/completions instead of /v1/chat/completions")
+    mode = rp.add_mutually_exclusive_group()
+    mode.add_argument("--record", choices=["on", "off"], help="send osd_record true/false (default: omit, server decides)")
+    mode.add_argument("--compare-recording", action="store_true",
+                      help="send each prompt with osd_record true and false; report the record path overhead")
+    rp.add_argument("--timeout", type=float, default=120, metavar="S", help="per-request timeout in seconds (default 120)")
+    rp.add_argument("--duration", type=float, metavar="S", help="stop starting requests after S seconds")
+    rp.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals (default 0)")
+    rp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rp.add_argument("--json", metavar="PATH", default="reports/replay/replay.json", help="where to write JSON")
+    rp.set_defaults(func=_cmd_replay)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,6 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer ShareGPT prompts")
     be.add_argument("--json", metavar="PATH", default="reports/bench/engine.json", help="where to write JSON")
     be.set_defaults(func=_cmd_bench_engine)
+    _add_bench_stream_parser(bench_sub)
+    _add_replay_parser(sub)
+
+    sv = sub.add_parser("serve", help="start local Ray, Redis and the OpenAI-compatible app; print the URL")
+    sv.add_argument("--host", help="bind address (default serve.host)")
+    sv.add_argument("--port", type=int, help="HTTP port (default serve.port)")
+    sv.add_argument("--replicas", type=int, help="target replicas (default serve.num_replicas)")
+    sv.add_argument("--draft", help="none, self or truncate:L (default serve.draft)")
+    sv.set_defaults(func=_cmd_serve)
 
     demo = sub.add_parser("demo", help="prepare the target and complete a few held-out ShareGPT prompts")
     demo.add_argument("--prompts", type=int, default=3, help="how many prompts (default 3)")

@@ -66,6 +66,10 @@ class DataConfig(_Section):
 class ServeConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
+    # Draft served beside the target: none, self or truncate:L (registry versions later).
+    draft: str = "truncate:4"
+    # Write a training record for each finished request (a request may override it).
+    record: bool = True
     num_replicas: int = Field(1, ge=1)
     num_cpus_per_replica: float = Field(1.0, gt=0)
     max_new_tokens: int = Field(256, ge=1)

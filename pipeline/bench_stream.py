@@ -1,0 +1,126 @@
+"""How fast records move through the stream: encode, XADD, read, decode, ack on loopback.
+
+Runs against its own private redis-server in a temp dir (same settings as the embedded
+default: AOF, fsync every second), so a configured or running Redis is never touched and
+the numbers are not mixed with other traffic. Producer thread and consumer share this
+process (and its GIL), as a replica's producer shares it with serving; treat the end-to-end
+rate as a floor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.config import OSDConfig
+from pipeline.records import Record, decode, encode, new_record_id
+from pipeline.redis_server import RedisServer
+from pipeline.streams import FIELD, RecordConsumer, RecordProducer, connect
+
+
+def synthetic_record(rng: np.random.Generator, tokens: int, top_k: int, vocab: int = 49152) -> Record:
+    """A record shaped like real traffic: about 60% of positions came from accepted drafts."""
+    drafted = rng.random(tokens) < 0.8
+    return Record(
+        request_id=new_record_id(),
+        draft_version="bench",
+        domain="other",
+        prompt_ids=rng.integers(0, vocab, 128).astype(np.int32),
+        output_ids=rng.integers(0, vocab, tokens).astype(np.int32),
+        topk_ids=rng.integers(0, vocab, (tokens, top_k)).astype(np.int32),
+        topk_logprobs=np.sort(-rng.exponential(3.0, (tokens, top_k)), axis=1)[:, ::-1].astype(np.float16),
+        accepted=drafted & (rng.random(tokens) < 0.75),
+        draft_tokens=np.where(drafted, rng.integers(0, vocab, tokens), -1).astype(np.int32),
+        draft_probs=np.where(drafted, rng.random(tokens), np.nan).astype(np.float32),
+    )
+
+
+def _p50_us(samples: list[float]) -> float:
+    return float(np.median(samples) * 1e6) if samples else float("nan")
+
+
+def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top_k: int = 32,
+                     json_path: str | Path | None = None, *, samples: int = 200, seed: int = 0) -> dict[str, Any]:
+    """Produce, consume and ack `records` records of tokens x top_k; print a table, return the figures
+    (and write them as JSON to json_path if given)."""
+    rng = np.random.default_rng(seed)
+    pool = [synthetic_record(rng, tokens, top_k) for _ in range(min(16, records))]
+    samples = max(1, min(samples, records))
+    # The bench must not drop: room for every record, no lag budget, nothing trimmed.
+    scfg = cfg.stream.model_copy(update={
+        "stream": "osd:bench", "group": "bench", "lag_budget": 0,
+        "maxlen": max(cfg.stream.maxlen, records + 1), "queue_size": max(cfg.stream.queue_size, records),
+    })
+
+    enc, dec, payloads = [], [], []
+    for i in range(samples):
+        rec = pool[i % len(pool)]
+        t0 = time.perf_counter()
+        payloads.append(encode(rec))
+        enc.append(time.perf_counter() - t0)
+    for p in payloads:
+        t0 = time.perf_counter()
+        decode(p)
+        dec.append(time.perf_counter() - t0)
+    size = float(np.mean([len(p) for p in payloads]))
+
+    with tempfile.TemporaryDirectory(prefix="osd-bench-redis-") as tmp, RedisServer(tmp) as server:
+        client = connect(server.url, scfg)
+        xadd = []
+        for p in payloads:  # one round trip each, as a producer without batching would pay
+            t0 = time.perf_counter()
+            client.xadd("osd:bench:xadd", {FIELD: p})
+            xadd.append(time.perf_counter() - t0)
+        client.delete("osd:bench:xadd")
+
+        consumer = RecordConsumer(server.url, scfg, name="bench")
+        producer = RecordProducer(server.url, scfg)
+        got = 0
+        t0 = time.perf_counter()
+        for i in range(records):
+            producer.submit(dataclasses.replace(pool[i % len(pool)], record_id=new_record_id()))
+        deadline = time.monotonic() + 300
+        while got < records and time.monotonic() < deadline:
+            batch = consumer.read(count=scfg.read_count)
+            consumer.ack(batch)
+            got += len(batch)
+        elapsed = time.perf_counter() - t0
+        producer.close()
+        pstats, cstats = producer.stats(), consumer.stats()
+        consumer.close()
+        client.close()
+
+    result = {
+        "records": got,
+        "tokens": tokens,
+        "top_k": top_k,
+        "bytes_per_record": int(round(size)),
+        "records_per_s": got / elapsed,
+        "mb_per_s": got * size / elapsed / 1e6,
+        "encode_us_p50": _p50_us(enc),
+        "decode_us_p50": _p50_us(dec),
+        "xadd_us_p50": _p50_us(xadd),
+        "dropped": pstats.dropped_total,
+        "duplicates": cstats.duplicates,
+        "elapsed_s": elapsed,
+    }
+    rows = [("records", f"{got} of {records}"), ("bytes/record", f"{result['bytes_per_record']:,}"),
+            ("records/s (produce+consume+ack)", f"{result['records_per_s']:,.0f}"),
+            ("MB/s", f"{result['mb_per_s']:,.1f}"), ("encode p50 (us)", f"{result['encode_us_p50']:,.1f}"),
+            ("decode p50 (us)", f"{result['decode_us_p50']:,.1f}"), ("XADD p50 (us)", f"{result['xadd_us_p50']:,.1f}"),
+            ("dropped", str(result["dropped"]))]
+    width = max(len(k) for k, _ in rows)
+    print(f"stream bench: {tokens} tokens x top-{top_k}, loopback redis-server (AOF everysec)")
+    for k, v in rows:
+        print(f"  {k:<{width}}  {v:>12}")
+    if json_path is not None:
+        path = Path(json_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+    return result

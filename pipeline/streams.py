@@ -1,0 +1,497 @@
+"""Records over Redis Streams: a producer that never holds a request, a consumer that never loses one.
+
+Producer (serving side). Serving must not slow down or fail because Redis is slow, down or
+full: `submit()` only puts the record into a bounded in-memory queue; a background thread
+encodes and XADDs in pipelined batches (MAXLEN ~ cap). A record is *dropped and counted*,
+never waited for, when the queue is full, Redis is unreachable (short socket timeouts, then
+a doubling back-off during which nothing is tried), or the slowest consumer group is over
+the lag budget (fresh data is worth more than a backlog the trimming would eat anyway).
+
+Consumer (training side). A consumer-group reader with at-least-once delivery: entries stay
+pending until the caller acks them, entries a dead consumer held longer than claim_idle_ms
+are taken over with XAUTOCLAIM before new ones are read, an entry that does not decode is
+moved to `<stream>:dead` (with the reason and its original id) and acked so it cannot jam
+the group, and a record id seen recently is skipped (and acked) so producer retries do
+not train twice.
+
+Entries hold one field, b"rec", the payload of pipeline.records.encode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import redis
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from pipeline.config import StreamConfig
+from pipeline.records import Record, RecordError, UnknownSchemaVersion, decode, encode
+
+log = logging.getLogger(__name__)
+
+FIELD = b"rec"
+# Errors that mean "Redis is not reachable right now", as opposed to a bad command.
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+def dead_letter_stream(stream: str) -> str:
+    return f"{stream}:dead"
+
+
+def connect(url: str, cfg: StreamConfig, *, retries: int = 0) -> redis.Redis:
+    """A client for redis:// or rediss:// URLs (user:password@ allowed).
+
+    Binary replies (payloads are bytes); every call bounded by the config's timeouts; redis-py's
+    default of 3 retries with up to 10 s back-off is replaced, because the producer must
+    fail fast and do its own back-off."""
+    if not url.startswith(("redis://", "rediss://", "unix://")):
+        raise ValueError(f"redis URL must start with redis://, rediss:// or unix://, got {url!r}")
+    retry = Retry(ExponentialBackoff(cap=0.5, base=0.05) if retries else NoBackoff(), retries)
+    return redis.Redis.from_url(
+        url,
+        socket_timeout=cfg.socket_timeout_s,
+        socket_connect_timeout=cfg.connect_timeout_s,
+        retry=retry,
+        health_check_interval=0,
+        decode_responses=False,
+        protocol=2,  # the reply shapes parsed here (XREADGROUP, XAUTOCLAIM) are RESP2's
+    )
+
+
+def _s(x: Any) -> Any:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def group_info(client: redis.Redis, stream: str) -> dict[str, dict[str, Any]]:
+    """XINFO GROUPS as {group name: {field: value}}, str names and ids; {} if the stream is missing."""
+    try:
+        groups = client.xinfo_groups(stream)
+    except ResponseError as e:
+        if "no such key" in str(e).lower():
+            return {}
+        raise
+    return {_s(g["name"]): {k: _s(v) for k, v in g.items()} for g in groups}
+
+
+# -- producer -------------------------------------------------------------------------------
+
+QUEUE_FULL, REDIS_DOWN, LAG, INVALID, ERROR, CLOSED = (
+    "queue_full", "redis_down", "lag", "invalid", "error", "closed")
+_STOP = object()
+
+
+@dataclass
+class ProducerStats:
+    submitted: int = 0
+    written: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)  # by reason: queue_full, redis_down, lag, ...
+    queued: int = 0
+    lag: int | None = None  # slowest group's lag at the last refresh
+    redis_up: bool = True
+
+    @property
+    def dropped_total(self) -> int:
+        return sum(self.dropped.values())
+
+
+class RecordProducer:
+    """Fire-and-forget writer of records to `cfg.stream`. Thread-safe `submit`."""
+
+    def __init__(self, url: str, cfg: StreamConfig, *, client: redis.Redis | None = None):
+        self.cfg = cfg
+        self.stream = cfg.stream
+        self._client = client if client is not None else connect(url, cfg)
+        self._q: queue.Queue = queue.Queue(cfg.queue_size)
+        self._cond = threading.Condition()
+        self._unfinished = 0  # submitted and queued, not yet written or dropped; flush waits for 0
+        self._stats = ProducerStats()
+        self._closed = False
+        # Writer-thread state only.
+        self._down_until = 0.0
+        self._backoff = cfg.reconnect_backoff_s
+        self._lag_at = float("-inf")
+        self._thread = threading.Thread(target=self._run, name=f"osd-producer[{self.stream}]", daemon=True)
+        self._thread.start()
+
+    # -- request side: never touches Redis --
+
+    def submit(self, record: Record | bytes) -> bool:
+        """Queue one record (or an encoded payload). Returns at once; False if it was dropped."""
+        if not isinstance(record, (Record, bytes, bytearray, memoryview)):
+            raise TypeError(f"submit() takes a Record or bytes, got {type(record).__name__}")
+        with self._cond:
+            self._stats.submitted += 1
+            if self._closed:
+                self._stats.dropped[CLOSED] = self._stats.dropped.get(CLOSED, 0) + 1
+                return False
+            self._unfinished += 1
+        try:
+            self._q.put_nowait(record)
+        except queue.Full:
+            self._finish(0, {QUEUE_FULL: 1})
+            return False
+        return True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued record is written or dropped; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._unfinished == 0, timeout)
+
+    def stats(self) -> ProducerStats:
+        with self._cond:
+            s = self._stats
+            return ProducerStats(s.submitted, s.written, dict(s.dropped), self._q.qsize(), s.lag, s.redis_up)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is queued (bounded by `timeout`), stop the thread, close the connection."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._q.put(_STOP, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+        left = 0
+        while True:  # the thread did not get to these (timeout): count them, don't lose them silently
+            try:
+                item = self._q.get_nowait()
+            except queue.Empty:
+                break
+            left += item is not _STOP
+        if left:
+            self._finish(0, {CLOSED: left})
+        self._client.close()
+
+    def __enter__(self) -> "RecordProducer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- writer thread --
+
+    def _finish(self, written: int, dropped: dict[str, int]) -> None:
+        with self._cond:
+            s = self._stats
+            s.written += written
+            n = written
+            for reason, k in dropped.items():
+                if k:
+                    s.dropped[reason] = s.dropped.get(reason, 0) + k
+                    n += k
+            self._unfinished -= n
+            if self._unfinished <= 0:
+                self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()  # blocks idle at no CPU cost; close() wakes it with _STOP
+            batch, stop = [], item is _STOP
+            if not stop:
+                batch.append(item)
+            while not stop and len(batch) < self.cfg.write_batch:
+                try:
+                    item = self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if item is _STOP:
+                    stop = True
+                else:
+                    batch.append(item)
+            if batch:
+                try:
+                    self._write(batch)
+                except Exception:  # never let the thread die: every later record would sit in the queue
+                    log.exception("record producer: unexpected error, %d records dropped", len(batch))
+                    self._finish(0, {ERROR: len(batch)})
+            if stop:
+                return
+
+    def _write(self, batch: list[Any]) -> None:
+        now = time.monotonic()
+        if now < self._down_until:
+            self._finish(0, {REDIS_DOWN: len(batch)})
+            return
+        payloads, invalid = [], 0
+        for item in batch:
+            if isinstance(item, Record):
+                try:
+                    payloads.append(encode(item))
+                except RecordError as e:
+                    invalid += 1
+                    log.warning("record producer: dropping invalid record %s: %s", item.record_id, e)
+            else:
+                payloads.append(bytes(item))
+        try:
+            if self._over_budget(now):
+                self._finish(0, {LAG: len(payloads), INVALID: invalid})
+                return
+            pipe = self._client.pipeline(transaction=False)
+            for p in payloads:
+                pipe.xadd(self.stream, {FIELD: p}, maxlen=self.cfg.maxlen, approximate=True)
+            results = pipe.execute(raise_on_error=False) if payloads else []
+        except _UNREACHABLE as e:
+            # Some XADDs of the batch may have landed; they are counted as dropped (over-counting
+            # drops is the safe side, and a consumer dedupes anyway if a caller resubmits).
+            self._mark_down(e)
+            self._finish(0, {REDIS_DOWN: len(payloads), INVALID: invalid})
+            return
+        except RedisError as e:
+            log.warning("record producer: %s; %d records dropped", e, len(payloads))
+            self._finish(0, {ERROR: len(payloads), INVALID: invalid})
+            return
+        errors = [r for r in results if isinstance(r, Exception)]
+        if errors:
+            log.warning("record producer: %d of %d XADDs failed: %s", len(errors), len(results), errors[0])
+        self._mark_up()
+        self._finish(len(results) - len(errors), {ERROR: len(errors), INVALID: invalid})
+
+    def _over_budget(self, now: float) -> bool:
+        budget = self.cfg.lag_budget
+        if budget <= 0:
+            return False
+        if now - self._lag_at >= self.cfg.lag_refresh_s:
+            lag = self._read_lag()
+            self._lag_at = now
+            with self._cond:
+                self._stats.lag = lag
+        lag = self._stats.lag
+        return lag is not None and lag >= budget
+
+    def _read_lag(self) -> int:
+        """Lag of the slowest group; 0 with no group (nobody reads yet: MAXLEN bounds the stream)."""
+        worst = 0
+        for g in group_info(self._client, self.stream).values():
+            lag = g.get("lag")
+            if lag is None:
+                # Redis cannot tell (e.g. entries deleted mid-stream); the stream length is an
+                # upper bound, so the budget still holds.
+                lag = self._client.xlen(self.stream)
+            worst = max(worst, int(lag))
+        return worst
+
+    def _mark_down(self, err: Exception) -> None:
+        self._down_until = time.monotonic() + self._backoff
+        with self._cond:
+            was_up, self._stats.redis_up = self._stats.redis_up, False
+        if was_up:
+            log.warning("record producer: redis unreachable (%s); dropping records, retrying in %.1fs",
+                        err, self._backoff)
+        self._backoff = min(self._backoff * 2, self.cfg.reconnect_backoff_max_s)
+        self._lag_at = float("-inf")  # re-read the lag after reconnecting
+
+    def _mark_up(self) -> None:
+        self._backoff = self.cfg.reconnect_backoff_s
+        with self._cond:
+            was_down, self._stats.redis_up = not self._stats.redis_up, True
+        if was_down:
+            log.warning("record producer: redis reachable again, writing records")
+
+
+# -- consumer -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One record handed to the caller; pass it back to `ack` once it is done with."""
+
+    entry_id: str
+    record: Record
+    claimed: bool = False  # taken over from a consumer that held it too long (maybe a redelivery)
+
+
+@dataclass
+class ConsumerStats:
+    delivered: int = 0
+    acked: int = 0
+    claimed: int = 0  # entries taken over with XAUTOCLAIM
+    duplicates: int = 0  # skipped (and acked) because their record id was seen
+    trimmed: int = 0  # pending entries the MAXLEN cap deleted before anyone acked them
+    dead_lettered: dict[str, int] = field(default_factory=dict)  # by reason: corrupt, unknown_version, ...
+
+    @property
+    def dead_total(self) -> int:
+        return sum(self.dead_lettered.values())
+
+
+class RecordConsumer:
+    """Reads records of `cfg.stream` as one consumer of `cfg.group`. Not thread-safe: one per thread."""
+
+    def __init__(self, url: str, cfg: StreamConfig, *, name: str | None = None,
+                 client: redis.Redis | None = None):
+        # A BLOCK at least as long as the socket timeout turns every idle read into a timeout error.
+        if cfg.block_ms >= cfg.socket_timeout_s * 1000:
+            raise ValueError(f"block_ms ({cfg.block_ms}) must be shorter than socket_timeout_s "
+                             f"({cfg.socket_timeout_s}s)")
+        self.cfg = cfg
+        self.stream, self.group = cfg.stream, cfg.group
+        self.dead_stream = dead_letter_stream(cfg.stream)
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self._client = client if client is not None else connect(url, cfg, retries=2)
+        self._stats = ConsumerStats()
+        self._seen: OrderedDict[str, str] = OrderedDict()  # record id -> entry id it was delivered in
+        self._claim_cursor = "0-0"
+        self._next_claim = 0.0  # sweep for abandoned entries on the first read
+        # Sweep again after half the idle threshold: an abandoned entry waits at most 1.5x it.
+        self._claim_every = max(0.05, min(cfg.claim_idle_ms / 2000, 5.0))
+        self.ensure_group()
+
+    def ensure_group(self) -> None:
+        """Create the group (and the stream) if missing. From id 0: records written before any
+        trainer started are still read."""
+        try:
+            self._client.xgroup_create(self.stream, self.group, id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    def read(self, count: int | None = None, block_ms: int | None = None) -> list[Delivery]:
+        """Up to `count` records: abandoned entries first (XAUTOCLAIM), else new ones, waiting
+        up to block_ms (default cfg.block_ms; 0: not at all). May return [] even when entries
+        were read (all dead-lettered or duplicates). Redis errors propagate."""
+        count = count or self.cfg.read_count
+        block = self.cfg.block_ms if block_ms is None else block_ms
+        if block >= self.cfg.socket_timeout_s * 1000:
+            raise ValueError(f"block_ms ({block}) must be shorter than socket_timeout_s")
+        entries = self._claim(count)
+        if entries:
+            return self._handle(entries, claimed=True)
+        return self._handle(self._read_new(count, block), claimed=False)
+
+    def ack(self, deliveries: Iterable[Delivery | str]) -> int:
+        """Mark records done (XACK); returns how many were pending. Unacked records are redelivered."""
+        ids = [d.entry_id if isinstance(d, Delivery) else d for d in deliveries]
+        if not ids:
+            return 0
+        n = int(self._client.xack(self.stream, self.group, *ids))
+        self._stats.acked += n
+        return n
+
+    def info(self) -> dict[str, Any]:
+        """This group's XINFO GROUPS entry (name, consumers, pending, last-delivered-id, lag, ...)."""
+        return group_info(self._client, self.stream).get(self.group, {})
+
+    def lag(self) -> int | None:
+        """Entries not yet delivered to the group (None if Redis cannot tell)."""
+        lag = self.info().get("lag")
+        return None if lag is None else int(lag)
+
+    def pending(self) -> int:
+        """Entries delivered to the group and not yet acked, across its consumers."""
+        return int(self.info().get("pending", 0))
+
+    def stats(self) -> ConsumerStats:
+        s = self._stats
+        return ConsumerStats(s.delivered, s.acked, s.claimed, s.duplicates, s.trimmed, dict(s.dead_lettered))
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> "RecordConsumer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- internals --
+
+    def _claim(self, count: int) -> list[tuple[Any, Any]]:
+        now = time.monotonic()
+        if self._claim_cursor == "0-0" and now < self._next_claim:
+            return []
+        resp = self._client.xautoclaim(self.stream, self.group, self.name, self.cfg.claim_idle_ms,
+                                       start_id=self._claim_cursor, count=count)
+        self._claim_cursor = _s(resp[0])
+        if self._claim_cursor == "0-0":  # swept the whole pending list; rest a while
+            self._next_claim = now + self._claim_every
+        if len(resp) > 2 and resp[2]:
+            # Redis 7 drops pending entries that MAXLEN trimmed and reports their ids here.
+            self._stats.trimmed += len(resp[2])
+        self._stats.claimed += len(resp[1])
+        return resp[1]
+
+    def _read_new(self, count: int, block: int) -> list[tuple[Any, Any]]:
+        try:
+            resp = self._client.xreadgroup(self.group, self.name, {self.stream: ">"}, count=count,
+                                           block=block if block > 0 else None)
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            self.ensure_group()  # the stream or group was deleted (e.g. a Redis without persistence restarted)
+            return []
+        return resp[0][1] if resp else []  # [[stream, [(id, fields), ...]]]
+
+    def _handle(self, entries: list[tuple[Any, Any]], claimed: bool) -> list[Delivery]:
+        out: list[Delivery] = []
+        to_ack: list[str] = []
+        dead: list[tuple[str, str, str, dict]] = []
+        for entry_id, fields in entries:
+            eid = _s(entry_id)
+            if fields is None:  # deleted under us (Redis < 7 reports these inline)
+                self._stats.trimmed += 1
+                to_ack.append(eid)
+                continue
+            payload = fields.get(FIELD)
+            if payload is None:
+                dead.append((eid, "missing_field", f"entry has no {FIELD.decode()!r} field: {sorted(map(_s, fields))}",
+                             fields))
+                continue
+            try:
+                rec = decode(payload)
+            except UnknownSchemaVersion as e:
+                dead.append((eid, "unknown_version", str(e), fields))
+                continue
+            except RecordError as e:
+                dead.append((eid, "corrupt", str(e), fields))
+                continue
+            except Exception as e:  # a decoder bug must not stop the group either
+                dead.append((eid, "corrupt", f"{type(e).__name__}: {e}", fields))
+                continue
+            if self.cfg.dedupe_window:
+                prev = self._seen.get(rec.record_id)
+                if prev is not None and prev != eid:
+                    # Another entry with this record: a resubmission. The first copy stays pending until
+                    # the caller acks it, so acking this one loses nothing.
+                    self._stats.duplicates += 1
+                    to_ack.append(eid)
+                    continue
+                # prev == eid: the same entry again (held past claim_idle_ms): redeliver, at-least-once.
+                self._seen[rec.record_id] = eid
+                self._seen.move_to_end(rec.record_id)
+                while len(self._seen) > self.cfg.dedupe_window:
+                    self._seen.popitem(last=False)
+            out.append(Delivery(eid, rec, claimed))
+        if dead:
+            self._dead_letter(dead)
+        if to_ack:
+            self._client.xack(self.stream, self.group, *to_ack)
+        self._stats.delivered += len(out)
+        return out
+
+    def _dead_letter(self, dead: list[tuple[str, str, str, dict]]) -> None:
+        # MULTI: the copy and the ack land together or not at all (then the entry stays pending
+        # and is retried), so a bad entry is never lost nor acked without its copy.
+        pipe = self._client.pipeline(transaction=True)
+        for eid, reason, error, fields in dead:
+            log.warning("record consumer %s: %s entry %s -> %s: %s", self.name, reason, eid, self.dead_stream, error)
+            copy = {b"reason": reason, b"error": error[:1000], b"original_id": eid, b"consumer": self.name}
+            copy.update({b"orig." + (k if isinstance(k, bytes) else str(k).encode()): v for k, v in fields.items()})
+            pipe.xadd(self.dead_stream, copy, maxlen=self.cfg.maxlen, approximate=True)
+        pipe.xack(self.stream, self.group, *[d[0] for d in dead])
+        pipe.execute()
+        for _, reason, _, _ in dead:
+            self._stats.dead_lettered[reason] = self._stats.dead_lettered.get(reason, 0) + 1

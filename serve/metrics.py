@@ -1,0 +1,80 @@
+"""Serving metrics, every one tagged with the draft version that served the request.
+
+The spec-decode counters keep the meanings of vLLM's:
+- num_drafts: steps in which the draft proposed at least one token;
+- num_draft_tokens: draft tokens proposed;
+- num_accepted_tokens: draft tokens the target accepted;
+- num_accepted_tokens_per_pos: accepted tokens by position within the step (tag `position`).
+Exported through ray.serve.metrics, so they reach Ray's Prometheus endpoint with the
+deployment and replica tags Serve adds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64]
+TPOT_BOUNDARIES = [0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0]
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        from ray.serve import metrics as m
+
+        tag = ("draft_version",)
+        self.requests = m.Counter("osd_requests_total", "Requests finished", tag_keys=tag)
+        self.errors = m.Counter("osd_request_errors_total", "Requests failed, by reason",
+                                tag_keys=("draft_version", "reason"))
+        self.tokens = m.Counter("osd_generation_tokens_total", "Tokens generated", tag_keys=tag)
+        self.drafts = m.Counter("osd_spec_decode_num_drafts_total", "Steps with at least one draft token",
+                                tag_keys=tag)
+        self.draft_tokens = m.Counter("osd_spec_decode_num_draft_tokens_total", "Draft tokens proposed",
+                                      tag_keys=tag)
+        self.accepted = m.Counter("osd_spec_decode_num_accepted_tokens_total", "Draft tokens accepted",
+                                  tag_keys=tag)
+        self.accepted_per_pos = m.Counter("osd_spec_decode_num_accepted_tokens_per_pos_total",
+                                          "Draft tokens accepted, by position in the step",
+                                          tag_keys=("draft_version", "position"))
+        self.latency = m.Histogram("osd_request_latency_seconds", "End-to-end request latency",
+                                   boundaries=LATENCY_BOUNDARIES, tag_keys=tag)
+        self.tpot = m.Histogram("osd_time_per_output_token_seconds", "Decode seconds per output token",
+                                boundaries=TPOT_BOUNDARIES, tag_keys=tag)
+        self.records_written = m.Counter("osd_records_written_total", "Training records written to the stream",
+                                         tag_keys=tag)
+        self.records_dropped = m.Counter("osd_records_dropped_total", "Training records dropped, by reason",
+                                         tag_keys=("draft_version", "reason"))
+        self._seen_written = 0
+        self._seen_dropped: dict[str, int] = {}
+
+    def observe(self, version: str, result: Any, latency_s: float) -> None:
+        """result: serve.engine.GenerationResult."""
+        tags = {"draft_version": version}
+        st = result.stats
+        self.requests.inc(1, tags)
+        if result.output_ids:
+            self.tokens.inc(len(result.output_ids), tags)
+            self.tpot.observe(result.decode_s / len(result.output_ids), tags)
+        if st.num_drafts:
+            self.drafts.inc(st.num_drafts, tags)
+            self.draft_tokens.inc(st.num_draft_tokens, tags)
+        if st.num_accepted_tokens:
+            self.accepted.inc(st.num_accepted_tokens, tags)
+        for pos, n in enumerate(st.accepted_per_pos):
+            if n:
+                self.accepted_per_pos.inc(n, {"draft_version": version, "position": str(pos)})
+        self.latency.observe(latency_s, tags)
+
+    def error(self, version: str, reason: str) -> None:
+        self.errors.inc(1, {"draft_version": version, "reason": reason})
+
+    def sync_records(self, version: str, written: int, dropped: dict[str, int]) -> None:
+        """Fold the producer's running totals into the counters (it counts in its own thread)."""
+        tags = {"draft_version": version}
+        if written > self._seen_written:
+            self.records_written.inc(written - self._seen_written, tags)
+            self._seen_written = written
+        for reason, n in dropped.items():
+            seen = self._seen_dropped.get(reason, 0)
+            if n > seen:
+                self.records_dropped.inc(n - seen, {"draft_version": version, "reason": reason})
+                self._seen_dropped[reason] = n

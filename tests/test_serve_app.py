@@ -1,0 +1,228 @@
+"""The Ray Serve app end to end: a real local Ray, a real redis-server, HTTP on loopback.
+
+One Serve application (tiny-random target, truncate:1 draft, API key set) is started for
+the module; the Redis-down test runs last because it stops and restarts that server.
+"""
+
+import json
+import time
+
+import numpy as np
+import pytest
+import requests
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_NEW = 48
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    import ray
+    from ray import serve
+
+    from pipeline.config import load_config
+    from pipeline.redis_server import RedisServer, free_port
+    from serve.app import build_app
+
+    redis_srv = RedisServer(tmp_path_factory.mktemp("app-redis")).start()
+    port = free_port()
+    cfg = load_config(environ={}, overrides={
+        "model": {"target": "tiny-random"},
+        "serve": {"draft": "truncate:1", "port": port, "max_new_tokens": MAX_NEW, "k": 3},
+        "stream": {"redis_url": redis_srv.url, "stream": "test:records"},
+    })
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(cfg, api_key=KEY), name="osd-test", route_prefix="/")
+    yield {"url": f"http://127.0.0.1:{port}", "cfg": cfg, "redis": redis_srv}
+    serve.shutdown()
+    ray.shutdown()
+    redis_srv.stop()
+
+
+def post(app, path, body, headers=AUTH, **kw):
+    data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return requests.post(app["url"] + path, data=data, headers={**headers, "Content-Type": "application/json"},
+                         timeout=60, **kw)
+
+
+def chat(text, **kw):
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": 16, "temperature": 0, **kw}
+
+
+def test_models_and_health(app):
+    r = requests.get(app["url"] + "/v1/models", headers=AUTH, timeout=30)
+    assert r.status_code == 200
+    assert r.json()["data"][0]["id"] == "tiny-random"
+    h = requests.get(app["url"] + "/healthz", timeout=30)
+    assert h.status_code == 200 and h.json() == {"status": "ok", "draft_version": "truncate:1"}
+
+
+def test_auth_required(app):
+    r = post(app, "/v1/chat/completions", chat("hi"), headers={})
+    assert r.status_code == 401
+    assert r.json()["error"]["code"] == "invalid_api_key"
+    r = post(app, "/v1/chat/completions", chat("hi"), headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+    assert requests.get(app["url"] + "/v1/models", timeout=30).status_code == 401
+
+
+def test_chat_completion_schema(app):
+    r = post(app, "/v1/chat/completions", chat("hello there", max_tokens=12))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("req-")
+    choice = body["choices"][0]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = body["usage"]
+    assert usage["completion_tokens"] <= 12 and usage["prompt_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    ext = body["osd"]
+    assert ext["draft_version"] == "truncate:1"
+    assert 0.0 <= ext["acceptance_rate"] <= 1.0 and ext["num_draft_tokens"] >= ext["num_accepted_tokens"]
+    assert ext["record_id"]
+
+
+def test_completion_schema_and_token_prompt(app):
+    r = post(app, "/v1/completions", {"prompt": "once upon", "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert body["usage"]["prompt_tokens"] == len("once upon".encode())  # byte-level tiny tokenizer
+    r2 = post(app, "/v1/completions", {"prompt": [10, 20, 30], "max_tokens": 4, "temperature": 0})
+    assert r2.status_code == 200 and r2.json()["usage"]["prompt_tokens"] == 3
+
+
+def sse_events(resp):
+    events = []
+    for line in resp.iter_lines(decode_unicode=True):
+        if line:
+            assert line.startswith("data: "), line
+            events.append(line[len("data: "):])
+    return events
+
+
+def test_streaming_matches_plain(app):
+    plain = post(app, "/v1/chat/completions", chat("tell me a story", max_tokens=20)).json()
+    resp = post(app, "/v1/chat/completions", chat("tell me a story", max_tokens=20, stream=True), stream=True)
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == plain["choices"][0]["message"]["content"]
+    last = chunks[-1]
+    assert last["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert last["usage"] == plain["usage"]
+
+
+def test_stop_string_is_honoured(app):
+    plain = post(app, "/v1/chat/completions", chat("abc", max_tokens=30)).json()["choices"][0]["message"]["content"]
+    stop = plain[3:5]
+    assert stop, "need some text to pick a stop string from"
+    r = post(app, "/v1/chat/completions", chat("abc", max_tokens=30, stop=[stop])).json()
+    text = r["choices"][0]["message"]["content"]
+    assert stop not in text and plain.startswith(text)
+    assert r["choices"][0]["finish_reason"] == "stop"
+    resp = post(app, "/v1/chat/completions", chat("abc", max_tokens=30, stop=[stop], stream=True), stream=True)
+    chunks = [json.loads(e) for e in sse_events(resp)[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == text
+
+
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        ("{not json", 400, None),
+        ("[1, 2]", 400, None),
+        ({"max_tokens": 4}, 400, "messages"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}, 400, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": MAX_NEW + 1}, 400, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-9"}, 404, "model"),
+    ],
+)
+def test_bad_requests_get_openai_4xx(app, body, status, param):
+    r = post(app, "/v1/chat/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"] and err["param"] == param
+
+
+def test_prompt_over_context_is_400_not_500(app):
+    r = post(app, "/v1/chat/completions", chat("x" * 600, max_tokens=8))
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    # The same in streaming mode: the error comes before any event.
+    r = post(app, "/v1/chat/completions", chat("x" * 600, max_tokens=8, stream=True), stream=True)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = post(app, "/v1/completions", {"prompt": [999999], "max_tokens": 2})
+    assert r.status_code == 400
+
+
+def test_request_writes_a_record_matching_the_engine(app):
+    """HTTP -> replica -> Redis: the record's ids and top-k are what the engine produced."""
+    from pipeline.prompts import chat_ids
+    from pipeline.streams import RecordConsumer
+    from pipeline.target import load_target
+    from serve.drafts import build_draft
+    from serve.engine import EngineOptions, GenerationParams, SpecEngine
+
+    text = "speculate about records"
+    r = post(app, "/v1/chat/completions", chat(text, max_tokens=10, osd_record=True))
+    assert r.status_code == 200
+    rec_id = r.json()["osd"]["record_id"]
+    off = post(app, "/v1/chat/completions", chat(text, max_tokens=10, osd_record=False)).json()
+    assert off["osd"]["record_id"] is None
+
+    cfg = app["cfg"]
+    found = None
+    with RecordConsumer(cfg.stream.redis_url, cfg.stream, name="test-reader") as consumer:
+        deadline = time.monotonic() + 20
+        while found is None and time.monotonic() < deadline:
+            for d in consumer.read(block_ms=200):
+                if d.record.record_id == rec_id:
+                    found = d.record
+            # leave entries pending: other tests read the same stream with their own names
+    assert found is not None, "record not found in the stream"
+
+    loaded = load_target("tiny-random", cfg.model, progress=False)
+    engine = SpecEngine(loaded.model, build_draft("truncate:1", loaded.model), loaded.tokenizer,
+                        EngineOptions.from_config(cfg.serve))
+    local = engine.generate(chat_ids(loaded.tokenizer, text), GenerationParams(max_new_tokens=10))
+    assert found.prompt_ids.tolist() == local.prompt_ids
+    assert found.output_ids.tolist() == local.output_ids
+    assert found.draft_version == "truncate:1"
+    np.testing.assert_array_equal(found.topk_ids, local.capture.topk_ids)
+    np.testing.assert_allclose(found.topk_logprobs.astype(np.float32),
+                               local.capture.topk_logprobs.astype(np.float32), atol=2e-3)
+    np.testing.assert_array_equal(found.accepted, local.capture.accepted)
+    assert r.json()["usage"]["completion_tokens"] == len(local.output_ids)
+
+
+def test_redis_down_requests_still_succeed_and_drops_are_counted(app):
+    """Runs last in this module: it stops the app's Redis, then brings it back."""
+    stats = lambda: requests.get(app["url"] + "/osd/stats", timeout=30).json()  # noqa: E731
+    before = stats()
+    app["redis"].stop()
+    try:
+        for i in range(4):
+            r = post(app, "/v1/chat/completions", chat(f"while redis is down {i}", max_tokens=6))
+            assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 20
+        while stats()["records_dropped"] < before["records_dropped"] + 4 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        after = stats()
+        assert after["records_dropped"] >= before["records_dropped"] + 4
+        assert after["records_written"] == before["records_written"]
+    finally:
+        app["redis"].start()
