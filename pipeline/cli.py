@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 from pipeline.config import ConfigError, OSDConfig, load_config
@@ -27,6 +29,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
         from serve.drafts import DraftSpecError
 
         extra.append(DraftSpecError)
+    if "train.draft_model" in sys.modules:
+        from train.draft_model import DraftSpecError as TrainDraftSpecError
+
+        extra.append(TrainDraftSpecError)
     return USER_ERRORS + tuple(extra)
 
 
@@ -88,6 +94,48 @@ def _cmd_serve(cfg: OSDConfig, args: argparse.Namespace) -> int:
     if updates:  # re-validated, so a bad flag fails like a bad config value
         cfg = load_config(args.config, overrides={"serve": updates})
     return run_server(cfg, api_key=os.environ.get("OSD_API_KEY"))
+
+
+def _cmd_draft_init(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from train.warm_start import run_warm_start
+
+    updates = {k: v for k, v in (("warm_prompts", args.prompts), ("warm_epochs", args.epochs),
+                                 ("warm_max_new_tokens", args.max_new_tokens)) if v is not None}
+    if updates:
+        cfg = load_config(args.config, overrides={"train": updates})
+    result = run_warm_start(cfg, out_dir=args.out, force=args.force)
+    print(json.dumps({k: result.get(k) for k in ("version", "path", "alpha_est_before", "alpha_est")}, indent=2))
+    return 0
+
+
+def _cmd_train(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    import ray
+
+    from pipeline.redis_server import resolve_redis_url
+    from train.trainer import run_with_restarts, save_stats
+
+    overrides: dict = {"stream": {"redis_url": resolve_redis_url(cfg)}}
+    if args.workers:
+        overrides["train"] = {"num_workers": args.workers}
+    cfg = load_config(args.config, overrides=overrides)
+    run_dir = Path(args.run_dir or Path(cfg.state_dir) / "train" / "run")
+    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True,
+             ignore_reinit_error=True)
+    stats = run_with_restarts(cfg, run_dir, init_draft=args.init_draft, max_records=args.max_records,
+                              max_seconds=args.max_seconds, idle_stop_s=args.idle_stop)
+    save_stats(stats, run_dir / "stats.json")
+    for s in stats:
+        print(f"rank {s.rank}: {s.steps} steps, {s.records_trained} records, {s.tokens} tokens, "
+              f"{len(s.exports)} candidates")
+    return 0
+
+
+def _cmd_bench_train(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from train.bench_train import run_train_bench
+
+    run_train_bench(cfg, records=args.records, domain=args.domain, eval_prompts=args.eval_prompts,
+                    workers=tuple(args.workers), init_draft=args.init_draft, json_path=args.json)
+    return 0
 
 
 def _cmd_demo(cfg: OSDConfig, args: argparse.Namespace) -> int:
@@ -212,8 +260,35 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer ShareGPT prompts")
     be.add_argument("--json", metavar="PATH", default="reports/bench/engine.json", help="where to write JSON")
     be.set_defaults(func=_cmd_bench_engine)
+    bt = bench_sub.add_parser("train", help="distillation tokens/s with 1 and 2 workers, and alpha before/after")
+    bt.add_argument("--records", type=int, default=2000, help="train records of one domain (default 2000)")
+    bt.add_argument("--domain", default="code", choices=["code", "math", "writing", "other"])
+    bt.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts for alpha (default 64)")
+    bt.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to time (default 1 2)")
+    bt.add_argument("--init-draft", help="starting draft dir (default <state_dir>/drafts/v1 if present)")
+    bt.add_argument("--json", default="reports/bench/train.json", metavar="PATH")
+    bt.set_defaults(func=_cmd_bench_train)
     _add_bench_stream_parser(bench_sub)
     _add_replay_parser(sub)
+
+    dr_p = sub.add_parser("draft", help="draft models")
+    dr_sub = dr_p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    di = dr_sub.add_parser("init", help="warm start: distill the first draft offline from the target's outputs")
+    di.add_argument("--prompts", type=int, help="ShareGPT train prompts (default train.warm_prompts)")
+    di.add_argument("--epochs", type=int, help="passes over the teacher records (default train.warm_epochs)")
+    di.add_argument("--max-new-tokens", type=int, help="teacher tokens per prompt (default train.warm_max_new_tokens)")
+    di.add_argument("--out", help="where to publish (default <state_dir>/drafts/v1)")
+    di.add_argument("--force", action="store_true", help="rebuild even if published; ignore checkpoints")
+    di.set_defaults(func=_cmd_draft_init)
+
+    tr = sub.add_parser("train", help="run the trainer group on the record stream")
+    tr.add_argument("--workers", type=int, help="trainer actors (default train.num_workers)")
+    tr.add_argument("--init-draft", help="published draft directory to start from (default: a fresh draft)")
+    tr.add_argument("--run-dir", help="checkpoints and candidates (default <state_dir>/train/run)")
+    tr.add_argument("--max-records", type=int)
+    tr.add_argument("--max-seconds", type=float)
+    tr.add_argument("--idle-stop", type=float, help="stop after this many seconds without records")
+    tr.set_defaults(func=_cmd_train)
 
     sv = sub.add_parser("serve", help="start local Ray, Redis and the OpenAI-compatible app; print the URL")
     sv.add_argument("--host", help="bind address (default serve.host)")

@@ -134,8 +134,36 @@ class TrainConfig(_Section):
     num_workers: int = Field(1, ge=1)
     zero_stage: Literal[1, 2, 3] = 2
     offload_optimizer: bool = False
-    lr: float = Field(1e-4, gt=0)
-    token_budget: int = Field(4096, ge=1)
+    device: str = "cpu"  # cpu: gloo; cuda: NCCL
+    # How long surviving ranks wait in a collective for a dead one before failing.
+    collective_timeout_s: float = Field(300.0, gt=0)
+    lr: float = Field(1e-3, gt=0)
+    grad_clip: float = Field(1.0, gt=0)
+    # Records per optimizer step are packed up to this many tokens (prompt + output) per worker.
+    token_budget: int = Field(1024, ge=1)
+    # Longer records are cut to this many tokens.
+    max_seq_len: int = Field(1024, ge=2)
+    # Draft family: decoder layers copied from the target ("first" L or evenly "spaced");
+    # embedding, final norm and head shared with the target and frozen unless independent_head.
+    draft_layers: int = Field(4, ge=1)
+    draft_layer_source: Literal["first", "spaced"] = "first"
+    independent_head: bool = False
+    # Distillation loss against the target's sparse top-k, and which positions count.
+    loss: Literal["fkl", "rkl", "jsd", "tv"] = "fkl"
+    jsd_beta: float = Field(0.5, gt=0, lt=1)
+    positions: Literal["all", "rejected", "mix"] = "all"
+    mix_weight: float = Field(0.2, ge=0, le=1)
+    # Publish a candidate every this many records or seconds, whichever comes first.
+    export_every_records: int = Field(2000, ge=1)
+    export_every_s: float = Field(600.0, gt=0)
+    # One record in this many is held out (not trained on) to estimate a candidate's acceptance.
+    held_out_every: int = Field(10, ge=2)
+    held_out_buffer: int = Field(200, ge=1)
+    # Warm start (`osd draft init`): teacher outputs for this many ShareGPT train prompts.
+    warm_prompts: int = Field(256, ge=1)
+    warm_max_new_tokens: int = Field(64, ge=1)
+    warm_epochs: int = Field(6, ge=1)
+    warm_batch_size: int = Field(8, ge=1)
 
     @model_validator(mode="after")
     def _offload(self) -> "TrainConfig":

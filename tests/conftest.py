@@ -9,6 +9,17 @@ def tiny():
     return load_target("tiny-random", progress=False)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: per-op thread hand-off costs more than the math (5x on 2 cores)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """One private redis-server (AOF on, free loopback port) for the `redis` tests of a session."""

@@ -19,16 +19,7 @@ from serve.engine import EngineError, EngineOptions, GenerationParams, RequestEr
 from serve.runner import HFRunner, LlamaRunner, StaticKVCache, make_runner
 from serve.verify import SamplingParams, warp_probs
 
-pytestmark = pytest.mark.pure
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models: per-op thread hand-off costs more than the math (5x on 2 cores).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
 
 def tiny(seed: int = 0, layers: int = 2, eos: bool = False, **kw):

@@ -1,0 +1,193 @@
+"""DeepSpeed trainer actors on a real local Ray, reading a real redis-server's stream.
+
+Tiny models, CPU, gloo. One Ray instance and one fixed record set for the module.
+"""
+
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
+
+N_RECORDS = 60
+
+
+@pytest.fixture(scope="module")
+def records():
+    """A fixed record set: the tiny target's own greedy outputs with their top-8."""
+    from pipeline.records import record_from_capture
+    from pipeline.target import load_target
+    from serve.engine import EngineOptions, GenerationParams, SpecEngine
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        lt = load_target("tiny-random", progress=False)
+        eng = SpecEngine(lt.model, None, lt.tokenizer, EngineOptions(k=0, capture_top_k=8, max_seq_len=128))
+        rng = random.Random(0)
+        out = []
+        for i in range(N_RECORDS):
+            ids = [rng.randrange(256) for _ in range(10)]
+            r = eng.generate(ids, GenerationParams(max_new_tokens=20))
+            out.append(record_from_capture(r.prompt_ids, r.output_ids, r.capture, request_id=f"r{i}",
+                                           draft_version="teacher", domain="other"))
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture
+def stream(redis_url, tmp_path):
+    """A fresh stream config pointing at the session's redis-server."""
+    from pipeline.config import load_config
+
+    def make(**train):
+        return load_config(environ={}, overrides={
+            "state_dir": str(tmp_path),
+            "model": {"target": "tiny-random"},
+            "stream": {"redis_url": redis_url, "stream": "t:records", "claim_idle_ms": 500},
+            "train": {"num_workers": 2, "draft_layers": 1, "lr": 1e-3, "token_budget": 100,
+                      "export_every_records": 20, "held_out_every": 6, "collective_timeout_s": 90, **train},
+        })
+    return make
+
+
+def produce(cfg, recs):
+    from pipeline.streams import RecordProducer
+
+    with RecordProducer(cfg.stream.redis_url, cfg.stream) as p:
+        for r in recs:
+            assert p.submit(r)
+        assert p.flush(30)
+        assert p.stats().written == len(recs)
+
+
+def group_state(cfg):
+    from pipeline.streams import RecordConsumer
+
+    with RecordConsumer(cfg.stream.redis_url, cfg.stream, name="inspector") as c:
+        return c.pending(), c.lag()
+
+
+def mean_fkl(draft, recs, max_seq_len=1024):
+    from train.batching import pack, position_logits
+    from train.losses import distill_loss
+
+    with torch.no_grad():
+        b = pack(recs, max_seq_len)
+        return float(distill_loss(position_logits(draft, b), b.topk_ids, b.topk_logprobs, kind="fkl"))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_two_workers_learn_and_export_loadable_drafts(ray_local, stream, records, tmp_path, stage):
+    from pipeline.target import load_target
+    from serve.engine import EngineOptions, GenerationParams, SpecEngine
+    from train.draft_model import DraftSpec, build_draft, load_draft
+    from train.trainer import TrainerGroup
+
+    cfg = stream(zero_stage=stage)
+    produce(cfg, records)
+    group = TrainerGroup(cfg, tmp_path / "run")
+    try:
+        stats = group.run(idle_stop_s=3, timeout=300)
+    finally:
+        group.shutdown()
+    assert sum(s.records_trained for s in stats) + sum(s.records_acked for s in stats) > 0
+    assert group_state(cfg) == (0, 0)  # every record delivered and acked
+    exports = stats[0].exports
+    assert exports and all(e["zero_stage"] == stage and e["world_size"] == 2 for e in exports)
+    assert exports[-1]["parent"] == (exports[-2]["version"] if len(exports) > 1 else None)
+
+    target = load_target("tiny-random", progress=False).model
+    before = build_draft(target, DraftSpec(num_layers=1, layer_source=cfg.train.draft_layer_source))
+    after, info = load_draft(exports[-1]["path"], target)
+    # Distillation moved the draft towards the target on the records it was trained on.
+    assert mean_fkl(after, records) < mean_fkl(before, records)
+
+    # The exported weights equal the final checkpoint's consolidated weights, and serve.
+    from safetensors.torch import load_file
+
+    ckpt = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))[-1]
+    weights = load_file(str(ckpt / "consolidated.safetensors"))
+    params = dict(after.named_parameters())
+    for name, w in weights.items():
+        assert torch.equal(params[name].detach(), w), name
+    eng = SpecEngine(target, after, options=EngineOptions(k=3, max_seq_len=128))
+    r = eng.generate([1, 2, 3, 4], GenerationParams(max_new_tokens=12))
+    ref = SpecEngine(target, None, options=EngineOptions(max_seq_len=128)).generate(
+        [1, 2, 3, 4], GenerationParams(max_new_tokens=12))
+    assert r.output_ids == ref.output_ids  # lossless with the trained draft
+    assert r.stats.num_draft_tokens > 0
+
+    if stage == 2:
+        # A different world size resumes from the consolidated weights, loudly, not from scratch.
+        one = TrainerGroup(cfg, tmp_path / "run", num_workers=1)
+        try:
+            assert one.resumed[0]["resumed"] == "consolidated"
+            assert one.resumed[0]["world_size"] == 2
+        finally:
+            one.shutdown()
+
+
+def test_killed_worker_resumes_and_loses_no_record(ray_local, stream, records, tmp_path):
+    import ray
+
+    from train.ds_engine import DistillEngine
+    from train.trainer import run_with_restarts
+
+    cfg = stream(zero_stage=2, export_every_records=10)
+    produce(cfg, records)
+    ckpts = tmp_path / "run" / "checkpoints"
+    killed = {}
+
+    def killer():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not DistillEngine.complete_tags(ckpts):
+            time.sleep(0.2)
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if actor["name"].endswith("rank1"):
+                ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]))
+                killed["at"] = DistillEngine.complete_tags(ckpts)[-1]
+                return
+
+    t = threading.Thread(target=killer, daemon=True)
+    t.start()
+    stats = run_with_restarts(cfg, tmp_path / "run", restarts=2, idle_stop_s=4, timeout=300)
+    t.join(timeout=5)
+    assert killed, "the worker was never killed"
+    assert stats[0].resumed is not None and stats[0].resumed["resumed"] == "full"
+    assert group_state(cfg) == (0, 0)  # the killed worker's pending records were reclaimed and acked
+    tags = DistillEngine.complete_tags(ckpts)
+    assert tags[-1] > killed["at"]
+
+
+def test_corrupt_records_go_to_dead_letter_and_training_goes_on(ray_local, stream, records, tmp_path):
+    import redis
+
+    from pipeline.streams import FIELD, dead_letter_stream
+    from train.trainer import TrainerGroup
+
+    cfg = stream(num_workers=1, zero_stage=1)
+    client = redis.Redis.from_url(cfg.stream.redis_url)
+    client.xadd(cfg.stream.stream, {FIELD: b"not an arrow payload"})
+    produce(cfg, records[:20])
+    group = TrainerGroup(cfg, tmp_path / "run")
+    try:
+        stats = group.run(idle_stop_s=3, timeout=300)
+    finally:
+        group.shutdown()
+    assert stats[0].dead_lettered == 1
+    assert client.xlen(dead_letter_stream(cfg.stream.stream)) == 1
+    assert stats[0].exports and group_state(cfg) == (0, 0)

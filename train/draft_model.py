@@ -1,0 +1,377 @@
+"""The draft family the distillation trainer learns, and its on-disk format.
+
+A draft is a small Llama built out of the target:
+
+- its decoder layers are trainable COPIES of `num_layers` target layers, chosen by
+  `layer_source`: "first" (layers 0..L-1) or "spaced" (evenly spaced, first and last
+  included);
+- its token embedding, final norm and LM head are the target's own tensors, SHARED (same
+  storage, no copy) and FROZEN. With `independent_head` the norm and head are trainable
+  copies instead (the embedding stays shared).
+- `hidden_size` / `intermediate_size` other than the target's: tensors whose shapes then
+  differ from the target's are randomly initialised (seeded by `seed`); a different hidden
+  size leaves nothing shareable, so it needs `independent_head=True` and the embedding is
+  trained too.
+
+On disk (one directory, written atomically: a temp dir beside it, renamed at the end):
+
+    config.json         the draft's Hugging Face config
+    draft.safetensors   the trainable tensors only (never the shared ones), safetensors
+    draft.json          {"format", "kind", "spec", "target_ref", "layer_indices",
+                         "shared_tensors": {name: {"shape", "dtype"}}, "trainable_tensors",
+                         "lineage", "metrics", "created_at"}
+    osd-manifest.json   sha256 + size of every file above; written last
+
+`load_draft` verifies the manifest before reading anything, rebuilds the model from
+config.json, loads draft.safetensors (safetensors only, no pickle) and attaches the given
+target's tensors for the shared names, refusing a target whose shapes do not fit.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.target import MANIFEST, TargetError, verify_manifest, write_manifest
+
+DRAFT_FORMAT = 1
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "draft.safetensors"
+INFO_FILE = "draft.json"
+EMBED = "model.embed_tokens.weight"
+NORM = "model.norm.weight"
+HEAD = "lm_head.weight"
+# Set on every draft module built or loaded here: the state-dict names that are the target's.
+SHARED_ATTR = "osd_shared_names"
+# ... and the target layer each decoder layer was copied from.
+INDICES_ATTR = "osd_layer_indices"
+
+
+class DraftSpecError(ValueError):
+    """A DraftSpec does not fit the target (too many layers, bad sizes)."""
+
+
+class DraftLoadError(TargetError):
+    """A saved draft cannot be loaded: incomplete or corrupt directory, or a target it does not fit."""
+
+
+class DraftSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_layers: int = Field(4, ge=1)
+    # Which target layers initialise the draft's: the first num_layers, or evenly spaced
+    # indices that include the first and the last.
+    layer_source: Literal["first", "spaced"] = "first"
+    # None = the target's. A different hidden size needs independent_head=True.
+    hidden_size: int | None = Field(None, ge=1)
+    intermediate_size: int | None = Field(None, ge=1)
+    # Train a copy of the final norm and LM head instead of sharing the target's.
+    independent_head: bool = False
+    # Seed for tensors that cannot be copied from the target (different sizes).
+    seed: int = 0
+
+
+# ---------------------------------------------------------------- building
+
+def layer_indices(spec: DraftSpec, target_layers: int) -> list[int]:
+    """The target layer index that initialises each draft layer."""
+    n = spec.num_layers
+    if n > target_layers:
+        raise DraftSpecError(f"draft wants {n} layers, the target has only {target_layers}")
+    if spec.layer_source == "first" or n == 1:
+        return list(range(n))
+    # Evenly spaced over [0, L-1], both ends included; step >= 1 so the indices are distinct.
+    return [int(i * (target_layers - 1) / (n - 1) + 0.5) for i in range(n)]
+
+
+def shared_names(draft: Any) -> tuple[str, ...]:
+    """State-dict names of `draft` that are the target's tensors (set by build/load)."""
+    names = getattr(draft, SHARED_ATTR, None)
+    if names is None:
+        raise DraftSpecError("this model was not built by train.draft_model (no shared-tensor list)")
+    return tuple(names)
+
+
+def _draft_config(target_config: Any, spec: DraftSpec, indices: list[int]) -> Any:
+    cfg = copy.deepcopy(target_config)
+    cfg.num_hidden_layers = spec.num_layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = [cfg.layer_types[i] for i in indices]
+    if spec.hidden_size is not None and spec.hidden_size != target_config.hidden_size:
+        if spec.hidden_size % cfg.num_attention_heads:
+            raise DraftSpecError(
+                f"hidden_size {spec.hidden_size} is not a multiple of num_attention_heads "
+                f"{cfg.num_attention_heads}"
+            )
+        cfg.hidden_size = spec.hidden_size
+        cfg.head_dim = spec.hidden_size // cfg.num_attention_heads
+    if spec.intermediate_size is not None:
+        cfg.intermediate_size = spec.intermediate_size
+    if spec.independent_head:
+        cfg.tie_word_embeddings = False
+    for key in ("_name_or_path", "_model_name_or_path"):
+        if hasattr(cfg, key):
+            try:
+                delattr(cfg, key)
+            except AttributeError:
+                pass
+    return cfg
+
+
+def _fresh_model(cfg: Any, seed: int, dtype: torch.dtype, device: torch.device) -> Any:
+    """A randomly initialised model of `cfg`, the same for the same seed."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    return model.to(device=device, dtype=dtype)
+
+
+def _materialise_buffers(draft: Any, cfg: Any, device: torch.device) -> None:
+    """Non-persistent buffers (RoPE inv_freq) are not in any state dict: after building on
+    the meta device, recompute them for real from the draft's own config."""
+    inner = draft.model
+    if any(b.is_meta for b in inner.rotary_emb.buffers()):
+        inner.rotary_emb = type(inner.rotary_emb)(config=cfg).to(device)
+    left = [name for name, b in draft.named_buffers() if b.is_meta]
+    if left:
+        raise DraftSpecError(f"buffers left on the meta device: {left}")
+
+
+def _assemble(cfg: Any, tensors: dict[str, torch.Tensor], shared: set[str], dtype: torch.dtype,
+              device: torch.device, generation_config: Any = None) -> Any:
+    """Build the module on meta, assign `tensors` (no copies), freeze the shared ones."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        draft = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    expected = set(draft.state_dict().keys())
+    missing, unexpected = expected - tensors.keys(), tensors.keys() - expected
+    if missing or unexpected:
+        raise DraftSpecError(f"draft tensors do not match its config: missing {sorted(missing)}, "
+                             f"unexpected {sorted(unexpected)}")
+    # detach(): a new Parameter over the same storage, so the target's own Parameter objects
+    # (and their requires_grad) are never touched.
+    draft.load_state_dict({k: v.detach() for k, v in tensors.items()}, assign=True, strict=True)
+    if cfg.tie_word_embeddings:
+        draft.tie_weights()
+    _materialise_buffers(draft, cfg, device)
+    for name, p in draft.named_parameters(remove_duplicate=False):
+        p.requires_grad_(name not in shared)
+    setattr(draft, SHARED_ATTR, tuple(sorted(shared)))
+    if generation_config is not None:
+        draft.generation_config = copy.deepcopy(generation_config)
+    return draft.eval()
+
+
+def build_draft(target_model: Any, spec: DraftSpec | None = None) -> Any:
+    """A LlamaForCausalLM draft of `target_model` per `spec` (see the module doc).
+
+    Decoder layers are trainable copies; embedding, final norm and head share the target's
+    storage and are frozen (norm and head are trainable copies with independent_head)."""
+    spec = spec or DraftSpec()
+    tcfg = target_model.config
+    if getattr(tcfg, "model_type", None) != "llama":
+        raise DraftSpecError(f"drafts are Llama models; the target is {getattr(tcfg, 'model_type', None)!r}")
+    indices = layer_indices(spec, tcfg.num_hidden_layers)
+    new_hidden = spec.hidden_size is not None and spec.hidden_size != tcfg.hidden_size
+    if new_hidden and not spec.independent_head:
+        raise DraftSpecError(
+            f"hidden_size {spec.hidden_size} differs from the target's {tcfg.hidden_size}: the target's "
+            f"head cannot be shared, set independent_head=True"
+        )
+    cfg = _draft_config(tcfg, spec, indices)
+    dtype, device = target_model.dtype, next(target_model.parameters()).device
+    tsd = target_model.state_dict()
+    fresh: dict[str, torch.Tensor] | None = None
+
+    def fresh_tensor(name: str) -> torch.Tensor:
+        nonlocal fresh
+        if fresh is None:
+            fresh = _fresh_model(cfg, spec.seed, dtype, device).state_dict()
+        return fresh[name]
+
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    shapes = {k: v.shape for k, v in skeleton.state_dict().items()}
+    del skeleton
+
+    tensors: dict[str, torch.Tensor] = {}
+    shared: set[str] = set()
+    for name, shape in shapes.items():
+        if name.startswith("model.layers."):
+            _, _, j, rest = name.split(".", 3)
+            src = tsd.get(f"model.layers.{indices[int(j)]}.{rest}")
+            tensors[name] = src.clone() if src is not None and src.shape == shape else fresh_tensor(name).clone()
+            continue
+        src = tsd.get(name)
+        if src is None or src.shape != shape:
+            tensors[name] = fresh_tensor(name).clone()
+        elif name == EMBED or (name in (NORM, HEAD) and not spec.independent_head):
+            tensors[name] = src  # the target's storage
+            shared.add(name)
+        else:
+            tensors[name] = src.clone()
+    if cfg.tie_word_embeddings and HEAD in tensors:
+        tensors[HEAD] = tensors[EMBED]
+        if EMBED in shared:
+            shared.add(HEAD)
+    draft = _assemble(cfg, tensors, shared, dtype, device, target_model.generation_config)
+    setattr(draft, INDICES_ATTR, tuple(indices))
+    return draft
+
+
+def trainable_state_dict(draft: Any, spec: DraftSpec | None = None) -> dict[str, torch.Tensor]:
+    """The draft's own tensors (everything not shared with the target), detached."""
+    shared = set(shared_names(draft))
+    out = {k: v for k, v in draft.state_dict().items() if k not in shared}
+    if spec is not None and spec.independent_head and HEAD in shared:
+        raise DraftSpecError("spec says independent_head but the draft shares the target's head")
+    return out
+
+
+# ---------------------------------------------------------------- target reference
+
+def target_ref(loaded: Any) -> dict[str, Any]:
+    """{"spec", "sha256"} of a pipeline.target.LoadedModel: sha256 of its cache manifest
+    (which digests every weight and tokenizer file), None for an in-process model."""
+    path = getattr(loaded, "path", None)
+    digest = None
+    if path is not None and (Path(path) / MANIFEST).is_file():
+        digest = hashlib.sha256((Path(path) / MANIFEST).read_bytes()).hexdigest()
+    return {"spec": loaded.spec, "sha256": digest}
+
+
+# ---------------------------------------------------------------- save / load
+
+def save_draft(draft: Any, spec: DraftSpec, directory: str | Path, *, target_ref: dict[str, Any],
+               lineage: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
+               overwrite: bool = False) -> Path:
+    """Write the draft into `directory` atomically; returns the directory.
+
+    An existing directory is refused unless overwrite=True (then it is replaced whole)."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    if directory.exists() and not overwrite:
+        raise FileExistsError(f"{directory} exists; pass overwrite=True to replace it")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    shared = shared_names(draft)
+    sd = draft.state_dict()
+    trainable = {k: v.detach().contiguous().cpu() for k, v in trainable_state_dict(draft, spec).items()}
+    info = {
+        "format": DRAFT_FORMAT,
+        "kind": "osd-draft",
+        "spec": spec.model_dump(mode="json"),
+        "target_ref": target_ref,
+        "layer_indices": list(getattr(draft, INDICES_ATTR, ()) or ()),
+        "shared_tensors": {k: {"shape": list(sd[k].shape), "dtype": str(sd[k].dtype).removeprefix("torch.")}
+                           for k in shared},
+        "trainable_tensors": sorted(trainable),
+        "lineage": lineage or {},
+        "metrics": metrics or {},
+        "created_at": time.time(),
+    }
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        draft.config.to_json_file(tmp / CONFIG_FILE, use_diff=False)
+        save_file(trainable, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "osd.kind": "draft"})
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
+        write_manifest(tmp, {"kind": "osd-draft"})  # last: its presence means complete
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, directory)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def load_draft(directory: str | Path, target_model: Any, *,
+               expect_target_sha256: str | None = None) -> tuple[Any, dict[str, Any]]:
+    """Load a draft saved by save_draft onto `target_model`'s shared tensors.
+
+    Returns (model, info) with info = draft.json plus "path". Raises DraftLoadError on a
+    missing or corrupt directory or a target the draft does not fit."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DraftLoadError(f"draft directory {directory} does not exist")
+    try:
+        manifest = verify_manifest(directory)
+    except DraftLoadError:
+        raise
+    except TargetError as e:
+        raise DraftLoadError(f"cannot load draft from {directory}: {e}") from None
+    listed = set(manifest.get("files", {}))
+    absent = {CONFIG_FILE, WEIGHTS_FILE, INFO_FILE} - listed
+    if absent:
+        raise DraftLoadError(f"{directory} is not a saved draft: {MANIFEST} does not list {sorted(absent)}")
+    try:
+        info = json.loads((directory / INFO_FILE).read_text())
+        spec = DraftSpec(**info["spec"])
+        shared_meta: dict[str, Any] = info["shared_tensors"]
+        cfg = AutoConfig.from_pretrained(directory, local_files_only=True)
+    except Exception as e:
+        raise DraftLoadError(f"{directory}: unreadable {INFO_FILE} or {CONFIG_FILE}: {e}") from None
+    if info.get("format") != DRAFT_FORMAT or info.get("kind") != "osd-draft":
+        raise DraftLoadError(f"{directory}: draft format {info.get('format')!r} / kind {info.get('kind')!r}, "
+                             f"this code reads format {DRAFT_FORMAT}")
+    ref_sha = (info.get("target_ref") or {}).get("sha256")
+    if expect_target_sha256 is not None and ref_sha != expect_target_sha256:
+        raise DraftLoadError(f"{directory} was trained against target sha256 {str(ref_sha)[:16]}…, "
+                             f"not the given target's {expect_target_sha256[:16]}…")
+
+    tcfg = target_model.config
+    if tcfg.vocab_size != cfg.vocab_size:
+        raise DraftLoadError(f"{directory}: draft vocab {cfg.vocab_size} does not match the target's "
+                             f"{tcfg.vocab_size}; this draft belongs to another target")
+    if shared_meta and tcfg.hidden_size != cfg.hidden_size:
+        raise DraftLoadError(f"{directory}: draft shares the target's tensors at hidden size {cfg.hidden_size}, "
+                             f"the target's is {tcfg.hidden_size}; this draft belongs to another target")
+    tsd = target_model.state_dict()
+    for name, meta in shared_meta.items():
+        t = tsd.get(name)
+        if t is None or list(t.shape) != meta["shape"]:
+            got = None if t is None else list(t.shape)
+            raise DraftLoadError(f"{directory}: shared tensor {name} should be {meta['shape']}, "
+                                 f"the target has {got}; this draft belongs to another target")
+
+    dtype, device = target_model.dtype, next(target_model.parameters()).device
+    try:
+        own = load_file(str(directory / WEIGHTS_FILE), device=str(device))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise DraftLoadError(f"{directory / WEIGHTS_FILE} is unreadable: {e}") from None
+    if set(own) != set(info["trainable_tensors"]):
+        raise DraftLoadError(f"{directory / WEIGHTS_FILE} holds {sorted(own)}, {INFO_FILE} lists "
+                             f"{info['trainable_tensors']}")
+    tensors = {k: v.to(dtype) for k, v in own.items()}
+    for name in shared_meta:
+        tensors[name] = tsd[name]
+    try:
+        model = _assemble(cfg, tensors, set(shared_meta), dtype, device, target_model.generation_config)
+    except (DraftSpecError, RuntimeError) as e:
+        raise DraftLoadError(f"{directory}: tensors do not fit config.json: {e}") from None
+    setattr(model, INDICES_ATTR, tuple(info.get("layer_indices") or ()))
+    info = dict(info, path=str(directory), spec=spec.model_dump(mode="json"))
+    return model, info

@@ -1,0 +1,194 @@
+"""The one object that owns DeepSpeed.
+
+Nothing else in the project imports deepspeed: the trainer calls `train_batch`, `save`,
+`load_latest` and `export_weights`. ZeRO stage 1, 2 or 3 (optionally offloading the
+optimizer to CPU) over gloo on CPU, NCCL on GPU.
+
+Checkpoints: DeepSpeed writes `<dir>/<tag>/...`; once every rank has written its shard
+(a barrier), rank 0 writes `<dir>/<tag>/COMPLETE` last, with the client state (records
+consumed, world size) as JSON. Only tags with that marker are ever resumed from, so a
+checkpoint cut off mid-write is skipped, never half-loaded. Rank 0 also saves the
+consolidated trainable weights beside it (`consolidated.safetensors`) so a run with a
+different world size can resume from those instead of the sharded optimizer state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from pipeline.config import TrainConfig
+
+COMPLETE = "COMPLETE"
+CONSOLIDATED = "consolidated.safetensors"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str = "cpu",
+                     timeout_s: float = 300.0) -> None:
+    """Join the process group once per process (gloo on CPU, NCCL on CUDA)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+    if device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+
+    from datetime import timedelta
+
+    # The timeout bounds how long survivors wait in a collective after a rank dies.
+    deepspeed.init_distributed(dist_backend="gloo" if device == "cpu" else "nccl", auto_mpi_discovery=False,
+                               timeout=timedelta(seconds=timeout_s))
+
+
+def ds_config(cfg: TrainConfig) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": cfg.zero_stage}
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    if cfg.zero_stage == 3:
+        # Gather small layers whole: tiny drafts otherwise spend their time in fetch bookkeeping.
+        zero.update(stage3_param_persistence_threshold=10_000, stage3_prefetch_bucket_size=5e6)
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": cfg.grad_clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": 0.0}},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "wall_clock_breakdown": False,
+        "steps_per_print": 10**9,
+    }
+
+
+class DistillEngine:
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig):
+        import deepspeed
+        import torch.distributed as dist
+
+        self.cfg = cfg
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config(cfg))
+        self.module = self.engine.module
+        self.steps = 0
+
+    # -- training ----------------------------------------------------------------
+
+    def train_batch(self, batch: Any, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]) -> float:
+        """One optimizer step on `batch`; loss_fn(model, batch) -> scalar. Returns the loss."""
+        self.engine.train()
+        loss = loss_fn(self.engine, batch)
+        self.engine.backward(loss)
+        self.engine.step()
+        self.steps += 1
+        return float(loss.detach())
+
+    # -- checkpoints ----------------------------------------------------------------
+
+    def save(self, ckpt_dir: str | Path, client_state: dict[str, Any]) -> tuple[str, dict[str, torch.Tensor]]:
+        """Every rank calls this. Returns (tag, consolidated trainable weights); COMPLETE is
+        written last, by rank 0."""
+        import torch.distributed as dist
+
+        ckpt_dir = Path(ckpt_dir)
+        tag = f"step-{self.steps:08d}"
+        state = {**client_state, "world_size": self.world_size, "steps": self.steps, "time": time.time()}
+        self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state, save_latest=False)
+        weights = self.export_weights()  # collective under ZeRO-3: every rank takes part
+        dist.barrier()
+        if self.rank == 0:
+            from safetensors.torch import save_file
+
+            save_file(weights, str(ckpt_dir / tag / CONSOLIDATED))
+            (ckpt_dir / tag / COMPLETE).write_text(json.dumps(state))
+        dist.barrier()
+        return tag, weights
+
+    @staticmethod
+    def complete_tags(ckpt_dir: str | Path) -> list[str]:
+        """Tags with a COMPLETE marker, oldest first."""
+        d = Path(ckpt_dir)
+        if not d.is_dir():
+            return []
+        tags = [p.name for p in d.iterdir() if p.is_dir() and (p / COMPLETE).is_file() and re.match(r"step-\d+$", p.name)]
+        return sorted(tags)
+
+    def load_latest(self, ckpt_dir: str | Path) -> dict[str, Any] | None:
+        """Resume from the newest complete checkpoint; None when there is none.
+
+        Same world size: the full DeepSpeed state (weights, optimizer, step). Another world
+        size: the consolidated weights only, with a fresh optimizer - said loudly, never silent.
+        """
+        tags = self.complete_tags(ckpt_dir)
+        if not tags:
+            return None
+        tag = tags[-1]
+        state = json.loads((Path(ckpt_dir) / tag / COMPLETE).read_text())
+        if state.get("world_size") == self.world_size:
+            path, client = self.engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_strict=False)
+            if path is None:
+                raise CheckpointError(f"DeepSpeed could not load checkpoint {ckpt_dir}/{tag}")
+            self.steps = int(state["steps"])
+            return {**state, "resumed": "full", "tag": tag}
+        from safetensors.torch import load_file
+
+        weights = load_file(str(Path(ckpt_dir) / tag / CONSOLIDATED))
+        if self.rank == 0:
+            print(f"[osd] checkpoint {tag} was written by {state.get('world_size')} workers, this run has "
+                  f"{self.world_size}: resuming from its consolidated weights with a fresh optimizer", flush=True)
+        self.load_weights(weights)
+        self.steps = int(state["steps"])
+        return {**state, "resumed": "consolidated", "tag": tag}
+
+    # -- weights ----------------------------------------------------------------
+
+    def _trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Full trainable tensors on every rank (gathered from their shards under ZeRO-3)."""
+        import deepspeed
+
+        named = self._trainable()
+        params = [p for _, p in named]
+        if self.cfg.zero_stage == 3:
+            with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+                return {n: p.detach().clone().cpu().contiguous() for n, p in named}
+        return {n: p.detach().clone().cpu().contiguous() for n, p in named}
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        import deepspeed
+
+        named = self._trainable()
+        missing = [n for n, _ in named if n not in weights]
+        if missing:
+            raise CheckpointError(f"consolidated weights lack {missing[:3]}")
+        params = [p for _, p in named]
+        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=0) if self.cfg.zero_stage == 3 else None
+        if ctx is not None:
+            ctx.__enter__()
+        try:
+            with torch.no_grad():
+                for n, p in named:
+                    p.copy_(weights[n].to(p.dtype))
+        finally:
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+        # ZeRO 1/2 keep fp32 master copies in the optimizer: refresh them from the module.
+        opt = getattr(self.engine, "optimizer", None)
+        refresh = getattr(opt, "refresh_fp32_params", None)
+        if refresh is not None and self.cfg.zero_stage in (1, 2):
+            refresh()

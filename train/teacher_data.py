@@ -1,0 +1,456 @@
+"""The target's own outputs for a prompt set, as records, cached on disk.
+
+Warm start for distillation: before live traffic exists, the target greedily answers a
+prompt set and we keep, for every generated position, its top-k ids and log-probs, in the
+same `pipeline.records.Record` shape that serving captures.
+
+- `generate_teacher_records`: batched greedy Hugging Face `generate` (left padding,
+  attention mask, `output_logits=True`), the top-k of the raw logits' log_softmax taken per
+  step on the whole [B, V] batch. Each sequence is cut after its first EOS (the EOS kept);
+  pad positions are dropped.
+- `TeacherCache`: one Arrow IPC file per key (sha256 of the key's canonical JSON). The file
+  is a table with the record schema (`pipeline.records.record_schema(K)`), one row per
+  record, and carries in its schema metadata the key and a sha256 of its content, so a
+  truncated or altered file is detected, logged and rebuilt, never half-used. Files are
+  written to a temp name and renamed. Built in chunks, each chunk saved as it finishes
+  (`<key>.part-<i>.arrow`), so an interrupted build resumes from the finished chunks; the
+  final file is assembled when all exist and the parts are then removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from pipeline.prompts import Prompt, chat_ids
+from pipeline.records import SCHEMA_VERSION, Record, record_schema
+
+log = logging.getLogger("osd.teacher")
+
+TEACHER_VERSION = "teacher"
+CACHE_FORMAT = 1
+_KIND = b"osd.teacher.kind"
+_FORMAT = b"osd.teacher.format"
+_KEY = b"osd.teacher.key"
+_KEY_JSON = b"osd.teacher.key_json"
+_DIGEST = b"osd.teacher.content_sha256"
+_PART = b"osd.teacher.part"
+
+
+class TeacherDataError(ValueError):
+    """Teacher generation cannot run on these inputs (a prompt over the context, no pad id)."""
+
+
+class CacheCorrupt(RuntimeError):
+    """A cache file is unreadable, truncated, altered, or belongs to another key."""
+
+
+# ---------------------------------------------------------------- generation
+
+def _eos_ids(model: Any, tokenizer: Any, eos_token_id: int | Sequence[int] | None) -> list[int]:
+    eos = eos_token_id
+    if eos is None and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+@torch.inference_mode()
+def generate_teacher_records(
+    target_model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    *,
+    max_new_tokens: int,
+    top_k: int = 32,
+    batch_size: int = 8,
+    progress: bool = True,
+    eos_token_id: int | Sequence[int] | None = None,
+) -> list[Record]:
+    """Greedy answers of `target_model` to `prompts` (chat template), one Record each, in
+    prompt order. Prompts are batched by length (longest first) to limit padding.
+
+    eos_token_id: stop token(s); default the tokenizer's EOS, else the model's."""
+    from transformers import GenerationConfig
+
+    if max_new_tokens < 1 or top_k < 1 or batch_size < 1:
+        raise TeacherDataError("max_new_tokens, top_k and batch_size must be >= 1")
+    eos = _eos_ids(target_model, tokenizer, eos_token_id)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else None)
+    if pad is None:
+        raise TeacherDataError("the tokenizer has no pad token and there is no EOS to pad with")
+    vocab = target_model.config.vocab_size
+    k = min(top_k, vocab)
+    limit = getattr(target_model.config, "max_position_embeddings", None)
+    device = next(target_model.parameters()).device
+    ids = [chat_ids(tokenizer, p.text) for p in prompts]
+    for p, x in zip(prompts, ids):
+        if limit and len(x) + max_new_tokens > limit:
+            raise TeacherDataError(f"prompt {p.id}: {len(x)} tokens + max_new_tokens {max_new_tokens} "
+                                   f"exceeds the context of {limit}")
+    gen_cfg = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+        eos_token_id=eos or None, pad_token_id=pad,
+        output_logits=True, return_dict_in_generate=True,
+    )
+    order = sorted(range(len(prompts)), key=lambda i: -len(ids[i]))
+    out: list[Record | None] = [None] * len(prompts)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(prompts), unit="prompt", desc="teacher", leave=False)
+    eos_t = torch.tensor(eos or [-1], device=device)
+    try:
+        for start in range(0, len(order), batch_size):
+            batch = order[start : start + batch_size]
+            width = max(len(ids[i]) for i in batch)
+            inp = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, i in enumerate(batch):  # left padding
+                inp[row, width - len(ids[i]):] = torch.tensor(ids[i])
+                mask[row, width - len(ids[i]):] = 1
+            res = target_model.generate(input_ids=inp.to(device), attention_mask=mask.to(device),
+                                        generation_config=gen_cfg)
+            gen = res.sequences[:, width:]  # [B, T]
+            steps = len(res.logits)
+            top_ids = torch.empty((len(batch), steps, k), dtype=torch.int32)
+            top_lps = torch.empty((len(batch), steps, k), dtype=torch.float16)
+            for t, logits in enumerate(res.logits):  # one [B, V] block per step
+                logits = logits.float()
+                vals, idx = torch.topk(logits, k, dim=-1)
+                top_ids[:, t] = idx.to(torch.int32).cpu()
+                top_lps[:, t] = (vals - torch.logsumexp(logits, dim=-1, keepdim=True)).to(torch.float16).cpu()
+            # Length of each row: through its first EOS, else all steps.
+            is_eos = torch.isin(gen, eos_t)
+            first_eos = is_eos.int().argmax(1) + 1  # argmax returns the first maximum
+            first = torch.where(is_eos.any(1), first_eos, torch.full_like(first_eos, steps))
+            gen_np, ids_np, lps_np = gen.to(torch.int32).cpu().numpy(), top_ids.numpy(), top_lps.numpy()
+            for row, i in enumerate(batch):
+                n = int(first[row])
+                p = prompts[i]
+                out[i] = Record(
+                    request_id=str(p.id), draft_version=TEACHER_VERSION, domain=p.domain,
+                    prompt_ids=np.asarray(ids[i], dtype=np.int32),
+                    output_ids=gen_np[row, :n].copy(),
+                    topk_ids=ids_np[row, :n].copy(), topk_logprobs=lps_np[row, :n].copy(),
+                    accepted=np.zeros(n, dtype=bool), draft_tokens=np.full(n, -1, dtype=np.int32),
+                    draft_probs=np.full(n, np.nan, dtype=np.float32),
+                )
+            if bar is not None:
+                bar.update(len(batch))
+    finally:
+        if bar is not None:
+            bar.close()
+    return out  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------- records <-> table
+
+def _list(arrays: list[np.ndarray], dtype: Any, k: int = 0) -> pa.Array:
+    lens = np.fromiter((a.shape[0] for a in arrays), dtype=np.int64, count=len(arrays))
+    offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+    np.cumsum(lens, out=offsets[1:])
+    if offsets[-1] >= 2**31:
+        raise TeacherDataError("too many positions for one cache table (2^31)")
+    shape = (0, k) if k else (0,)
+    values = np.concatenate([np.asarray(a, dtype=dtype) for a in arrays]) if arrays else np.empty(shape, dtype)
+    flat = pa.array(values.reshape(-1))
+    inner = pa.FixedSizeListArray.from_arrays(flat, k) if k else flat
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), inner)
+
+
+def records_to_table(records: Sequence[Record]) -> pa.Table:
+    """One row per record, in the record schema of their (common) top-k width."""
+    k = records[0].top_k if records else 1
+    if any(r.top_k != k for r in records):
+        raise TeacherDataError(f"records of different top-k widths: {sorted({r.top_k for r in records})}")
+    schema = record_schema(k)
+    cols = [
+        pa.array([r.record_id for r in records], pa.string()),
+        pa.array([str(r.request_id) for r in records], pa.string()),
+        pa.array([float(r.created_at) for r in records], pa.float64()),
+        pa.array([str(r.draft_version) for r in records], pa.string()),
+        pa.array([r.domain for r in records], pa.string()),
+        _list([r.prompt_ids for r in records], np.int32),
+        _list([r.output_ids for r in records], np.int32),
+        _list([r.topk_ids for r in records], np.int32, k),
+        _list([r.topk_logprobs for r in records], np.float16, k),
+        _list([r.accepted for r in records], np.bool_),
+        _list([r.draft_tokens for r in records], np.int32),
+        _list([r.draft_probs for r in records], np.float32),
+    ]
+    return pa.Table.from_arrays(cols, schema=schema)
+
+
+def _cells(col: pa.ChunkedArray, k: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets [n+1], flat values) of a list column; offsets index into values."""
+    arr = col.combine_chunks()
+    offsets = arr.offsets.to_numpy().astype(np.int64)
+    vals = arr.values
+    if k:
+        base = vals.offset
+        vals = vals.values[base * k :]
+        offsets = offsets * k
+    flat = vals.to_numpy(zero_copy_only=False)
+    return offsets, flat
+
+
+def table_to_records(table: pa.Table) -> list[Record]:
+    """Inverse of records_to_table; numeric arrays are views into the table's buffers."""
+    k = table.schema.field("topk_ids").type.value_type.list_size
+    if not table.schema.remove_metadata().equals(record_schema(k).remove_metadata()):
+        raise CacheCorrupt(f"table schema is not the record schema: {table.schema}")
+    n = table.num_rows
+    for name in table.column_names:
+        if name != "domain" and table.column(name).null_count:
+            raise CacheCorrupt(f"column {name} has nulls")
+    meta = {name: table.column(name).to_pylist() for name in ("record_id", "request_id", "created_at",
+                                                               "draft_version", "domain")}
+    lists = {name: _cells(table.column(name), k if name.startswith("topk_") else 0)
+             for name in ("prompt_ids", "output_ids", "topk_ids", "topk_logprobs", "accepted",
+                          "draft_tokens", "draft_probs")}
+    out = []
+    for i in range(n):
+        def cell(name: str) -> np.ndarray:
+            offs, flat = lists[name]
+            return flat[offs[i] : offs[i + 1]]
+
+        ids, lps = cell("topk_ids"), cell("topk_logprobs")
+        out.append(Record(
+            record_id=meta["record_id"][i], request_id=meta["request_id"][i],
+            created_at=meta["created_at"][i], draft_version=meta["draft_version"][i],
+            domain=meta["domain"][i], prompt_ids=cell("prompt_ids"), output_ids=cell("output_ids"),
+            topk_ids=ids.reshape(-1, k), topk_logprobs=lps.reshape(-1, k), accepted=cell("accepted"),
+            draft_tokens=cell("draft_tokens"), draft_probs=cell("draft_probs"), schema_version=SCHEMA_VERSION,
+        ))
+        if out[-1].output_ids.shape[0] != out[-1].topk_ids.shape[0]:
+            raise CacheCorrupt(f"row {i}: {out[-1].output_ids.shape[0]} outputs, {out[-1].topk_ids.shape[0]} top-k rows")
+    return out
+
+
+def content_digest(table: pa.Table) -> str:
+    """sha256 over the table's logical values (not its byte layout)."""
+    h = hashlib.sha256()
+    h.update(str(table.num_rows).encode())
+    for name in table.column_names:
+        col = table.column(name)
+        h.update(b"\0" + name.encode() + b"\0")
+        t = col.type
+        if pa.types.is_string(t):
+            h.update(json.dumps(col.to_pylist()).encode())
+        elif pa.types.is_list(t):
+            k = t.value_type.list_size if pa.types.is_fixed_size_list(t.value_type) else 0
+            offsets, flat = _cells(col, k)
+            h.update((offsets - offsets[0]).tobytes())
+            h.update(np.ascontiguousarray(flat[offsets[0] : offsets[-1]]).view(np.uint8).tobytes()
+                     if flat.dtype == np.bool_ else np.ascontiguousarray(flat[offsets[0] : offsets[-1]]).tobytes())
+        else:
+            h.update(np.ascontiguousarray(col.to_numpy()).tobytes())
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- cache
+
+def canonical_json(obj: Any) -> str:
+    try:
+        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TeacherDataError(f"cache key is not plain JSON: {e}") from None
+
+
+def prompts_digest(prompts: Sequence[Prompt]) -> str:
+    h = hashlib.sha256()
+    for p in prompts:
+        h.update(canonical_json([p.id, p.text]).encode() + b"\n")
+    return h.hexdigest()
+
+
+def teacher_cache_key(target_ref: dict[str, Any], prompts: Sequence[Prompt], *, max_new_tokens: int,
+                      top_k: int, **extra: Any) -> dict[str, Any]:
+    """The key parts for a teacher set: target identity, prompts (ids and texts), settings."""
+    return {"kind": "teacher", "format": CACHE_FORMAT, "target": target_ref,
+            "prompts": {"n": len(prompts), "sha256": prompts_digest(prompts)},
+            "max_new_tokens": int(max_new_tokens), "top_k": int(top_k), "decode": "greedy", **extra}
+
+
+class TeacherCache:
+    """Records keyed by a dict of key parts, one Arrow IPC file per key under `root`."""
+
+    def __init__(self, root: str | Path, *, chunk_size: int = 256, progress: bool = True):
+        if chunk_size < 1:
+            raise ValueError("chunk_size must be >= 1")
+        self.root = Path(root).expanduser()
+        self.chunk_size = chunk_size
+        self.progress = progress
+
+    @staticmethod
+    def key(key_parts: dict[str, Any]) -> str:
+        return hashlib.sha256(canonical_json(key_parts).encode()).hexdigest()
+
+    def path(self, key_parts: dict[str, Any]) -> Path:
+        return self.root / f"{self.key(key_parts)}.arrow"
+
+    def part_path(self, key_parts: dict[str, Any], i: int) -> Path:
+        return self.root / f"{self.key(key_parts)}.part-{i}.arrow"
+
+    # -- files ----------------------------------------------------------------
+
+    def _write(self, path: Path, records: Sequence[Record], key: str, key_json: str,
+               part: dict[str, int] | None = None) -> None:
+        table = records_to_table(records)
+        meta = dict(table.schema.metadata or {})
+        meta.update({_KIND: b"teacher-records", _FORMAT: str(CACHE_FORMAT).encode(), _KEY: key.encode(),
+                     _KEY_JSON: key_json.encode(), _DIGEST: content_digest(table).encode()})
+        if part is not None:
+            meta[_PART] = canonical_json(part).encode()
+        table = table.replace_schema_metadata(meta)
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.root)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                with pa.ipc.new_file(f, table.schema) as writer:
+                    writer.write_table(table)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    def _read(self, path: Path, key: str, part: dict[str, int] | None = None) -> list[Record]:
+        """Records of a cache file, or CacheCorrupt; never a partial result."""
+        try:
+            with pa.OSFile(str(path), "rb") as f:
+                table = pa.ipc.open_file(f).read_all()
+            table.validate(full=True)
+        except (pa.ArrowException, OSError, ValueError) as e:
+            raise CacheCorrupt(f"unreadable Arrow file ({type(e).__name__}: {e})") from None
+        meta = table.schema.metadata or {}
+        if meta.get(_KIND) != b"teacher-records" or meta.get(_FORMAT) != str(CACHE_FORMAT).encode():
+            raise CacheCorrupt(f"not a teacher cache file of format {CACHE_FORMAT}")
+        if meta.get(_KEY) != key.encode():
+            raise CacheCorrupt(f"file holds key {meta.get(_KEY, b'?').decode()[:16]}…, expected {key[:16]}…")
+        if part is not None and meta.get(_PART) != canonical_json(part).encode():
+            raise CacheCorrupt(f"chunk layout {meta.get(_PART, b'?').decode()} differs from {canonical_json(part)}")
+        digest = content_digest(table)
+        if meta.get(_DIGEST) != digest.encode():
+            raise CacheCorrupt(f"content sha256 {digest[:16]}… differs from the recorded "
+                               f"{meta.get(_DIGEST, b'?').decode()[:16]}…")
+        try:
+            return table_to_records(table)
+        except (pa.ArrowException, ValueError, KeyError) as e:
+            raise CacheCorrupt(f"rows do not decode: {e}") from None
+
+    def _try_read(self, path: Path, key: str, part: dict[str, int] | None = None) -> list[Record] | None:
+        if not path.exists():
+            return None
+        try:
+            return self._read(path, key, part)
+        except CacheCorrupt as e:
+            log.warning("teacher cache file %s is corrupt (%s); deleting it and rebuilding", path, e)
+            path.unlink(missing_ok=True)
+            return None
+
+    # -- the entry point -------------------------------------------------------
+
+    def get_or_build(
+        self,
+        key_parts: dict[str, Any],
+        build_fn: Callable[..., Sequence[Record]],
+        *,
+        items: Sequence[Any] | None = None,
+        chunk_size: int | None = None,
+    ) -> list[Record]:
+        """The cached records for `key_parts`, building them on a miss.
+
+        items None: `build_fn()` returns every record. items given: `build_fn(chunk)` is
+        called per chunk of `chunk_size` items (default the cache's), each chunk's records
+        saved as it finishes, so a rerun after an interruption skips finished chunks."""
+        key_json = canonical_json(key_parts)
+        key = self.key(key_parts)
+        final = self.root / f"{key}.arrow"
+        t0 = time.perf_counter()
+        cached = self._try_read(final, key)
+        if cached is not None:
+            log.info("teacher cache hit %s (%d records, %.2f s)", final.name, len(cached), time.perf_counter() - t0)
+            return cached
+        if items is None:
+            records = list(build_fn())
+            self._write(final, records, key, key_json)
+            return records
+
+        size = chunk_size or self.chunk_size
+        if size < 1:
+            raise ValueError("chunk_size must be >= 1")
+        n = len(items)
+        n_chunks = math.ceil(n / size)
+        records: list[Record] = []
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=n, unit="prompt", desc="teacher data")
+        try:
+            for i in range(n_chunks):
+                chunk = items[i * size : (i + 1) * size]
+                part = {"index": i, "chunks": n_chunks, "chunk_size": size, "items": n}
+                ppath = self.root / f"{key}.part-{i}.arrow"
+                got = self._try_read(ppath, key, part)
+                if got is None:
+                    got = list(build_fn(chunk))
+                    self._write(ppath, got, key, key_json, part)
+                else:
+                    log.info("teacher cache: chunk %d/%d already built, resuming after it", i + 1, n_chunks)
+                records.extend(got)
+                if bar is not None:
+                    bar.update(len(chunk))
+        finally:
+            if bar is not None:
+                bar.close()
+        self._write(final, records, key, key_json)
+        for stale in self.root.glob(f"{key}.part-*.arrow"):
+            stale.unlink(missing_ok=True)
+        return records
+
+
+def cached_teacher_records(
+    target_model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Prompt],
+    *,
+    cache: TeacherCache,
+    target_ref: dict[str, Any],
+    max_new_tokens: int,
+    top_k: int = 32,
+    batch_size: int = 8,
+) -> list[Record]:
+    """generate_teacher_records through `cache`, chunked over prompts, resumable."""
+    key = teacher_cache_key(target_ref, prompts, max_new_tokens=max_new_tokens, top_k=top_k,
+                            dtype=str(target_model.dtype).removeprefix("torch."))
+    return cache.get_or_build(
+        key,
+        lambda chunk: generate_teacher_records(target_model, tokenizer, chunk, max_new_tokens=max_new_tokens,
+                                               top_k=top_k, batch_size=batch_size, progress=False),
+        items=list(prompts),
+    )
+
+
+__all__ = [
+    "CacheCorrupt", "TeacherCache", "TeacherDataError", "cached_teacher_records", "content_digest",
+    "generate_teacher_records", "records_to_table", "table_to_records", "teacher_cache_key",
+]

@@ -1,0 +1,353 @@
+"""Trainer actors on Ray that distill the draft from the record stream.
+
+Why our own actor group and not Ray Train's TorchTrainer: each worker must also be a named
+consumer in the stream's consumer group and ack records only after the checkpoint that
+covers them, and the group must be restartable from our own COMPLETE-marked checkpoints.
+A small group object (placement group, rank 0 first for the rendezvous address, async
+methods returning refs) does that in a page, and keeps DeepSpeed inside DistillEngine.
+
+Each step every rank packs its own records to the token budget; one all-reduce decides
+whether all ranks have data (otherwise nobody steps and the records wait), whether it is
+time to export, and whether to stop, so the collectives never go out of step.
+
+Delivery: a record is acked only after the checkpoint that includes the step that used
+it is COMPLETE. A worker killed before that leaves its records pending; the restarted
+group takes them over with XAUTOCLAIM and trains on them again: at least once, none lost.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+import torch
+
+from pipeline.config import OSDConfig
+
+
+def _log(rank: int, msg: str) -> None:
+    print(f"[osd train rank {rank}] {msg}", flush=True)
+
+
+def is_held_out(record_id: str, every: int) -> bool:
+    """One record in `every`, chosen by a hash of its id (stable across restarts)."""
+    return int(hashlib.sha256(record_id.encode()).hexdigest()[:8], 16) % every == 0
+
+
+@dataclass
+class RunStats:
+    rank: int
+    steps: int = 0
+    records_trained: int = 0
+    records_acked: int = 0
+    tokens: int = 0
+    train_s: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    exports: list[dict[str, Any]] = field(default_factory=list)
+    resumed: dict[str, Any] | None = None
+    dead_lettered: int = 0
+
+
+class TrainerWorker:
+    """One rank: a consumer in the group, a DistillEngine, and (rank 0) the exporter."""
+
+    def __init__(self, cfg_dict: dict[str, Any], rank: int, world_size: int, run_dir: str,
+                 init_draft: str | None = None, consumer_name: str | None = None):
+        self.cfg = OSDConfig.model_validate(cfg_dict)
+        self.rank, self.world_size = rank, world_size
+        self.run_dir = Path(run_dir)
+        self.init_draft = init_draft
+        self.consumer_name = consumer_name or f"trainer-{rank}"
+        torch.set_num_threads(1 if world_size > 1 else max(1, torch.get_num_threads()))
+
+    def address(self) -> tuple[str, int]:
+        from pipeline.redis_server import free_port
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> dict[str, Any] | None:
+        from pipeline.streams import RecordConsumer
+        from pipeline.target import load_target
+        from train.draft_model import build_draft, load_draft
+        from train.ds_engine import DistillEngine, init_distributed
+
+        tc = self.cfg.train
+        init_distributed(self.rank, self.world_size, master_addr, master_port, tc.device, tc.collective_timeout_s)
+        loaded = load_target(self.cfg.model.target, self.cfg.model, progress=False)
+        self.target = loaded.model
+        if self.init_draft:
+            draft, info = load_draft(self.init_draft, self.target)
+            self.parent_version = info.get("version") or Path(self.init_draft).name
+        else:
+            draft = build_draft(self.target, self.draft_spec())
+            self.parent_version = None
+        self.spec_info = self.draft_spec()
+        self.engine = DistillEngine(draft, tc)
+        self.consumer = RecordConsumer(self.cfg.stream.redis_url, self.cfg.stream, name=self.consumer_name)
+        self.held_out: list[Any] = []
+        resumed = self.engine.load_latest(self.ckpt_dir)
+        self.records_total = int(resumed["records_total"]) if resumed else 0
+        self.versions = int(resumed.get("versions", 0)) if resumed else 0
+        if resumed and resumed.get("parent_version"):
+            self.parent_version = resumed["parent_version"]
+        if resumed:
+            _log(self.rank, f"resumed from {resumed['tag']} ({resumed['resumed']}), {self.records_total} records so far")
+        self.resumed = resumed
+        return resumed
+
+    def draft_spec(self):
+        from train.draft_model import DraftSpec
+
+        tc = self.cfg.train
+        return DraftSpec(num_layers=tc.draft_layers, layer_source=tc.draft_layer_source,
+                         independent_head=tc.independent_head)
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    # -- the loop ----------------------------------------------------------------
+
+    def _loss_fn(self):
+        from train.batching import position_logits
+        from train.losses import distill_loss, position_weights
+
+        tc = self.cfg.train
+
+        def fn(model, batch):
+            logits = position_logits(model, batch)
+            w = position_weights(batch.accepted, batch.draft_tokens, tc.positions, other_weight=tc.mix_weight)
+            if batch.n_records == 0:
+                w = torch.zeros_like(w)  # null batch: zero loss, zero gradients
+            return distill_loss(logits, batch.topk_ids, batch.topk_logprobs, kind=tc.loss, beta=tc.jsd_beta, weights=w)
+
+        return fn
+
+    def _fill(self, buffer: list, block_ms: int) -> int:
+        """Read new deliveries; held-out ones go to the α buffer (acked at the next checkpoint)."""
+        tc = self.cfg.train
+        # Small reads when there are several ranks, so one rank does not take every record.
+        got = self.consumer.read(count=4 if self.world_size > 1 else None, block_ms=block_ms)
+        for d in got:
+            if is_held_out(d.record.record_id, tc.held_out_every):
+                self.held_out.append(d.record)
+                del self.held_out[: -tc.held_out_buffer]
+                self._held_acks.append(d)
+            else:
+                buffer.append(d)
+        return len(got)
+
+    def run(self, max_records: int | None = None, max_seconds: float | None = None,
+            idle_stop_s: float | None = None) -> RunStats:
+        """Train until max_records (all ranks together) or max_seconds, or until no rank has
+        seen data for idle_stop_s. Checkpoints, acks and exports on the configured cadence."""
+        import torch.distributed as dist
+
+        from train.batching import pack, record_tokens, take_budget
+
+        tc = self.cfg.train
+        stats = RunStats(self.rank, resumed=self.resumed)
+        loss_fn = self._loss_fn()
+        buffer: list = []
+        self._held_acks: list = []
+        unacked: list = []  # trained since the last checkpoint
+        since_export, last_export = 0, time.monotonic()
+        t_start, last_data = time.monotonic(), time.monotonic()
+        loss_acc: list[float] = []
+        while True:
+            if sum(record_tokens(d.record, tc.max_seq_len) for d in buffer) < tc.token_budget:
+                if self._fill(buffer, block_ms=100 if buffer else 500):
+                    last_data = time.monotonic()
+            take = take_budget(buffer, tc.token_budget, tc.max_seq_len, key=lambda d: d.record)
+            now = time.monotonic()
+            done_local = (max_seconds is not None and now - t_start >= max_seconds) or (
+                idle_stop_s is not None and not take and not buffer and now - last_data >= idle_stop_s)
+            export_local = now - last_export >= tc.export_every_s
+            # [have data, still running, export] under MAX: any data, any running, any export.
+            flags = torch.tensor([float(bool(take)), float(not done_local), float(export_local)])
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            any_data, stop, export = bool(flags[0]), not bool(flags[1]), bool(flags[2])
+            n_local = 0
+            if any_data and not take:
+                # Another rank has data: step with a zero-weight batch so the collectives stay in step.
+                self.engine.train_batch(null_batch(), loss_fn)
+            elif any_data:
+                batch = pack([d.record for d in take], tc.max_seq_len)
+                t0 = time.perf_counter()
+                loss = self.engine.train_batch(batch, loss_fn)
+                stats.train_s += time.perf_counter() - t0
+                stats.steps += 1
+                stats.tokens += batch.n_tokens
+                stats.losses.append(loss)
+                loss_acc.append(loss)
+                unacked += take
+                n_local = len(take)
+            count = torch.tensor([float(n_local)])
+            dist.all_reduce(count, op=dist.ReduceOp.SUM)
+            self.records_total += int(count)
+            since_export += int(count)
+            stats.records_trained += n_local
+            if max_records is not None and self.records_total >= max_records:
+                stop = True
+            if since_export >= tc.export_every_records:
+                export = True
+            if (export or stop) and (unacked or since_export):
+                info = self._checkpoint_and_export(unacked, loss_acc, since_export)
+                stats.records_acked += info["acked"]
+                if info.get("export"):
+                    stats.exports.append(info["export"])
+                unacked, loss_acc, since_export, last_export = [], [], 0, time.monotonic()
+            if stop:
+                break
+        stats.dead_lettered = self.consumer.stats().dead_total
+        return stats
+
+    def _checkpoint_and_export(self, unacked: list, losses: list[float], n_records: int) -> dict[str, Any]:
+        """Collective: checkpoint (COMPLETE last), then ack what it covers, then rank 0 publishes."""
+        self.versions += 1
+        tag, weights = self.engine.save(self.ckpt_dir, {"records_total": self.records_total,
+                                                        "versions": self.versions,
+                                                        "parent_version": self.parent_version})
+        acked = self.consumer.ack(unacked + self._held_acks)
+        self._held_acks = []
+        out: dict[str, Any] = {"acked": acked, "tag": tag}
+        if self.rank == 0:
+            out["export"] = self._publish(weights, losses, n_records)
+        return out
+
+    def _publish(self, weights: dict[str, torch.Tensor], losses: list[float], n_records: int) -> dict[str, Any]:
+        from train.draft_model import build_draft, save_draft
+
+        draft = build_draft(self.target, self.spec_info)
+        missing = set(weights) - set(dict(draft.named_parameters()))
+        if missing:
+            raise RuntimeError(f"exported weights do not fit the draft: {sorted(missing)[:3]}")
+        with torch.no_grad():
+            params = dict(draft.named_parameters())
+            for n, w in weights.items():
+                params[n].copy_(w)
+        alpha = estimate_alpha(draft, self.held_out, self.cfg.train.max_seq_len)
+        version = f"{self.run_dir.name}-v{self.versions:04d}"
+        metrics = {"loss": sum(losses) / len(losses) if losses else None, "alpha_est": alpha,
+                   "held_out_records": len(self.held_out)}
+        lineage = {"parent": self.parent_version, "records_consumed": self.records_total,
+                   "records_since_parent": n_records, "world_size": self.world_size,
+                   "zero_stage": self.cfg.train.zero_stage}
+        out_dir = self.run_dir / "candidates" / version
+        save_draft(draft, self.spec_info, out_dir, target_ref={"spec": self.cfg.model.target},
+                   lineage=lineage, metrics=metrics)
+        _log(0, f"published {version}: alpha_est {alpha}, loss {metrics['loss']}, {self.records_total} records")
+        self.parent_version = version
+        return {"version": version, "path": str(out_dir), **metrics, **lineage}
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def null_batch():
+    """One dummy position with no records: a step that contributes nothing but takes part."""
+    from train.batching import Batch
+
+    z = torch.zeros(1, dtype=torch.long)
+    return Batch(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), z, z,
+                 torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1), torch.zeros(1, dtype=torch.bool),
+                 torch.full((1,), -1, dtype=torch.long), n_records=0, n_tokens=0)
+
+
+@torch.no_grad()
+def estimate_alpha(draft: torch.nn.Module, records: list, max_seq_len: int) -> float | None:
+    """Mean per-position acceptance lower bound of `draft` on `records`, from the records'
+    target top-k alone (no target forward): sum over known tokens of min(p, q)."""
+    from train.batching import pack, position_logits
+    from train.losses import expected_acceptance
+
+    if not records:
+        return None
+    draft.eval()
+    total, n = 0.0, 0
+    for i in range(0, len(records), 8):
+        batch = pack(records[i:i + 8], max_seq_len)
+        acc = expected_acceptance(position_logits(draft, batch), batch.topk_ids, batch.topk_logprobs)
+        total += float(acc.lower.sum())
+        n += acc.lower.numel()
+    return total / n if n else None
+
+
+class TrainerGroup:
+    """N TrainerWorker actors in one placement group; rank 0 starts first for the rendezvous."""
+
+    def __init__(self, cfg: OSDConfig, run_dir: str | os.PathLike, init_draft: str | None = None,
+                 num_workers: int | None = None):
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.n = num_workers or cfg.train.num_workers
+        self.pg = placement_group([{"CPU": 1}] * self.n, strategy="PACK")
+        ray.get(self.pg.ready(), timeout=120)
+        actor = ray.remote(num_cpus=1)(TrainerWorker)
+        cfg_dict = cfg.model_dump(mode="json")
+        env = {"env_vars": {"DS_ACCELERATOR": "cpu"}} if cfg.train.device == "cpu" else {}
+
+        group_id = os.urandom(4).hex()
+
+        def start(rank: int):
+            return actor.options(
+                name=f"osd-trainer-{group_id}-rank{rank}",  # findable for ops (and the kill test)
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
+                                                                     placement_group_bundle_index=rank),
+                runtime_env=env, max_restarts=0,
+            ).remote(cfg_dict, rank, self.n, str(run_dir), init_draft)
+
+        self.workers = [start(0)]
+        addr, port = ray.get(self.workers[0].address.remote(), timeout=120)
+        self.workers += [start(r) for r in range(1, self.n)]
+        self.resumed = ray.get([w.setup.remote(addr, port) for w in self.workers], timeout=600)
+
+    def async_run(self, **kw) -> list:
+        return [w.run.remote(**kw) for w in self.workers]
+
+    def run(self, timeout: float | None = None, **kw) -> list[RunStats]:
+        """Blocks; raises as soon as any worker fails (the others would wait in a collective)."""
+        refs = self.async_run(**kw)
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=timeout)
+            if not done:
+                raise TimeoutError(f"trainer group did not finish in {timeout} s")
+            ray.get(done[0])
+        return ray.get(refs)
+
+    def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        remove_placement_group(self.pg)
+
+
+def run_with_restarts(cfg: OSDConfig, run_dir: str | os.PathLike, *, restarts: int = 2, init_draft: str | None = None,
+                      **run_kw) -> list[RunStats]:
+    """Run a group; if a worker dies, tear the group down and start a new one that resumes
+    from the newest COMPLETE checkpoint (its unacked records are reclaimed from the stream)."""
+    last_err: Exception | None = None
+    for attempt in range(restarts + 1):
+        group = TrainerGroup(cfg, run_dir, init_draft=init_draft)
+        try:
+            return group.run(**run_kw)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            last_err = e
+            print(f"[osd train] a worker failed ({type(e).__name__}); restarting the group "
+                  f"({attempt + 1}/{restarts})", flush=True)
+        finally:
+            group.shutdown()
+    raise RuntimeError(f"training failed after {restarts} restarts") from last_err
+
+
+def save_stats(stats: list[RunStats], path: str | os.PathLike) -> None:
+    Path(path).write_text(json.dumps([s.__dict__ for s in stats], indent=2, default=str))

@@ -1,0 +1,158 @@
+"""`osd draft init`: the first draft, distilled offline from the target's own outputs.
+
+1. Teacher records: the target greedily answers `train.warm_prompts` ShareGPT train prompts
+   (batched), cached on disk as Arrow keyed by target digest + prompt set + settings, built
+   in chunks so an interrupted run resumes (train/teacher_data.py).
+2. Draft: `train.draft_layers` target layers copied, embedding/norm/head shared and frozen.
+3. Distillation: `train.warm_epochs` passes through the DistillEngine (one process, world
+   size 1), packed to the token budget, with a progress bar. A checkpoint after every epoch
+   (COMPLETE marker last) lets a rerun resume at the next epoch.
+4. Publish v1 with lineage and the acceptance estimate before and after, measured on one
+   teacher record in `held_out_every` that training never sees.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.config import OSDConfig
+
+
+def _log(msg: str) -> None:
+    print(f"[osd draft init] {msg}", flush=True)
+
+
+def warm_prompts(cfg: OSDConfig, n: int, max_chars: int = 600, split: str = "train", domain: str | None = None):
+    from pipeline.prompts import load_sharegpt
+
+    prompts = [p for p in load_sharegpt(cfg.data, split=split) if len(p.text) <= max_chars
+               and (domain is None or p.domain == domain)]
+    return prompts[:n]
+
+
+def teacher_records(cfg: OSDConfig, loaded: Any, prompts: list, *, progress: bool = True) -> list:
+    """The target's records for `prompts`, from the on-disk cache when present."""
+    from train.draft_model import target_ref
+    from train.teacher_data import TeacherCache, generate_teacher_records
+
+    tc = cfg.train
+    key = {
+        "target": target_ref(loaded),
+        "prompts": hashlib.sha256(json.dumps([p.id for p in prompts]).encode()).hexdigest(),
+        "max_new_tokens": tc.warm_max_new_tokens,
+        "top_k": cfg.serve.capture_top_k,
+    }
+    cache = TeacherCache(Path(cfg.state_dir) / "teacher", progress=progress)
+
+    def build(chunk):
+        return generate_teacher_records(loaded.model, loaded.tokenizer, chunk, max_new_tokens=tc.warm_max_new_tokens,
+                                        top_k=cfg.serve.capture_top_k, batch_size=tc.warm_batch_size,
+                                        progress=progress)
+
+    return cache.get_or_build(key, build, items=prompts)
+
+
+def split_held_out(records: list, every: int) -> tuple[list, list]:
+    from train.trainer import is_held_out
+
+    held = [r for r in records if is_held_out(r.request_id, every)]
+    train = [r for r in records if not is_held_out(r.request_id, every)]
+    return train, held
+
+
+def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progress: bool = True,
+                   force: bool = False) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from pipeline.redis_server import free_port
+    from pipeline.target import load_target
+    from train.batching import pack, take_budget
+    from train.draft_model import DraftSpec, build_draft, save_draft, target_ref
+    from train.ds_engine import DistillEngine, init_distributed
+    from train.trainer import estimate_alpha
+
+    tc = cfg.train
+    state = Path(cfg.state_dir)
+    out_dir = Path(out_dir) if out_dir else state / "drafts" / "v1"
+    if out_dir.exists() and not force:
+        _log(f"{out_dir} already exists (use --force to rebuild)")
+        return json.loads((out_dir / "draft.json").read_text())
+    t0 = time.perf_counter()
+    loaded = load_target(cfg.model.target, cfg.model, progress=progress)
+    prompts = warm_prompts(cfg, tc.warm_prompts)
+    _log(f"teacher outputs for {len(prompts)} ShareGPT train prompts, up to {tc.warm_max_new_tokens} tokens each")
+    t_gen = time.perf_counter()
+    records = teacher_records(cfg, loaded, prompts, progress=progress)
+    gen_s = time.perf_counter() - t_gen
+    train_recs, held = split_held_out(records, tc.held_out_every)
+    _log(f"{len(records)} teacher records ({gen_s:.1f} s; cached for next time): {len(train_recs)} train, "
+         f"{len(held)} held out")
+
+    spec = DraftSpec(num_layers=tc.draft_layers, layer_source=tc.draft_layer_source,
+                     independent_head=tc.independent_head)
+    draft = build_draft(loaded.model, spec)
+    alpha_before = estimate_alpha(draft, held, tc.max_seq_len)
+    _log(f"draft: {tc.draft_layers} {tc.draft_layer_source} layers of the target; acceptance estimate before "
+         f"training {alpha_before:.3f}")
+
+    init_distributed(0, 1, "127.0.0.1", free_port(), tc.device)
+    engine = DistillEngine(draft, tc)
+    # Checkpoints are keyed by everything that shapes the run, so a resume never mixes settings.
+    run_key = hashlib.sha256(json.dumps({"prompts": [p.id for p in prompts], "spec": spec.model_dump(),
+                                         "loss": tc.loss, "lr": tc.lr, "tokens": tc.warm_max_new_tokens,
+                                         "budget": tc.token_budget}, sort_keys=True).encode()).hexdigest()[:16]
+    ckpt_dir = state / "warm-start" / run_key / "checkpoints"
+    resumed = engine.load_latest(ckpt_dir) if not force else None
+    first_epoch = int(resumed["epoch"]) + 1 if resumed else 0
+    if resumed:
+        _log(f"resuming after epoch {first_epoch} from {resumed['tag']}")
+
+    from train.losses import distill_loss, position_weights
+    from train.batching import position_logits
+
+    def loss_fn(model, batch):
+        w = position_weights(batch.accepted, batch.draft_tokens, "all")
+        return distill_loss(position_logits(model, batch), batch.topk_ids, batch.topk_logprobs, kind=tc.loss,
+                            beta=tc.jsd_beta, weights=w)
+
+    losses: list[float] = []
+    tokens = 0
+    t_train = time.perf_counter()
+    for epoch in range(first_epoch, tc.warm_epochs):
+        g = torch.Generator().manual_seed(epoch)
+        order = [train_recs[i] for i in torch.randperm(len(train_recs), generator=g).tolist()]
+        bar = tqdm(total=len(order), desc=f"epoch {epoch + 1}/{tc.warm_epochs}", unit="rec", disable=not progress)
+        while order:
+            take = take_budget(order, tc.token_budget, tc.max_seq_len)
+            batch = pack(take, tc.max_seq_len)
+            losses.append(engine.train_batch(batch, loss_fn))
+            tokens += batch.n_tokens
+            bar.update(len(take))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.close()
+        engine.save(ckpt_dir, {"epoch": epoch, "records_total": len(train_recs) * (epoch + 1)})
+    train_s = time.perf_counter() - t_train
+
+    weights = engine.export_weights()
+    final = build_draft(loaded.model, spec)
+    params = dict(final.named_parameters())
+    with torch.no_grad():
+        for n, w in weights.items():
+            params[n].copy_(w)
+    alpha_after = estimate_alpha(final, held, tc.max_seq_len)
+    metrics = {"alpha_est": alpha_after, "alpha_est_before": alpha_before,
+               "loss_last": losses[-1] if losses else None, "held_out_records": len(held),
+               "train_tokens_per_s": tokens / train_s if train_s > 0 and tokens else None}
+    lineage = {"parent": None, "kind": "warm_start", "records_consumed": len(train_recs) * tc.warm_epochs,
+               "prompts": len(prompts), "epochs": tc.warm_epochs, "loss": tc.loss}
+    save_draft(final, spec, out_dir, target_ref=target_ref(loaded), lineage=lineage, metrics=metrics,
+               overwrite=force)
+    _log(f"published v1 at {out_dir}: acceptance estimate {alpha_before:.3f} -> {alpha_after:.3f} "
+         f"({time.perf_counter() - t0:.0f} s in all, {train_s:.0f} s training)")
+    return {"version": "v1", "path": str(out_dir), "generate_s": gen_s, "train_s": train_s, **metrics, **lineage}
