@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--limit", type=int, metavar="N", help="use at most N prompts")
     be.add_argument("--max-new-tokens", type=int, default=96, metavar="M")
     be.add_argument("--k", type=int, default=4, metavar="K", help="draft tokens per step (default 4)")
-    be.add_argument("--draft", default="truncate:4", metavar="SPEC", help="self or truncate:L (default truncate:4)")
+    be.add_argument("--draft", default="truncate:4", metavar="SPEC", help="self, truncate:L or a published draft directory (default truncate:4)")
     be.add_argument("--device", default="cpu", help="cpu or cuda")
     be.add_argument("--target", help="target spec (default: model.target)")
     be.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer ShareGPT prompts")
@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", help="bind address (default serve.host)")
     sv.add_argument("--port", type=int, help="HTTP port (default serve.port)")
     sv.add_argument("--replicas", type=int, help="target replicas (default serve.num_replicas)")
-    sv.add_argument("--draft", help="none, self or truncate:L (default serve.draft)")
+    sv.add_argument("--draft", help="none, self, truncate:L or a draft directory (default serve.draft)")
     sv.set_defaults(func=_cmd_serve)
 
     demo = sub.add_parser("demo", help="prepare the target and complete a few held-out ShareGPT prompts")

@@ -163,7 +163,7 @@ class TrainConfig(_Section):
     warm_prompts: int = Field(256, ge=1)
     warm_max_new_tokens: int = Field(64, ge=1)
     warm_epochs: int = Field(6, ge=1)
-    warm_batch_size: int = Field(8, ge=1)
+    warm_batch_size: int = Field(16, ge=1)
 
     @model_validator(mode="after")
     def _offload(self) -> "TrainConfig":

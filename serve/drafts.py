@@ -4,12 +4,14 @@
 - `self`: the target as its own draft (acceptance 1 under greedy); measures the cost side.
 - `truncate:L`: the target's first L decoder layers with its embedding, final norm and
   head, sharing the target's tensors (no copy).
-Later issues add registry versions and paths.
+- a directory: a draft published by `osd draft init` or the trainer (train/draft_model.py).
+Registry versions come with the registry.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,4 +63,8 @@ def build_draft(spec: str | None, target: Any) -> Any | None:
         except ValueError:
             raise DraftSpecError(f"bad draft spec {spec!r}: expected truncate:L with an integer L") from None
         return truncated_llama(target, n)
-    raise DraftSpecError(f"unknown draft spec {spec!r}: expected none, self or truncate:L")
+    if Path(spec).expanduser().is_dir():
+        from train.draft_model import load_draft  # a published draft directory (digests checked)
+
+        return load_draft(Path(spec).expanduser(), target)[0]
+    raise DraftSpecError(f"unknown draft spec {spec!r}: expected none, self, truncate:L or a draft directory")

@@ -287,3 +287,17 @@ def test_saved_draft_serves_like_the_in_memory_one(tmp_path):
     a = SpecEngine(draft, None, None, opts).generate(prompt, ar)
     b = SpecEngine(loaded, None, None, opts).generate(prompt, ar)
     assert a.output_ids == b.output_ids
+
+
+def test_serve_draft_spec_accepts_a_published_directory(target, tmp_path):
+    from serve.drafts import DraftSpecError, build_draft as serve_draft
+
+    spec = DraftSpec(num_layers=2)
+    d = build_draft(target, spec)
+    out = save_draft(d, spec, tmp_path / "v1", target_ref=REF)
+    loaded = serve_draft(str(out), target)
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, d(ids).logits)
+    with pytest.raises(DraftSpecError, match="draft directory"):
+        serve_draft(str(tmp_path / "missing"), target)
