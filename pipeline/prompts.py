@@ -196,9 +196,12 @@ def domain_split_counts(prompts: Iterable[Prompt]) -> dict[str, dict[str, int]]:
 
 def chat_ids(tokenizer: Any, text: str) -> list[int]:
     """Token ids of one user turn in the target's chat template, ready to generate from."""
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-    )
+    return messages_ids(tokenizer, [{"role": "user", "content": text}])
+
+
+def messages_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation in the target's chat template, ready to generate from."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     # transformers 5 returns a BatchEncoding here; older versions a plain list.
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]

@@ -73,15 +73,13 @@ class TargetReplica:
     # -- request preparation --------------------------------------------------
 
     def _prepare(self, req: dict[str, Any]):
-        from pipeline.prompts import domain_of
+        from pipeline.prompts import domain_of, messages_ids
         from serve.engine import GenerationParams
         from serve.verify import SamplingParams
 
         if req["kind"] == "chat":
             msgs = req["messages"]
-            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):
-                ids = ids["input_ids"]
+            ids = messages_ids(self.tokenizer, msgs)
             user_text = next((m["content"] for m in reversed(msgs) if m["role"] == "user"), "")
         elif isinstance(req["prompt"], str):
             ids = self.tokenizer.encode(req["prompt"], add_special_tokens=False)

@@ -234,6 +234,19 @@ def build_draft(target_model: Any, spec: DraftSpec | None = None) -> Any:
     return draft
 
 
+def draft_with_weights(target_model: Any, spec: DraftSpec, weights: dict[str, torch.Tensor]) -> Any:
+    """A fresh draft of `spec` whose trainable tensors are `weights` (as exported by the trainer)."""
+    draft = build_draft(target_model, spec)
+    params = dict(draft.named_parameters())
+    missing = set(weights) - set(params)
+    if missing:
+        raise DraftSpecError(f"exported weights do not fit the draft: {sorted(missing)[:3]}")
+    with torch.no_grad():
+        for n, w in weights.items():
+            params[n].copy_(w)
+    return draft
+
+
 def trainable_state_dict(draft: Any, spec: DraftSpec | None = None) -> dict[str, torch.Tensor]:
     """The draft's own tensors (everything not shared with the target), detached."""
     shared = set(shared_names(draft))

@@ -222,16 +222,9 @@ class TrainerWorker:
         return out
 
     def _publish(self, weights: dict[str, torch.Tensor], losses: list[float], n_records: int) -> dict[str, Any]:
-        from train.draft_model import build_draft, save_draft
+        from train.draft_model import draft_with_weights, save_draft
 
-        draft = build_draft(self.target, self.spec_info)
-        missing = set(weights) - set(dict(draft.named_parameters()))
-        if missing:
-            raise RuntimeError(f"exported weights do not fit the draft: {sorted(missing)[:3]}")
-        with torch.no_grad():
-            params = dict(draft.named_parameters())
-            for n, w in weights.items():
-                params[n].copy_(w)
+        draft = draft_with_weights(self.target, self.spec_info, weights)
         alpha = estimate_alpha(draft, self.held_out, self.cfg.train.max_seq_len)
         version = f"{self.run_dir.name}-v{self.versions:04d}"
         metrics = {"loss": sum(losses) / len(losses) if losses else None, "alpha_est": alpha,

@@ -73,7 +73,7 @@ def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progres
     from pipeline.redis_server import free_port
     from pipeline.target import load_target
     from train.batching import pack, take_budget
-    from train.draft_model import DraftSpec, build_draft, save_draft, target_ref
+    from train.draft_model import DraftSpec, build_draft, draft_with_weights, save_draft, target_ref
     from train.ds_engine import DistillEngine, init_distributed
     from train.trainer import estimate_alpha
 
@@ -140,11 +140,7 @@ def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progres
     train_s = time.perf_counter() - t_train
 
     weights = engine.export_weights()
-    final = build_draft(loaded.model, spec)
-    params = dict(final.named_parameters())
-    with torch.no_grad():
-        for n, w in weights.items():
-            params[n].copy_(w)
+    final = draft_with_weights(loaded.model, spec, weights)
     alpha_after = estimate_alpha(final, held, tc.max_seq_len)
     metrics = {"alpha_est": alpha_after, "alpha_est_before": alpha_before,
                "loss_last": losses[-1] if losses else None, "held_out_records": len(held),
