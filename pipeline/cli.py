@@ -12,10 +12,11 @@ from typing import Callable, Sequence
 
 from pipeline.config import ConfigError, OSDConfig, load_config
 from pipeline.prompts import PromptDataError
+from pipeline.registry import RegistryError
 from pipeline.target import TargetError
 
 # Errors that are the user's to fix: print the message, exit 2, no traceback.
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, TargetError, PromptDataError)
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, TargetError, PromptDataError, RegistryError)
 
 
 def _user_errors() -> tuple[type[Exception], ...]:
@@ -29,6 +30,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
         from serve.drafts import DraftSpecError
 
         extra.append(DraftSpecError)
+    if "pipeline.up" in sys.modules:
+        from pipeline.up import UpError
+
+        extra.append(UpError)
     if "train.draft_model" in sys.modules:
         from train.draft_model import DraftSpecError as TrainDraftSpecError
 
@@ -141,7 +146,15 @@ def _cmd_bench_train(cfg: OSDConfig, args: argparse.Namespace) -> int:
 def _cmd_demo(cfg: OSDConfig, args: argparse.Namespace) -> int:
     from pipeline.demo import run_demo
 
-    return run_demo(cfg, n_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+    run_demo(cfg, general_s=args.general_seconds, code_s=args.code_seconds, speed_prompts=args.speed_prompts,
+             max_tokens=args.max_tokens, out_dir=args.out)
+    return 0
+
+
+def _cmd_up(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from pipeline.up import run_up
+
+    return run_up(cfg, train=not args.no_train)
 
 
 def _cmd_bench_engine(cfg: OSDConfig, args: argparse.Namespace) -> int:
@@ -181,6 +194,67 @@ def _cmd_replay(cfg: OSDConfig, args: argparse.Namespace) -> int:
         print(f"osd: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _cmd_registry(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from pipeline.registry import Registry
+
+    reg = Registry.from_config(cfg)
+    op = args.registry_op
+    if op == "publish":
+        v = reg.publish(args.dir, args.version)
+        print(f"published {v.id} ({v.size / 1e6:.1f} MB) to {reg.uri}")
+    elif op == "list":
+        aliases = {name: a["version"] for name, a in reg.aliases().items() if a}
+        rows = [{"version": v.id, "created_at": v.created_at, "aliases": [n for n, x in aliases.items() if x == v.id],
+                 "parent": v.lineage.get("parent"), "records": v.lineage.get("records_consumed"),
+                 "alpha_est": v.metrics.get("alpha_est"), "size": v.size} for v in reg.list()]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        print(f"{'version':<24}{'created (UTC)':<22}{'aliases':<16}{'parent':<24}{'records':>9}{'alpha_est':>11}")
+        for r in rows:
+            created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created_at"]))
+            a = r["alpha_est"]
+            print(f"{r['version']:<24}{created:<22}{','.join(r['aliases']) or '-':<16}{str(r['parent'] or '-'):<24}"
+                  f"{str(r['records'] if r['records'] is not None else '-'):>9}{'-' if a is None else f'{a:.3f}':>11}")
+        canary = reg.alias("canary")
+        if canary:
+            print(f"canary weight: {canary['weight']:.0%}")
+    elif op == "show":
+        v = reg.get(args.version)
+        names = [n for n, a in reg.aliases().items() if a and a["version"] == v.id]
+        print(json.dumps({"version": v.id, "created_at": v.created_at, "aliases": names, "lineage": v.lineage,
+                          "metrics": v.metrics, "tokenizer": v.tokenizer, "files": v.files}, indent=2))
+    elif op == "promote":
+        body = reg.promote(args.version, reason="osd registry promote")
+        print(f"stable -> {body['version']} (previous {body['previous']}); canary cleared")
+    elif op == "rollback":
+        out = reg.rollback(reason="osd registry rollback")
+        if "dropped_canary" in out:
+            print(f"dropped canary {out['dropped_canary']}; stable stays {out['stable']}")
+        else:
+            print(f"stable -> {out['stable']} (was {out['from']})")
+    elif op == "gc":
+        removed = reg.gc(args.keep_last if args.keep_last is not None else cfg.registry.keep_last)
+        print(f"removed {len(removed)}: {', '.join(removed) or '-'}")
+    return 0
+
+
+def _add_registry_parser(sub: argparse._SubParsersAction) -> None:
+    rg = sub.add_parser("registry", help="draft versions and the stable/canary aliases (registry.uri)")
+    rs = rg.add_subparsers(dest="registry_op", required=True)
+    pb = rs.add_parser("publish", help="copy a draft directory in as a new immutable version")
+    pb.add_argument("dir")
+    pb.add_argument("--version", help="version id (default: the next vN)")
+    ls = rs.add_parser("list", help="versions, oldest first, with their aliases and lineage")
+    ls.add_argument("--json", action="store_true")
+    rs.add_parser("show", help="one version's manifest").add_argument("version")
+    rs.add_parser("promote", help="make a version stable (clears the canary)").add_argument("version")
+    rs.add_parser("rollback", help="drop the canary, or else move stable back to its previous version")
+    gc = rs.add_parser("gc", help="delete versions no alias names, beyond the newest N")
+    gc.add_argument("--keep-last", type=int, metavar="N", help="default registry.keep_last")
+    rg.set_defaults(func=_cmd_registry)
 
 
 def _add_bench_stream_parser(bench_sub: argparse._SubParsersAction) -> None:
@@ -297,9 +371,18 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--draft", help="none, self, truncate:L or a draft directory (default serve.draft)")
     sv.set_defaults(func=_cmd_serve)
 
-    demo = sub.add_parser("demo", help="prepare the target and complete a few held-out ShareGPT prompts")
-    demo.add_argument("--prompts", type=int, default=3, help="how many prompts (default 3)")
-    demo.add_argument("--max-new-tokens", type=int, default=48)
+    _add_registry_parser(sub)
+
+    up = sub.add_parser("up", help="the closed loop: Ray, Redis, serving, trainer and rollout controller")
+    up.add_argument("--no-train", action="store_true", help="serve and roll out, without the trainer")
+    up.set_defaults(func=_cmd_up)
+
+    demo = sub.add_parser("demo", help="closed loop on ShareGPT traffic that shifts to code; writes reports/demo")
+    demo.add_argument("--general-seconds", type=float, default=240, help="general traffic first (default 240)")
+    demo.add_argument("--code-seconds", type=float, default=600, help="then code traffic (default 600)")
+    demo.add_argument("--speed-prompts", type=int, default=12, help="post-shift prompts for the AR comparison")
+    demo.add_argument("--max-tokens", type=int, default=64)
+    demo.add_argument("--out", default="reports/demo", help="report directory (default reports/demo)")
     demo.set_defaults(func=_cmd_demo)
     return p
 

@@ -66,8 +66,11 @@ class DataConfig(_Section):
 class ServeConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    # Draft served beside the target: none, self or truncate:L (registry versions later).
+    # Draft served beside the target: none, self, truncate:L, a draft directory, or
+    # "registry": follow the registry's stable/canary aliases, hot-swapping as they move.
     draft: str = "truncate:4"
+    # With draft: registry, how often each replica re-reads the aliases.
+    alias_poll_s: float = Field(2.0, gt=0)
     # Write a training record for each finished request (a request may override it).
     record: bool = True
     num_replicas: int = Field(1, ge=1)
@@ -138,6 +141,8 @@ class TrainConfig(_Section):
     # How long surviving ranks wait in a collective for a dead one before failing.
     collective_timeout_s: float = Field(300.0, gt=0)
     lr: float = Field(1e-3, gt=0)
+    # Linear learning-rate warm-up over this many optimizer steps (0: none).
+    warmup_steps: int = Field(20, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     # Records per optimizer step are packed up to this many tokens (prompt + output) per worker.
     token_budget: int = Field(1024, ge=1)
@@ -179,8 +184,18 @@ class RegistryConfig(_Section):
 
 
 class RolloutConfig(_Section):
+    # Canary traffic shares to pass in turn; passing the last one promotes (pipeline/canary_rule.py).
     canary_steps: list[float] = Field(default_factory=lambda: [0.1, 0.5, 1.0])
+    # Acceptance may be this much worse (absolute), mean accepted length len_margin tokens.
     margin: float = Field(0.02, ge=0)
+    len_margin: float = Field(0.1, ge=0)
+    alpha: float = Field(0.05, gt=0, lt=1)  # error rate of the always-valid intervals
+    tau: float = Field(0.1, gt=0)  # mixture scale of the sequential test
+    min_requests: int = Field(10, ge=2)  # per arm per step before deciding
+    max_requests: int = Field(200, ge=2)  # canary requests per step before the budget rule
+    # The controller reads records as its own consumer group, so trainers are unaffected.
+    group: str = "rollout"
+    poll_s: float = Field(1.0, gt=0)
 
     @model_validator(mode="after")
     def _steps(self) -> "RolloutConfig":

@@ -1,47 +1,260 @@
-"""`make demo`: today it prepares the target and completes a few real ShareGPT prompts.
+"""`make demo` / `osd demo`: the closed loop on real traffic whose domain shifts part-way.
 
-Later stages of the loop (serving, stream, trainer, canary) extend this entry point.
+1. Prepare the target (cached) and the warm-start draft v1 (`osd draft init`, cached).
+2. `osd up` in-process on a fresh demo state dir: serving follows the registry aliases, the
+   trainer distills on the live records, the controller canaries each candidate.
+3. Workload: held-out ShareGPT prompts of general domains, then code only (the shift).
+4. Same-server speed check on post-shift prompts: each prompt with speculation and without
+   (`osd_speculate: false`), alternating which goes first; median of per-prompt ratios.
+5. reports/demo/report.json and a PNG of per-request acceptance over time per version.
 """
 
 from __future__ import annotations
 
+import json
+import statistics
+import threading
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 from pipeline.config import OSDConfig
-from pipeline.prompts import chat_ids, load_sharegpt
-from pipeline.target import load_target
 
 
-def pick_demo_prompts(cfg: OSDConfig, n: int, max_chars: int = 300):
-    """The first `n` short held-out prompts, in file order (so runs are comparable)."""
-    held = [p for p in load_sharegpt(cfg.data, split="held_out") if len(p.text) <= max_chars]
-    return held[:n]
+def _log(msg: str) -> None:
+    print(f"[osd demo] {msg}", flush=True)
 
 
-def run_demo(cfg: OSDConfig, n_prompts: int, max_new_tokens: int) -> int:
-    import torch
+def post_chat(url: str, text: str, max_tokens: int, timeout: float = 300, **extra: Any) -> dict[str, Any]:
+    """One greedy chat completion; {"ok", "latency_s", "tokens", "version", "error"}."""
+    from pipeline.replay import build_body, parse_response
 
-    print(f"== osd demo: target {cfg.model.target}", flush=True)
-    loaded = load_target(cfg.model.target, cfg.model, progress=True)
-    print(f"target loaded in {loaded.load_seconds:.2f} s", flush=True)
-    tok, model = loaded.tokenizer, loaded.model
-    prompts = pick_demo_prompts(cfg, n_prompts)
-    print(f"{len(prompts)} held-out ShareGPT prompts, greedy, up to {max_new_tokens} new tokens\n", flush=True)
-    for i, p in enumerate(prompts, 1):
-        ids = torch.tensor([chat_ids(tok, p.text)], device=model.device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                pad_token_id=tok.pad_token_id,
-            )
-        dt = time.perf_counter() - t0
-        new = out[0, ids.shape[1]:]
-        text = tok.decode(new, skip_special_tokens=True).strip()
-        print(f"[{i}/{len(prompts)}] ({p.domain}, id {p.id}) {p.text.strip()[:160]!r}")
-        print(f"  -> {text}")
-        print(f"  ({len(new)} tokens in {dt:.2f} s, {len(new) / dt:.1f} tok/s)\n", flush=True)
-    return 0
+    body = {**build_body(text, chat=True, max_tokens=max_tokens, temperature=0.0, record=None), **extra}
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            fields = parse_response(json.loads(resp.read()), chat=True)
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+        return {"ok": False, "latency_s": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}"}
+    return {"ok": True, "latency_s": time.perf_counter() - t0, "tokens": fields["completion_tokens"],
+            "version": fields["draft_version"], "mean_accepted_len": fields["mean_accepted_len"]}
+
+
+class Workload:
+    """Closed loop of `concurrency` clients over a prompt list, until a deadline."""
+
+    def __init__(self, url: str, max_tokens: int, concurrency: int):
+        self.url, self.max_tokens, self.concurrency = url, max_tokens, concurrency
+        self.results: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+
+    def run(self, phase: str, prompts: list, seconds: float, status: Any = None) -> None:
+        deadline = time.monotonic() + seconds
+        it = iter(prompts * 100)
+        last_print = [time.monotonic()]
+
+        def client() -> None:
+            while time.monotonic() < deadline:
+                with self._lock:
+                    p = next(it)
+                r = post_chat(self.url, p.text, self.max_tokens)
+                r.update(phase=phase, domain=p.domain, time=time.time())
+                with self._lock:
+                    self.results.append(r)
+                    n = sum(1 for x in self.results if x["phase"] == phase)
+                    if time.monotonic() - last_print[0] >= 30:
+                        last_print[0] = time.monotonic()
+                        left = max(0, deadline - time.monotonic())
+                        _log(f"{phase}: {n} requests, {left:.0f} s left" + (f"; {status()}" if status else ""))
+
+        with ThreadPoolExecutor(self.concurrency) as pool:
+            for f in [pool.submit(client) for _ in range(self.concurrency)]:
+                f.result()
+
+
+def speed_check(url: str, prompts: list, max_tokens: int) -> dict[str, Any]:
+    """Each prompt with and without speculation, order alternating; tokens/s per request."""
+    pairs = []
+    for i, p in enumerate(prompts):
+        modes = [True, False] if i % 2 == 0 else [False, True]
+        got = {}
+        for spec in modes:
+            got[spec] = post_chat(url, p.text, max_tokens, osd_speculate=spec, osd_record=False)
+        if got[True]["ok"] and got[False]["ok"] and got[True]["tokens"] and got[False]["tokens"]:
+            sd = got[True]["tokens"] / got[True]["latency_s"]
+            ar = got[False]["tokens"] / got[False]["latency_s"]
+            pairs.append({"sd_tok_s": sd, "ar_tok_s": ar, "ratio": sd / ar, "version": got[True]["version"],
+                          "tokens": got[True]["tokens"]})
+    if not pairs:
+        return {"pairs": [], "speedup_vs_ar": None}
+    return {"pairs": pairs, "speedup_vs_ar": statistics.median(p["ratio"] for p in pairs),
+            "sd_tok_s_median": statistics.median(p["sd_tok_s"] for p in pairs),
+            "ar_tok_s_median": statistics.median(p["ar_tok_s"] for p in pairs)}
+
+
+def version_table(samples: list[dict], shift_time: float, registry: Any) -> list[dict[str, Any]]:
+    """Per version: served requests and mean per-request acceptance, before and after the shift."""
+    out = []
+    known = {v.id: v for v in registry.list()}
+    for vid in sorted({s["version"] for s in samples}, key=lambda v: known[v].created_at if v in known else 0):
+        mine = [s for s in samples if s["version"] == vid]
+        post = [s["acceptance"] for s in mine if s["time"] >= shift_time]
+        pre = [s["acceptance"] for s in mine if s["time"] < shift_time]
+        v = known.get(vid)
+        out.append({"version": vid, "alpha": statistics.fmean(s["acceptance"] for s in mine),
+                    "alpha_post_shift": statistics.fmean(post) if post else None,
+                    "alpha_pre_shift": statistics.fmean(pre) if pre else None,
+                    "requests": len(mine), "requests_post_shift": len(post),
+                    "mean_accepted_len": statistics.fmean(s["mean_accepted_len"] for s in mine),
+                    "alpha_est": v.metrics.get("alpha_est") if v else None,
+                    "parent": v.lineage.get("parent") if v else None,
+                    "records_consumed": v.lineage.get("records_consumed") if v else None})
+    return out
+
+
+def plot(samples: list[dict], shift_time: float, t0: float, decisions: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 5))
+    for vid in sorted({s["version"] for s in samples}):
+        pts = sorted((s["time"] - t0, s["acceptance"]) for s in samples if s["version"] == vid)
+        xs, ys = [p[0] / 60 for p in pts], [p[1] for p in pts]
+        ax.scatter(xs, ys, s=8, alpha=0.35)
+        w = 8  # rolling mean over 8 requests
+        roll = [statistics.fmean(ys[max(0, i - w + 1):i + 1]) for i in range(len(ys))]
+        ax.plot(xs, roll, label=f"{vid} ({len(ys)} req)")
+    ax.axvline((shift_time - t0) / 60, color="k", ls="--", lw=1)
+    ax.text((shift_time - t0) / 60, 1.01, " shift: general -> code", fontsize=8, va="bottom")
+    for d in decisions:
+        if d["action"] in ("promote", "rollback"):
+            ax.axvline((d["time"] - t0) / 60, color="g" if d["action"] == "promote" else "r", lw=0.8, alpha=0.6)
+    ax.set_xlabel("minutes")
+    ax.set_ylabel("acceptance per request (rolling mean of 8)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("osd demo: acceptance over time per draft version (green: promote, red: rollback)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
+    """The demo's settings on top of the user's: its own state dir, a fast export and rollout cadence."""
+    d = cfg.model_dump(mode="json")
+    d["state_dir"] = str(state)
+    d["serve"].update(num_replicas=1, num_cpus_per_replica=1.0, max_concurrency=2)
+    d["stream"].update(redis_url="")
+    d["registry"].update(uri="")
+    d["train"].update(num_workers=1, export_every_records=48, export_every_s=150, held_out_every=6,
+                      warm_epochs=cfg.train.warm_epochs)
+    d["rollout"].update(canary_steps=[0.5, 1.0], min_requests=6, max_requests=20, poll_s=1.0)
+    return OSDConfig.model_validate(d)
+
+
+def run_demo(cfg: OSDConfig, *, general_s: float = 240, code_s: float = 600, speed_prompts: int = 12,
+             max_tokens: int = 64, concurrency: int = 2, out_dir: str | Path = "reports/demo") -> dict[str, Any]:
+    from pipeline.prompts import load_sharegpt
+    from pipeline.registry import Registry
+    from pipeline.target import load_target
+    from pipeline.up import ClosedLoop
+    from train.warm_start import run_warm_start
+
+    t_start = time.time()
+    out_dir = Path(out_dir)
+    _log(f"target {cfg.model.target}: preparing (cached after the first run)")
+    load_target(cfg.model.target, cfg.model, progress=True)
+    v1 = Path(cfg.state_dir) / "drafts" / "v1"
+    if not v1.is_dir():
+        _log("no warm-start draft yet: running `osd draft init` once (cached for later runs)")
+        run_warm_start(cfg)
+    setup_s = time.time() - t_start
+
+    state = Path(cfg.state_dir) / "demo" / time.strftime("%Y%m%d-%H%M%S")
+    dcfg = demo_config(cfg, state)
+    from pipeline.up import ensure_stable
+
+    ensure_stable(dcfg, warm_start_dir=v1)
+    held = [p for p in load_sharegpt(cfg.data, split="held_out") if len(p.text) <= 600]
+    general = [p for p in held if p.domain != "code"]
+    code = [p for p in held if p.domain == "code"]
+    speed_set, code = code[:speed_prompts], code[speed_prompts:]
+    _log(f"workload: {len(general)} general then {len(code)} code held-out prompts; "
+         f"{general_s:.0f} s general, {code_s:.0f} s code, {max_tokens} tokens each, {concurrency} clients")
+
+    loop = ClosedLoop(dcfg, run_name="demo").start()
+    reg = Registry.from_config(dcfg)
+
+    def status() -> str:
+        a = reg.aliases()
+        c = a["canary"]
+        return f"stable {a['stable']['version']}" + (f", canary {c['version']} at {c['weight']:.0%}" if c else "")
+
+    try:
+        work = Workload(loop.url, max_tokens, concurrency)
+        t0 = time.time()
+        _log("phase 1: general traffic")
+        work.run("general", general, general_s, status)
+        shift = time.time()
+        _log(f"phase 2: the traffic shifts to code ({status()})")
+        work.run("code", code, code_s, status)
+        _log(f"speed check: {len(speed_set)} post-shift code prompts, speculative vs autoregressive, same server")
+        speed = speed_check(loop.url, speed_set, max_tokens)
+        time.sleep(2 * dcfg.rollout.poll_s)
+        ctl = loop.controller_status()
+        samples = loop.samples()
+    finally:
+        loop.stop()
+
+    decisions = ctl["decisions"]
+    versions = version_table(samples, shift, reg)
+    failed = [r for r in work.results if not r["ok"]]
+    report = {
+        "failed_requests": len(failed),
+        "requests": len(work.results),
+        "promoted": [d["version"] for d in decisions if d["action"] == "promote"],
+        "rolled_back": [d["version"] for d in decisions if d["action"] == "rollback"],
+        "versions": versions,
+        "speedup_vs_ar": speed["speedup_vs_ar"],
+        "speed_check": speed,
+        "decisions": [{k: d.get(k) for k in ("time", "action", "version", "reason", "weight")} for d in decisions],
+        "final_aliases": ctl["aliases"],
+        "phases": {"general_s": general_s, "code_s": code_s, "shift_time": shift, "start_time": t0,
+                   "requests_general": sum(r["phase"] == "general" for r in work.results),
+                   "requests_code": sum(r["phase"] == "code" for r in work.results)},
+        "errors": [r["error"] for r in failed][:20],
+        "setup_s": setup_s,
+        "loop_s": time.time() - t0,
+        "total_s": time.time() - t_start,
+        "state_dir": str(state),
+        "target": cfg.model.target,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    plot(samples, shift, t0, decisions, out_dir / "acceptance.png")
+    _print(report, out_dir)
+    return report
+
+
+def _print(r: dict[str, Any], out_dir: Path) -> None:
+    print(f"\n{'version':<16}{'parent':<16}{'requests':>9}{'alpha':>8}{'pre-shift':>11}{'post-shift':>12}"
+          f"{'alpha_est':>11}")
+    for v in r["versions"]:
+        def f(x):
+            return "-" if x is None else f"{x:.3f}"
+        print(f"{v['version']:<16}{str(v['parent'] or '-'):<16}{v['requests']:>9}{f(v['alpha']):>8}"
+              f"{f(v['alpha_pre_shift']):>11}{f(v['alpha_post_shift']):>12}{f(v['alpha_est']):>11}")
+    sp = r["speedup_vs_ar"]
+    print(f"\nrequests {r['requests']}, failed {r['failed_requests']}; promoted {r['promoted'] or '-'}; "
+          f"rolled back {r['rolled_back'] or '-'}")
+    print(f"post-shift speed-up vs AR (median of per-prompt ratios): {'n/a' if sp is None else f'{sp:.2f}x'}")
+    print(f"wrote {out_dir / 'report.json'} and {out_dir / 'acceptance.png'} "
+          f"(setup {r['setup_s']:.0f} s, loop {r['loop_s']:.0f} s, total {r['total_s']:.0f} s)", flush=True)

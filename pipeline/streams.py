@@ -273,16 +273,18 @@ class RecordProducer:
         return lag is not None and lag >= budget
 
     def _read_lag(self) -> int:
-        """Lag of the slowest group; 0 with no group (nobody reads yet: MAXLEN bounds the stream)."""
-        worst = 0
-        for g in group_info(self._client, self.stream).values():
-            lag = g.get("lag")
-            if lag is None:
-                # Redis cannot tell (e.g. entries deleted mid-stream); the stream length is an
-                # upper bound, so the budget still holds.
-                lag = self._client.xlen(self.stream)
-            worst = max(worst, int(lag))
-        return worst
+        """Lag of the trainers' group (`cfg.group`); 0 before it exists (MAXLEN bounds the
+        stream). Other groups (the rollout controller's) only observe: their lag never costs
+        the trainers a record."""
+        g = group_info(self._client, self.stream).get(self.cfg.group)
+        if g is None:
+            return 0
+        lag = g.get("lag")
+        if lag is None:
+            # Redis cannot tell (e.g. entries deleted mid-stream); the stream length is an
+            # upper bound, so the budget still holds.
+            lag = self._client.xlen(self.stream)
+        return int(lag)
 
     def _mark_down(self, err: Exception) -> None:
         self._down_until = time.monotonic() + self._backoff
@@ -344,6 +346,10 @@ class RecordConsumer:
         self._client = client if client is not None else connect(url, cfg, retries=2)
         self._stats = ConsumerStats()
         self._seen: OrderedDict[str, str] = OrderedDict()  # record id -> entry id it was delivered in
+        # Entries handed to the caller and not acked yet. A caller that holds records until a
+        # checkpoint (the trainer) calls keep_alive() so that nobody, itself included, takes
+        # them over as abandoned while it still has them.
+        self._held: set[str] = set()
         self._claim_cursor = "0-0"
         self._next_claim = 0.0  # sweep for abandoned entries on the first read
         # Sweep again after half the idle threshold: an abandoned entry waits at most 1.5x it.
@@ -378,8 +384,18 @@ class RecordConsumer:
         if not ids:
             return 0
         n = int(self._client.xack(self.stream, self.group, *ids))
+        self._held.difference_update(ids)
         self._stats.acked += n
         return n
+
+    def keep_alive(self) -> int:
+        """Reset the idle time of every entry this consumer holds (XCLAIM ... JUSTID, which does
+        not count as a delivery), so XAUTOCLAIM only ever takes entries of consumers that stopped
+        calling this: dead ones. Call it more often than claim_idle_ms. Returns entries touched."""
+        held = sorted(self._held)
+        for i in range(0, len(held), 500):
+            self._client.xclaim(self.stream, self.group, self.name, 0, held[i:i + 500], justid=True)
+        return len(held)
 
     def info(self) -> dict[str, Any]:
         """This group's XINFO GROUPS entry (name, consumers, pending, last-delivered-id, lag, ...)."""
@@ -441,6 +457,8 @@ class RecordConsumer:
         dead: list[tuple[str, str, str, dict]] = []
         for entry_id, fields in entries:
             eid = _s(entry_id)
+            if claimed and eid in self._held:
+                continue  # our own entry, still in the caller's hands: not abandoned, not redelivered
             if fields is None:  # deleted under us (Redis < 7 reports these inline)
                 self._stats.trimmed += 1
                 to_ack.append(eid)
@@ -475,6 +493,7 @@ class RecordConsumer:
                 while len(self._seen) > self.cfg.dedupe_window:
                     self._seen.popitem(last=False)
             out.append(Delivery(eid, rec, claimed))
+            self._held.add(eid)
         if dead:
             self._dead_letter(dead)
         if to_ack:

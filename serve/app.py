@@ -60,15 +60,62 @@ class TargetReplica:
         torch.set_num_threads(threads)
         loaded = load_target(cfg.model.target, cfg.model, progress=False)
         self.tokenizer = loaded.tokenizer
-        draft = build_draft(cfg.serve.draft, loaded.model)
-        self.engine = SpecEngine(loaded.model, draft, loaded.tokenizer, EngineOptions.from_config(cfg.serve))
-        self.draft_version = cfg.serve.draft if draft is not None else "none"
+        self.target = loaded.model
+        self.engine = SpecEngine(loaded.model, None, loaded.tokenizer, EngineOptions.from_config(cfg.serve))
+        self.router = self._make_router(cfg, build_draft)
         self.producer = RecordProducer(cfg.stream.redis_url, cfg.stream) if cfg.stream.redis_url else None
         self.metrics = ServeMetrics()
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (unit use)
             self.replica_id = f"local-{os.getpid()}"
+
+    # -- drafts: fixed, or registry versions that hot-swap (serve/hot_swap.py) -------
+
+    def _make_router(self, cfg: OSDConfig, build_draft: Any) -> Any:
+        from pipeline.registry import Registry
+        from serve.hot_swap import DraftRouter, Routing
+
+        self.registry = Registry.from_config(cfg)
+        log = lambda msg: print(f"[osd replica] {msg}", flush=True)  # noqa: E731
+        if cfg.serve.draft != "registry":
+            model = build_draft(cfg.serve.draft, self.target)
+            initial = Routing(cfg.serve.draft if model is not None else "none",
+                              self.engine.make_draft(model) if model is not None else None)
+            return DraftRouter(self._load_version, initial, log)
+        router = DraftRouter(self._load_version, Routing("none", None), log)
+        aliases = self.registry.aliases()
+        if aliases["stable"]:
+            canary = aliases["canary"]
+            if not router.apply(aliases["stable"]["version"], canary and canary["version"],
+                                canary["weight"] if canary else 0.0):
+                log("the stable draft could not be loaded; serving autoregressively until the aliases move")
+        else:
+            log(f"no stable alias in {self.registry.uri}; serving autoregressively until one is set")
+        router.follow_aliases(self.registry.aliases, cfg.serve.alias_poll_s)
+        return router
+
+    def _load_version(self, version: str) -> Any:
+        model, _ = self.registry.load_draft(version, self.target)  # digests checked first
+        return self.engine.make_draft(model)
+
+    def _pick(self, req: dict[str, Any]) -> tuple[str, Any]:
+        if not req.get("speculate", True):
+            return "none", None
+        return self.router.pick(req.get("route_key") or req["request_id"])
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's user_config: {"stable": id, "canary": id | None, "canary_weight": w} pins the
+        versions (alias following stops). A version that fails to load is refused and the
+        replica keeps its drafts; it never raises, so Serve does not restart the replica."""
+        if not user_config or not user_config.get("stable"):
+            return
+        self.router.stop_following()
+        self.router.apply(user_config["stable"], user_config.get("canary"), float(user_config.get("canary_weight", 0)))
+
+    @property
+    def draft_version(self) -> str:
+        return self.router.routing.stable
 
     # -- request preparation --------------------------------------------------
 
@@ -95,20 +142,22 @@ class TargetReplica:
                                     seed=s["seed"]),
             stop=tuple(req["stop"]),
             capture=record,
+            speculate=req.get("speculate", True),
         )
         return list(ids), params, (domain_of(user_text) if user_text else None), record
 
-    def _finish(self, req_id: str, result: Any, domain: str | None, record: bool, t0: float) -> dict[str, Any]:
+    def _finish(self, req_id: str, version: str, result: Any, domain: str | None, record: bool,
+                t0: float) -> dict[str, Any]:
         from pipeline.records import record_from_capture
 
         record_id = None
         if record and result.capture is not None:
             rec = record_from_capture(result.prompt_ids, result.output_ids, result.capture, request_id=req_id,
-                                      draft_version=self.draft_version, domain=domain)
+                                      draft_version=version, domain=domain)
             if self.producer.submit(rec):
                 record_id = rec.record_id
         latency = time.perf_counter() - t0
-        self.metrics.observe(self.draft_version, result, latency)
+        self.metrics.observe(version, result, latency)
         self._sync_record_metrics()
         st = result.stats
         return {
@@ -116,7 +165,7 @@ class TargetReplica:
             "finish_reason": result.finish_reason,
             "output_ids": result.output_ids,
             "usage": result.usage,
-            "draft_version": self.draft_version,
+            "draft_version": version,
             "acceptance_rate": st.acceptance_rate,
             "mean_accepted_len": st.mean_accepted_len,
             "num_drafts": st.num_drafts,
@@ -145,21 +194,23 @@ class TargetReplica:
 
     async def generate(self, req: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
+        version, draft = self._pick(req)  # fixed for this request's lifetime
         try:
             ids, params, domain, record = self._prepare(req)
-            stream = self.engine.stream(ids, params)  # validates now, before any token
+            stream = self.engine.stream(ids, params, draft=draft)  # validates now, before any token
         except Exception as e:
             return self._error(e)
         async for _ in stream:
             pass
-        return self._finish(req["request_id"], stream.result, domain, record, t0)
+        return self._finish(req["request_id"], version, stream.result, domain, record, t0)
 
     async def generate_stream(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """First item: {"error": ...} or {"started": True}; then {"text": delta}...; last {"done": result}."""
         t0 = time.perf_counter()
+        version, draft = self._pick(req)
         try:
             ids, params, domain, record = self._prepare(req)
-            stream = self.engine.stream(ids, params)
+            stream = self.engine.stream(ids, params, draft=draft)
         except Exception as e:
             yield self._error(e)
             return
@@ -169,12 +220,12 @@ class TargetReplica:
             yield {"text": text.push(toks)}
         result = stream.result
         yield {"text": text.finish(result.text or "")}
-        yield {"done": self._finish(req["request_id"], result, domain, record, t0)}
+        yield {"done": self._finish(req["request_id"], version, result, domain, record, t0)}
 
     def stats(self) -> dict[str, Any]:
         self._sync_record_metrics()
         out: dict[str, Any] = {"replica": self.replica_id, "draft_version": self.draft_version,
-                               "recording": self.producer is not None}
+                               "drafts": self.router.state(), "recording": self.producer is not None}
         if self.producer is not None:
             ps = self.producer.stats()
             out.update(records_written=ps.written, records_dropped=ps.dropped_total,
@@ -188,6 +239,9 @@ class TargetReplica:
             raise RuntimeError("engine not loaded")
 
     def __del__(self) -> None:
+        router = getattr(self, "router", None)
+        if router is not None:
+            router.stop_following()
         producer = getattr(self, "producer", None)
         if producer is not None:
             producer.close(timeout=2.0)
@@ -196,6 +250,11 @@ class TargetReplica:
 # ---------------------------------------------------------------- ingress
 
 api = FastAPI(title="osd: online speculative decoding", docs_url=None, redoc_url=None)
+
+
+def _request_id(request: Request) -> str | None:
+    rid = request.headers.get("x-request-id", "").strip()
+    return rid[:128] if rid and rid.isprintable() else None
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -226,12 +285,15 @@ class OpenAIIngress:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_id!r}",
                            param="model", code="model_not_found")
 
-    def _engine_request(self, req: Any) -> dict[str, Any]:
+    def _engine_request(self, req: Any, request_id: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
             "request_id": new_id("req"),
+            # The X-Request-Id (a client's, or the one Serve's proxy assigns) fixes the canary arm.
+            "route_key": request_id,
             "sampling": {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seed": req.seed},
             "stop": list(req.stop_list()),
             "record": req.osd_record,
+            "speculate": req.osd_speculate,
         }
         if isinstance(req, ChatCompletionRequest):
             out.update(kind="chat", messages=[m.model_dump() for m in req.messages], max_tokens=req.token_budget())
@@ -244,7 +306,7 @@ class OpenAIIngress:
             self._auth(request)
             req = parse_request(kind, await request.body(), self.cfg.serve.max_new_tokens)
             self._check_model(req.model)
-            ereq = self._engine_request(req)
+            ereq = self._engine_request(req, _request_id(request))
             if req.stream:
                 if kind is not ChatCompletionRequest:
                     raise APIError(400, "stream is supported on /v1/chat/completions", param="stream")

@@ -41,6 +41,9 @@ from serve.runner import KVCache, Runner, make_runner
 from serve.verify import SamplingParams, verify_greedy, verify_sampling, warp_probs
 
 
+DEFAULT: Any = object()  # "the engine's own draft" for the per-request draft= argument
+
+
 class EngineError(ValueError):
     """The engine cannot be built from these models (vocab mismatch, bad options)."""
 
@@ -143,21 +146,39 @@ class GenerationResult:
 
 # ---------------------------------------------------------------- per-request state
 
-@dataclass
 class _Slot:
-    target: KVCache
-    draft: KVCache | None
+    """One request's KV memory: the target's cache and a draft cache per draft shape.
+
+    Drafts of one family (every registry version) share one cache shape, so a hot-swapped
+    draft reuses the slot's memory; a request truncates the caches it uses at prefill."""
+
+    MAX_DRAFT_SHAPES = 4
+
+    def __init__(self, target: KVCache):
+        self.target = target
+        self.drafts: dict[Any, KVCache] = {}
+
+    def draft_cache(self, runner: Runner) -> KVCache:
+        key = getattr(runner, "cache_key", id(runner))
+        cache = self.drafts.get(key)
+        if cache is None:
+            if len(self.drafts) >= self.MAX_DRAFT_SHAPES:
+                self.drafts.pop(next(iter(self.drafts)))
+            cache = self.drafts[key] = runner.new_cache()
+        return cache
 
 
 class _Seq:
     """Mutable state of one request; nothing here is shared between requests."""
 
     def __init__(self, prompt: list[int], params: GenerationParams, slot: _Slot, k: int, eos: frozenset[int],
-                 capture: CaptureBuffer | None, device: torch.device):
+                 capture: CaptureBuffer | None, device: torch.device, draft: Runner | None = None):
         self.tokens = list(prompt)
         self.n_prompt = len(prompt)
         self.params = params
         self.slot = slot
+        self.draft = draft  # this request's draft (None: autoregressive)
+        self.dcache = slot.draft_cache(draft) if draft is not None else None
         self.k = k  # this request's current draft budget (adaptive_k moves it within [1, k])
         self.eos = eos
         self.out: list[int] = []
@@ -189,16 +210,16 @@ def prefill(target: Runner, draft: Runner | None, seq: _Seq) -> None:
     head = torch.tensor(seq.tokens[:-1], dtype=torch.long, device=seq.device)
     if head.numel():
         target.forward(head, slot.target)
-    if draft is not None and slot.draft is not None:
-        slot.draft.truncate(0)
+    if draft is not None and seq.dcache is not None:
+        seq.dcache.truncate(0)
         if head.numel():
-            draft.forward(head, slot.draft)
+            draft.forward(head, seq.dcache)
 
 
 def propose(draft: Runner, seq: _Seq, k: int, confidence: float):
     """Draft up to k tokens. Returns (tokens [n] long, q [n, V] probs or None, own-probs list)."""
     params = seq.params.sampling
-    cache = seq.slot.draft
+    cache = seq.dcache
     inp = seq.pending(cache)
     tokens: list[int] = []
     qs: list[torch.Tensor] = []
@@ -248,8 +269,8 @@ def commit(seq: _Seq, drafts: torch.Tensor, own: list[float], logits: torch.Tens
     base = len(seq.tokens)
     new = drafts[:n].tolist() + [nxt]
     seq.slot.target.truncate(base - 1 + 1 + n)
-    if seq.slot.draft is not None and k:
-        seq.slot.draft.truncate(min(seq.slot.draft.length, base + n))
+    if seq.dcache is not None and k:
+        seq.dcache.truncate(min(seq.dcache.length, base + n))
     st = seq.stats
     st.num_steps += 1
     st.num_emitted_tokens += n + 1
@@ -303,12 +324,7 @@ class SpecEngine:
         self.options = options or EngineOptions()
         self.tokenizer = tokenizer
         self.target = make_runner(target_model, self.options.max_seq_len)
-        self.draft = make_runner(draft_model, self.options.max_seq_len) if draft_model is not None else None
-        if self.draft is not None and self.draft.vocab_size != self.target.vocab_size:
-            raise EngineError(
-                f"draft vocab ({self.draft.vocab_size}) differs from the target's ({self.target.vocab_size}); "
-                f"speculative decoding needs one shared tokenizer and vocab"
-            )
+        self.draft = self._draft_runner(draft_model) if draft_model is not None else None
         if tokenizer is not None and len(tokenizer) > self.target.vocab_size:
             raise EngineError(f"tokenizer has {len(tokenizer)} tokens, more than the model's {self.target.vocab_size}")
         self.max_seq_len = min(self.target.max_seq_len, self.draft.max_seq_len if self.draft else 10**9)
@@ -319,8 +335,30 @@ class SpecEngine:
         self.eos = frozenset(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
         self._slots: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
         for _ in range(self.options.max_concurrency):
-            self._slots.put(_Slot(self.target.new_cache(), self.draft.new_cache() if self.draft else None))
+            slot = _Slot(self.target.new_cache())
+            if self.draft is not None:
+                slot.draft_cache(self.draft)  # preallocate, as before hot swap existed
+            self._slots.put(slot)
         self._lock = threading.Lock()
+
+    def _draft_runner(self, draft_model: Any) -> Runner:
+        runner = make_runner(draft_model, self.options.max_seq_len)
+        if runner.vocab_size != self.target.vocab_size:
+            raise EngineError(
+                f"draft vocab ({runner.vocab_size}) differs from the target's ({self.target.vocab_size}); "
+                f"speculative decoding needs one shared tokenizer and vocab"
+            )
+        return runner
+
+    def make_draft(self, draft_model: Any) -> Runner:
+        """A runner for `draft_model`, usable as the per-request `draft=` of generate/stream.
+        Requests are validated against the engine's context, so a draft with a shorter one is
+        refused here rather than failing a request half-way."""
+        runner = self._draft_runner(draft_model)
+        if runner.max_seq_len < self.max_seq_len:
+            raise EngineError(f"draft context ({runner.max_seq_len} tokens) is shorter than the engine's "
+                              f"({self.max_seq_len}); requests could outgrow the draft's cache")
+        return runner
 
     # -- validation at the call ------------------------------------------------
 
@@ -342,15 +380,16 @@ class SpecEngine:
 
     # -- the loop ---------------------------------------------------------------
 
-    def _start(self, prompt: list[int], params: GenerationParams, slot: _Slot) -> _Seq:
-        use_draft = self.draft is not None and params.speculate and self.options.k > 0
+    def _start(self, prompt: list[int], params: GenerationParams, slot: _Slot, draft: Any = DEFAULT) -> _Seq:
+        draft = self.draft if draft is DEFAULT else draft
+        use_draft = draft is not None and params.speculate and self.options.k > 0
         k = self.options.k if use_draft else 0
         cap = None
         if params.capture and self.options.capture:
             cap = CaptureBuffer(params.max_new_tokens, min(self.options.capture_top_k, self.target.vocab_size),
                                 self.device)
-        seq = _Seq(prompt, params, slot, k, self.eos, cap, self.device)
-        prefill(self.target, self.draft if use_draft else None, seq)
+        seq = _Seq(prompt, params, slot, k, self.eos, cap, self.device, draft if use_draft else None)
+        prefill(self.target, seq.draft, seq)
         return seq
 
     def _step(self, seq: _Seq) -> list[int]:
@@ -359,7 +398,7 @@ class SpecEngine:
         clock = seq.stats.stage_s
         t0 = time.perf_counter()
         if k > 0:
-            drafts, q, own = propose(self.draft, seq, k, self.options.draft_confidence)
+            drafts, q, own = propose(seq.draft, seq, k, self.options.draft_confidence)
         else:
             drafts, q, own = torch.empty(0, dtype=torch.long, device=self.device), None, []
         t1 = time.perf_counter()
@@ -390,15 +429,17 @@ class SpecEngine:
         return GenerationResult(seq.tokens[: seq.n_prompt], seq.out, seq.finish or "length", text, seq.stats,
                                 capture, prefill_s, decode_s)
 
-    def generate(self, prompt_ids: Sequence[int], params: GenerationParams | None = None) -> GenerationResult:
-        """Run one request to completion (blocking)."""
+    def generate(self, prompt_ids: Sequence[int], params: GenerationParams | None = None,
+                 draft: Any = DEFAULT) -> GenerationResult:
+        """Run one request to completion (blocking). `draft`: a make_draft runner, None for
+        autoregressive, or the engine's own draft by default."""
         params = params or GenerationParams()
         prompt = self.check_request(prompt_ids, params)
         slot = self._slots.get()
         try:
             with self._lock:
                 t0 = time.perf_counter()
-                seq = self._start(prompt, params, slot)
+                seq = self._start(prompt, params, slot, draft)
                 t1 = time.perf_counter()
                 while seq.finish is None:
                     self._step(seq)
@@ -407,10 +448,11 @@ class SpecEngine:
         finally:
             self._slots.put(slot)
 
-    def stream(self, prompt_ids: Sequence[int], params: GenerationParams | None = None) -> "RequestStream":
+    def stream(self, prompt_ids: Sequence[int], params: GenerationParams | None = None,
+               draft: Any = DEFAULT) -> "RequestStream":
         """Validate now (so a bad request fails at the call), then stream token lists."""
         params = params or GenerationParams()
-        return RequestStream(self, self.check_request(prompt_ids, params), params)
+        return RequestStream(self, self.check_request(prompt_ids, params), params, draft)
 
     def _locked(self, fn, *args):
         with self._lock:
@@ -420,8 +462,9 @@ class SpecEngine:
 class RequestStream:
     """`async for tokens in stream:` yields each step's new token ids; `.result` is set at the end."""
 
-    def __init__(self, engine: SpecEngine, prompt: list[int], params: GenerationParams):
+    def __init__(self, engine: SpecEngine, prompt: list[int], params: GenerationParams, draft: Any = DEFAULT):
         self.engine, self.prompt, self.params = engine, prompt, params
+        self.draft = draft  # fixed at the call: a hot swap never changes a request in flight
         self.result: GenerationResult | None = None
 
     async def __aiter__(self) -> AsyncIterator[list[int]]:
@@ -430,7 +473,7 @@ class RequestStream:
         try:
             t0 = time.perf_counter()
             # Each stage runs in a worker thread so the event loop keeps serving other requests.
-            seq = await asyncio.to_thread(eng._locked, eng._start, self.prompt, self.params, slot)
+            seq = await asyncio.to_thread(eng._locked, eng._start, self.prompt, self.params, slot, self.draft)
             t1 = time.perf_counter()
             while seq.finish is None:
                 emitted = await asyncio.to_thread(eng._locked, eng._step, seq)

@@ -73,10 +73,15 @@ def run_server(cfg: OSDConfig, api_key: str | None = None) -> int:
     print(f"serving OpenAI-compatible API at {stack.url}/v1  (Ctrl-C to stop)", flush=True)
     print(f"  curl {stack.url}/v1/chat/completions -H 'Content-Type: application/json' "
           f"-d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Hello\"}}], \"max_tokens\": 32}}'", flush=True)
+    wait_for_signal()
+    stack.stop()
+    return 0
+
+
+def wait_for_signal() -> None:
+    """Block until Ctrl-C or SIGTERM (how `osd serve` and `osd up` run until stopped)."""
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     done.wait()
     _log("shutting down")
-    stack.stop()
-    return 0

@@ -43,6 +43,9 @@ class _Request(BaseModel):
     n: int = Field(1, ge=1)
     # Extension: write a training record for this request (default: the server's setting).
     osd_record: bool | None = None
+    # Extension: false runs this request autoregressively (no draft), e.g. for a same-server
+    # AR baseline; output is the same under greedy decoding either way.
+    osd_speculate: bool = True
 
     @field_validator("stop")
     @classmethod

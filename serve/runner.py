@@ -56,6 +56,22 @@ class StaticKVCache:
         self.length = n
 
 
+_HEAD_T: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _transposed_head(weight: torch.Tensor) -> torch.Tensor:
+    """The [D, V] head copy, shared by every runner over the same head tensor: drafts that
+    share the target's frozen head (every registry version) would otherwise copy 113 MB each."""
+    w = weight.detach()
+    key = (w.data_ptr(), tuple(w.shape), w.dtype, str(w.device), w._version)
+    if key not in _HEAD_T:
+        while len(_HEAD_T) >= 4:
+            _HEAD_T.pop(next(iter(_HEAD_T)))
+        # Holding the source keeps its memory from being reused, so a data_ptr key stays unique.
+        _HEAD_T[key] = (w, w.t().contiguous())
+    return _HEAD_T[key][1]
+
+
 class LlamaRunner:
     def __init__(self, model: Any, max_seq_len: int | None = None):
         cfg = model.config
@@ -74,7 +90,7 @@ class LlamaRunner:
         self.norm = inner.norm.weight
         # [D, V] copy of the head: MKL's small-M GEMM reads it ~25% faster in this layout,
         # and the head is a fifth of a 135M model's bytes per step.
-        self.lm_head_t = model.lm_head.weight.detach().t().contiguous()
+        self.lm_head_t = _transposed_head(model.lm_head.weight)
         self.layers = [
             (
                 layer.input_layernorm.weight,
@@ -102,6 +118,11 @@ class LlamaRunner:
 
     def new_cache(self) -> StaticKVCache:
         return StaticKVCache(len(self.layers), self.n_kv, self.max_seq_len, self.head_dim, self.dtype, self.device)
+
+    @property
+    def cache_key(self) -> tuple:
+        """Runners with equal keys can share caches (drafts of one family swap without new memory)."""
+        return ("static", len(self.layers), self.n_kv, self.max_seq_len, self.head_dim, self.dtype, str(self.device))
 
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # Same as HF LlamaRMSNorm: normalise in fp32, cast back, then scale.
@@ -175,6 +196,10 @@ class HFRunner:
 
     def new_cache(self) -> _HFCache:
         return _HFCache()
+
+    @property
+    def cache_key(self) -> tuple:
+        return ("hf", id(self.model))
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: _HFCache) -> torch.Tensor:

@@ -232,14 +232,15 @@ def test_kv_cache_after_partial_acceptance_equals_fresh_prefill(greedy_targets, 
     assert st.accepted_per_pos[1] > 0 and st.accepted_per_pos[0] > st.accepted_per_pos[-1]
     tokens = prompt + r.output_ids
     slot = only_slot(eng)
-    for runner, cache in ((eng.target, slot.target), (eng.draft, slot.draft)):
+    dcache = slot.draft_cache(eng.draft)
+    for runner, cache in ((eng.target, slot.target), (eng.draft, dcache)):
         n = cache.length
         fresh = runner.new_cache()
         runner.forward(torch.tensor(tokens[:n]), fresh)
         assert torch.allclose(cache.k[:, :, :n], fresh.k[:, :, :n], atol=1e-5, rtol=1e-5)
         assert torch.allclose(cache.v[:, :, :n], fresh.v[:, :, :n], atol=1e-5, rtol=1e-5)
     assert slot.target.length == len(tokens) - 1
-    assert slot.draft.length <= len(tokens) - 1
+    assert dcache.length <= len(tokens) - 1
 
 
 def test_static_cache_truncate_bounds():
@@ -552,3 +553,28 @@ def test_engine_pairs_a_non_llama_target_with_a_llama_draft():
     r = eng.generate(prompt, GenerationParams(max_new_tokens=16))
     assert r.output_ids == hf_greedy(gpt2, prompt, 16)
     assert r.stats.num_draft_tokens > r.stats.num_accepted_tokens
+
+
+def test_per_request_draft_is_lossless_and_shares_the_slot_cache(greedy_targets):
+    """A request may name its own draft (hot swap): output unchanged, one cache per draft shape."""
+    target = greedy_targets[1][0]
+    eng = SpecEngine(target, truncated_llama(target, 1), options=EngineOptions(k=3, max_seq_len=64, max_concurrency=1))
+    other = eng.make_draft(truncated_llama(target, 1))  # same shape, different object
+    deeper = eng.make_draft(truncated_llama(target, 2))
+    prompt, params = [3, 7, 11], GenerationParams(max_new_tokens=20, capture=False)
+    want = eng.generate(prompt, params, draft=None).output_ids  # autoregressive
+    for d in (other, deeper, eng.draft):
+        r = eng.generate(prompt, params, draft=d)
+        assert r.output_ids == want and r.stats.num_draft_tokens > 0
+    slot = only_slot(eng)
+    assert len(slot.drafts) == 2  # 1-layer drafts share one cache; the 2-layer one has its own
+    assert eng.generate(prompt, params, draft=None).stats.num_draft_tokens == 0
+
+
+def test_a_draft_with_a_shorter_context_is_refused_for_hot_swap(greedy_targets):
+    target = greedy_targets[1][0]
+    eng = SpecEngine(target, None, options=EngineOptions(k=2, max_seq_len=64, max_concurrency=1))
+    short = truncated_llama(target, 1)
+    short.config.max_position_embeddings = 32
+    with pytest.raises(EngineError, match="shorter than the engine's"):
+        eng.make_draft(short)

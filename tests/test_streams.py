@@ -164,6 +164,26 @@ def test_killed_consumer_entries_are_taken_over(redis_url):
     assert survivor.pending() == 0
 
 
+def test_held_entries_are_not_redelivered_while_kept_alive(redis_url):
+    """A trainer holds records until its checkpoint, longer than claim_idle_ms: neither it nor a
+    live peer may take them over (that trained records twice), but a dead holder's are taken."""
+    c = cfg(claim_idle_ms=200)
+    produce(redis_url, c, [make_record(i) for i in range(6)])
+    holder = RecordConsumer(redis_url, c, name="holder")
+    peer = RecordConsumer(redis_url, c, name="peer")
+    held = drain(holder, 6, ack=False)
+    for _ in range(4):  # 0.6 s > claim_idle_ms, with keep-alives in between
+        time.sleep(0.15)
+        assert holder.keep_alive() == 6
+        assert holder.read(block_ms=0) == [] and peer.read(block_ms=0) == []
+    assert holder.ack(held[:2]) == 2 and holder.keep_alive() == 4
+    time.sleep(0.45)  # the holder stops keeping alive, as if dead: the peer takes over the rest
+    peer._next_claim = 0.0
+    taken = peer.read(block_ms=0)
+    assert sorted(d.record.record_id for d in taken) == sorted(d.record.record_id for d in held[2:])
+    assert all(d.claimed for d in taken)
+
+
 def test_redis_restart_with_aof_keeps_records_and_group_state(tmp_path):
     c = cfg(claim_idle_ms=1)
     server = RedisServer(tmp_path / "redis").start()

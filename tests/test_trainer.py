@@ -109,6 +109,10 @@ def test_zero_two_workers_learn_and_export_loadable_drafts(ray_local, stream, re
     exports = stats[0].exports
     assert exports and all(e["zero_stage"] == stage and e["world_size"] == 2 for e in exports)
     assert exports[-1]["parent"] == (exports[-2]["version"] if len(exports) > 1 else None)
+    from pipeline.registry import Registry
+
+    published = Registry.from_config(cfg).get(exports[-1]["version"])  # candidates land in the registry
+    assert published.lineage["parent"] == exports[-1]["parent"] and published.metrics["alpha_est"] is not None
 
     target = load_target("tiny-random", progress=False).model
     before = build_draft(target, DraftSpec(num_layers=1, layer_source=cfg.train.draft_layer_source))

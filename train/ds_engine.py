@@ -60,7 +60,15 @@ def ds_config(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.zero_stage == 3:
         # Gather small layers whole: tiny drafts otherwise spend their time in fetch bookkeeping.
         zero.update(stage3_param_persistence_threshold=10_000, stage3_prefetch_bucket_size=5e6)
+    extra: dict[str, Any] = {}
+    if cfg.warmup_steps:
+        # Linear warm-up: a fresh Adam's first steps move every weight by ~lr whatever the
+        # gradient, which undid a trained draft in the first few online steps.
+        extra["scheduler"] = {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr, "warmup_num_steps": cfg.warmup_steps,
+            "warmup_type": "linear"}}
     return {
+        **extra,
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.grad_clip,

@@ -13,6 +13,7 @@ time to export, and whether to stop, so the collectives never go out of step.
 Delivery: a record is acked only after the checkpoint that includes the step that used
 it is COMPLETE. A worker killed before that leaves its records pending; the restarted
 group takes them over with XAUTOCLAIM and trains on them again: at least once, none lost.
+A live worker touches the records it holds (keep_alive) so they are never taken over early.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,7 +83,12 @@ class TrainerWorker:
         init_distributed(self.rank, self.world_size, master_addr, master_port, tc.device, tc.collective_timeout_s)
         loaded = load_target(self.cfg.model.target, self.cfg.model, progress=False)
         self.target = loaded.model
-        if self.init_draft:
+        if self.init_draft and self.init_draft.startswith("registry:"):  # registry:<version id>
+            from pipeline.registry import Registry
+
+            draft, info = Registry.from_config(self.cfg).load_draft(self.init_draft.split(":", 1)[1], self.target)
+            self.parent_version = info["version"]
+        elif self.init_draft:
             draft, info = load_draft(self.init_draft, self.target)
             self.parent_version = info.get("version") or Path(self.init_draft).name
         else:
@@ -160,7 +167,13 @@ class TrainerWorker:
         since_export, last_export = 0, time.monotonic()
         t_start, last_data = time.monotonic(), time.monotonic()
         loss_acc: list[float] = []
+        # Records wait for the next checkpoint before their ack, usually longer than
+        # claim_idle_ms: touch them often enough that no consumer takes them over as abandoned.
+        keep_alive_every, last_keep_alive = self.cfg.stream.claim_idle_ms / 3000, time.monotonic()
         while True:
+            if time.monotonic() - last_keep_alive >= keep_alive_every:
+                self.consumer.keep_alive()
+                last_keep_alive = time.monotonic()
             if sum(record_tokens(d.record, tc.max_seq_len) for d in buffer) < tc.token_budget:
                 if self._fill(buffer, block_ms=100 if buffer else 500):
                     last_data = time.monotonic()
@@ -235,9 +248,22 @@ class TrainerWorker:
         out_dir = self.run_dir / "candidates" / version
         save_draft(draft, self.spec_info, out_dir, target_ref={"spec": self.cfg.model.target},
                    lineage=lineage, metrics=metrics)
+        path = str(out_dir)
+        # Into the registry, where the rollout controller picks it up. A registry that cannot
+        # take it costs nothing: the checkpoint is COMPLETE and the candidate stays on disk.
+        from pipeline.registry import Registry, RegistryError
+
+        try:
+            reg = Registry.from_config(self.cfg)
+            published = reg.publish(out_dir, version, lineage=lineage, metrics=metrics)
+            if reg.local:  # digests were computed while copying; no second hashing pass
+                path = str(reg.payload_dir(published))
+                shutil.rmtree(out_dir, ignore_errors=True)
+        except (RegistryError, OSError) as e:
+            _log(0, f"could not publish {version} to the registry ({e}); it stays at {out_dir}")
         _log(0, f"published {version}: alpha_est {alpha}, loss {metrics['loss']}, {self.records_total} records")
         self.parent_version = version
-        return {"version": version, "path": str(out_dir), **metrics, **lineage}
+        return {"version": version, "path": path, **metrics, **lineage}
 
     def close(self) -> None:
         self.consumer.close()

@@ -106,7 +106,7 @@ def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progres
     # Checkpoints are keyed by everything that shapes the run, so a resume never mixes settings.
     run_key = hashlib.sha256(json.dumps({"prompts": [p.id for p in prompts], "spec": spec.model_dump(),
                                          "loss": tc.loss, "lr": tc.lr, "tokens": tc.warm_max_new_tokens,
-                                         "budget": tc.token_budget}, sort_keys=True).encode()).hexdigest()[:16]
+                                         "budget": tc.token_budget, "warmup": tc.warmup_steps}, sort_keys=True).encode()).hexdigest()[:16]
     ckpt_dir = state / "warm-start" / run_key / "checkpoints"
     resumed = engine.load_latest(ckpt_dir) if not force else None
     first_epoch = int(resumed["epoch"]) + 1 if resumed else 0

@@ -1,0 +1,279 @@
+"""The canary rollout controller: candidate -> canary at rising weights -> promote or roll back.
+
+    registry (versions, aliases) <── CanaryController ──> audit/ + metrics
+                                          ^
+    record stream ── consumer group "rollout" (evidence: one sample per finished request)
+
+One look (`tick`):
+1. Read new records as the `rollout.group` consumer (its own group: the trainers see every
+   record too) and turn each into an (acceptance, mean accepted length) sample of the
+   version that served it (pipeline/canary_rule.py). Only samples of the current window
+   count: both arms over the same span of traffic.
+2. No canary: the newest registry version newer than stable that was never decided on
+   becomes the canary at the first weight (alias `canary`), and the window restarts.
+3. A canary: `decide()` on the window. advance -> next weight (window restarts), or promote
+   after the last; rollback -> the canary alias is dropped. Every decision, with the
+   evidence it rested on, goes to the registry's audit log and to metrics.
+
+State lives in the registry (aliases + audit), so a restarted controller carries on: the
+canary it finds keeps its weight, and versions with a decision in the audit are not tried
+again. It runs as a Ray actor (`start_controller`) or, for tests, by calling tick() directly.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from pipeline.canary_rule import Arm, CanaryRule, decide, request_sample
+from pipeline.config import OSDConfig
+from pipeline.registry import Registry, RegistryError
+
+FINAL = ("promote", "rollback")
+
+
+def _log(msg: str) -> None:
+    print(f"[osd rollout] {msg}", flush=True)
+
+
+class CanaryController:
+    def __init__(self, cfg: OSDConfig | dict[str, Any], registry: Registry | None = None,
+                 consumer_name: str = "controller"):
+        from pipeline.streams import RecordConsumer
+
+        self.cfg = cfg = cfg if isinstance(cfg, OSDConfig) else OSDConfig.model_validate(cfg)
+        ro = cfg.rollout
+        self.rule = CanaryRule(alpha=ro.alpha, tau=ro.tau, margin=ro.margin, len_margin=ro.len_margin,
+                               min_requests=ro.min_requests, max_requests=ro.max_requests)
+        self.steps = list(ro.canary_steps)
+        self.registry = registry or Registry.from_config(cfg)
+        stream_cfg = cfg.stream.model_copy(update={"group": ro.group})
+        self.consumer = RecordConsumer(cfg.stream.redis_url, stream_cfg, name=consumer_name)
+        self.decided = {e["version"] for e in self.registry.audit_log() if e.get("action") in FINAL}
+        self.window_start = time.time()
+        self.arms: dict[str, Arm] = {}
+        self.history: list[dict[str, Any]] = []  # every sample: (time, version, acceptance, len)
+        self.decisions: list[dict[str, Any]] = []
+        self.metrics = _Metrics()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.errors = 0
+        self.progress_s = 30.0
+        self._last_progress = time.monotonic()
+
+    # -- evidence --------------------------------------------------------------
+
+    def _read(self, budget_s: float = 2.0) -> int:
+        """Drain what is in the stream, but for at most budget_s: under a steady flow of records
+        the stream is never empty, and an unbounded drain would starve the decisions."""
+        n = 0
+        deadline = time.monotonic() + budget_s
+        while time.monotonic() < deadline:
+            got = self.consumer.read(block_ms=0)
+            if not got:
+                return n
+            for d in got:
+                rec = d.record
+                sample = request_sample(rec.accepted.tolist(), rec.draft_tokens.tolist())
+                if sample is None or rec.draft_version == "none":
+                    continue
+                self.history.append({"time": rec.created_at, "version": rec.draft_version,
+                                     "acceptance": sample[0], "mean_accepted_len": sample[1],
+                                     "domain": rec.domain})
+                del self.history[:-100_000]
+                if rec.created_at >= self.window_start:
+                    self.arms.setdefault(rec.draft_version, Arm()).add(sample)
+                n += 1
+            self.consumer.ack(got)
+        return n
+
+    def _restart_window(self) -> None:
+        self.window_start = time.time()
+        self.arms = {}
+
+    # -- decisions -------------------------------------------------------------
+
+    def _record(self, action: str, version: str, reason: str, evidence: dict | None = None, **extra: Any) -> dict:
+        entry = {"action": action, "version": version, "reason": reason, "evidence": evidence or {}, **extra}
+        entry["audit_path"] = self.registry.audit(entry)
+        entry["time"] = time.time()
+        self.decisions.append(entry)
+        self.metrics.decision(version, action)
+        _log(f"{action} {version}: {reason}")
+        if action in FINAL:  # a good moment to drop versions nobody will serve again
+            try:
+                removed = self.registry.gc(self.cfg.registry.keep_last)
+                if removed:
+                    _log(f"registry gc removed {', '.join(removed)}")
+            except (RegistryError, OSError) as e:
+                _log(f"registry gc failed: {e}")
+        return entry
+
+    def _candidate(self, stable: dict[str, Any]) -> Any | None:
+        try:
+            stable_v = self.registry.get(stable["version"])
+        except RegistryError:
+            return None
+        newer = [v for v in self.registry.list() if v.created_at > stable_v.created_at
+                 and v.id not in self.decided and v.id != stable_v.id]
+        return newer[-1] if newer else None
+
+    def tick(self) -> list[dict[str, Any]]:
+        """One look at the evidence; returns the decisions it made."""
+        n_before = len(self.decisions)
+        self._read()
+        aliases = self.registry.aliases()
+        stable, canary = aliases["stable"], aliases["canary"]
+        if not stable:
+            return []
+        s_arm = self.arms.get(stable["version"], Arm())
+        self.metrics.arm(stable["version"], "stable", s_arm)
+        if canary is None:
+            cand = self._candidate(stable)
+            if cand is not None:
+                self.registry.set_canary(cand.id, self.steps[0], reason="new candidate")
+                self._restart_window()
+                self.metrics.weight(cand.id, self.steps[0])
+                self._record("start", cand.id, f"new candidate (parent {cand.lineage.get('parent')}, "
+                             f"alpha_est {cand.metrics.get('alpha_est')}); canary at {self.steps[0]:.0%}",
+                             weight=self.steps[0], stable=stable["version"])
+            return self.decisions[n_before:]
+        version, weight = canary["version"], float(canary["weight"])
+        c_arm = self.arms.get(version, Arm())
+        self.metrics.arm(version, "canary", c_arm)
+        if weight >= 1.0:  # a restarted controller found the canary at full traffic: finish
+            return self._promote(version, stable, {"canary": c_arm.summary()}, n_before)
+        d = decide(s_arm, c_arm, self.rule, k=self.cfg.serve.k)
+        self._progress(version, weight, s_arm, c_arm, d)
+        if d.action == "rollback":
+            self.registry.clear_canary()
+            self.decided.add(version)
+            self.metrics.weight(version, 0.0)
+            self._record("rollback", version, d.reason, d.evidence, weight=weight, stable=stable["version"])
+            self._restart_window()
+        elif d.action == "advance":
+            nxt = [w for w in self.steps if w > weight]
+            if not nxt or nxt[0] >= 1.0:
+                return self._promote(version, stable, d.evidence, n_before, d.reason)
+            self.registry.set_canary(version, nxt[0], reason=d.reason)
+            self.metrics.weight(version, nxt[0])
+            self._record("advance", version, d.reason, d.evidence, weight=nxt[0], stable=stable["version"])
+            self._restart_window()
+        return self.decisions[n_before:]
+
+    def _progress(self, version: str, weight: float, s_arm: Arm, c_arm: Arm, d: Any) -> None:
+        """A line every progress_s while a canary waits for evidence (a quiet controller looks hung)."""
+        now = time.monotonic()
+        if d.action != "continue" or now - self._last_progress < self.progress_s:
+            return
+        self._last_progress = now
+        _log(f"canary {version} at {weight:.0%}: stable n={s_arm.n} acceptance {s_arm.acceptance.mean:.3f}, "
+             f"canary n={c_arm.n} acceptance {c_arm.acceptance.mean:.3f}; {d.reason}")
+
+    def _promote(self, version: str, stable: dict, evidence: dict, n_before: int, reason: str = "") -> list:
+        self.registry.promote(version, reason="canary passed")
+        self.decided.add(version)
+        self.metrics.weight(version, 1.0)
+        self._record("promote", version, reason or "canary at full weight", evidence,
+                     previous=stable["version"])
+        self._restart_window()
+        return self.decisions[n_before:]
+
+    # -- running -----------------------------------------------------------------
+
+    def start(self) -> None:
+        poll = self.cfg.rollout.poll_s
+
+        def loop() -> None:
+            while not self._stop.is_set():
+                try:
+                    self.tick()
+                except Exception as e:  # Redis or registry hiccup: keep the controller alive
+                    self.errors += 1
+                    _log(f"tick failed ({type(e).__name__}: {e}); retrying in {poll} s")
+                self._stop.wait(poll)
+
+        self._thread = threading.Thread(target=loop, name="osd-rollout", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+        self.consumer.close()
+
+    def status(self) -> dict[str, Any]:
+        return {"aliases": self.registry.aliases(), "decisions": list(self.decisions),
+                "arms": {v: a.summary() for v, a in self.arms.items()}, "window_start": self.window_start,
+                "errors": self.errors}
+
+    def samples(self) -> list[dict[str, Any]]:
+        return list(self.history)
+
+
+class _Metrics:
+    """Rollout metrics labelled by draft version (Ray's Prometheus exporter); no-ops outside Ray."""
+
+    def __init__(self) -> None:
+        self.ok = False
+        try:
+            import ray
+            from ray.util import metrics as m
+
+            if not ray.is_initialized():
+                return
+            self._weight = m.Gauge("osd_rollout_canary_weight", "Canary traffic share", tag_keys=("draft_version",))
+            self._decisions = m.Counter("osd_rollout_decisions_total", "Rollout decisions",
+                                        tag_keys=("draft_version", "action"))
+            self._acc = m.Gauge("osd_rollout_window_acceptance", "Mean per-request acceptance in the window",
+                                tag_keys=("draft_version", "arm"))
+            self._n = m.Gauge("osd_rollout_window_requests", "Requests in the window",
+                              tag_keys=("draft_version", "arm"))
+            self.ok = True
+        except Exception:
+            self.ok = False
+
+    def weight(self, version: str, w: float) -> None:
+        if self.ok:
+            self._weight.set(w, {"draft_version": version})
+
+    def decision(self, version: str, action: str) -> None:
+        if self.ok:
+            self._decisions.inc(1, {"draft_version": version, "action": action})
+
+    def arm(self, version: str, arm: str, a: Arm) -> None:
+        if self.ok:
+            self._acc.set(a.acceptance.mean, {"draft_version": version, "arm": arm})
+            self._n.set(a.n, {"draft_version": version, "arm": arm})
+
+
+CONTROLLER_NAME = "osd-rollout-controller"
+
+
+def start_controller(cfg: OSDConfig) -> Any:
+    """The controller as a named, detached-from-driver Ray actor, ticking in its own thread."""
+    import ray
+
+    actor = ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=4)(_ControllerActor)
+    handle = actor.options(name=CONTROLLER_NAME, get_if_exists=True).remote(cfg.model_dump(mode="json"))
+    ray.get(handle.ready.remote(), timeout=120)
+    return handle
+
+
+class _ControllerActor:
+    def __init__(self, cfg_dict: dict[str, Any]):
+        self.c = CanaryController(cfg_dict)
+        self.c.start()
+
+    def ready(self) -> bool:
+        return True
+
+    def status(self) -> dict[str, Any]:
+        return self.c.status()
+
+    def samples(self) -> list[dict[str, Any]]:
+        return self.c.samples()
+
+    def stop(self) -> None:
+        self.c.stop()

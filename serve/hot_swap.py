@@ -1,0 +1,119 @@
+"""Which draft each request gets, and swapping drafts under load without failing a request.
+
+A replica holds a stable draft and optionally a canary with a traffic weight. A request
+goes to the canary iff `canary_share(request_id) < weight` (pipeline/canary_rule.py), so the
+same request id always lands on the same arm. The choice is made when the request starts
+and travels with it (SpecEngine's per-request `draft=`), so a swap only affects requests
+that start after it; requests in flight finish on the draft they began with.
+
+Versions come from the registry by id: the digests are checked before the safetensors are
+read, and a version that fails is refused (remembered with its reason, not retried), while
+the replica keeps serving what it had. Routing is one tuple replaced whole, so the request
+path never sees half a swap.
+
+Two ways to move the drafts, both ending in `apply()`:
+- `follow_aliases()`: a background thread re-reads the registry's stable/canary aliases
+  every `serve.alias_poll_s` (the default with `serve.draft: registry`);
+- Serve's `reconfigure(user_config)` with {"stable", "canary", "canary_weight"}, which pins
+  the versions and stops alias following (for RayService, where the config owns them).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pipeline.canary_rule import canary_share
+
+
+@dataclass(frozen=True)
+class Routing:
+    stable: str
+    stable_runner: Any
+    canary: str | None = None
+    canary_runner: Any = None
+    weight: float = 0.0
+
+
+class DraftRouter:
+    def __init__(self, load_runner: Callable[[str], Any], initial: Routing, log: Callable[[str], None] = print):
+        self._load_runner = load_runner  # version id -> engine runner (raises on a bad version)
+        self.routing = initial
+        self._runners: dict[str, Any] = {initial.stable: initial.stable_runner}
+        self.refused: dict[str, str] = {}
+        self.loads = 0
+        self.swaps = 0
+        self._log = log
+        self._lock = threading.Lock()  # one apply at a time (poller vs reconfigure)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def pick(self, request_id: str) -> tuple[str, Any]:
+        r = self.routing  # one read: never half a swap
+        if r.canary is not None and canary_share(request_id) < r.weight:
+            return r.canary, r.canary_runner
+        return r.stable, r.stable_runner
+
+    def _runner(self, version: str) -> Any:
+        if version in self._runners:
+            return self._runners[version]
+        if version in self.refused:
+            raise RuntimeError(self.refused[version])
+        try:
+            runner = self._load_runner(version)
+        except Exception as e:
+            self.refused[version] = f"{type(e).__name__}: {e}"
+            self._log(f"refused draft version {version}: {self.refused[version]}; keeping the current drafts")
+            raise RuntimeError(self.refused[version]) from None
+        self.loads += 1
+        self._runners[version] = runner
+        return runner
+
+    def apply(self, stable: str | None, canary: str | None = None, weight: float = 0.0) -> bool:
+        """Move to these versions; False (routing unchanged for a refused version) on failure."""
+        with self._lock:
+            cur = self.routing
+            stable = stable or cur.stable
+            if canary == stable or not weight:
+                canary, weight = None, 0.0
+            if (stable, canary, weight) == (cur.stable, cur.canary, cur.weight):
+                return True
+            try:
+                s_runner = self._runner(stable)
+                c_runner = self._runner(canary) if canary else None
+            except RuntimeError:
+                return False
+            self.routing = Routing(stable, s_runner, canary, c_runner, float(weight))
+            self.swaps += 1
+            # Forget runners nothing routes to; requests in flight keep their own reference.
+            live = {stable, canary}
+            self._runners = {v: r for v, r in self._runners.items() if v in live}
+            self._log(f"drafts now: stable {stable}" + (f", canary {canary} at {weight:.0%}" if canary else ""))
+            return True
+
+    def follow_aliases(self, read_aliases: Callable[[], dict[str, Any]], poll_s: float) -> None:
+        def loop() -> None:
+            while not self._stop.wait(poll_s):
+                try:
+                    a = read_aliases()
+                except Exception as e:  # a registry hiccup: keep serving, try again next poll
+                    self._log(f"reading registry aliases failed: {e}")
+                    continue
+                stable, canary = a.get("stable"), a.get("canary")
+                if stable:
+                    self.apply(stable["version"], canary["version"] if canary else None,
+                               canary["weight"] if canary else 0.0)
+
+        self._thread = threading.Thread(target=loop, name="osd-alias-poll", daemon=True)
+        self._thread.start()
+
+    def stop_following(self) -> None:
+        self._stop.set()
+
+    def state(self) -> dict[str, Any]:
+        r = self.routing
+        return {"stable": r.stable, "canary": r.canary, "canary_weight": r.weight, "loads": self.loads,
+                "swaps": self.swaps, "refused": dict(self.refused), "following_aliases": self._thread is not None
+                and not self._stop.is_set(), "time": time.time()}

@@ -1,0 +1,108 @@
+"""Hot swap in a target replica (constructed directly, no Serve): registry versions by id,
+requests in flight keep their draft, a version with a bad digest is refused."""
+
+import asyncio
+import time
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.registry import Registry
+from serve.hot_swap import DraftRouter, Routing
+
+pytestmark = [pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.fixture
+def setup(tiny, tmp_path):
+    from train.draft_model import DraftSpec, build_draft, save_draft
+
+    cfg = load_config(environ={}, overrides={
+        "state_dir": str(tmp_path), "model": {"target": "tiny-random"},
+        "serve": {"draft": "registry", "alias_poll_s": 0.1, "max_new_tokens": 64, "record": False}})
+    reg = Registry.from_config(cfg)
+    for i, layers in enumerate((1, 2, 1), 1):
+        spec = DraftSpec(num_layers=layers)
+        save_draft(build_draft(tiny.model, spec), spec, tmp_path / f"d{i}", target_ref={"spec": "tiny-random"})
+        reg.publish(tmp_path / f"d{i}", f"v{i}")
+    reg.promote("v1")
+    return cfg, reg
+
+
+def _req(i, max_tokens=48):
+    return {"kind": "completion", "prompt": [5, 6, 7, i % 50 + 3], "max_tokens": max_tokens, "request_id": f"r{i}",
+            "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}, "stop": [], "record": False}
+
+
+def test_in_flight_requests_finish_on_their_draft_and_new_ones_swap(setup):
+    from serve.app import TargetReplica
+
+    cfg, reg = setup
+    rep = TargetReplica(cfg.model_dump(mode="json"))
+    try:
+        assert rep.router.state()["stable"] == "v1"
+        ar = asyncio.run(rep.generate({**_req(0), "speculate": False}))
+
+        async def scenario():
+            first = asyncio.create_task(rep.generate(_req(0)))
+            await asyncio.sleep(0.05)  # in flight
+            reg.promote("v2")  # the replica's alias poller picks this up
+            deadline = time.monotonic() + 20
+            while rep.router.state()["stable"] != "v2":
+                assert time.monotonic() < deadline, "alias move never reached the replica"
+                await asyncio.sleep(0.05)
+            second = await rep.generate(_req(0))
+            return await first, second
+
+        first, second = asyncio.run(scenario())
+        assert first["draft_version"] == "v1" and second["draft_version"] == "v2"
+        assert first["output_ids"] == second["output_ids"] == ar["output_ids"]  # greedy: lossless either way
+        assert second["num_draft_tokens"] > 0
+
+        # canary by request id: both arms serve, each id always to the same arm
+        reg.set_canary("v3", 0.5)
+        deadline = time.monotonic() + 20
+        while rep.router.state()["canary"] != "v3":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        arms = {i: rep.router.pick(f"id-{i}")[0] for i in range(200)}
+        assert set(arms.values()) == {"v2", "v3"} and 60 < sum(v == "v3" for v in arms.values()) < 140
+        assert all(rep.router.pick(f"id-{i}")[0] == arms[i] for i in range(200))
+    finally:
+        rep.router.stop_following()
+
+
+def test_bad_digest_is_refused_and_the_replica_keeps_serving(setup):
+    from serve.app import TargetReplica
+
+    cfg, reg = setup
+    rep = TargetReplica(cfg.model_dump(mode="json"))
+    rep.router.stop_following()
+    weights = reg.local_path("v2") / "draft.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # truncated
+    rep.reconfigure({"stable": "v2"})
+    st = rep.router.state()
+    assert st["stable"] == "v1" and "v2" in st["refused"] and "sha256" in st["refused"]["v2"]
+    out = asyncio.run(rep.generate(_req(1, 8)))
+    assert out["draft_version"] == "v1" and out["output_ids"] and out["finish_reason"] in ("stop", "length")
+    rep.reconfigure({"stable": "v3", "canary": "v1", "canary_weight": 0.25})  # a good version still works
+    st = rep.router.state()
+    assert (st["stable"], st["canary"], st["canary_weight"]) == ("v3", "v1", 0.25)
+    assert rep.stats()["drafts"]["refused"].keys() == {"v2"}
+
+
+def test_router_apply_is_all_or_nothing():
+    loaded = []
+
+    def load(v):
+        if v == "broken":
+            raise ValueError("digest mismatch")
+        loaded.append(v)
+        return f"runner-{v}"
+
+    r = DraftRouter(load, Routing("a", "runner-a"), log=lambda m: None)
+    assert not r.apply("b", "broken", 0.5)  # canary cannot load: nothing changes, not even stable
+    assert r.routing.stable == "a" and r.routing.canary is None and loaded == ["b"]
+    assert not r.apply("b", "broken", 0.5) and loaded == ["b"]  # refused once, not retried
+    assert r.apply("b", "c", 0.5) and r.pick("x")[1] in ("runner-b", "runner-c")
+    assert r.apply("b", None, 0.0) and r.routing.canary is None
