@@ -158,6 +158,11 @@ class TrainConfig(_Section):
     jsd_beta: float = Field(0.5, gt=0, lt=1)
     positions: Literal["all", "rejected", "mix"] = "all"
     mix_weight: float = Field(0.2, ge=0, le=1)
+    # Replay: after each step on new records, this many more steps on records drawn again from
+    # the last replay_buffer trained ones. Low-traffic deployments (and the demo) see few new
+    # records per candidate; replaying them is what the warm start's epochs do offline.
+    replay_steps: int = Field(0, ge=0)
+    replay_buffer: int = Field(256, ge=1)
     # Publish a candidate every this many records or seconds, whichever comes first.
     export_every_records: int = Field(2000, ge=1)
     export_every_s: float = Field(600.0, gt=0)

@@ -154,8 +154,10 @@ def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
     d["serve"].update(num_replicas=1, num_cpus_per_replica=1.0, max_concurrency=2)
     d["stream"].update(redis_url="")
     d["registry"].update(uri="")
+    # Few records per candidate at demo traffic: replay them (as the warm start's epochs do) at a
+    # fine-tuning learning rate, so a trained draft is refined rather than jolted.
     d["train"].update(num_workers=1, export_every_records=48, export_every_s=150, held_out_every=6,
-                      warm_epochs=cfg.train.warm_epochs)
+                      warm_epochs=cfg.train.warm_epochs, replay_steps=3, lr=3e-4)
     d["rollout"].update(canary_steps=[0.5, 1.0], min_requests=6, max_requests=20, poll_s=1.0)
     return OSDConfig.model_validate(d)
 

@@ -195,3 +195,25 @@ def test_corrupt_records_go_to_dead_letter_and_training_goes_on(ray_local, strea
     assert stats[0].dead_lettered == 1
     assert client.xlen(dead_letter_stream(cfg.stream.stream)) == 1
     assert stats[0].exports and group_state(cfg) == (0, 0)
+
+
+def test_replay_steps_train_again_on_recent_records_and_ack_each_once(ray_local, stream, records, tmp_path):
+    from train.trainer import TrainerGroup
+
+    cfg = stream(num_workers=1, zero_stage=2, replay_steps=2, replay_buffer=8)
+    produce(cfg, records[:24])
+    group = TrainerGroup(cfg, tmp_path / "run")
+    try:
+        stats = group.run(idle_stop_s=3, timeout=300)[0]
+    finally:
+        group.shutdown()
+    fresh = stats.steps - stats.replay_steps
+    assert fresh > 0 and stats.replay_steps == 2 * fresh  # two replayed steps after every new one
+    assert stats.records_trained == 24 - sum(1 for r in records[:24] if _held_out(r, cfg))  # new ones counted once
+    assert group_state(cfg) == (0, 0) and stats.exports
+
+
+def _held_out(record, cfg):
+    from train.trainer import is_held_out
+
+    return is_held_out(record.record_id, cfg.train.held_out_every)

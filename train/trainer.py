@@ -19,6 +19,7 @@ A live worker touches the records it holds (keep_alive) so they are never taken 
 from __future__ import annotations
 
 import hashlib
+import random
 import json
 import os
 import shutil
@@ -54,6 +55,7 @@ class RunStats:
     exports: list[dict[str, Any]] = field(default_factory=list)
     resumed: dict[str, Any] | None = None
     dead_lettered: int = 0
+    replay_steps: int = 0  # of `steps`, those on replayed records
 
 
 class TrainerWorker:
@@ -98,6 +100,8 @@ class TrainerWorker:
         self.engine = DistillEngine(draft, tc)
         self.consumer = RecordConsumer(self.cfg.stream.redis_url, self.cfg.stream, name=self.consumer_name)
         self.held_out: list[Any] = []
+        self.replay: list[Any] = []  # recently trained records (train.replay_steps); not persisted
+        self._rng = random.Random(self.rank)
         resumed = self.engine.load_latest(self.ckpt_dir)
         self.records_total = int(resumed["records_total"]) if resumed else 0
         self.versions = int(resumed.get("versions", 0)) if resumed else 0
@@ -201,6 +205,10 @@ class TrainerWorker:
                 loss_acc.append(loss)
                 unacked += take
                 n_local = len(take)
+                self.replay.extend(d.record for d in take)
+                del self.replay[: -tc.replay_buffer]
+            if any_data:
+                self._replay_steps(loss_fn, stats, loss_acc)
             count = torch.tensor([float(n_local)])
             dist.all_reduce(count, op=dist.ReduceOp.SUM)
             self.records_total += int(count)
@@ -220,6 +228,28 @@ class TrainerWorker:
                 break
         stats.dead_lettered = self.consumer.stats().dead_total
         return stats
+
+    def _replay_steps(self, loss_fn, stats: RunStats, loss_acc: list[float]) -> None:
+        """train.replay_steps more steps on records drawn again from this rank's recent ones. Every
+        rank runs the same number (a null batch if it has none) so the collectives stay in step."""
+        from train.batching import pack, take_budget
+
+        tc = self.cfg.train
+        for _ in range(tc.replay_steps):
+            pool = self._rng.sample(self.replay, len(self.replay))
+            take = take_budget(pool, tc.token_budget, tc.max_seq_len)
+            if not take:
+                self.engine.train_batch(null_batch(), loss_fn)
+                continue
+            batch = pack(take, tc.max_seq_len)
+            t0 = time.perf_counter()
+            loss = self.engine.train_batch(batch, loss_fn)
+            stats.train_s += time.perf_counter() - t0
+            stats.steps += 1
+            stats.replay_steps += 1
+            stats.tokens += batch.n_tokens
+            stats.losses.append(loss)
+            loss_acc.append(loss)
 
     def _checkpoint_and_export(self, unacked: list, losses: list[float], n_records: int) -> dict[str, Any]:
         """Collective: checkpoint (COMPLETE last), then ack what it covers, then rank 0 publishes."""
