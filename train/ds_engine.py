@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -27,6 +28,32 @@ from pipeline.config import TrainConfig
 
 COMPLETE = "COMPLETE"
 CONSOLIDATED = "consolidated.safetensors"
+
+# DeepSpeed JIT-compiles its CPU ops (fused Adam, shared-memory all-reduce) on first use: minutes
+# of two compilers on a 2-core machine. torch caches the builds in ~/.cache/torch_extensions by op
+# name, and a build made for another venv's sources is rebuilt, so two checkouts take turns
+# rebuilding. Each venv keeps its own builds instead, made once by `make setup` (prebuild_ops).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(os.path.realpath(sys.prefix), "torch_extensions"))
+CPU_OPS = ("FusedAdamBuilder", "ShareMemCommBuilder")
+
+
+def prebuild_ops() -> list[str]:
+    """Build (or load from this venv's cache) the DeepSpeed CPU ops the trainer uses."""
+    from deepspeed.accelerator import get_accelerator
+
+    built = []
+    for name in CPU_OPS:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is None or not builder.is_compatible():
+            print(f"[osd setup] DeepSpeed op {name}: not available here, skipped", flush=True)
+            continue
+        t0 = time.time()
+        print(f"[osd setup] DeepSpeed op {builder.NAME}: loading, or building once for this venv "
+              f"(minutes on 2 cores; cached in {os.environ['TORCH_EXTENSIONS_DIR']})", flush=True)
+        builder.load(verbose=False)
+        print(f"[osd setup] DeepSpeed op {builder.NAME}: ready ({time.time() - t0:.0f} s)", flush=True)
+        built.append(builder.NAME)
+    return built
 
 
 class CheckpointError(RuntimeError):
@@ -200,3 +227,7 @@ class DistillEngine:
         refresh = getattr(opt, "refresh_fp32_params", None)
         if refresh is not None and self.cfg.zero_stage in (1, 2):
             refresh()
+
+
+if __name__ == "__main__":  # `make setup`: python -m train.ds_engine
+    prebuild_ops()
