@@ -292,8 +292,11 @@ class Registry:
     def set_stable(self, version: str, reason: str = "") -> dict[str, Any]:
         self.get(version)  # must exist
         cur = self.alias("stable")
-        body = {"version": version, "previous": cur["version"] if cur and cur["version"] != version else
-                (cur or {}).get("previous"), "updated_at": time.time(), "reason": reason}
+        previous = cur["version"] if cur and cur["version"] != version else (cur or {}).get("previous")
+        return self._write_stable(version, previous, reason)
+
+    def _write_stable(self, version: str, previous: str | None, reason: str) -> dict[str, Any]:
+        body = {"version": version, "previous": previous, "updated_at": time.time(), "reason": reason}
         self._replace_json(self._p("aliases", "stable.json"), body)
         return body
 
@@ -325,9 +328,9 @@ class Registry:
         stable = self.alias("stable")
         if not stable or not stable.get("previous"):
             raise RegistryError("nothing to roll back: no canary, and stable has no previous version")
-        body = self.set_stable(stable["previous"], reason)
-        body["previous"] = None  # one step back; rolling back again needs an explicit promote
-        self._replace_json(self._p("aliases", "stable.json"), body)
+        self.get(stable["previous"])  # must still exist
+        # One step back, with no previous: rolling back again needs an explicit promote.
+        body = self._write_stable(stable["previous"], None, reason)
         return {"stable": body["version"], "from": stable["version"]}
 
     # -- audit log ----------------------------------------------------------------------

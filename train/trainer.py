@@ -19,9 +19,9 @@ A live worker touches the records it holds (keep_alive) so they are never taken 
 from __future__ import annotations
 
 import hashlib
-import random
 import json
 import os
+import random
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -160,7 +160,7 @@ class TrainerWorker:
         seen data for idle_stop_s. Checkpoints, acks and exports on the configured cadence."""
         import torch.distributed as dist
 
-        from train.batching import pack, record_tokens, take_budget
+        from train.batching import record_tokens, take_budget
 
         tc = self.cfg.train
         stats = RunStats(self.rank, resumed=self.resumed)
@@ -195,14 +195,7 @@ class TrainerWorker:
                 # Another rank has data: step with a zero-weight batch so the collectives stay in step.
                 self.engine.train_batch(null_batch(), loss_fn)
             elif any_data:
-                batch = pack([d.record for d in take], tc.max_seq_len)
-                t0 = time.perf_counter()
-                loss = self.engine.train_batch(batch, loss_fn)
-                stats.train_s += time.perf_counter() - t0
-                stats.steps += 1
-                stats.tokens += batch.n_tokens
-                stats.losses.append(loss)
-                loss_acc.append(loss)
+                self._step([d.record for d in take], loss_fn, stats, loss_acc)
                 unacked += take
                 n_local = len(take)
                 self.replay.extend(d.record for d in take)
@@ -229,10 +222,23 @@ class TrainerWorker:
         stats.dead_lettered = self.consumer.stats().dead_total
         return stats
 
+    def _step(self, records: list, loss_fn, stats: RunStats, loss_acc: list[float]) -> None:
+        """One optimizer step on these records, counted in stats and the export's loss."""
+        from train.batching import pack
+
+        batch = pack(records, self.cfg.train.max_seq_len)
+        t0 = time.perf_counter()
+        loss = self.engine.train_batch(batch, loss_fn)
+        stats.train_s += time.perf_counter() - t0
+        stats.steps += 1
+        stats.tokens += batch.n_tokens
+        stats.losses.append(loss)
+        loss_acc.append(loss)
+
     def _replay_steps(self, loss_fn, stats: RunStats, loss_acc: list[float]) -> None:
         """train.replay_steps more steps on records drawn again from this rank's recent ones. Every
         rank runs the same number (a null batch if it has none) so the collectives stay in step."""
-        from train.batching import pack, take_budget
+        from train.batching import take_budget
 
         tc = self.cfg.train
         for _ in range(tc.replay_steps):
@@ -241,15 +247,8 @@ class TrainerWorker:
             if not take:
                 self.engine.train_batch(null_batch(), loss_fn)
                 continue
-            batch = pack(take, tc.max_seq_len)
-            t0 = time.perf_counter()
-            loss = self.engine.train_batch(batch, loss_fn)
-            stats.train_s += time.perf_counter() - t0
-            stats.steps += 1
+            self._step(take, loss_fn, stats, loss_acc)
             stats.replay_steps += 1
-            stats.tokens += batch.n_tokens
-            stats.losses.append(loss)
-            loss_acc.append(loss)
 
     def _checkpoint_and_export(self, unacked: list, losses: list[float], n_records: int) -> dict[str, Any]:
         """Collective: checkpoint (COMPLETE last), then ack what it covers, then rank 0 publishes."""
