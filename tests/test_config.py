@@ -26,10 +26,12 @@ def test_unknown_env_key_names_dotted_path():
 
 def test_bad_value_names_path_and_reason():
     with pytest.raises(ConfigError) as e:
-        load_config(environ={"OSD_SERVE__PORT": "70000", "OSD_TRAIN__ZERO_STAGE": "4"})
+        load_config(environ={"OSD_SERVE__PORT": "70000", "OSD_TRAIN__ZERO_STAGE": "4",
+                             "OSD_TRAIN__REPLAY_STEPS": "-1"})
     msg = str(e.value)
     assert "serve.port: Input should be less than or equal to 65535 (got 70000)" in msg
     assert "train.zero_stage" in msg
+    assert "train.replay_steps: Input should be greater than or equal to 0 (got -1)" in msg
 
 
 def test_unknown_key_in_file(tmp_path):
