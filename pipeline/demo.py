@@ -117,6 +117,68 @@ def version_table(samples: list[dict], shift_time: float, registry: Any) -> list
     return out
 
 
+def unique_texts(prompts: list, exclude: set[str] = frozenset()) -> list:
+    """First occurrence of each prompt text, in order (ShareGPT repeats some openers verbatim)."""
+    seen, out = set(exclude), []
+    for p in prompts:
+        if p.text not in seen:
+            seen.add(p.text)
+            out.append(p)
+    return out
+
+
+def stream_records(cfg: OSDConfig, since_s: float = 0.0) -> list:
+    """The run's records, read before the private Redis goes away. A Redis that cannot answer
+    costs the paired estimate only, never the report."""
+    import redis
+
+    from pipeline.streams import connect, read_records
+
+    try:
+        client = connect(cfg.stream.redis_url, cfg.stream)
+        try:
+            return read_records(client, cfg.stream.stream, since_s=since_s)
+        finally:
+            client.close()
+    except redis.RedisError as e:
+        _log(f"paired estimate skipped: cannot read the record stream ({type(e).__name__}: {e})")
+        return []
+
+
+def paired_alpha(cfg: OSDConfig, records: list, shift_time: float, target: Any, registry: Any) -> dict[str, Any]:
+    """Every registry version, served or not, on the *same* post-shift code records: the ones the
+    trainer held out, whose prompt it never trained on either, so no version saw them. Served α per version comes from different
+    requests, and acceptance varies far more between prompts than between drafts; on identical
+    positions the versions are compared paired, and the trainer's lineage shows whether it learns."""
+    from train.trainer import estimate_alpha, is_held_out
+
+    every = cfg.train.held_out_every
+    # A held-out record whose prompt was also served in a record the trainer took is not unseen.
+    trained_prompts = {r.prompt_ids.tobytes() for r in records if not is_held_out(r.record_id, every)}
+    held = [r for r in records if r.created_at >= shift_time and r.domain == "code"
+            and is_held_out(r.record_id, every) and r.prompt_ids.tobytes() not in trained_prompts]
+    out: dict[str, Any] = {"records": len(held), "positions": sum(r.n_positions for r in held), "versions": []}
+    if not held:
+        return out
+    for v in registry.list():
+        try:
+            draft, _ = registry.load_draft(v.id, target)
+        except Exception as e:  # a version gc'd or unreadable: say so, keep the others
+            _log(f"paired estimate: cannot load {v.id} ({type(e).__name__}: {e})")
+            continue
+        out["versions"].append({"version": v.id, "parent": v.lineage.get("parent"),
+                                "records_consumed": v.lineage.get("records_consumed"),
+                                "alpha_est": estimate_alpha(draft, held, cfg.train.max_seq_len)})
+        del draft
+    return out
+
+
+def write_prompts(prompts: list, path: Path) -> None:
+    """JSONL that `osd bench engine --prompts-file` reads back (id, domain and text kept)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"id": p.id, "domain": p.domain, "prompt": p.text}) + "\n" for p in prompts))
+
+
 def plot(samples: list[dict], shift_time: float, t0: float, decisions: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -162,18 +224,18 @@ def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
     return OSDConfig.model_validate(d)
 
 
-def run_demo(cfg: OSDConfig, *, general_s: float = 240, code_s: float = 600, speed_prompts: int = 12,
+def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 660, speed_prompts: int = 12,
              max_tokens: int = 64, concurrency: int = 2, out_dir: str | Path = "reports/demo") -> dict[str, Any]:
     from pipeline.prompts import load_sharegpt
     from pipeline.registry import Registry
     from pipeline.target import load_target
     from pipeline.up import ClosedLoop
-    from train.warm_start import run_warm_start
+    from train.warm_start import run_warm_start, warm_prompts
 
     t_start = time.time()
     out_dir = Path(out_dir)
     _log(f"target {cfg.model.target}: preparing (cached after the first run)")
-    load_target(cfg.model.target, cfg.model, progress=True)
+    loaded = load_target(cfg.model.target, cfg.model, progress=True)
     v1 = Path(cfg.state_dir) / "drafts" / "v1"
     if not v1.is_dir():
         _log("no warm-start draft yet: running `osd draft init` once (cached for later runs)")
@@ -186,9 +248,16 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 240, code_s: float = 600, spe
 
     ensure_stable(dcfg, warm_start_dir=v1)
     held = [p for p in load_sharegpt(cfg.data, split="held_out") if len(p.text) <= 600]
-    general = [p for p in held if p.domain != "code"]
-    code = [p for p in held if p.domain == "code"]
+    general = unique_texts([p for p in held if p.domain != "code"])
+    code = unique_texts([p for p in held if p.domain == "code"])
     speed_set, code = code[:speed_prompts], code[speed_prompts:]
+    # The held-out split has ~100 short code prompts, fewer than the code phase sends: go on with
+    # train-split code prompts that v1 never saw, so no prompt repeats. A repeat would be served
+    # by a draft already trained on the target's answer to it, and inflate its acceptance.
+    warm_ids = {p.id for p in warm_prompts(cfg, cfg.train.warm_prompts)}
+    code = unique_texts(code + [p for p in load_sharegpt(cfg.data, split="train")
+                                if p.domain == "code" and len(p.text) <= 600 and p.id not in warm_ids],
+                        exclude={p.text for p in speed_set})
     _log(f"workload: {len(general)} general then {len(code)} code held-out prompts; "
          f"{general_s:.0f} s general, {code_s:.0f} s code, {max_tokens} tokens each, {concurrency} clients")
 
@@ -209,15 +278,21 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 240, code_s: float = 600, spe
         _log(f"phase 2: the traffic shifts to code ({status()})")
         work.run("code", code, code_s, status)
         _log(f"speed check: {len(speed_set)} post-shift code prompts, speculative vs autoregressive, same server")
-        speed = speed_check(loop.url, speed_set, max_tokens)
+        speed = dict(speed_check(loop.url, speed_set, max_tokens), max_tokens=max_tokens)
         time.sleep(2 * dcfg.rollout.poll_s)
         ctl = loop.controller_status()
         samples = loop.samples()
+        records = stream_records(loop.cfg)
     finally:
         loop.stop()
 
     decisions = ctl["decisions"]
     versions = version_table(samples, shift, reg)
+    _log("paired estimate: every version on the same held-out post-shift code records")
+    paired = paired_alpha(dcfg, records, shift, loaded.model, reg)
+    by_id = {p["version"]: p["alpha_est"] for p in paired["versions"]}
+    for v in versions:
+        v["alpha_est_post_shift"] = by_id.get(v["version"])
     failed = [r for r in work.results if not r["ok"]]
     report = {
         "failed_requests": len(failed),
@@ -226,6 +301,7 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 240, code_s: float = 600, spe
         "rolled_back": [d["version"] for d in decisions if d["action"] == "rollback"],
         "versions": versions,
         "speedup_vs_ar": speed["speedup_vs_ar"],
+        "paired_post_shift": paired,
         "speed_check": speed,
         "decisions": [{k: d.get(k) for k in ("time", "action", "version", "reason", "weight")} for d in decisions],
         "final_aliases": ctl["aliases"],
@@ -240,6 +316,8 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 240, code_s: float = 600, spe
         "target": cfg.model.target,
     }
     out_dir.mkdir(parents=True, exist_ok=True)
+    # The speed prompts, so the same check can be rerun elsewhere (a GPU) with `osd bench engine`.
+    write_prompts(speed_set, out_dir / "speed_prompts.jsonl")
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     plot(samples, shift, t0, decisions, out_dir / "acceptance.png")
     _print(report, out_dir)
@@ -248,15 +326,24 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 240, code_s: float = 600, spe
 
 def _print(r: dict[str, Any], out_dir: Path) -> None:
     print(f"\n{'version':<16}{'parent':<16}{'requests':>9}{'alpha':>8}{'pre-shift':>11}{'post-shift':>12}"
-          f"{'alpha_est':>11}")
+          f"{'alpha_est':>11}{'paired post':>13}")
     for v in r["versions"]:
         def f(x):
             return "-" if x is None else f"{x:.3f}"
         print(f"{v['version']:<16}{str(v['parent'] or '-'):<16}{v['requests']:>9}{f(v['alpha']):>8}"
-              f"{f(v['alpha_pre_shift']):>11}{f(v['alpha_post_shift']):>12}{f(v['alpha_est']):>11}")
+              f"{f(v['alpha_pre_shift']):>11}{f(v['alpha_post_shift']):>12}{f(v['alpha_est']):>11}"
+              f"{f(v.get('alpha_est_post_shift')):>13}")
+    pp = r.get("paired_post_shift") or {}
+    print(f"\npaired post: every version's acceptance estimate on the same {pp.get('records', 0)} held-out "
+          f"post-shift code records ({pp.get('positions', 0)} positions), which no version trained on")
+    for v in pp.get("versions", []):
+        print(f"  {v['version']:<16}parent {str(v['parent'] or '-'):<16}records {v['records_consumed'] or 0:>6}"
+              f"  alpha_est {v['alpha_est']:.3f}")
     sp = r["speedup_vs_ar"]
     print(f"\nrequests {r['requests']}, failed {r['failed_requests']}; promoted {r['promoted'] or '-'}; "
           f"rolled back {r['rolled_back'] or '-'}")
     print(f"post-shift speed-up vs AR (median of per-prompt ratios): {'n/a' if sp is None else f'{sp:.2f}x'}")
+    print(f"same prompts elsewhere: osd bench engine --prompts-file {out_dir / 'speed_prompts.jsonl'} "
+          f"--max-new-tokens {r['speed_check'].get('max_tokens', 64)} --draft <a version's directory> [--device cuda]")
     print(f"wrote {out_dir / 'report.json'} and {out_dir / 'acceptance.png'} "
           f"(setup {r['setup_s']:.0f} s, loop {r['loop_s']:.0f} s, total {r['total_s']:.0f} s)", flush=True)

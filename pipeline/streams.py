@@ -74,6 +74,25 @@ def _s(x: Any) -> Any:
     return x.decode() if isinstance(x, bytes) else x
 
 
+def read_records(client: redis.Redis, stream: str, *, since_s: float = 0.0, batch: int = 500) -> list[Record]:
+    """Every decodable record still in the stream written at or after `since_s` (epoch seconds),
+    oldest first, without touching any consumer group. Undecodable entries are skipped here:
+    the consumers dead-letter them."""
+    out: list[Record] = []
+    start = f"{int(since_s * 1000)}-0"
+    while True:
+        entries = client.xrange(stream, min=start, max="+", count=batch)
+        for eid, fields in entries:
+            try:
+                out.append(decode(fields[FIELD]))
+            except (KeyError, RecordError):
+                continue
+        if len(entries) < batch:
+            return out
+        ms, seq = _s(entries[-1][0]).split("-")
+        start = f"{ms}-{int(seq) + 1}"
+
+
 def group_info(client: redis.Redis, stream: str) -> dict[str, dict[str, Any]]:
     """XINFO GROUPS as {group name: {field: value}}, str names and ids; {} if the stream is missing."""
     try:

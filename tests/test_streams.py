@@ -13,7 +13,7 @@ import redis
 from pipeline.config import OSDConfig, StreamConfig
 from pipeline.records import VERSION_KEY, Record, encode
 from pipeline.redis_server import RedisServer, RedisServerError, find_redis_server, free_port, resolve_redis_url
-from pipeline.streams import FIELD, RecordConsumer, RecordProducer, connect, dead_letter_stream
+from pipeline.streams import FIELD, RecordConsumer, RecordProducer, connect, dead_letter_stream, read_records
 
 pytestmark = pytest.mark.redis
 
@@ -123,6 +123,28 @@ def test_bad_entries_go_to_dead_letter_and_consumer_carries_on(redis_url):
     good3 = make_record(4)
     r.xadd(c.stream, {FIELD: encode(good3)})
     assert [d.record.record_id for d in consumer.read()] == [good3.record_id]
+
+
+def test_read_records_pages_by_time_skips_junk_and_leaves_groups_alone(redis_url):
+    c = cfg()
+    r = raw(redis_url)
+    consumer = RecordConsumer(redis_url, c, name="a")
+    early = [make_record(i) for i in range(3)]
+    for rec in early:
+        r.xadd(c.stream, {FIELD: encode(rec)})
+    time.sleep(0.05)
+    since = time.time()
+    time.sleep(0.05)
+    late = [make_record(10 + i) for i in range(7)]
+    for i, rec in enumerate(late):
+        r.xadd(c.stream, {FIELD: encode(rec)})
+        if i == 2:
+            r.xadd(c.stream, {FIELD: b"junk"})
+    client = connect(redis_url, c)
+    # batch=2 pages through: each page starts just after the last id of the one before.
+    assert [x.record_id for x in read_records(client, c.stream, since_s=since, batch=2)] == [x.record_id for x in late]
+    assert len(read_records(client, c.stream)) == 10
+    assert consumer.lag() == 11 and consumer.pending() == 0  # a reader, not a consumer
 
 
 CHILD = r"""

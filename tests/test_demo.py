@@ -1,0 +1,120 @@
+"""The demo's paired estimate: every version scored on the same held-out post-shift code records."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.config import OSDConfig
+from pipeline.records import Record
+from pipeline.registry import Registry
+from train.trainer import is_held_out
+
+
+def records_from(draft, n: int, *, domain: str, created_at: float, k: int = 16) -> list[Record]:
+    """Records whose target top-k is exactly `draft`'s distribution: `draft` is the perfect draft for them."""
+    from train.batching import pack, position_logits
+
+    rng = np.random.default_rng(int(created_at) + n)
+    out = []
+    for i in range(n):
+        prompt = rng.integers(1, 200, 6).astype(np.int32)
+        output = rng.integers(1, 200, 10).astype(np.int32)
+        stub = Record(request_id=f"{domain}-{created_at}-{i}", draft_version="v1", prompt_ids=prompt,
+                      output_ids=output, topk_ids=np.zeros((10, k), np.int32),
+                      topk_logprobs=np.zeros((10, k), np.float16), accepted=np.zeros(10, bool),
+                      draft_tokens=np.full(10, -1, np.int32), draft_probs=np.full(10, np.nan, np.float32),
+                      domain=domain, created_at=created_at)
+        with torch.no_grad():
+            lp = torch.log_softmax(position_logits(draft, pack([stub], 64)), -1)
+        top = lp.topk(k, -1)
+        stub.topk_ids = top.indices.numpy().astype(np.int32)
+        stub.topk_logprobs = top.values.numpy().astype(np.float16)
+        out.append(stub)
+    return out
+
+
+def test_every_version_is_scored_on_the_same_held_out_post_shift_code_records(tiny, tmp_path, one_thread):
+    from pipeline.demo import paired_alpha
+    from train.draft_model import DraftSpec, build_draft, save_draft
+
+    torch.manual_seed(0)
+    cfg = OSDConfig.model_validate({"train": {"held_out_every": 3}})
+    spec = DraftSpec(num_layers=1)
+    good = build_draft(tiny.model, spec)
+    other = build_draft(tiny.model, spec)
+    with torch.no_grad():  # a different draft: the same shape, other weights
+        for p in other.model.layers.parameters():
+            p.add_(torch.randn_like(p))
+    reg = Registry((tmp_path / "reg").as_uri(), cache_dir=tmp_path / "cache")
+    for name, d in (("v1", other), ("v2", good)):
+        save_draft(d, spec, tmp_path / name, target_ref={"spec": "tiny-random"}, lineage={"parent": None})
+        reg.publish(tmp_path / name, name)
+
+    shift = 1000.0
+    recs = (records_from(good, 12, domain="code", created_at=shift + 5)
+            + records_from(good, 6, domain="code", created_at=shift - 5)  # before the shift
+            + records_from(good, 6, domain="general", created_at=shift + 5))  # not code
+    want = [r for r in recs if r.created_at >= shift and r.domain == "code" and is_held_out(r.record_id, 3)]
+    assert 0 < len(want) < 12  # some post-shift code records were trained on, so they are left out
+    # A held-out record of a prompt the trainer also took (a repeat) is not unseen: left out too.
+    trained = next(r for r in recs if not is_held_out(r.record_id, 3))
+    repeat = dataclasses.replace(want[0], prompt_ids=trained.prompt_ids.copy(),
+                                 record_id=next(f"repeat-{i}" for i in range(100) if is_held_out(f"repeat-{i}", 3)))
+    recs.append(repeat)
+
+    out = paired_alpha(cfg, recs, shift, tiny.model, reg)
+    assert out["records"] == len(want) and out["positions"] == 10 * len(want)
+    assert [v["version"] for v in out["versions"]] == ["v1", "v2"]
+    a = {v["version"]: v["alpha_est"] for v in out["versions"]}
+    # v2 is the distribution the records hold: it matches all the mass of their top-k.
+    assert a["v2"] > 0.85 and a["v1"] < a["v2"] - 0.1
+
+
+def test_no_held_out_post_shift_records_means_no_scores(tiny, tmp_path):
+    from pipeline.demo import paired_alpha
+
+    reg = Registry((tmp_path / "reg").as_uri(), cache_dir=tmp_path / "cache")
+    out = paired_alpha(OSDConfig(), [], 0.0, tiny.model, reg)
+    assert out == {"records": 0, "positions": 0, "versions": []}
+
+
+def test_a_dead_redis_costs_the_paired_estimate_only(capsys):
+    from pipeline.demo import stream_records
+    from pipeline.redis_server import free_port
+
+    cfg = OSDConfig.model_validate({"stream": {"redis_url": f"redis://127.0.0.1:{free_port()}/0",
+                                               "connect_timeout_s": 0.2, "socket_timeout_s": 0.5,
+                                               "block_ms": 100}})
+    assert stream_records(cfg, 0.0) == []
+    assert "paired estimate skipped: cannot read the record stream" in capsys.readouterr().out
+
+
+@pytest.mark.redis
+def test_stream_records_come_from_the_stream(redis_url):
+    import redis
+
+    from pipeline.demo import stream_records
+    from pipeline.records import encode
+    from pipeline.streams import FIELD
+
+    cfg = OSDConfig.model_validate({"stream": {"redis_url": redis_url}})
+    rec = Record(request_id="r", draft_version="v1", prompt_ids=np.arange(3, dtype=np.int32),
+                 output_ids=np.arange(2, dtype=np.int32), topk_ids=np.zeros((2, 2), np.int32),
+                 topk_logprobs=np.zeros((2, 2), np.float16), accepted=np.zeros(2, bool),
+                 draft_tokens=np.full(2, -1, np.int32), draft_probs=np.full(2, np.nan, np.float32))
+    redis.Redis.from_url(redis_url).xadd(cfg.stream.stream, {FIELD: encode(rec)})
+    assert [r.record_id for r in stream_records(cfg, 0.0)] == [rec.record_id]
+
+
+def test_speed_prompts_file_reads_back_for_osd_bench_engine(tmp_path):
+    from pipeline.demo import write_prompts
+    from pipeline.prompts import Prompt, load_jsonl
+
+    prompts = [Prompt("sg-1", 'print("a")\n\tdef f(): pass', "code", "held_out"),
+               Prompt("sg-2", "Write me a haiku", "writing", "held_out")]
+    path = tmp_path / "demo" / "speed_prompts.jsonl"
+    write_prompts(prompts, path)
+    back = load_jsonl(path)
+    assert [(p.id, p.domain, p.text) for p in back] == [(p.id, p.domain, p.text) for p in prompts]
