@@ -127,8 +127,8 @@ def unique_texts(prompts: list, exclude: set[str] = frozenset()) -> list:
     return out
 
 
-def stream_records(cfg: OSDConfig, since_s: float = 0.0) -> list:
-    """The run's records, read before the private Redis goes away. A Redis that cannot answer
+def stream_records(cfg: OSDConfig) -> list:
+    """The run's records (its Redis is private to the run), read before the private Redis goes away. A Redis that cannot answer
     costs the paired estimate only, never the report."""
     import redis
 
@@ -137,7 +137,7 @@ def stream_records(cfg: OSDConfig, since_s: float = 0.0) -> list:
     try:
         client = connect(cfg.stream.redis_url, cfg.stream)
         try:
-            return read_records(client, cfg.stream.stream, since_s=since_s)
+            return read_records(client, cfg.stream.stream)
         finally:
             client.close()
     except redis.RedisError as e:
@@ -247,16 +247,17 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 660, spe
     from pipeline.up import ensure_stable
 
     ensure_stable(dcfg, warm_start_dir=v1)
-    held = [p for p in load_sharegpt(cfg.data, split="held_out") if len(p.text) <= 600]
+    sharegpt = load_sharegpt(cfg.data)  # parsed once: held-out traffic, v1's prompts, the train top-up
+    held = [p for p in sharegpt if p.split == "held_out" and len(p.text) <= 600]
     general = unique_texts([p for p in held if p.domain != "code"])
     code = unique_texts([p for p in held if p.domain == "code"])
     speed_set, code = code[:speed_prompts], code[speed_prompts:]
     # The held-out split has ~100 short code prompts, fewer than the code phase sends: go on with
     # train-split code prompts that v1 never saw, so no prompt repeats. A repeat would be served
     # by a draft already trained on the target's answer to it, and inflate its acceptance.
-    warm_ids = {p.id for p in warm_prompts(cfg, cfg.train.warm_prompts)}
-    code = unique_texts(code + [p for p in load_sharegpt(cfg.data, split="train")
-                                if p.domain == "code" and len(p.text) <= 600 and p.id not in warm_ids],
+    warm_ids = {p.id for p in warm_prompts(cfg, cfg.train.warm_prompts, prompts=sharegpt)}
+    code = unique_texts(code + [p for p in sharegpt if p.split == "train" and p.domain == "code"
+                                and len(p.text) <= 600 and p.id not in warm_ids],
                         exclude={p.text for p in speed_set})
     _log(f"workload: {len(general)} general then {len(code)} code held-out prompts; "
          f"{general_s:.0f} s general, {code_s:.0f} s code, {max_tokens} tokens each, {concurrency} clients")
@@ -344,6 +345,6 @@ def _print(r: dict[str, Any], out_dir: Path) -> None:
           f"rolled back {r['rolled_back'] or '-'}")
     print(f"post-shift speed-up vs AR (median of per-prompt ratios): {'n/a' if sp is None else f'{sp:.2f}x'}")
     print(f"same prompts elsewhere: osd bench engine --prompts-file {out_dir / 'speed_prompts.jsonl'} "
-          f"--max-new-tokens {r['speed_check'].get('max_tokens', 64)} --draft <a version's directory> [--device cuda]")
+          f"--max-new-tokens {r['speed_check']['max_tokens']} --draft <a version's directory> [--device cuda]")
     print(f"wrote {out_dir / 'report.json'} and {out_dir / 'acceptance.png'} "
           f"(setup {r['setup_s']:.0f} s, loop {r['loop_s']:.0f} s, total {r['total_s']:.0f} s)", flush=True)

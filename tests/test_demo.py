@@ -87,7 +87,7 @@ def test_a_dead_redis_costs_the_paired_estimate_only(capsys):
     cfg = OSDConfig.model_validate({"stream": {"redis_url": f"redis://127.0.0.1:{free_port()}/0",
                                                "connect_timeout_s": 0.2, "socket_timeout_s": 0.5,
                                                "block_ms": 100}})
-    assert stream_records(cfg, 0.0) == []
+    assert stream_records(cfg) == []
     assert "paired estimate skipped: cannot read the record stream" in capsys.readouterr().out
 
 
@@ -105,7 +105,7 @@ def test_stream_records_come_from_the_stream(redis_url):
                  topk_logprobs=np.zeros((2, 2), np.float16), accepted=np.zeros(2, bool),
                  draft_tokens=np.full(2, -1, np.int32), draft_probs=np.full(2, np.nan, np.float32))
     redis.Redis.from_url(redis_url).xadd(cfg.stream.stream, {FIELD: encode(rec)})
-    assert [r.record_id for r in stream_records(cfg, 0.0)] == [rec.record_id]
+    assert [r.record_id for r in stream_records(cfg)] == [rec.record_id]
 
 
 def test_speed_prompts_file_reads_back_for_osd_bench_engine(tmp_path):

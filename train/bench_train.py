@@ -32,6 +32,7 @@ def run_train_bench(cfg: OSDConfig, *, records: int = 2000, domain: str = "code"
     from pipeline.records import new_record_id
     from pipeline.redis_server import RedisServer
     from pipeline.streams import RecordProducer
+    from pipeline.prompts import load_sharegpt
     from pipeline.target import load_target
     from train.draft_model import DraftSpec, build_draft, load_draft
     from train.trainer import TrainerGroup, estimate_alpha
@@ -41,8 +42,9 @@ def run_train_bench(cfg: OSDConfig, *, records: int = 2000, domain: str = "code"
     loaded = load_target(cfg.model.target, cfg.model, progress=True)
     default_v1 = Path(cfg.state_dir) / "drafts" / "v1"
     init_draft = init_draft or (str(default_v1) if default_v1.is_dir() else None)
-    train_p = warm_prompts(cfg, records, split="train", domain=domain)
-    eval_p = warm_prompts(cfg, eval_prompts, split="held_out", domain=domain)
+    sharegpt = load_sharegpt(cfg.data)  # both selections from one parse
+    train_p = warm_prompts(cfg, records, split="train", domain=domain, prompts=sharegpt)
+    eval_p = warm_prompts(cfg, eval_prompts, split="held_out", domain=domain, prompts=sharegpt)
     _log(f"teacher records: {len(train_p)} train + {len(eval_p)} held-out {domain!r} prompts (cached after the first run)")
     train_recs = teacher_records(cfg, loaded, train_p)
     eval_recs = teacher_records(cfg, loaded, eval_p)

@@ -28,12 +28,16 @@ def _log(msg: str) -> None:
     print(f"[osd draft init] {msg}", flush=True)
 
 
-def warm_prompts(cfg: OSDConfig, n: int, max_chars: int = 600, split: str = "train", domain: str | None = None):
-    from pipeline.prompts import load_sharegpt
+def warm_prompts(cfg: OSDConfig, n: int, max_chars: int = 600, split: str = "train", domain: str | None = None,
+                 prompts: list | None = None):
+    """The first n short prompts of a split. `prompts`: ShareGPT already loaded (any split), so a
+    caller that needs several selections parses the file (~2.5 s) once; read from disk if None."""
+    if prompts is None:
+        from pipeline.prompts import load_sharegpt
 
-    prompts = [p for p in load_sharegpt(cfg.data, split=split) if len(p.text) <= max_chars
-               and (domain is None or p.domain == domain)]
-    return prompts[:n]
+        prompts = load_sharegpt(cfg.data, split=split)
+    return [p for p in prompts if p.split == split and len(p.text) <= max_chars
+            and (domain is None or p.domain == domain)][:n]
 
 
 def teacher_records(cfg: OSDConfig, loaded: Any, prompts: list, *, progress: bool = True) -> list:
