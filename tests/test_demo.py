@@ -80,6 +80,27 @@ def test_no_held_out_post_shift_records_means_no_scores(tiny, tmp_path):
     assert out == {"records": 0, "positions": 0, "versions": []}
 
 
+def test_a_corrupt_version_is_named_and_the_others_still_scored(tiny, tmp_path, capsys):
+    from pipeline.demo import paired_alpha
+    from train.draft_model import WEIGHTS_FILE, DraftSpec, build_draft, save_draft
+
+    cfg = OSDConfig.model_validate({"train": {"held_out_every": 2}})
+    spec = DraftSpec(num_layers=1)
+    draft = build_draft(tiny.model, spec)
+    reg = Registry((tmp_path / "reg").as_uri(), cache_dir=tmp_path / "cache")
+    for name in ("v1", "v2"):
+        save_draft(draft, spec, tmp_path / name, target_ref={"spec": "tiny-random"}, lineage={"parent": None})
+        reg.publish(tmp_path / name, name)
+    weights = reg.payload_dir(reg.get("v1")) / WEIGHTS_FILE
+    weights.write_bytes(weights.read_bytes()[:100])  # truncated after publishing
+
+    recs = records_from(draft, 8, domain="code", created_at=10.0)
+    out = paired_alpha(cfg, recs, 0.0, tiny.model, reg)
+    assert out["records"] == sum(is_held_out(r.record_id, 2) for r in recs) > 0
+    assert [v["version"] for v in out["versions"]] == ["v2"]
+    assert "paired estimate: cannot load v1 (DigestMismatch" in capsys.readouterr().out
+
+
 def test_a_dead_redis_costs_the_paired_estimate_only(capsys):
     from pipeline.demo import stream_records
     from pipeline.redis_server import free_port
