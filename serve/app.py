@@ -15,6 +15,8 @@ build the same application.
 # No `from __future__ import annotations` here: FastAPI must see the real `Request` type on
 # the ingress methods to inject it.
 import asyncio
+import hmac
+import logging
 import os
 import time
 from typing import Any, AsyncIterator
@@ -22,6 +24,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pipeline.config import OSDConfig
 from serve.openai_api import (
@@ -34,11 +37,15 @@ from serve.openai_api import (
     chat_chunk,
     completion_body,
     new_id,
+    openapi_with_bodies,
     osd_extension,
     parse_request,
+    sse_error,
 )
 
 MODEL_ALIAS = "osd"
+OPEN_PATHS = frozenset({"/healthz"})  # the only routes answered without the API key
+log = logging.getLogger("ray.serve")
 
 
 # ---------------------------------------------------------------- replica
@@ -65,6 +72,11 @@ class TargetReplica:
         self.router = self._make_router(cfg, build_draft)
         self.producer = RecordProducer(cfg.stream.redis_url, cfg.stream) if cfg.stream.redis_url else None
         self.metrics = ServeMetrics()
+        # A text this long cannot fit the context whatever it tokenizes to (no token decodes to
+        # more characters than its raw vocab string), so it is refused without tokenizing.
+        longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self.max_prompt_chars = self.engine.max_seq_len * max(longest, 1)
+        self.mean_request_s = 1.0  # running mean, for Retry-After hints
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (unit use)
@@ -119,20 +131,32 @@ class TargetReplica:
 
     # -- request preparation --------------------------------------------------
 
-    def _prepare(self, req: dict[str, Any]):
-        from pipeline.prompts import domain_of, messages_ids
-        from serve.engine import GenerationParams
-        from serve.verify import SamplingParams
+    def _token_ids(self, req: dict[str, Any]) -> tuple[list[int], str]:
+        from pipeline.prompts import messages_ids
+        from serve.engine import RequestError
 
         if req["kind"] == "chat":
             msgs = req["messages"]
-            ids = messages_ids(self.tokenizer, msgs)
-            user_text = next((m["content"] for m in reversed(msgs) if m["role"] == "user"), "")
-        elif isinstance(req["prompt"], str):
-            ids = self.tokenizer.encode(req["prompt"], add_special_tokens=False)
-            user_text = req["prompt"]
+            chars = sum(len(m["content"]) for m in msgs)
         else:
-            ids, user_text = req["prompt"], ""
+            msgs, chars = None, len(req["prompt"]) if isinstance(req["prompt"], str) else 0
+        if chars > self.max_prompt_chars:
+            raise RequestError(f"prompt of {chars} characters cannot fit the context of {self.engine.max_seq_len} "
+                               f"tokens", code="context_length_exceeded")
+        if msgs is not None:
+            user_text = next((m["content"] for m in reversed(msgs) if m["role"] == "user"), "")
+            return messages_ids(self.tokenizer, msgs), user_text
+        if isinstance(req["prompt"], str):
+            return self.tokenizer.encode(req["prompt"], add_special_tokens=False), req["prompt"]
+        return req["prompt"], ""
+
+    async def _prepare(self, req: dict[str, Any]):
+        from pipeline.prompts import domain_of
+        from serve.engine import GenerationParams
+        from serve.verify import SamplingParams
+
+        # Tokenizing runs off the event loop, so a long prompt never stalls other requests.
+        ids, user_text = await asyncio.to_thread(self._token_ids, req)
         record = self.cfg.serve.record if req.get("record") is None else bool(req["record"])
         record = record and self.producer is not None
         s = req["sampling"]
@@ -157,6 +181,7 @@ class TargetReplica:
             if self.producer.submit(rec):
                 record_id = rec.record_id
         latency = time.perf_counter() - t0
+        self.mean_request_s += 0.1 * (latency - self.mean_request_s)
         self.metrics.observe(version, result, latency)
         self._sync_record_metrics()
         st = result.stats
@@ -181,51 +206,83 @@ class TargetReplica:
             ps = self.producer.stats()
             self.metrics.sync_records(self.draft_version, ps.written, dict(ps.dropped))
 
-    def _error(self, e: Exception) -> dict[str, Any]:
+    def _error(self, e: Exception, req: dict[str, Any], version: str) -> dict[str, Any]:
+        """Any failure of a request -> {"error": {...}} for the ingress to answer; never raises."""
+        from serve.admission import Overloaded, QueueTimeout, retry_after_s
         from serve.engine import RequestError
 
         if isinstance(e, RequestError):
-            code = "context_length_exceeded" if "context" in str(e) else None
-            self.metrics.error(self.draft_version, code or "invalid_request")
-            return {"error": {"status": 400, "message": str(e), "code": code}}
-        raise e
+            self.metrics.error(version, e.code or "invalid_request")
+            return {"error": {"status": 400, "message": str(e), "code": e.code}}
+        if isinstance(e, (Overloaded, QueueTimeout)):
+            full = isinstance(e, Overloaded)
+            self.metrics.error(version, "overloaded" if full else "queue_timeout")
+            return {"error": {"status": 429 if full else 503, "message": f"server busy: {e}; retry later",
+                              "type": "rate_limit_error" if full else "server_error",
+                              "code": "overloaded" if full else "queue_timeout",
+                              "retry_after": retry_after_s(self.engine.slots, self.mean_request_s)}}
+        self.metrics.error(version, "internal")
+        log.exception("request %s failed in replica %s", req.get("request_id"), self.replica_id)
+        return {"error": {"status": 500, "type": "server_error", "code": "internal_error",
+                          "message": f"internal error ({type(e).__name__}); request id {req.get('request_id')}"}}
+
+    async def _admitted(self, req: dict[str, Any], draft: Any) -> tuple[Any, Any, str | None, bool]:
+        """Validate, tokenize and wait for a KV slot; raises what _error maps."""
+        ids, params, domain, record = await self._prepare(req)
+        stream = self.engine.stream(ids, params, draft=draft)  # validates now, before any token
+        await stream.admit()
+        return stream, params, domain, record
 
     # -- entry points (called through the deployment handle) -------------------
 
     async def generate(self, req: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         version, draft = self._pick(req)  # fixed for this request's lifetime
+        stream = None
         try:
-            ids, params, domain, record = self._prepare(req)
-            stream = self.engine.stream(ids, params, draft=draft)  # validates now, before any token
+            stream, _, domain, record = await self._admitted(req, draft)
+            async for _ in stream:
+                pass
+            return self._finish(req["request_id"], version, stream.result, domain, record, t0)
         except Exception as e:
-            return self._error(e)
-        async for _ in stream:
-            pass
-        return self._finish(req["request_id"], version, stream.result, domain, record, t0)
+            return self._error(e, req, version)
+        finally:
+            if stream is not None:
+                stream.abandon()
 
     async def generate_stream(self, req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        """First item: {"error": ...} or {"started": True}; then {"text": delta}...; last {"done": result}."""
+        """First item: {"error": ...} or {"started": True}; then {"text": delta}...; last {"done": result}
+        (or {"error": ...} if the request fails after it started)."""
         t0 = time.perf_counter()
         version, draft = self._pick(req)
+        stream = None
         try:
-            ids, params, domain, record = self._prepare(req)
-            stream = self.engine.stream(ids, params, draft=draft)
-        except Exception as e:
-            yield self._error(e)
-            return
-        yield {"started": True, "prompt_tokens": len(ids)}
-        text = IncrementalText(self.tokenizer, params.stop)
-        async for toks in stream:
-            yield {"text": text.push(toks)}
-        result = stream.result
-        yield {"text": text.finish(result.text or "")}
-        yield {"done": self._finish(req["request_id"], version, result, domain, record, t0)}
+            try:
+                stream, params, domain, record = await self._admitted(req, draft)
+            except Exception as e:
+                yield self._error(e, req, version)
+                return
+            yield {"started": True, "prompt_tokens": len(stream.prompt)}
+            text = IncrementalText(self.tokenizer, params.stop)
+            try:
+                async for toks in stream:
+                    yield {"text": text.push(toks)}
+                result = stream.result
+                yield {"text": text.finish(result.text or "")}
+                yield {"done": self._finish(req["request_id"], version, result, domain, record, t0)}
+            except Exception as e:
+                yield self._error(e, req, version)
+        finally:
+            if stream is not None:
+                stream.abandon()
 
     def stats(self) -> dict[str, Any]:
         self._sync_record_metrics()
+        pool = self.engine.slots
         out: dict[str, Any] = {"replica": self.replica_id, "draft_version": self.draft_version,
-                               "drafts": self.router.state(), "recording": self.producer is not None}
+                               "drafts": self.router.state(), "recording": self.producer is not None,
+                               "slots": {"total": pool.total, "free": pool.free, "queued": pool.queued,
+                                         "rejected": pool.rejected, "timed_out": pool.timed_out}}
         if self.producer is not None:
             ps = self.producer.stats()
             out.update(records_written=ps.written, records_dropped=ps.dropped_total,
@@ -235,8 +292,17 @@ class TargetReplica:
         return out
 
     def check_health(self) -> None:
-        if self.engine is None:
-            raise RuntimeError("engine not loaded")
+        """Serve calls this every health_check_period_s; raising makes Serve restart the replica."""
+        self.engine.check_health(self.cfg.serve.stall_timeout_s)
+        thread = getattr(self.producer, "_thread", None)
+        if thread is not None and not thread.is_alive():
+            raise RuntimeError("the record producer's thread has died")
+        self.router.check_health()
+
+    def health(self) -> dict[str, Any]:
+        """For /healthz: check_health's verdict plus what is served."""
+        self.check_health()
+        return {"status": "ok", "draft_version": self.draft_version}
 
     def __del__(self) -> None:
         router = getattr(self, "router", None)
@@ -249,7 +315,15 @@ class TargetReplica:
 
 # ---------------------------------------------------------------- ingress
 
-api = FastAPI(title="osd: online speculative decoding", docs_url=None, redoc_url=None)
+# The schema is served by our own route, behind the key like every route but /healthz.
+api = FastAPI(title="osd: online speculative decoding", docs_url=None, redoc_url=None, openapi_url=None)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Unknown routes and methods answer in the OpenAI error form too."""
+    err = APIError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None)
+    return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
 
 def _request_id(request: Request) -> str | None:
@@ -258,17 +332,26 @@ def _request_id(request: Request) -> str | None:
 
 
 def _error_response(e: APIError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def _replica_error(err: dict[str, Any]) -> APIError:
+    return APIError(err["status"], err["message"], type_=err.get("type", "invalid_request_error"),
+                    code=err.get("code"), retry_after=err.get("retry_after"))
 
 
 @serve.ingress(api)
 class OpenAIIngress:
     def __init__(self, replica: Any, cfg_dict: dict[str, Any], api_key: str | None = None):
+        from serve.metrics import ServeMetrics
+
         self.replica = replica
         self.cfg = OSDConfig.model_validate(cfg_dict)
         self.api_key = api_key or None
         self.model_id = self.cfg.model.target
         self.replica_stats: dict[str, dict[str, Any]] = {}
+        self.metrics = ServeMetrics()
 
     # -- helpers ---------------------------------------------------------------
 
@@ -276,7 +359,7 @@ class OpenAIIngress:
         if self.api_key is None:
             return
         header = request.headers.get("authorization", "")
-        if header != f"Bearer {self.api_key}":
+        if not hmac.compare_digest(header.encode(), f"Bearer {self.api_key}".encode()):
             raise APIError(401, "missing or wrong API key (send Authorization: Bearer <key>)",
                            type_="authentication_error", code="invalid_api_key")
 
@@ -284,6 +367,28 @@ class OpenAIIngress:
         if model is not None and model not in (self.model_id, MODEL_ALIAS):
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_id!r}",
                            param="model", code="model_not_found")
+
+    async def _body(self, request: Request) -> bytes:
+        """The JSON body, at most serve.max_body_bytes of it (413 past that, unread)."""
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            # Also what keeps a web page from posting here: a JSON POST needs a CORS preflight,
+            # which this server never grants.
+            raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
+                           code="unsupported_media_type")
+        limit = self.cfg.serve.max_body_bytes
+        too_big = APIError(413, f"request body is over this server's limit of {limit} bytes",
+                           code="request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _engine_request(self, req: Any, request_id: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -301,75 +406,70 @@ class OpenAIIngress:
             out.update(kind="completion", prompt=req.prompt, max_tokens=req.max_tokens)
         return out
 
-    async def _handle(self, request: Request, kind: type) -> Any:
+    async def _guarded(self, request: Request, work: Any) -> Any:
+        """Run a route: APIError -> its OpenAI error; anything else -> a logged, counted 500."""
+        from ray.serve.exceptions import BackPressureError
+
         try:
             self._auth(request)
-            req = parse_request(kind, await request.body(), self.cfg.serve.max_new_tokens)
-            self._check_model(req.model)
-            ereq = self._engine_request(req, _request_id(request))
-            if req.stream:
-                if kind is not ChatCompletionRequest:
-                    raise APIError(400, "stream is supported on /v1/chat/completions", param="stream")
-                return await self._stream_chat(ereq, req)
-            result = await self.replica.generate.remote(ereq)
-            if "error" in result:
-                err = result["error"]
-                raise APIError(err["status"], err["message"], code=err.get("code"))
-            body = (chat_body if kind is ChatCompletionRequest else completion_body)(
-                ereq["request_id"], self.model_id, result)
-            return JSONResponse(body)
+            return await work()
         except APIError as e:
             return _error_response(e)
+        except BackPressureError:
+            self.metrics.error("", "overloaded")
+            return _error_response(APIError(503, "server busy: every replica's queue is full; retry later",
+                                            type_="server_error", code="overloaded", retry_after=1))
+        except Exception:
+            rid = _request_id(request) or "-"
+            self.metrics.error("", "internal")
+            log.exception("request %s to %s failed in the ingress", rid, request.url.path)
+            return _error_response(APIError(500, f"internal error; request id {rid}", type_="server_error",
+                                            code="internal_error"))
+
+    async def _complete(self, request: Request, kind: type) -> Any:
+        req = parse_request(kind, await self._body(request), self.cfg.serve.max_new_tokens)
+        self._check_model(req.model)
+        ereq = self._engine_request(req, _request_id(request))
+        if req.stream:
+            if kind is not ChatCompletionRequest:
+                raise APIError(400, "stream is supported on /v1/chat/completions", param="stream")
+            return await self._stream_chat(ereq, req)
+        result = await self.replica.generate.remote(ereq)
+        if "error" in result:
+            raise _replica_error(result["error"])
+        body = (chat_body if kind is ChatCompletionRequest else completion_body)(
+            ereq["request_id"], self.model_id, result)
+        return JSONResponse(body)
 
     async def _stream_chat(self, ereq: dict[str, Any], req: ChatCompletionRequest) -> Any:
         gen = self.replica.options(stream=True).generate_stream.remote(ereq)
         first = await gen.__anext__()
         if "error" in first:
-            err = first["error"]
-            raise APIError(err["status"], err["message"], code=err.get("code"))
+            raise _replica_error(first["error"])
         return StreamingResponse(self._sse(gen, ereq, req), media_type="text/event-stream")
 
     async def _sse(self, gen: Any, ereq: dict[str, Any], req: ChatCompletionRequest) -> AsyncIterator[str]:
         rid, created = ereq["request_id"], int(time.time())
         yield chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""})
-        async for item in gen:
-            if "text" in item:
-                if item["text"]:
-                    yield chat_chunk(rid, self.model_id, created, {"content": item["text"]})
-            elif "done" in item:
-                result = item["done"]
-                yield chat_chunk(rid, self.model_id, created, {}, result["finish_reason"],
-                                 extra={"usage": result["usage"], "osd": osd_extension(result)})
+        try:
+            async for item in gen:
+                if "text" in item:
+                    if item["text"]:
+                        yield chat_chunk(rid, self.model_id, created, {"content": item["text"]})
+                elif "done" in item:
+                    result = item["done"]
+                    yield chat_chunk(rid, self.model_id, created, {}, result["finish_reason"],
+                                     extra={"usage": result["usage"], "osd": osd_extension(result)})
+                elif "error" in item:  # failed after the 200 went out: an SSE error event, as OpenAI sends
+                    yield sse_error(_replica_error(item["error"]))
+        except Exception:  # the replica died mid-stream: say so in the stream, then end it
+            self.metrics.error("", "internal")
+            log.exception("stream %s failed in the ingress", rid)
+            yield sse_error(APIError(500, f"internal error; request id {rid}", type_="server_error",
+                                     code="internal_error"))
         yield SSE_DONE
 
-    # -- routes ------------------------------------------------------------------
-
-    @api.post("/v1/completions")
-    async def completions(self, request: Request) -> Any:
-        return await self._handle(request, CompletionRequest)
-
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request) -> Any:
-        return await self._handle(request, ChatCompletionRequest)
-
-    @api.get("/v1/models")
-    async def models(self, request: Request) -> Any:
-        try:
-            self._auth(request)
-        except APIError as e:
-            return _error_response(e)
-        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0, "owned_by": "osd"}]}
-
-    @api.get("/healthz")
-    async def healthz(self) -> Any:
-        try:
-            stats = await asyncio.wait_for(self.replica.stats.remote(), timeout=10)
-        except Exception as e:
-            return JSONResponse({"status": "unhealthy", "error": str(e)}, status_code=503)
-        return {"status": "ok", "draft_version": stats["draft_version"]}
-
-    @api.get("/osd/stats")
-    async def osd_stats(self) -> Any:
+    async def _stats(self) -> dict[str, Any]:
         """Record counters summed over the replicas seen (a few calls reach each replica)."""
         calls = [self.replica.stats.remote() for _ in range(3 * self.cfg.serve.num_replicas)]
         for s in await asyncio.gather(*calls):
@@ -381,14 +481,57 @@ class OpenAIIngress:
             "replicas": reps,
         }
 
+    # -- routes ------------------------------------------------------------------
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Any:
+        return await self._guarded(request, lambda: self._complete(request, CompletionRequest))
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Any:
+        return await self._guarded(request, lambda: self._complete(request, ChatCompletionRequest))
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> Any:
+        async def listing() -> dict[str, Any]:
+            return {"object": "list",
+                    "data": [{"id": self.model_id, "object": "model", "created": 0, "owned_by": "osd"}]}
+
+        return await self._guarded(request, listing)
+
+    @api.get("/healthz")
+    async def healthz(self) -> Any:
+        """200 while a replica answers and passes its own health check (no stalled request,
+        live producer and alias poller, slots adding up); 503 otherwise."""
+        try:
+            return await asyncio.wait_for(self.replica.health.remote(), timeout=10)
+        except Exception as e:
+            return JSONResponse({"status": "unhealthy", "error": f"{type(e).__name__}: {e}"[:500]}, status_code=503)
+
+    @api.get("/osd/stats")
+    async def osd_stats(self, request: Request) -> Any:
+        return await self._guarded(request, self._stats)
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> Any:
+        async def schema() -> dict[str, Any]:
+            return openapi_with_bodies(api.openapi())
+
+        return await self._guarded(request, schema)
+
 
 def build_app(cfg: OSDConfig, api_key: str | None = None) -> Any:
     """The Serve application for this config: ingress bound to N target replicas."""
     cfg_dict = cfg.model_dump(mode="json")
+    sv = cfg.serve
     replica = serve.deployment(TargetReplica, name="TargetReplica").options(
-        num_replicas=cfg.serve.num_replicas,
-        ray_actor_options={"num_cpus": cfg.serve.num_cpus_per_replica},
-        max_ongoing_requests=max(cfg.serve.max_concurrency * 4, 8),
+        num_replicas=sv.num_replicas,
+        ray_actor_options={"num_cpus": sv.num_cpus_per_replica},
+        # Room for every slot and queue place, plus headroom so health and stats calls (and
+        # the instant 429s past the queue) are never stuck behind a full replica.
+        max_ongoing_requests=sv.max_concurrency + sv.max_queue + 16,
+        # Past this many waiting at the handle, calls fail at once (BackPressureError -> 503).
+        max_queued_requests=4 * (sv.max_concurrency + sv.max_queue) * sv.num_replicas,
         health_check_period_s=10,
     )
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(

@@ -27,15 +27,17 @@ Neither can change the output, only the cost. Never past the token budget or the
 from __future__ import annotations
 
 import asyncio
-import queue
+import itertools
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Sequence
 
 import torch
 
 from pipeline.config import ServeConfig
+from serve.admission import SlotPool
 from serve.capture import Capture, CaptureBuffer
 from serve.runner import KVCache, Runner, make_runner
 from serve.verify import SamplingParams, verify_greedy, verify_sampling, warp_probs
@@ -49,7 +51,12 @@ class EngineError(ValueError):
 
 
 class RequestError(ValueError):
-    """A request is invalid (too long, empty, bad ids); raised at the call, before any token."""
+    """A request is invalid (too long, empty, bad ids); raised at the call, before any token.
+    `code` is the OpenAI error code the API answers with (None: a plain invalid request)."""
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -60,14 +67,18 @@ class EngineOptions:
     capture: bool = True
     capture_top_k: int = 32
     max_seq_len: int = 2048
-    # KV cache slots preallocated for concurrent requests; more requests wait for a slot.
+    # KV cache slots preallocated for concurrent requests; more requests wait for a slot,
+    # at most max_queue of them (more are refused: Overloaded) for at most queue_timeout_s.
     max_concurrency: int = 2
+    max_queue: int = 16
+    queue_timeout_s: float = 30.0
 
     @classmethod
     def from_config(cls, serve: "ServeConfig") -> "EngineOptions":
         return cls(k=serve.k, draft_confidence=serve.draft_confidence, adaptive_k=serve.adaptive_k,
-                   capture_top_k=serve.capture_top_k,
-                   max_seq_len=serve.max_seq_len, max_concurrency=serve.max_concurrency)
+                   capture_top_k=serve.capture_top_k, max_seq_len=serve.max_seq_len,
+                   max_concurrency=serve.max_concurrency, max_queue=serve.max_queue,
+                   queue_timeout_s=serve.queue_timeout_s)
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -76,6 +87,8 @@ class EngineOptions:
             raise EngineError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
         if self.capture_top_k < 1 or self.max_concurrency < 1 or self.max_seq_len < 2:
             raise EngineError("capture_top_k, max_concurrency must be >= 1 and max_seq_len >= 2")
+        if self.max_queue < 0 or self.queue_timeout_s <= 0:
+            raise EngineError("max_queue must be >= 0 and queue_timeout_s > 0")
 
 
 @dataclass(frozen=True)
@@ -333,13 +346,19 @@ class SpecEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos = tokenizer.eos_token_id
         self.eos = frozenset(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
-        self._slots: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        slots = []
         for _ in range(self.options.max_concurrency):
             slot = _Slot(self.target.new_cache())
             if self.draft is not None:
                 slot.draft_cache(self.draft)  # preallocate, as before hot swap existed
-            self._slots.put(slot)
+            slots.append(slot)
+        self.slots: SlotPool[_Slot] = SlotPool(slots, self.options.max_queue, self.options.queue_timeout_s)
         self._lock = threading.Lock()
+        # Streams step on one thread of their own: forwards are serialized by the lock anyway,
+        # and a private thread means a busy engine never takes threads other work needs.
+        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osd-engine")
+        self._ids = itertools.count()
+        self._progress: dict[int, float] = {}  # request -> monotonic time of its last step
 
     def _draft_runner(self, draft_model: Any) -> Runner:
         runner = make_runner(draft_model, self.options.max_seq_len)
@@ -374,8 +393,7 @@ class SpecEngine:
         if len(prompt) + params.max_new_tokens > self.max_seq_len:
             raise RequestError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
-                f"the context of {self.max_seq_len} tokens"
-            )
+                f"the context of {self.max_seq_len} tokens", code="context_length_exceeded")
         return prompt
 
     # -- the loop ---------------------------------------------------------------
@@ -435,7 +453,7 @@ class SpecEngine:
         autoregressive, or the engine's own draft by default."""
         params = params or GenerationParams()
         prompt = self.check_request(prompt_ids, params)
-        slot = self._slots.get()
+        slot = self.slots.acquire_blocking()
         try:
             with self._lock:
                 t0 = time.perf_counter()
@@ -446,7 +464,7 @@ class SpecEngine:
                 t2 = time.perf_counter()
             return self._result(seq, t1 - t0, t2 - t1)
         finally:
-            self._slots.put(slot)
+            self.slots.release(slot)
 
     def stream(self, prompt_ids: Sequence[int], params: GenerationParams | None = None,
                draft: Any = DEFAULT) -> "RequestStream":
@@ -458,6 +476,24 @@ class SpecEngine:
         with self._lock:
             return fn(*args)
 
+    def _submit(self, fn, *args) -> Future:
+        return self._stepper.submit(self._locked, fn, *args)
+
+    # -- health ---------------------------------------------------------------
+
+    def stalled_s(self) -> float:
+        """Seconds since the least recently progressed running request took a step (0: none running)."""
+        stamps = list(self._progress.values())
+        return time.monotonic() - min(stamps) if stamps else 0.0
+
+    def check_health(self, stall_timeout_s: float) -> None:
+        """Raise RuntimeError when a running request made no progress for stall_timeout_s, or
+        the slot count does not add up."""
+        self.slots.check()
+        stalled = self.stalled_s()
+        if stalled > stall_timeout_s:
+            raise RuntimeError(f"a running request made no progress for {stalled:.0f} s (limit {stall_timeout_s:g} s)")
+
 
 class RequestStream:
     """`async for tokens in stream:` yields each step's new token ids; `.result` is set at the end."""
@@ -466,18 +502,45 @@ class RequestStream:
         self.engine, self.prompt, self.params = engine, prompt, params
         self.draft = draft  # fixed at the call: a hot swap never changes a request in flight
         self.result: GenerationResult | None = None
+        self._slot: _Slot | None = None
+
+    async def admit(self) -> None:
+        """Wait for a KV slot (bounded: serve.admission.Overloaded or QueueTimeout). Lets a
+        server answer 429/503 before it commits to a streaming response; the slot is then
+        owned by iteration, or returned by `abandon()` if iteration never starts."""
+        if self._slot is None:
+            self._slot = await self.engine.slots.acquire()
+
+    def abandon(self) -> None:
+        """Return a slot that `admit()` took for an iteration that never started."""
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            self.engine.slots.release(slot)
 
     async def __aiter__(self) -> AsyncIterator[list[int]]:
         eng = self.engine
-        slot = await asyncio.to_thread(eng._slots.get)
+        await self.admit()  # Overloaded / QueueTimeout propagate: no slot was taken
+        slot, self._slot = self._slot, None
+        rid = next(eng._ids)
+        eng._progress[rid] = time.monotonic()
+        inflight: Future | None = None
         try:
             t0 = time.perf_counter()
-            # Each stage runs in a worker thread so the event loop keeps serving other requests.
-            seq = await asyncio.to_thread(eng._locked, eng._start, self.prompt, self.params, slot, self.draft)
+            # Forwards run on the engine's thread so the event loop keeps serving other requests.
+            inflight = eng._submit(eng._start, self.prompt, self.params, slot, self.draft)
+            seq = await asyncio.wrap_future(inflight)
             t1 = time.perf_counter()
             while seq.finish is None:
-                emitted = await asyncio.to_thread(eng._locked, eng._step, seq)
+                eng._progress[rid] = time.monotonic()
+                inflight = eng._submit(eng._step, seq)
+                emitted = await asyncio.wrap_future(inflight)
                 yield emitted
             self.result = eng._result(seq, t1 - t0, time.perf_counter() - t1)
         finally:
-            eng._slots.put(slot)
+            eng._progress.pop(rid, None)
+            if inflight is not None and not inflight.done():
+                # Cancelled mid-step: the step still writes this slot's caches, so the slot
+                # goes back only when it has finished (never to another request before).
+                inflight.add_done_callback(lambda _: eng.slots.release(slot))
+            else:
+                eng.slots.release(slot)

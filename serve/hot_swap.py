@@ -96,15 +96,14 @@ class DraftRouter:
     def follow_aliases(self, read_aliases: Callable[[], dict[str, Any]], poll_s: float) -> None:
         def loop() -> None:
             while not self._stop.wait(poll_s):
+                # Nothing a poll meets may end the thread: a registry hiccup or a malformed alias
+                # file is logged and the next poll tries again, while the drafts stay as they are.
                 try:
-                    a = read_aliases()
-                except Exception as e:  # a registry hiccup: keep serving, try again next poll
-                    self._log(f"reading registry aliases failed: {e}")
-                    continue
-                stable, canary = a.get("stable"), a.get("canary")
-                if stable:
-                    self.apply(stable["version"], canary["version"] if canary else None,
-                               canary["weight"] if canary else 0.0)
+                    stable, canary, weight = aliases_target(read_aliases())
+                    if stable:
+                        self.apply(stable, canary, weight)
+                except Exception as e:
+                    self._log(f"following the registry aliases: {type(e).__name__}: {e}; keeping the current drafts")
 
         self._thread = threading.Thread(target=loop, name="osd-alias-poll", daemon=True)
         self._thread.start()
@@ -112,8 +111,33 @@ class DraftRouter:
     def stop_following(self) -> None:
         self._stop.set()
 
+    @property
+    def following(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    def check_health(self) -> None:
+        """Raise if the alias poller was started, not stopped, and has died anyway."""
+        if self._thread is not None and not self._stop.is_set() and not self._thread.is_alive():
+            raise RuntimeError("the registry alias poller thread has died; drafts no longer follow the aliases")
+
     def state(self) -> dict[str, Any]:
         r = self.routing
         return {"stable": r.stable, "canary": r.canary, "canary_weight": r.weight, "loads": self.loads,
-                "swaps": self.swaps, "refused": dict(self.refused), "following_aliases": self._thread is not None
-                and not self._stop.is_set(), "time": time.time()}
+                "swaps": self.swaps, "refused": dict(self.refused), "following_aliases": self.following,
+                "time": time.time()}
+
+
+def aliases_target(aliases: dict[str, Any]) -> tuple[str | None, str | None, float]:
+    """Registry aliases -> (stable, canary, weight) for DraftRouter.apply; ValueError when malformed."""
+    stable, canary = aliases.get("stable"), aliases.get("canary")
+    try:
+        s = stable["version"] if stable else None
+        if not canary:
+            return s, None, 0.0
+        weight = float(canary["weight"])
+        version = canary["version"]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"malformed alias file (stable={stable!r}, canary={canary!r}): {e!r}") from None
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"canary weight {weight} is outside [0, 1]")
+    return s, version, weight

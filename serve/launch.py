@@ -3,10 +3,20 @@
 With `stream.redis_url` empty, a private redis-server is started under the state dir (AOF
 on) and its URL is written into the config handed to the replicas, so every replica writes
 to that one server. With RAY_ADDRESS set, it joins that cluster instead of starting one.
+
+Start-up fails fast, with one line, on what would otherwise surface half a minute later as a
+Ray traceback whose cause sits in Ray's log files: a Redis that does not answer, a draft spec
+the target cannot take, a target that does not load (`preflight`).
+
+Exposure: the API key (OSD_API_KEY) guards every route but the health checks, at Serve's
+proxy too (serve/proxy_auth.py), so Serve's own `/-/routes` is covered. A local cluster keeps
+Ray's token authentication (on by default for local clusters since Ray 2.5x) for its control
+ports; listening beyond loopback without a key is warned about.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import sys
@@ -16,8 +26,63 @@ from typing import Any
 from pipeline.config import OSDConfig
 
 
+class LaunchError(RuntimeError):
+    """The stack cannot start with this configuration; the message says why in one line."""
+
+
 def _log(msg: str) -> None:
     print(f"[osd] {msg}", file=sys.stderr, flush=True)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def preflight(cfg: OSDConfig) -> None:
+    """Check in this process what the replicas would otherwise fail on inside Ray."""
+    from pipeline.redis_server import RedisServerError, check_redis_url
+    from pipeline.target import load_target
+    from serve.drafts import DraftSpecError, build_draft
+
+    if cfg.stream.redis_url:
+        try:
+            check_redis_url(cfg.stream.redis_url, cfg.stream.connect_timeout_s)
+        except RedisServerError as e:
+            raise LaunchError(f"{e} (stream.redis_url; leave it empty for a private redis-server)") from None
+    loaded = load_target(cfg.model.target, cfg.model, progress=True)  # also converts the model once, here
+    if cfg.serve.draft != "registry":
+        try:
+            build_draft(cfg.serve.draft, loaded.model)
+        except (DraftSpecError, OSError, ValueError) as e:
+            raise LaunchError(f"serve.draft {cfg.serve.draft!r}: {e}") from None
+
+
+def lock_down_proxy(api_key: str | None) -> None:
+    """Before a local ray.init: the proxy (a child of the raylet started there) inherits these
+    and checks the key on every route (serve/proxy_auth.py)."""
+    from serve.proxy_auth import CALLBACK, CALLBACK_ENV
+
+    if api_key:
+        os.environ["OSD_API_KEY"] = api_key
+        os.environ.setdefault(CALLBACK_ENV, CALLBACK)
+
+
+def warn_if_exposed(cfg: OSDConfig, api_key: str | None) -> None:
+    if not api_key and not is_loopback(cfg.serve.host):
+        _log(f"WARNING: listening on {cfg.serve.host}:{cfg.serve.port} beyond loopback with no API key: anyone "
+             f"who can reach it can generate and write training records. Set OSD_API_KEY.")
+
+
+def _deploy_error(e: Exception) -> str:
+    """The one line that says why a deployment failed, out of Serve's multi-line report."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    causes = [ln for ln in lines if "Error:" in ln or "Exception:" in ln]
+    return (causes or lines or [type(e).__name__])[-1][:500]
 
 
 class LocalStack:
@@ -36,18 +101,25 @@ class LocalStack:
         from serve.app import build_app
 
         cfg = self.cfg
+        warn_if_exposed(cfg, self.api_key)
+        preflight(cfg)
         if not cfg.stream.redis_url:
             self.redis = private_server(cfg)
             cfg = cfg.model_copy(update={"stream": cfg.stream.model_copy(update={"redis_url": self.redis.url})})
-            _log(f"private redis-server at {self.redis.url} (data in {cfg.state_dir}/redis)")
+            _log(f"private redis-server on 127.0.0.1:{self.redis.port} (data in {cfg.state_dir}/redis)")
         self.cfg = cfg
         address = os.environ.get("RAY_ADDRESS")
         _log("starting Ray" if not address else f"joining Ray at {address}")
+        if not address:
+            lock_down_proxy(self.api_key)
         ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
         serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
-        _log(f"deploying {cfg.serve.num_replicas} target replica(s) of {cfg.model.target} "
-             f"with draft {cfg.serve.draft} (first start converts the model; later ones load from cache)")
-        serve.run(build_app(cfg, api_key=self.api_key), name=self.app_name, route_prefix="/")
+        _log(f"deploying {cfg.serve.num_replicas} target replica(s) of {cfg.model.target} with draft {cfg.serve.draft}")
+        try:
+            serve.run(build_app(cfg, api_key=self.api_key), name=self.app_name, route_prefix="/")
+        except RuntimeError as e:
+            self.stop()
+            raise LaunchError(f"the Serve app did not start: {_deploy_error(e)}") from None
         return self
 
     def stop(self) -> None:

@@ -20,9 +20,10 @@ class APIError(Exception):
     """An error answered to the client: HTTP status plus an OpenAI error body."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
+                 param: str | None = None, code: str | None = None, retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after = retry_after  # seconds, sent as Retry-After with 429 and 503
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -37,7 +38,8 @@ class _Request(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     # vLLM's extension; 0 or -1 disables it.
     top_k: int = Field(0, ge=-1)
-    seed: int | None = None
+    # torch.Generator.manual_seed's range; outside it the seed could not be used (400, not 500).
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
     n: int = Field(1, ge=1)
@@ -87,8 +89,11 @@ def parse_request(kind: type[_Request], raw: bytes, max_new_tokens: int) -> _Req
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
+    _check_unicode(data)
     try:
         req = kind.model_validate(data)
     except ValidationError as e:
@@ -102,6 +107,40 @@ def parse_request(kind: type[_Request], raw: bytes, max_new_tokens: int) -> _Req
         raise APIError(400, f"max_tokens ({budget}) is over this server's limit of {max_new_tokens}",
                        param="max_tokens")
     return req
+
+
+def _check_unicode(data: Any) -> None:
+    """JSON may escape lone UTF-16 surrogates ("\\ud800") that no tokenizer can encode: refuse
+    them here rather than fail in the replica."""
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"request body has a string that is not valid Unicode ({e.reason})") from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply") from None
+
+
+_ERROR_STATUSES = {"400": "invalid request", "401": "missing or wrong API key", "404": "unknown model",
+                   "413": "body over the size limit", "415": "not application/json",
+                   "429": "queue full (Retry-After)", "503": "no slot in time, or overloaded (Retry-After)"}
+
+
+def openapi_with_bodies(schema: dict[str, Any]) -> dict[str, Any]:
+    """FastAPI's schema plus the JSON bodies of the two POST routes (the routes read raw bytes,
+    to answer bad JSON in the OpenAI error form, so FastAPI cannot see the models itself)."""
+    comps = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)):
+        op = schema.get("paths", {}).get(path, {}).get("post")
+        if op is None:
+            continue
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        comps.update(body.pop("$defs", {}))
+        comps[model.__name__] = body
+        op["requestBody"] = {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+        op.setdefault("responses", {}).update(
+            {code: {"description": what} for code, what in _ERROR_STATUSES.items()})
+    return schema
 
 
 def new_id(prefix: str) -> str:
@@ -149,6 +188,10 @@ def chat_chunk(req_id: str, model: str, created: int, delta: dict[str, Any], fin
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse_error(e: APIError) -> str:
+    return f"data: {json.dumps(e.body())}\n\n"
 
 
 class IncrementalText:

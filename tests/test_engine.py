@@ -51,9 +51,8 @@ def full_logits(model, ids) -> torch.Tensor:
 
 def only_slot(engine: SpecEngine):
     """The KV slot of an engine built with max_concurrency=1 (it is idle between calls)."""
-    slot = engine._slots.get()
-    engine._slots.put(slot)
-    return slot
+    assert engine.slots.total == engine.slots.free == 1
+    return engine.slots._free[0]
 
 
 # ---------------------------------------------------------------- greedy losslessness

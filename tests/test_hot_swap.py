@@ -106,3 +106,35 @@ def test_router_apply_is_all_or_nothing():
     assert not r.apply("b", "broken", 0.5) and loaded == ["b"]  # refused once, not retried
     assert r.apply("b", "c", 0.5) and r.pick("x")[1] in ("runner-b", "runner-c")
     assert r.apply("b", None, 0.0) and r.routing.canary is None
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_alias_poller_survives_a_malformed_alias_file_and_health_sees_a_dead_one():
+    """Issue 18, defect 9: a canary alias without `weight` used to kill the poller silently
+    while state() still said it was following."""
+    logs: list[str] = []
+    router = DraftRouter(lambda v: f"runner-{v}", Routing("v1", "runner-v1"), logs.append)
+    reads = iter([{"stable": {"version": "v1"}, "canary": {"version": "v2"}},  # no weight
+                  {"stable": {"version": "v2"}, "canary": None}])
+
+    def read():
+        return next(reads, {"stable": {"version": "v2"}, "canary": None})
+
+    router.follow_aliases(read, 0.01)
+    try:
+        deadline = time.monotonic() + 10
+        while router.routing.stable != "v2":
+            assert time.monotonic() < deadline, "the poller stopped following after a malformed alias"
+            time.sleep(0.01)
+        assert any("malformed alias" in m for m in logs)
+        assert router.state()["following_aliases"] is True
+        router.check_health()
+    finally:
+        router.stop_following()
+
+    dead = DraftRouter(lambda v: v, Routing("v1", None), logs.append)
+    dead.follow_aliases(lambda: (_ for _ in ()).throw(SystemExit()), 0.01)  # dies past `except Exception`
+    dead._thread.join(5)
+    assert dead.state()["following_aliases"] is False
+    with pytest.raises(RuntimeError, match="poller"):
+        dead.check_health()

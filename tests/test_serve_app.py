@@ -5,6 +5,8 @@ the module; the Redis-down test runs last because it stops and restarts that ser
 """
 
 import json
+import os
+import threading
 import time
 
 import numpy as np
@@ -16,6 +18,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.redis]
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_NEW = 48
+QUEUE = 4  # requests waiting for a KV slot (2 slots): the 7th concurrent one gets 429
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +29,18 @@ def app(tmp_path_factory):
     from pipeline.config import load_config
     from pipeline.redis_server import RedisServer, free_port
     from serve.app import build_app
+    from serve.launch import lock_down_proxy
 
     redis_srv = RedisServer(tmp_path_factory.mktemp("app-redis")).start()
     port = free_port()
     cfg = load_config(environ={}, overrides={
         "model": {"target": "tiny-random"},
-        "serve": {"draft": "truncate:1", "port": port, "max_new_tokens": MAX_NEW, "k": 3},
+        "serve": {"draft": "truncate:1", "port": port, "max_new_tokens": MAX_NEW, "k": 3,
+                  "max_queue": QUEUE, "queue_timeout_s": 20},
         "stream": {"redis_url": redis_srv.url, "stream": "test:records"},
     })
+    saved = dict(os.environ)
+    lock_down_proxy(KEY)  # as `osd serve` does: the key at Serve's proxy too (/-/routes)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg, api_key=KEY), name="osd-test", route_prefix="/")
@@ -41,12 +48,15 @@ def app(tmp_path_factory):
     serve.shutdown()
     ray.shutdown()
     redis_srv.stop()
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def post(app, path, body, headers=AUTH, **kw):
     data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    kw.setdefault("timeout", 60)
     return requests.post(app["url"] + path, data=data, headers={**headers, "Content-Type": "application/json"},
-                         timeout=60, **kw)
+                         **kw)
 
 
 def chat(text, **kw):
@@ -209,9 +219,126 @@ def test_request_writes_a_record_matching_the_engine(app):
     assert r.json()["usage"]["completion_tokens"] == len(local.output_ids)
 
 
+# ---------------------------------------------------------------- hardening (issue 18)
+
+def get(app, path, headers=AUTH):
+    return requests.get(app["url"] + path, headers=headers, timeout=30)
+
+
+def slots(app) -> dict:
+    return get(app, "/osd/stats").json()["replicas"][0]["slots"]
+
+
+def test_every_route_but_healthz_needs_the_key(app):
+    for path in ("/osd/stats", "/openapi.json", "/-/routes", "/v1/models", "/no/such/route"):
+        r = get(app, path, headers={})
+        assert r.status_code == 401, (path, r.status_code, r.text)
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    for path in ("/healthz", "/-/healthz"):
+        assert get(app, path, headers={}).status_code == 200, path
+    assert get(app, "/-/routes").status_code == 200
+    schema = get(app, "/openapi.json").json()
+    body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    assert body["content"]["application/json"]["schema"]["$ref"] == "#/components/schemas/ChatCompletionRequest"
+    assert "messages" in schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    missing = requests.get(app["url"] + "/no/such/route", headers=AUTH, timeout=30)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", None])
+def test_post_bodies_must_be_json(app, ctype):
+    """A web page can post text/plain or a form without a CORS preflight; it must not get in."""
+    headers = dict(AUTH, **({"Content-Type": ctype} if ctype else {}))
+    r = requests.post(app["url"] + "/v1/chat/completions", data=json.dumps(chat("hi")).encode(), headers=headers,
+                      timeout=30)
+    assert r.status_code == 415, r.text
+    assert r.json()["error"]["code"] == "unsupported_media_type"
+
+
+def test_oversized_body_is_413_and_others_are_served(app):
+    big = chat("x" * (app["cfg"].serve.max_body_bytes + 10))
+    r = post(app, "/v1/chat/completions", big)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    # Under the body limit but far over the context: refused before tokenizing.
+    r = post(app, "/v1/chat/completions", chat("y" * 900_000))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert post(app, "/v1/chat/completions", chat("still here")).status_code == 200
+
+
+@pytest.mark.parametrize("body", [
+    chat("hi", seed=10**26), chat("hi", seed=2**64), chat("hi", seed=-(2**63) - 1),
+    '{"messages": [{"role": "user", "content": "\\ud800"}]}',
+    '{"prompt": "\\udfff abc", "max_tokens": 2}',
+    "[" * 100_000 + "]" * 100_000,
+    '{"messages": ' + "[" * 50_000 + "]" * 50_000 + "}",
+], ids=["seed-1e26", "seed-2^64", "seed-below-int64", "surrogate-chat", "surrogate-prompt", "deep-array",
+        "deep-field"])
+def test_client_input_that_used_to_500_is_a_400(app, body):
+    path = "/v1/completions" if "prompt" in str(body)[:20] else "/v1/chat/completions"
+    r = post(app, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_seed_at_the_edges_of_its_range_works(app):
+    for seed in (2**64 - 1, -(2**63)):
+        r = post(app, "/v1/chat/completions", chat("seeded", seed=seed, temperature=1.0, max_tokens=4))
+        assert r.status_code == 200, r.text
+
+
+def test_more_concurrent_requests_than_slots_all_get_an_answer(app):
+    """Issue 18, defect 1: 7+ concurrent requests hung the replica for good. Now 16 at once get
+    200 or 429 (queue full) with Retry-After, and the server serves normally afterwards."""
+    results: list = []
+
+    def one(i):
+        try:
+            r = post(app, "/v1/chat/completions", chat(f"concurrent {i}", max_tokens=MAX_NEW))
+            results.append((r.status_code, r.headers.get("retry-after"), r.json()))
+        except requests.RequestException as e:  # a client timeout (60 s) is a hang
+            results.append((None, None, repr(e)))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    codes = sorted(code for code, _, _ in results if code is not None)
+    assert len(codes) == 16, results
+    assert set(codes) <= {200, 429, 503} and codes.count(200) >= 2 + QUEUE, codes
+    for code, retry, body in results:
+        if code in (429, 503):
+            assert retry and int(retry) >= 1 and body["error"]["code"] in ("overloaded", "queue_timeout")
+    assert post(app, "/v1/chat/completions", chat("after the rush")).status_code == 200
+    assert slots(app)["free"] == 2
+
+
+def test_cancelled_requests_release_their_slots(app):
+    """Issue 18, defect 2: clients that leave while queued or mid-stream leak no KV slot."""
+    def leave_early(i):
+        try:
+            with post(app, "/v1/chat/completions", chat(f"leaving {i}", max_tokens=MAX_NEW, stream=i % 2 == 0),
+                      stream=True, timeout=0.3) as r:
+                next(r.iter_content(64), None)
+        except requests.RequestException:
+            pass  # the read timeout is how this client goes away
+
+    for _ in range(3):
+        threads = [threading.Thread(target=leave_early, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    deadline = time.monotonic() + 60
+    while (s := slots(app))["free"] != 2 or s["queued"]:
+        assert time.monotonic() < deadline, f"slots never came back: {s}"
+        time.sleep(0.5)
+    assert post(app, "/v1/chat/completions", chat("after the cancellations")).status_code == 200
+
+
 def test_redis_down_requests_still_succeed_and_drops_are_counted(app):
     """Runs last in this module: it stops the app's Redis, then brings it back."""
-    stats = lambda: requests.get(app["url"] + "/osd/stats", timeout=30).json()  # noqa: E731
+    stats = lambda: requests.get(app["url"] + "/osd/stats", headers=AUTH, timeout=30).json()  # noqa: E731
     before = stats()
     app["redis"].stop()
     try:

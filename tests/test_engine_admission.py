@@ -1,0 +1,121 @@
+"""The engine under more requests than KV slots: queued streams finish, a full queue is refused,
+and a request cancelled while queued or mid-step never leaks its slot (issue 18, defects 1-2)."""
+
+import asyncio
+import threading
+
+import pytest
+
+from pipeline.target import build_tiny_llama
+from serve.admission import Overloaded
+from serve.drafts import truncated_llama
+from serve.engine import EngineOptions, GenerationParams, SpecEngine
+
+pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.fixture(scope="module")
+def target():
+    m = build_tiny_llama(seed=0, num_layers=2, max_positions=128)
+    m.config.eos_token_id = None
+    return m
+
+
+def engine(target, **kw) -> SpecEngine:
+    return SpecEngine(target, truncated_llama(target, 1), options=EngineOptions(k=3, max_seq_len=64, **kw))
+
+
+async def run_stream(eng: SpecEngine, prompt: list[int], n: int = 12) -> list[int]:
+    stream = eng.stream(prompt, GenerationParams(max_new_tokens=n))
+    return [t async for chunk in stream for t in chunk]
+
+
+def test_more_streams_than_slots_all_finish_without_extra_threads(target):
+    """16 streams on 2 slots: before the fix each waiter parked a worker thread and 7 deadlocked."""
+    eng = engine(target, max_concurrency=2, max_queue=16)
+    prompts = [[i + 1, i + 2, i + 3] for i in range(16)]
+    solo = [eng.generate(p, GenerationParams(max_new_tokens=12)).output_ids for p in prompts]
+
+    async def all_of_them():
+        threads = threading.active_count()
+        tasks = [asyncio.create_task(run_stream(eng, p)) for p in prompts]
+        await asyncio.sleep(0.05)
+        assert threading.active_count() <= threads + 1  # the engine's one stepping thread
+        return await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    outs = asyncio.run(all_of_them())
+    assert outs == solo
+    assert eng.slots.free == 2
+    eng.slots.check()
+
+
+def test_full_queue_is_refused_at_once(target):
+    eng = engine(target, max_concurrency=1, max_queue=1)
+
+    async def run():
+        first = asyncio.create_task(run_stream(eng, [1, 2, 3], n=30))
+        second = asyncio.create_task(run_stream(eng, [4, 5, 6], n=5))
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded):
+            await run_stream(eng, [7, 8, 9], n=5)
+        return await asyncio.gather(first, second)
+
+    a, b = asyncio.run(run())
+    assert len(a) == 30 and len(b) == 5
+    assert eng.slots.free == 1 and eng.slots.rejected == 1
+
+
+def test_cancelled_requests_never_leak_slots(target):
+    """Cancel requests while queued and while stepping, many times over: every slot comes back,
+    and a normal request still runs (before the fix two cancellations left nothing to serve)."""
+    eng = engine(target, max_concurrency=2, max_queue=8)
+
+    async def run():
+        for _ in range(5):
+            tasks = [asyncio.create_task(run_stream(eng, [i + 1, i + 2], n=40)) for i in range(6)]
+            await asyncio.sleep(0.02)  # two are stepping, four are queued
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for _ in range(200):  # a step cancelled mid-forward returns its slot when it ends
+            if eng.slots.free == 2:
+                break
+            await asyncio.sleep(0.01)
+        return await asyncio.wait_for(run_stream(eng, [3, 4, 5], n=6), 30)
+
+    out = asyncio.run(run())
+    assert len(out) == 6
+    assert eng.slots.free == 2 and eng.slots.queued == 0
+    eng.slots.check()
+
+
+def test_abandoned_admission_returns_the_slot(target):
+    eng = engine(target, max_concurrency=1)
+
+    async def run():
+        stream = eng.stream([1, 2, 3], GenerationParams(max_new_tokens=4))
+        await stream.admit()
+        assert eng.slots.free == 0
+        stream.abandon()  # the client went away between admission and the first token
+
+    asyncio.run(run())
+    assert eng.slots.free == 1
+
+
+def test_health_reports_a_stalled_request(target):
+    eng = engine(target, max_concurrency=1)
+    gate = threading.Event()
+    real_step = eng._step
+    eng._step = lambda seq: (gate.wait(10), real_step(seq))[1]  # the engine thread hangs in a step
+
+    async def run():
+        task = asyncio.create_task(run_stream(eng, [1, 2, 3], n=4))
+        await asyncio.sleep(0.3)
+        eng.check_health(stall_timeout_s=5)  # a young stall is fine
+        with pytest.raises(RuntimeError, match="no progress"):
+            eng.check_health(stall_timeout_s=0.1)
+        gate.set()
+        return await task
+
+    assert len(asyncio.run(run())) == 4
+    eng.check_health(stall_timeout_s=0.1)  # nothing running: healthy again

@@ -1,0 +1,58 @@
+"""TargetReplica.check_health (what Serve polls, and what /healthz reports) tells the truth:
+a stalled request, a dead record producer or a dead alias poller fails it (issue 18)."""
+
+import asyncio
+import threading
+
+import pytest
+
+from pipeline.config import load_config
+
+pytestmark = [pytest.mark.redis, pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.fixture
+def replica(redis_url, tmp_path):
+    from serve.app import TargetReplica
+
+    cfg = load_config(environ={}, overrides={
+        "state_dir": str(tmp_path), "model": {"target": "tiny-random"},
+        "serve": {"draft": "truncate:1", "max_new_tokens": 16, "stall_timeout_s": 0.2},
+        "stream": {"redis_url": redis_url, "stream": "test:health"}})
+    rep = TargetReplica(cfg.model_dump(mode="json"))
+    yield rep
+    rep.producer.close(timeout=2)
+
+
+def _req(i):
+    return {"kind": "completion", "prompt": [5, 6, 7], "max_tokens": 8, "request_id": f"h{i}",
+            "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None}, "stop": [], "record": False}
+
+
+def test_healthy_replica_passes(replica):
+    assert replica.health()["status"] == "ok"
+    assert asyncio.run(replica.generate(_req(0)))["finish_reason"] in ("stop", "length")
+    replica.check_health()
+
+
+def test_stalled_request_fails_health(replica):
+    gate = threading.Event()
+    step = replica.engine._step
+    replica.engine._step = lambda seq: (gate.wait(10), step(seq))[1]
+
+    async def run():
+        task = asyncio.create_task(replica.generate(_req(1)))
+        await asyncio.sleep(0.6)
+        with pytest.raises(RuntimeError, match="no progress"):
+            replica.health()
+        gate.set()
+        return await task
+
+    assert "output_ids" in asyncio.run(run())
+    replica.check_health()
+
+
+def test_dead_producer_fails_health(replica):
+    replica.producer.close(timeout=2)  # its thread ends, as a crash of it would
+    with pytest.raises(RuntimeError, match="producer"):
+        replica.check_health()
