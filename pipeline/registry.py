@@ -20,19 +20,31 @@ reached through pyarrow have no create-if-absent, so there the publisher checks 
 writing and reads the manifest back after; the loser of a race inside that window is told
 so (and its payload, under its own name, is never the one the manifest points to).
 
+Publishing refuses a directory serving could not load: draft.json, config.json and
+osd-manifest.json must parse and agree, and draft.safetensors must be a well-formed
+safetensors file holding exactly the draft's trainable tensors at the shapes config.json
+implies (checked from the file's header and a meta-device skeleton; no target needed).
+
 Aliases are whole-file replacements (rename on a local filesystem, one PUT on an object
-store), so a reader sees the old alias or the new one. Loading a version checks every
-digest before it reads the safetensors (never pickle).
+store), so a reader sees the old alias or the new one. On a local registry alias writes and
+gc's deletions take an exclusive flock on <root>/.lock, and gc re-reads the aliases under
+it, so gc never deletes a version an alias was just pointed at (object stores have no lock:
+there gc re-reads the aliases just before deleting, which narrows the race but cannot close
+it). Loading a version checks every digest before it reads the safetensors (never pickle).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import math
 import os
 import re
+import threading
 import time
 import uuid
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -40,8 +52,12 @@ from typing import Any, Iterator
 MANIFEST = "manifest.json"
 FORMAT = 1
 ALIASES = ("stable", "canary")
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,79}$")
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}")
 _CHUNK = 1 << 20
+# gc keeps the versions the newest audit entries name, so a person can still re-promote or
+# re-canary what was just rolled back after looking into it.
+AUDIT_PROTECT = 10
+_ANY = object()  # "whatever the canary alias names": no compare-and-set
 
 
 class RegistryError(RuntimeError):
@@ -60,6 +76,10 @@ class DigestMismatch(RegistryError):
     pass
 
 
+class AliasMoved(RegistryError):
+    """The alias no longer names what the caller decided on (someone else moved it)."""
+
+
 @dataclass(frozen=True)
 class Version:
     id: str
@@ -76,7 +96,8 @@ class Version:
 
 
 def check_id(version: str) -> str:
-    if not isinstance(version, str) or not _ID.match(version):
+    # fullmatch: `$` would also accept a trailing newline, which then names a file
+    if not isinstance(version, str) or not _ID.fullmatch(version):
         raise RegistryError(f"bad version id {version!r}: use letters, digits, '.', '_' or '-' (at most 80)")
     return version
 
@@ -100,6 +121,9 @@ class Registry:
         self.cache_dir = Path(cache_dir or Path.home() / ".cache" / "osd" / "registry").expanduser()
         self.fs.create_dir(self._p("versions"), recursive=True)
         self.fs.create_dir(self._p("aliases"), recursive=True)
+        self._tlock = threading.RLock()  # re-entrant: promote() holds it around set_stable()
+        self._depth = 0
+        self._lock_fd: int | None = None
 
     @classmethod
     def from_config(cls, cfg: Any) -> "Registry":
@@ -124,6 +148,25 @@ class Registry:
         with self.fs.open_output_stream(path) as f:
             f.write(data)
 
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Alias writes and gc deletions one at a time, across threads and processes. flock
+        conflicts between separate open()s even in one process, so two Registry objects on one
+        directory exclude each other too. Object stores: the thread lock only (see module doc)."""
+        with self._tlock:
+            self._depth += 1
+            try:
+                if self._depth == 1 and self.local:
+                    fd = os.open(self._p(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+                    fcntl.flock(fd, fcntl.LOCK_EX)
+                    self._lock_fd = fd
+                yield
+            finally:
+                self._depth -= 1
+                if self._depth == 0 and self._lock_fd is not None:
+                    os.close(self._lock_fd)  # closing the only fd releases the flock
+                    self._lock_fd = None
+
     def _replace_json(self, path: str, body: Any) -> None:
         """Readers see the old file or the new one, never a partial write."""
         data = json.dumps(body, indent=2, sort_keys=True).encode()
@@ -145,17 +188,18 @@ class Registry:
         files = sorted(p for p in src.iterdir() if p.is_file())
         if not files:
             raise RegistryError(f"cannot publish {src}: it holds no files")
-        info = {}
-        if (src / "draft.json").is_file():
-            info = json.loads((src / "draft.json").read_text())
+        try:
+            info, expected = check_draft_dir(src)
+        except RegistryError as e:
+            raise RegistryError(f"cannot publish {src}: {e}") from None
         lineage = lineage if lineage is not None else info.get("lineage", {})
         metrics = metrics if metrics is not None else info.get("metrics", {})
         tokenizer = tokenizer if tokenizer is not None else info.get("target_ref", {})
         if version is not None:
-            return self._publish_once(check_id(version), files, lineage, metrics, tokenizer)
+            return self._publish_once(check_id(version), files, expected, lineage, metrics, tokenizer)
         for _ in range(100):  # concurrent auto-numbered publishes: the loser takes the next number
             try:
-                return self._publish_once(self._next_id(), files, lineage, metrics, tokenizer)
+                return self._publish_once(self._next_id(), files, expected, lineage, metrics, tokenizer)
             except VersionExists:
                 continue
         raise RegistryError("could not allocate a version id after 100 tries")
@@ -164,8 +208,8 @@ class Registry:
         nums = [int(m.group(1)) for v in self._version_dirs() if (m := re.fullmatch(r"v(\d+)", v))]
         return f"v{max(nums, default=0) + 1}"
 
-    def _publish_once(self, version: str, files: list[Path], lineage: dict, metrics: dict,
-                      tokenizer: dict) -> Version:
+    def _publish_once(self, version: str, files: list[Path], expected: dict[str, str], lineage: dict,
+                      metrics: dict, tokenizer: dict) -> Version:
         vdir = self._p("versions", version)
         mpath = f"{vdir}/{MANIFEST}"
         if self._exists(mpath):
@@ -180,6 +224,12 @@ class Registry:
                     h.update(chunk)
                     dst.write(chunk)
             digests[p.name] = {"sha256": h.hexdigest(), "size": p.stat().st_size}
+        # The draft's own manifest, checked against the digests taken while copying (no second pass).
+        bad = sorted(n for n, sha in expected.items() if digests.get(n, {}).get("sha256") != sha)
+        if bad:
+            self.fs.delete_dir(f"{vdir}/{payload}")
+            raise RegistryError(f"cannot publish {files[0].parent}: {', '.join(bad)} changed since its osd-manifest.json "
+                                f"was written (corrupt, or edited by hand); re-save the draft")
         body = {"format": FORMAT, "version": version, "created_at": time.time(), "payload": payload,
                 "files": digests, "lineage": lineage, "metrics": metrics, "tokenizer": tokenizer}
         data = json.dumps(body, indent=2, sort_keys=True).encode()
@@ -270,10 +320,18 @@ class Registry:
         return path
 
     def load_draft(self, version: str, target_model: Any) -> tuple[Any, dict[str, Any]]:
-        """The version's draft on `target_model`'s shared tensors, after the digest check."""
-        from train.draft_model import load_draft
+        """The version's draft on `target_model`'s shared tensors, after the digest check.
+        A version that is not a loadable draft is a RegistryError with one line saying why."""
+        from train.draft_model import DraftLoadError, DraftSpecError, load_draft
 
-        model, info = load_draft(self.local_path(version), target_model)
+        path = self.local_path(version)
+        try:
+            check_draft_dir(path)  # versions published before publish checked this
+            model, info = load_draft(path, target_model)
+        except RegistryError as e:
+            raise RegistryError(f"version {version} cannot be loaded: {e}") from None
+        except (DraftLoadError, DraftSpecError) as e:
+            raise RegistryError(f"version {version} cannot be loaded: {_one_line(e)}") from None
         return model, dict(info, version=version)
 
     # -- aliases ----------------------------------------------------------------------
@@ -289,49 +347,76 @@ class Registry:
     def aliases(self) -> dict[str, dict[str, Any] | None]:
         return {name: self.alias(name) for name in ALIASES}
 
+    def _expect_canary(self, expect: Any) -> None:
+        """Compare-and-set: refuse when the canary alias no longer names `expect` (None: no canary)."""
+        if expect is _ANY:
+            return
+        cur = self.alias("canary")
+        now = cur["version"] if cur else None
+        if now != expect:
+            raise AliasMoved(f"the canary alias names {now or 'nothing'}, not {expect or 'nothing'}: "
+                             f"someone else moved it, so this change was not made")
+
     def set_stable(self, version: str, reason: str = "") -> dict[str, Any]:
-        self.get(version)  # must exist
-        cur = self.alias("stable")
-        previous = cur["version"] if cur and cur["version"] != version else (cur or {}).get("previous")
-        return self._write_stable(version, previous, reason)
+        with self._locked():
+            self.get(version)  # must exist; under the lock, so gc cannot delete it before the write
+            cur = self.alias("stable")
+            previous = cur["version"] if cur and cur["version"] != version else (cur or {}).get("previous")
+            return self._write_stable(version, previous, reason)
 
     def _write_stable(self, version: str, previous: str | None, reason: str) -> dict[str, Any]:
         body = {"version": version, "previous": previous, "updated_at": time.time(), "reason": reason}
         self._replace_json(self._p("aliases", "stable.json"), body)
         return body
 
-    def set_canary(self, version: str, weight: float, reason: str = "") -> dict[str, Any]:
+    def set_canary(self, version: str, weight: float, reason: str = "", *, expect: Any = _ANY) -> dict[str, Any]:
+        """canary := version at `weight`; with `expect` only if the canary alias still names it
+        (None: only if there is no canary), else AliasMoved."""
         if not 0.0 < weight <= 1.0:
             raise RegistryError(f"canary weight must be in (0, 1], got {weight}")
-        self.get(version)
-        body = {"version": version, "weight": float(weight), "updated_at": time.time(), "reason": reason}
-        self._replace_json(self._p("aliases", "canary.json"), body)
-        return body
+        with self._locked():
+            self._expect_canary(expect)
+            self.get(version)
+            body = {"version": version, "weight": float(weight), "updated_at": time.time(), "reason": reason}
+            self._replace_json(self._p("aliases", "canary.json"), body)
+            return body
 
-    def clear_canary(self) -> None:
+    def clear_canary(self, *, expect: Any = _ANY) -> None:
         path = self._p("aliases", "canary.json")
-        if self._exists(path):
-            self.fs.delete_file(path)
+        with self._locked():
+            self._expect_canary(expect)
+            if self._exists(path):
+                self.fs.delete_file(path)
 
-    def promote(self, version: str, reason: str = "promoted") -> dict[str, Any]:
+    def promote(self, version: str, reason: str = "promoted", *, expect_canary: Any = _ANY) -> dict[str, Any]:
         """stable := version (the old stable is kept as `previous`); the canary is cleared."""
-        body = self.set_stable(version, reason)
-        self.clear_canary()
-        return body
+        with self._locked():
+            self._expect_canary(expect_canary)
+            body = self.set_stable(version, reason)
+            self.clear_canary()
+            return body
 
     def rollback(self, reason: str = "rollback") -> dict[str, Any]:
-        """Drop the canary if there is one; otherwise move stable back to its previous version."""
-        canary = self.alias("canary")
-        if canary:
-            self.clear_canary()
-            return {"dropped_canary": canary["version"], "stable": (self.alias("stable") or {}).get("version")}
-        stable = self.alias("stable")
-        if not stable or not stable.get("previous"):
-            raise RegistryError("nothing to roll back: no canary, and stable has no previous version")
-        self.get(stable["previous"])  # must still exist
-        # One step back, with no previous: rolling back again needs an explicit promote.
-        body = self._write_stable(stable["previous"], None, reason)
-        return {"stable": body["version"], "from": stable["version"]}
+        """Drop the canary if there is one; otherwise move stable back to its previous version.
+        Recorded in the audit log, so the rollout controller does not start that version again."""
+        with self._locked():
+            canary, stable = self.alias("canary"), self.alias("stable")
+            if canary:
+                undone = canary["version"]
+                out = {"dropped_canary": undone, "stable": (stable or {}).get("version")}
+            elif stable and stable.get("previous"):
+                self.get(stable["previous"])  # must still exist
+                undone = stable["version"]
+                out = {"stable": stable["previous"], "from": undone}
+            else:
+                raise RegistryError("nothing to roll back: no canary, and stable has no previous version")
+            # The entry goes first: a controller that sees the alias gone must also see why.
+            self.audit({"action": "rollback", "version": undone, "reason": reason, "manual": True, **out})
+            if canary:
+                self.clear_canary()
+            else:  # one step back, with no previous: rolling back again needs an explicit promote
+                self._write_stable(out["stable"], None, reason)
+            return out
 
     # -- audit log ----------------------------------------------------------------------
 
@@ -345,35 +430,47 @@ class Registry:
         self._write_bytes(path, json.dumps({"time": ts, **entry}, indent=2, sort_keys=True, default=str).encode())
         return path
 
-    def audit_log(self) -> list[dict[str, Any]]:
+    def audit_log(self, last: int | None = None) -> list[dict[str, Any]]:
+        """Decision records, oldest first; only the newest `last` when given."""
         import pyarrow.fs as pafs
 
         infos = self.fs.get_file_info(pafs.FileSelector(self._p("audit"), allow_not_found=True))
+        files = sorted((i for i in infos if i.type == pafs.FileType.File and i.base_name.endswith(".json")),
+                       key=lambda i: i.base_name)
         out = []
-        for i in sorted(infos, key=lambda i: i.base_name):
-            if i.type == pafs.FileType.File and i.base_name.endswith(".json"):
-                try:
-                    out.append(self._read_json(i.path))
-                except (OSError, ValueError):
-                    continue
+        for i in files[-last:] if last is not None else files:
+            try:
+                out.append(self._read_json(i.path))
+            except (OSError, ValueError):
+                continue
         return out
 
     # -- garbage collection -----------------------------------------------------------------
 
+    def _protected(self) -> set[str]:
+        """Versions gc keeps whatever their age: each alias's version, stable's previous, and
+        the versions the newest AUDIT_PROTECT audit entries name."""
+        keep = {a.get(k) for a in self.aliases().values() if a for k in ("version", "previous")}
+        keep |= {e.get("version") for e in self.audit_log(last=AUDIT_PROTECT) if isinstance(e, dict)}
+        return {v for v in keep if isinstance(v, str)}
+
     def gc(self, keep_last: int, orphan_age_s: float = 3600.0) -> list[str]:
-        """Delete versions that no alias names (stable, its previous, canary) and that are not
-        among the newest `keep_last`; also payloads no manifest names, older than orphan_age_s."""
+        """Delete versions that are not protected (aliases, recent audit entries) and not among
+        the newest `keep_last` (>= 1); also payloads no manifest names, older than orphan_age_s."""
         import pyarrow.fs as pafs
 
-        keep = {a.get(k) for a in self.aliases().values() if a for k in ("version", "previous")} - {None}
-        versions = self.list()
-        keep |= {v.id for v in versions[-keep_last:]} if keep_last > 0 else set()
-        removed = []
-        for v in versions:
-            if v.id not in keep:
-                self.fs.delete_file(self._p("versions", v.id, MANIFEST))  # first: the version stops existing
-                self.fs.delete_dir(self._p("versions", v.id))
-                removed.append(v.id)
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise RegistryError(f"gc keep_last must be a whole number >= 1, got {keep_last!r} "
+                                f"(the newest version is always kept, so no version id is ever reused)")
+        removed: list[str] = []
+        with self._locked():  # what is protected is read under the lock that alias writes take
+            versions = self.list()
+            keep = self._protected() | {v.id for v in versions[-keep_last:]}
+            for v in versions:
+                if v.id not in keep:
+                    self.fs.delete_file(self._p("versions", v.id, MANIFEST))  # first: the version stops existing
+                    self.fs.delete_dir(self._p("versions", v.id))
+                    removed.append(v.id)
         live = {v.id: v.payload for v in versions if v.id in keep}
         now = time.time()
         for name in self._version_dirs():
@@ -401,3 +498,117 @@ def _sha256(path: Path) -> str:
     from pipeline.target import sha256_file
 
     return sha256_file(path)
+
+
+# -- what publish and load check: a directory serving can load, without the target ----------
+
+DRAFT_FILES = ("draft.json", "config.json", "draft.safetensors", "osd-manifest.json")
+# safetensors dtype -> bytes per element
+_ST_DTYPES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+              "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8}
+_MAX_HEADER = 100 << 20
+
+
+def _one_line(e: BaseException) -> str:
+    return "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        body = json.loads(path.read_bytes())
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        raise RegistryError(f"{path.name} is not valid JSON ({_one_line(e)})") from None
+    if not isinstance(body, dict):
+        raise RegistryError(f"{path.name} is not a JSON object")
+    return body
+
+
+def safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
+    """Tensor name -> {"dtype", "shape", "data_offsets"} from a safetensors file's header, after
+    checking that the entries are well formed and their data exactly fills the rest of the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
+        if not 0 < n <= min(size - 8, _MAX_HEADER):
+            raise RegistryError(f"{path.name} is not a safetensors file (no valid header length)")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            header = None
+    if not isinstance(header, dict):
+        raise RegistryError(f"{path.name} is not a safetensors file (its header is not a JSON object)")
+    header.pop("__metadata__", None)
+    spans = []
+    for name, t in header.items():
+        try:
+            start, end = t["data_offsets"]
+            shape = t["shape"]
+            ok = (all(isinstance(d, int) and d >= 0 for d in shape) and isinstance(start, int)
+                  and end - start == math.prod(shape) * _ST_DTYPES[t["dtype"]])
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok:
+            raise RegistryError(f"{path.name}: tensor {name!r} has a malformed header entry")
+        spans.append((start, end))
+    # The spans must tile the data section exactly: no gaps, no overlaps, nothing past the end.
+    pos, tiled = 0, True
+    for start, end in sorted(spans):
+        tiled = tiled and start == pos
+        pos = end
+    if not tiled or pos != size - 8 - n:
+        raise RegistryError(f"{path.name}: tensor data does not match the header (truncated or corrupt)")
+    return header
+
+
+def _skeleton_shapes(directory: Path, config: dict[str, Any]) -> dict[str, list[int]]:
+    """State-dict shapes of the draft config.json describes, built on the meta device (no memory)."""
+    if config.get("model_type") != "llama":
+        raise RegistryError(f"config.json: model_type {config.get('model_type')!r}; drafts are llama models")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        cfg = AutoConfig.from_pretrained(directory, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(cfg)
+    except Exception as e:  # transformers raises many types for a config it cannot build
+        raise RegistryError(f"config.json does not describe a buildable model ({_one_line(e)[:200]})") from None
+    return {k: list(v.shape) for k, v in model.state_dict().items()}
+
+
+def check_draft_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, str]]:
+    """(draft.json, {file: sha256 from osd-manifest.json}) of a directory train.draft_model.load_draft
+    can load onto a fitting target; RegistryError naming the first thing that would stop it."""
+    from train.draft_model import DRAFT_FORMAT, DraftSpec
+
+    d = Path(directory)
+    missing = [n for n in DRAFT_FILES if not (d / n).is_file()]
+    if missing:
+        raise RegistryError(f"not a saved draft: {', '.join(missing)} missing (drafts are written by "
+                            f"`osd draft init` or the trainer)")
+    info, config, manifest = (_json_object(d / n) for n in ("draft.json", "config.json", "osd-manifest.json"))
+    if info.get("format") != DRAFT_FORMAT or info.get("kind") != "osd-draft":
+        raise RegistryError(f"draft.json: format {info.get('format')!r} / kind {info.get('kind')!r}, "
+                            f"expected format {DRAFT_FORMAT} / kind 'osd-draft'")
+    try:
+        DraftSpec(**info["spec"])
+        shared = {k: list(v["shape"]) for k, v in info["shared_tensors"].items()}
+        trainable = set(info["trainable_tensors"])
+        listed = manifest["files"]
+        expected = {n: listed[n]["sha256"] for n in DRAFT_FILES[:3]}
+    except Exception as e:  # missing keys, wrong types, a spec pydantic refuses
+        raise RegistryError(f"draft.json or osd-manifest.json lacks a required field or has a bad one "
+                            f"({type(e).__name__}: {_one_line(e)[:200]})") from None
+    header = safetensors_header(d / "draft.safetensors")
+    if set(header) != trainable:
+        raise RegistryError(f"draft.safetensors holds {len(header)} tensors that differ from the "
+                            f"{len(trainable)} draft.json lists as trainable")
+    shapes = _skeleton_shapes(d, config)
+    if set(shapes) != trainable | set(shared) or trainable & set(shared):
+        raise RegistryError("draft.json's trainable and shared tensors do not make up the model config.json "
+                            "describes")
+    for name in sorted(shapes):
+        got = header[name]["shape"] if name in header else shared[name]
+        if got != shapes[name]:
+            raise RegistryError(f"tensor {name} is {got}, config.json implies {shapes[name]}")
+    return info, expected

@@ -17,7 +17,11 @@ One look (`tick`):
 
 State lives in the registry (aliases + audit), so a restarted controller carries on: the
 canary it finds keeps its weight, and versions with a decision in the audit are not tried
-again. It runs as a Ray actor (`start_controller`) or, for tests, by calling tick() directly.
+again. That includes a person's `osd registry rollback`: the audit is re-read before any new
+canary starts, so a version rolled back by hand is not canaried again (a person can still
+promote it or make it the canary). Alias moves are compare-and-set (the registry refuses one
+if the canary alias changed since this tick read it), so a tick racing a manual rollback
+cannot put the canary back. It runs as a Ray actor (`start_controller`) or, for tests, by calling tick() directly.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 from pipeline.canary_rule import Arm, CanaryRule, decide, request_sample
 from pipeline.config import OSDConfig
-from pipeline.registry import Registry, RegistryError
+from pipeline.registry import AliasMoved, Registry, RegistryError
 
 FINAL = ("promote", "rollback")
 
@@ -50,7 +54,7 @@ class CanaryController:
         self.registry = registry or Registry.from_config(cfg)
         stream_cfg = cfg.stream.model_copy(update={"group": ro.group})
         self.consumer = RecordConsumer(cfg.stream.redis_url, stream_cfg, name=consumer_name)
-        self.decided = {e["version"] for e in self.registry.audit_log() if e.get("action") in FINAL}
+        self.decided = self._decided_in_audit()
         self.window_start = time.time()
         self.arms: dict[str, Arm] = {}
         self.history: list[dict[str, Any]] = []  # every sample: (time, version, acceptance, len)
@@ -110,14 +114,25 @@ class CanaryController:
                 _log(f"registry gc failed: {e}")
         return entry
 
+    def _decided_in_audit(self) -> set[str]:
+        return {e.get("version") for e in self.registry.audit_log() if e.get("action") in FINAL}
+
     def _candidate(self, stable: dict[str, Any]) -> Any | None:
         try:
             stable_v = self.registry.get(stable["version"])
         except RegistryError:
             return None
-        newer = [v for v in self.registry.list() if v.created_at > stable_v.created_at
-                 and v.id not in self.decided and v.id != stable_v.id]
-        return newer[-1] if newer else None
+
+        def newest() -> Any | None:
+            newer = [v for v in self.registry.list() if v.created_at > stable_v.created_at
+                     and v.id not in self.decided and v.id != stable_v.id]
+            return newer[-1] if newer else None
+
+        if newest() is None:
+            return None
+        # Others decide too (`osd registry rollback`): re-read the audit only when about to start one.
+        self.decided |= self._decided_in_audit()
+        return newest()
 
     def tick(self) -> list[dict[str, Any]]:
         """One look at the evidence; returns the decisions it made."""
@@ -132,7 +147,11 @@ class CanaryController:
         if canary is None:
             cand = self._candidate(stable)
             if cand is not None:
-                self.registry.set_canary(cand.id, self.steps[0], reason="new candidate")
+                try:
+                    self.registry.set_canary(cand.id, self.steps[0], reason="new candidate", expect=None)
+                except AliasMoved as e:
+                    _log(f"not starting {cand.id}: {e}")
+                    return []
                 self._restart_window()
                 self.metrics.weight(cand.id, self.steps[0])
                 self._record("start", cand.id, f"new candidate (parent {cand.lineage.get('parent')}, "
@@ -142,12 +161,20 @@ class CanaryController:
         version, weight = canary["version"], float(canary["weight"])
         c_arm = self.arms.get(version, Arm())
         self.metrics.arm(version, "canary", c_arm)
-        if weight >= 1.0:  # a restarted controller found the canary at full traffic: finish
-            return self._promote(version, stable, {"canary": c_arm.summary()}, n_before)
-        d = decide(s_arm, c_arm, self.rule, k=self.cfg.serve.k)
-        self._progress(version, weight, s_arm, c_arm, d)
+        try:
+            if weight >= 1.0:  # a restarted controller found the canary at full traffic: finish
+                return self._promote(version, stable, {"canary": c_arm.summary()}, n_before)
+            d = decide(s_arm, c_arm, self.rule, k=self.cfg.serve.k)
+            self._progress(version, weight, s_arm, c_arm, d)
+            return self._act(d, version, weight, stable, n_before)
+        except AliasMoved as e:  # a person moved the canary since this tick read it: theirs stands
+            _log(f"canary {version} left as the person set it: {e}")
+            self._restart_window()
+            return self.decisions[n_before:]
+
+    def _act(self, d: Any, version: str, weight: float, stable: dict[str, Any], n_before: int) -> list:
         if d.action == "rollback":
-            self.registry.clear_canary()
+            self.registry.clear_canary(expect=version)
             self.decided.add(version)
             self.metrics.weight(version, 0.0)
             self._record("rollback", version, d.reason, d.evidence, weight=weight, stable=stable["version"])
@@ -156,7 +183,7 @@ class CanaryController:
             nxt = [w for w in self.steps if w > weight]
             if not nxt or nxt[0] >= 1.0:
                 return self._promote(version, stable, d.evidence, n_before, d.reason)
-            self.registry.set_canary(version, nxt[0], reason=d.reason)
+            self.registry.set_canary(version, nxt[0], reason=d.reason, expect=version)
             self.metrics.weight(version, nxt[0])
             self._record("advance", version, d.reason, d.evidence, weight=nxt[0], stable=stable["version"])
             self._restart_window()
@@ -172,7 +199,7 @@ class CanaryController:
              f"canary n={c_arm.n} acceptance {c_arm.acceptance.mean:.3f}; {d.reason}")
 
     def _promote(self, version: str, stable: dict, evidence: dict, n_before: int, reason: str = "") -> list:
-        self.registry.promote(version, reason="canary passed")
+        self.registry.promote(version, reason="canary passed", expect_canary=version)
         self.decided.add(version)
         self.metrics.weight(version, 1.0)
         self._record("promote", version, reason or "canary at full weight", evidence,

@@ -8,7 +8,10 @@
 The registry must have a stable version, or a warm-start draft to publish as the first one:
 `osd draft init` writes <state_dir>/drafts/v1, which `up` publishes and promotes when the
 registry is empty. The trainer starts from the stable version and keeps its own lineage;
-its candidates go through the canary. Everything stops in reverse order.
+its candidates go through the canary. A trainer that fails (a worker dies, Redis is away for
+a while) is restarted from its last COMPLETE checkpoint after a capped exponential back-off,
+for as long as `up` runs: an outage delays training, it never ends it. Everything stops in
+reverse order.
 """
 
 from __future__ import annotations
@@ -16,9 +19,14 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from pipeline.config import OSDConfig
+
+# Trainer restarts: 1 s, 2 s, 4 s ... at most RESTART_CAP_S apart, without end. A run that
+# lasted RESTART_CAP_S or more was healthy, so its failure starts the back-off over.
+RESTART_BASE_S = 1.0
+RESTART_CAP_S = 60.0
 
 
 def _log(msg: str) -> None:
@@ -27,6 +35,43 @@ def _log(msg: str) -> None:
 
 class UpError(RuntimeError):
     pass
+
+
+def restart_delay(failures: int, base_s: float = RESTART_BASE_S, cap_s: float = RESTART_CAP_S) -> float:
+    """Seconds before the restart that follows the `failures`-th failure in a row (1, 2, ...)."""
+    return min(cap_s, base_s * 2.0 ** min(failures - 1, 60))
+
+
+def _reason(e: BaseException) -> str:
+    # A RayTaskError's text is the remote traceback; its last line names the actual error.
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[-1][:300] if lines else ''}"
+
+
+def supervise(run_once: Callable[[], Any], stopping: threading.Event, *, base_s: float = RESTART_BASE_S,
+              cap_s: float = RESTART_CAP_S, wait: Callable[[float], bool] | None = None,
+              clock: Callable[[], float] = time.monotonic, log: Callable[[str], None] = _log) -> int:
+    """Call run_once until it returns or `stopping` is set, restarting it after any exception with
+    a capped exponential back-off that never gives up. Returns the number of restarts.
+    `wait(seconds)` returns True if stopping was set meanwhile (threading.Event.wait)."""
+    wait = wait or stopping.wait
+    failures = restarts = 0
+    while not stopping.is_set():
+        started = clock()
+        try:
+            run_once()
+            return restarts
+        except Exception as e:  # anything: a trainer thread that dies silently is worse than a retry
+            if stopping.is_set():
+                return restarts
+            failures = 1 if clock() - started >= cap_s else failures + 1
+            delay = restart_delay(failures, base_s, cap_s)
+            log(f"trainer failed ({_reason(e)}); restart {restarts + 1} in {delay:.0f} s, "
+                f"from the last COMPLETE checkpoint")
+            if wait(delay):
+                return restarts
+            restarts += 1
+    return restarts
 
 
 def ensure_stable(cfg: OSDConfig, warm_start_dir: str | Path | None = None) -> str:
@@ -84,37 +129,28 @@ class ClosedLoop:
         return self
 
     def _start_trainer(self, stable: str) -> None:
-        import ray
-
         from train.trainer import TrainerGroup
 
         run_dir = Path(self.cfg.state_dir) / "train" / self.run_name
 
-        def loop() -> None:
-            attempts = 0
-            while not self._stopping.is_set():
-                try:
-                    self._trainer_group = TrainerGroup(self.cfg, run_dir, init_draft=f"registry:{stable}")
-                    _log(f"trainer: {self._trainer_group.n} worker(s), ZeRO-{self.cfg.train.zero_stage}, "
-                         f"from {stable}; a candidate every {self.cfg.train.export_every_records} records "
-                         f"or {self.cfg.train.export_every_s:.0f} s")
-                    self._trainer_group.run()
-                    return
-                except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                    if self._stopping.is_set():
-                        return
-                    attempts += 1
-                    self.trainer_error = f"{type(e).__name__}: {e}"
-                    _log(f"a trainer worker failed; restarting from the last COMPLETE checkpoint ({attempts})")
-                    if attempts > 5:
-                        _log("trainer failed 5 times; serving and rollout go on without it")
-                        return
-                finally:
-                    if self._trainer_group is not None and not self._stopping.is_set():
-                        self._trainer_group.shutdown()
-                        self._trainer_group = None
+        def run_once() -> None:
+            try:
+                self._trainer_group = TrainerGroup(self.cfg, run_dir, init_draft=f"registry:{stable}")
+                _log(f"trainer: {self._trainer_group.n} worker(s), ZeRO-{self.cfg.train.zero_stage}, "
+                     f"from {stable}; a candidate every {self.cfg.train.export_every_records} records "
+                     f"or {self.cfg.train.export_every_s:.0f} s")
+                self._trainer_group.run()
+            except Exception as e:
+                self.trainer_error = _reason(e)
+                raise
+            finally:  # whoever takes the group out of self._trainer_group shuts it down (or stop_trainer)
+                group, self._trainer_group = self._trainer_group, None
+                if group is not None:
+                    group.shutdown()
 
-        self._trainer_thread = threading.Thread(target=loop, name="osd-trainer-group", daemon=True)
+        self._trainer_thread = threading.Thread(
+            target=supervise, args=(run_once, self._stopping), name="osd-trainer-group", daemon=True,
+            kwargs={"base_s": RESTART_BASE_S, "cap_s": RESTART_CAP_S})
         self._trainer_thread.start()
 
     def stop_trainer(self) -> None:

@@ -236,3 +236,223 @@ def test_up_needs_a_stable_draft_or_a_warm_start(tmp_path, draft_dir):
     reg = Registry.from_config(cfg)
     assert reg.alias("stable")["version"] == "v1" and reg.alias("stable")["reason"] == "warm start"
     assert ensure_stable(cfg) == "v1" and len(reg.list()) == 1  # idempotent
+
+
+# -- issue 18: what the registry accepts, manual decisions, gc against alias writes ----------
+
+def _copy_and_break(draft_dir, dest, edit, remanifest=True):
+    """A copy of the draft with one defect; its osd-manifest.json rewritten to match unless
+    remanifest=False, so the defect under test is the only one."""
+    import shutil
+
+    from pipeline.target import write_manifest
+
+    shutil.copytree(draft_dir, dest)
+    edit(dest)
+    if remanifest:
+        write_manifest(dest, {"kind": "osd-draft"})
+    return dest
+
+
+def _edit_json(name, change):
+    def edit(d):
+        body = json.loads((d / name).read_text())
+        change(body)
+        (d / name).write_text(json.dumps(body))
+    return edit
+
+
+def _safetensors_without_one_tensor(d):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(d / "draft.safetensors"))
+    tensors.pop(sorted(tensors)[0])
+    save_file(tensors, str(d / "draft.safetensors"))
+
+
+_BROKEN = {
+    "random bytes as weights": (lambda d: (d / "draft.safetensors").write_bytes(os.urandom(4096)),
+                                True, "draft.safetensors is not a safetensors file"),
+    "truncated weights": (lambda d: (d / "draft.safetensors").write_bytes((d / "draft.safetensors").read_bytes()[:-8]),
+                          True, "tensor data does not match the header"),
+    "a tensor missing": (_safetensors_without_one_tensor, True, "differ from the"),
+    "corrupt draft.json": (lambda d: (d / "draft.json").write_text('{"format": 1, "kind": '), True,
+                           "draft.json is not valid JSON"),
+    "draft.json not an object": (lambda d: (d / "draft.json").write_text("[1, 2]"), True,
+                                 "draft.json is not a JSON object"),
+    "draft.json without trainable_tensors": (_edit_json("draft.json", lambda b: b.pop("trainable_tensors")), True,
+                                             "lacks a required field"),
+    "draft.json with a bad spec": (_edit_json("draft.json", lambda b: b["spec"].update(num_layers=0)), True,
+                                   "lacks a required field or has a bad one"),
+    "wrong kind": (_edit_json("draft.json", lambda b: b.update(kind="something")), True, "kind 'something'"),
+    "config.json that does not fit the weights": (
+        _edit_json("config.json", lambda b: b.update(intermediate_size=b["intermediate_size"] + 8)), True,
+        "config.json implies"),
+    "not a llama config": (_edit_json("config.json", lambda b: b.update(model_type="gpt2")), True,
+                           "drafts are llama models"),
+    "no osd-manifest.json": (lambda d: (d / "osd-manifest.json").unlink(), False, "osd-manifest.json missing"),
+    "edited after its manifest": (lambda d: (d / "draft.json").write_text((d / "draft.json").read_text() + " "),
+                                  False, "changed since its osd-manifest.json"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_BROKEN))
+def test_publish_refuses_a_draft_serving_could_not_load(reg, draft_dir, tmp_path, case):
+    edit, remanifest, message = _BROKEN[case]
+    src = _copy_and_break(draft_dir, tmp_path / "broken", edit, remanifest)
+    with pytest.raises(RegistryError, match=message) as err:
+        reg.publish(src, "v1")
+    assert "\n" not in str(err.value) and str(src) in str(err.value)
+    assert reg.list() == [] and not reg.exists("v1")
+    payloads = [p for p in (Path(reg.root) / "versions").rglob("payload-*")]
+    assert payloads == []  # nothing half-published is left for gc
+    assert reg.publish(draft_dir, "v1").id == "v1"  # and the id is still free
+
+
+def test_publish_refuses_a_directory_of_random_bytes(reg, tmp_path):
+    src = tmp_path / "junk"
+    src.mkdir()
+    (src / "blob.bin").write_bytes(os.urandom(1024))
+    with pytest.raises(RegistryError, match="not a saved draft: draft.json, config.json, draft.safetensors"):
+        reg.publish(src)
+    assert reg.list() == []
+
+
+def test_loading_a_version_with_a_corrupt_draft_json_is_one_registry_error(reg, draft_dir, tiny):
+    """A version published before publish checked drafts: its digests match, its draft.json is junk."""
+    import hashlib
+
+    reg.publish(draft_dir, "v1")
+    payload = reg.local_path("v1")
+    (payload / "draft.json").write_text("{not json")
+    mpath = Path(reg.root) / "versions" / "v1" / "manifest.json"
+    body = json.loads(mpath.read_text())
+    body["files"]["draft.json"] = {"sha256": hashlib.sha256(b"{not json").hexdigest(), "size": 9}
+    mpath.write_text(json.dumps(body))
+    with pytest.raises(RegistryError, match="version v1 cannot be loaded: draft.json is not valid JSON") as err:
+        reg.load_draft("v1", tiny.model)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("bad", ["v1\n", "v1\r\n", "v1 ", "\nv1"])
+def test_version_id_with_a_trailing_newline_is_refused(reg, draft_dir, bad):
+    with pytest.raises(RegistryError, match="bad version id"):
+        reg.publish(draft_dir, bad)
+    with pytest.raises(RegistryError, match="bad version id"):
+        reg.get(bad)
+    assert reg.list() == []
+
+
+@pytest.mark.parametrize("keep_last", [-1, 0, 1.5, True])
+def test_gc_refuses_a_keep_last_below_one(reg, draft_dir, keep_last):
+    for v in ("v1", "v2", "v3"):
+        reg.publish(draft_dir, v)
+    with pytest.raises(RegistryError, match="keep_last must be a whole number >= 1"):
+        reg.gc(keep_last)
+    assert [v.id for v in reg.list()] == ["v1", "v2", "v3"]  # nothing removed
+
+
+def test_cli_gc_refuses_a_negative_keep_last_and_rollback_is_audited(tmp_path, draft_dir):
+    env = {**os.environ, "OSD_STATE_DIR": str(tmp_path / "state")}
+    from pipeline.config import load_config
+
+    reg = Registry.from_config(load_config(environ={}, overrides={"state_dir": str(tmp_path / "state")}))
+    for v in ("v1", "v2"):
+        reg.publish(draft_dir, v)
+    reg.promote("v1")
+    reg.set_canary("v2", 0.1)
+
+    def osd(*args):
+        return subprocess.run([sys.executable, "-m", "pipeline.cli", "registry", *args], env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    r = osd("gc", "--keep-last", "-1")
+    assert r.returncode == 2 and "keep_last must be a whole number >= 1, got -1" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and [v.id for v in reg.list()] == ["v1", "v2"]
+    r = osd("rollback")
+    assert r.returncode == 0 and "dropped canary v2" in r.stdout
+    log = reg.audit_log()
+    assert [(e["action"], e["version"], e["manual"]) for e in log] == [("rollback", "v2", True)]
+
+
+def test_rollback_of_stable_is_audited_with_the_version_it_undid(reg, draft_dir):
+    for v in ("v1", "v2"):
+        reg.publish(draft_dir, v)
+    reg.promote("v1")
+    reg.promote("v2")
+    assert reg.rollback("bad numbers") == {"stable": "v1", "from": "v2"}
+    (entry,) = reg.audit_log()
+    assert (entry["action"], entry["version"], entry["reason"], entry["manual"]) == ("rollback", "v2", "bad numbers", True)
+    with pytest.raises(RegistryError, match="nothing to roll back"):
+        reg.rollback()
+    assert len(reg.audit_log()) == 1  # a refused rollback records nothing
+
+
+def test_alias_moves_can_be_compare_and_set(reg, draft_dir):
+    from pipeline.registry import AliasMoved
+
+    for v in ("v1", "v2", "v3"):
+        reg.publish(draft_dir, v)
+    reg.promote("v1")
+    reg.set_canary("v2", 0.1, expect=None)
+    with pytest.raises(AliasMoved, match="names v2, not nothing"):
+        reg.set_canary("v3", 0.1, expect=None)
+    with pytest.raises(AliasMoved, match="names v2, not v3"):
+        reg.promote("v3", expect_canary="v3")
+    reg.clear_canary()
+    with pytest.raises(AliasMoved, match="names nothing, not v2"):
+        reg.set_canary("v2", 0.5, expect="v2")
+    assert reg.alias("canary") is None and reg.alias("stable")["version"] == "v1"
+
+
+def test_gc_keeps_versions_the_newest_audit_entries_name(reg, draft_dir):
+    for i in range(1, 6):
+        reg.publish(draft_dir, f"v{i}")
+    reg.promote("v1")
+    reg.audit({"action": "rollback", "version": "v2"})  # just rolled back: a person may re-promote it
+    assert sorted(reg.gc(keep_last=1)) == ["v3", "v4"]
+    assert [v.id for v in reg.list()] == ["v1", "v2", "v5"]
+
+
+def test_gc_and_promote_racing_never_leave_an_alias_on_a_deleted_version(reg, draft_dir):
+    """gc has listed the versions and decided v2 may go; a promote of v2 (another process: its own
+    Registry object) comes in before gc deletes it. Under the lock it waits, then finds v2 gone."""
+    import threading
+
+    for v in ("v1", "v2", "v3"):
+        reg.publish(draft_dir, v)
+    reg.promote("v1")
+    other = Registry(reg.uri, cache_dir=reg.cache_dir)
+    outcome = {}
+
+    def promote_v2():
+        try:
+            outcome["stable"] = other.promote("v2")["version"]
+        except VersionNotFound as e:
+            outcome["error"] = str(e)
+
+    real_list = reg.list
+    racer = threading.Thread(target=promote_v2)
+
+    def list_then_race():
+        versions = real_list()
+        racer.start()
+        racer.join(timeout=2.0)  # without the lock the promote completes here, before the deletes
+        return versions
+
+    reg.list = list_then_race
+    removed = reg.gc(keep_last=1)
+    racer.join(timeout=60)
+    assert not racer.is_alive()
+    assert removed == ["v2"] and "v2 does not exist" in outcome.get("error", "")
+    stable = reg.alias("stable")["version"]
+    assert stable == "v1" and reg.exists(stable)
+
+
+def test_promote_first_then_gc_keeps_the_promoted_version(reg, draft_dir):
+    for v in ("v1", "v2", "v3"):
+        reg.publish(draft_dir, v)
+    reg.promote("v1")
+    Registry(reg.uri, cache_dir=reg.cache_dir).promote("v2")
+    assert reg.gc(keep_last=1) == []  # v1 is stable's previous, v2 stable, v3 the newest
+    assert all(reg.exists(v) for v in ("v1", "v2", "v3"))

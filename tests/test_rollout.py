@@ -165,3 +165,44 @@ def test_a_never_empty_stream_does_not_starve_decisions(tmp_path, redis_url, dra
     monkeypatch.setattr(ctrl, "_read", lambda budget_s=0.2: CanaryController._read(ctrl, budget_s))
     decisions = ctrl.tick()
     assert [d["action"] for d in decisions] == ["rollback"] and decisions[0]["version"] == "bad"
+
+
+def test_a_manual_rollback_of_the_canary_is_not_undone_by_the_controller(tmp_path, redis_url, draft_dir):
+    cfg, reg, ctrl = _stable_and_candidate(tmp_path, redis_url, draft_dir, "v2")
+    assert [d["action"] for d in ctrl.tick()] == ["start"] and reg.alias("canary")["version"] == "v2"
+    assert reg.rollback("osd registry rollback") == {"dropped_canary": "v2", "stable": "v1"}
+    assert ctrl.tick() == [] and ctrl.tick() == []
+    assert reg.alias("canary") is None and reg.alias("stable")["version"] == "v1"
+    # a person may still make it the canary again: the controller then judges it as usual
+    reg.set_canary("v2", 0.1)
+    assert ctrl.tick() == [] and reg.alias("canary")["version"] == "v2"
+
+
+def test_a_manual_rollback_of_stable_is_not_undone_by_the_controller(tmp_path, redis_url, draft_dir):
+    cfg = _cfg(tmp_path, redis_url)
+    reg = Registry.from_config(cfg)
+    for v in ("v1", "v2"):
+        reg.publish(draft_dir, v)
+    reg.promote("v1")
+    reg.promote("v2")  # by hand: no audit entry of the controller's names v2
+    ctrl = CanaryController(cfg)
+    assert reg.rollback() == {"stable": "v1", "from": "v2"}
+    assert ctrl.tick() == [] and reg.alias("canary") is None and reg.alias("stable")["version"] == "v1"
+
+
+def test_a_tick_racing_a_manual_rollback_does_not_put_the_canary_back(tmp_path, redis_url, draft_dir, monkeypatch):
+    """The person's rollback lands after the tick read the aliases and before it moves the canary."""
+    import pipeline.rollout as rollout
+    from pipeline.canary_rule import Decision
+
+    cfg, reg, ctrl = _stable_and_candidate(tmp_path, redis_url, draft_dir, "v2")
+    ctrl.tick()  # v2 is the canary at 10%
+
+    def rollback_then_advance(*a, **k):
+        reg.rollback("by hand")
+        return Decision("advance", "looked fine", {})
+
+    monkeypatch.setattr(rollout, "decide", rollback_then_advance)
+    assert ctrl.tick() == []
+    assert reg.alias("canary") is None and reg.alias("stable")["version"] == "v1"
+    assert [(e["action"], e["version"]) for e in reg.audit_log()] == [("start", "v2"), ("rollback", "v2")]

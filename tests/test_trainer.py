@@ -217,3 +217,72 @@ def _held_out(record, cfg):
     from train.trainer import is_held_out
 
     return is_held_out(record.record_id, cfg.train.held_out_every)
+
+
+_DURABLE_SAVE = """
+import json, os, sys
+from pathlib import Path
+synced = []
+real_fsync = os.fsync
+def recording_fsync(fd):
+    synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+    return real_fsync(fd)
+os.fsync = recording_fsync
+from pipeline.config import load_config
+from pipeline.redis_server import free_port
+from pipeline.target import load_target
+from train.draft_model import DraftSpec, build_draft
+from train.ds_engine import DistillEngine, init_distributed
+init_distributed(0, 1, "127.0.0.1", free_port(), "cpu", 120)
+cfg = load_config(environ={}, overrides={"train": {"zero_stage": 1}}).train
+target = load_target("tiny-random", progress=False).model
+engine = DistillEngine(build_draft(target, DraftSpec(num_layers=1)), cfg)
+tag, _ = engine.save(Path(sys.argv[1]), {"records_total": 0})
+print(json.dumps({"tag": tag, "synced": synced}))
+"""
+
+
+def test_checkpoint_is_fsynced_before_save_returns_and_the_records_are_acked(tmp_path):
+    """The trainer acks as soon as DistillEngine.save returns: by then every file of the
+    checkpoint, COMPLETE included, and the directories naming them must have been fsynced."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    ckpt = (tmp_path / "ckpt").resolve()
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", _DURABLE_SAVE, str(ckpt)], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    tag_dir = ckpt / out["tag"]
+    files = {str(p) for p in tag_dir.rglob("*") if p.is_file()}
+    assert str(tag_dir / "COMPLETE") in files and str(tag_dir / "consolidated.safetensors") in files
+    # COMPLETE is written as a temp file, fsynced, then renamed, so its fsync shows the temp name
+    order = [re.sub(r"/\.([^/]+)\.tmp-\d+$", r"/\1", p) for p in out["synced"]]
+    synced = set(order)
+    assert files <= synced, sorted(files - synced)
+    assert {str(tag_dir), str(ckpt)} <= synced  # the names of the files and of the tag directory
+    complete = str(tag_dir / "COMPLETE")
+    assert order.index(complete) < len(order) - 1 - order[::-1].index(str(tag_dir))  # the rename made durable
+    assert json.loads((tag_dir / "COMPLETE").read_text())["records_total"] == 0
+    assert not [p for p in tag_dir.iterdir() if ".tmp" in p.name]  # COMPLETE went in by rename
+
+
+def test_a_group_whose_start_fails_gives_its_placement_group_back(ray_local, stream, tmp_path):
+    """Redis away while the workers set up: the group raises, and its CPUs are free for the restart."""
+    import ray
+    from ray.util import placement_group_table
+
+    from pipeline.redis_server import free_port
+    from train.trainer import TrainerGroup
+
+    cfg = stream(num_workers=1, zero_stage=1)
+    cfg = cfg.model_copy(update={"stream": cfg.stream.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}"})})
+    with pytest.raises((ray.exceptions.RayTaskError, ray.exceptions.RayActorError)):
+        TrainerGroup(cfg, tmp_path / "run")
+    states = [pg["state"] for pg in placement_group_table().values()]
+    assert states and all(s == "REMOVED" for s in states), states
+    assert not [a for a in ray.util.list_named_actors() if a.startswith("osd-trainer-")]

@@ -10,6 +10,12 @@ consumed, world size) as JSON. Only tags with that marker are ever resumed from,
 checkpoint cut off mid-write is skipped, never half-loaded. Rank 0 also saves the
 consolidated trainable weights beside it (`consolidated.safetensors`) so a run with a
 different world size can resume from those instead of the sharded optimizer state.
+
+Durability: the trainer acks a checkpoint's records as soon as `save` returns, after which
+the stream no longer holds them. So `save` fsyncs every file of the checkpoint and the
+directories that name them (each rank its shards, rank 0 the consolidated weights and
+COMPLETE, itself written to a temp file and renamed) before it returns: a machine crash
+after the ack finds the checkpoint on disk, and COMPLETE is never a torn file.
 """
 
 from __future__ import annotations
@@ -58,6 +64,37 @@ def prebuild_ops() -> list[str]:
 
 class CheckpointError(RuntimeError):
     pass
+
+
+def fsync_path(path: str | Path) -> None:
+    """fsync a file, or a directory (which makes the names in it durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_tree(root: str | Path) -> None:
+    """fsync every file and directory under `root`, and root's own name in its parent."""
+    root = Path(root)
+    for dirpath, _, filenames in os.walk(root, topdown=False):  # names after their contents
+        for name in filenames:
+            fsync_path(Path(dirpath) / name)
+        fsync_path(dirpath)
+    fsync_path(root.parent)
+
+
+def write_durable(path: str | Path, data: bytes) -> None:
+    """Write, fsync, rename into place, fsync the directory: the file is whole or absent."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(path.parent)
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str = "cpu",
@@ -143,13 +180,16 @@ class DistillEngine:
         state = {**client_state, "world_size": self.world_size, "steps": self.steps, "time": time.time()}
         self.engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=state, save_latest=False)
         weights = self.export_weights()  # collective under ZeRO-3: every rank takes part
+        sync_tree(ckpt_dir / tag)  # this rank's shards are on disk before COMPLETE can vouch for them
         dist.barrier()
         if self.rank == 0:
             from safetensors.torch import save_file
 
             save_file(weights, str(ckpt_dir / tag / CONSOLIDATED))
-            (ckpt_dir / tag / COMPLETE).write_text(json.dumps(state))
-        dist.barrier()
+            fsync_path(ckpt_dir / tag / CONSOLIDATED)
+            write_durable(ckpt_dir / tag / COMPLETE, json.dumps(state).encode())
+            fsync_path(ckpt_dir)  # the tag directory's own name
+        dist.barrier()  # the caller acks the records once this returns, so all of it is durable now
         return tag, weights
 
     @staticmethod

@@ -333,10 +333,21 @@ class TrainerGroup:
     def __init__(self, cfg: OSDConfig, run_dir: str | os.PathLike, init_draft: str | None = None,
                  num_workers: int | None = None):
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.n = num_workers or cfg.train.num_workers
         self.pg = placement_group([{"CPU": 1}] * self.n, strategy="PACK")
+        self.workers: list = []
+        try:
+            self._start(cfg, run_dir, init_draft)
+        except BaseException:
+            # A start that fails (Redis away during setup) must give its CPUs back, or every
+            # restart after it waits for a placement group that can never be placed.
+            self.shutdown()
+            raise
+
+    def _start(self, cfg: OSDConfig, run_dir: str | os.PathLike, init_draft: str | None) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as strategy
+
         ray.get(self.pg.ready(), timeout=120)
         actor = ray.remote(num_cpus=1)(TrainerWorker)
         cfg_dict = cfg.model_dump(mode="json")
@@ -347,8 +358,7 @@ class TrainerGroup:
         def start(rank: int):
             return actor.options(
                 name=f"osd-trainer-{group_id}-rank{rank}",  # findable for ops (and the kill test)
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=self.pg,
-                                                                     placement_group_bundle_index=rank),
+                scheduling_strategy=strategy(placement_group=self.pg, placement_group_bundle_index=rank),
                 runtime_env=env, max_restarts=0,
             ).remote(cfg_dict, rank, self.n, str(run_dir), init_draft)
 
