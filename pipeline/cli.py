@@ -228,7 +228,13 @@ def _cmd_registry(cfg: OSDConfig, args: argparse.Namespace) -> int:
                           "metrics": v.metrics, "tokenizer": v.tokenizer, "files": v.files}, indent=2))
     elif op == "promote":
         body = reg.promote(args.version, reason="osd registry promote")
+        reg.audit({"action": "promote", "version": body["version"], "reason": "osd registry promote", "manual": True})
         print(f"stable -> {body['version']} (previous {body['previous']}); canary cleared")
+    elif op == "canary":  # a person's canary: the controller judges it, even one it rolled back before
+        body = reg.set_canary(args.version, args.weight, reason="osd registry canary")
+        reg.audit({"action": "canary", "version": body["version"], "weight": body["weight"],
+                   "reason": "osd registry canary", "manual": True})
+        print(f"canary -> {body['version']} at {body['weight']:.0%}")
     elif op == "rollback":
         out = reg.rollback(reason="osd registry rollback")
         if "dropped_canary" in out:
@@ -251,9 +257,13 @@ def _add_registry_parser(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--json", action="store_true")
     rs.add_parser("show", help="one version's manifest").add_argument("version")
     rs.add_parser("promote", help="make a version stable (clears the canary)").add_argument("version")
-    rs.add_parser("rollback", help="drop the canary, or else move stable back to its previous version")
+    cn = rs.add_parser("canary", help="make a version the canary (the rollout controller then judges it)")
+    cn.add_argument("version")
+    cn.add_argument("--weight", type=float, default=0.1, help="traffic share in (0, 1] (default 0.1)")
+    rs.add_parser("rollback", help="drop the canary, or else move stable back to its previous version "
+                                   "(audited: the rollout controller will not canary that version again)")
     gc = rs.add_parser("gc", help="delete versions no alias names, beyond the newest N")
-    gc.add_argument("--keep-last", type=int, metavar="N", help="default registry.keep_last")
+    gc.add_argument("--keep-last", type=int, metavar="N", help="at least 1; default registry.keep_last")
     rg.set_defaults(func=_cmd_registry)
 
 

@@ -373,6 +373,12 @@ def test_cli_gc_refuses_a_negative_keep_last_and_rollback_is_audited(tmp_path, d
     assert r.returncode == 0 and "dropped canary v2" in r.stdout
     log = reg.audit_log()
     assert [(e["action"], e["version"], e["manual"]) for e in log] == [("rollback", "v2", True)]
+    # a person can make it the canary again (the controller judges a canary it finds); recorded too
+    r = osd("canary", "v2", "--weight", "0")
+    assert r.returncode == 2 and "canary weight must be in (0, 1]" in r.stderr and reg.alias("canary") is None
+    assert osd("canary", "v2", "--weight", "0.2").returncode == 0
+    assert reg.alias("canary")["version"] == "v2" and reg.alias("canary")["weight"] == 0.2
+    assert [(e["action"], e["version"]) for e in reg.audit_log()] == [("rollback", "v2"), ("canary", "v2")]
 
 
 def test_rollback_of_stable_is_audited_with_the_version_it_undid(reg, draft_dir):
