@@ -42,10 +42,16 @@ def _user_errors() -> tuple[type[Exception], ...]:
 
 
 def _cmd_config_show(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    import yaml
+
+    from pipeline.redis_server import redact_urls
+
+    # URLs may carry passwords (redis://:secret@host); the output gets pasted into issues.
+    tree = redact_urls(cfg.model_dump(mode="json"))
     if args.json:
-        print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+        print(json.dumps(tree, indent=2))
     else:
-        print(cfg.to_yaml(), end="")
+        print(yaml.safe_dump(tree, sort_keys=False), end="")
     return 0
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 ENV_PREFIX = "OSD_"
 # Variables that share the prefix but are not config paths.
@@ -91,21 +92,34 @@ class ServeConfig(_Section):
     capture_top_k: int = Field(32, ge=1)
 
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _stream_cap(maxlen: int, memory_budget_mb: int, record_kb: float) -> int:
+    return maxlen or max(1, int(memory_budget_mb * 1024 // record_kb))
+
+
 class StreamConfig(_Section):
-    # redis:// or rediss:// (user:password@ allowed). Empty means: start a private
-    # redis-server under state_dir/redis (AOF on, fsync every second).
+    # redis:// or rediss:// (user:password@ allowed) or unix://. Empty means: start a private
+    # redis-server under state_dir/redis (AOF on, fsync every second, password, maxmemory).
     redis_url: str = ""
     stream: str = "osd:records"
     group: str = "trainers"
-    # Approximate cap on the stream (XADD MAXLEN ~): old records are trimmed, never a request held.
-    maxlen: int = Field(100_000, ge=1)
+    # Memory the record stream may take in Redis; the cap below is derived from it, and the
+    # private redis-server's maxmemory is this plus headroom. record_kb: an encoded record
+    # (256 positions at top-32 are about 55 KB).
+    memory_budget_mb: int = Field(1024, ge=1)
+    record_kb: float = Field(56.0, gt=0)
+    # Approximate cap on the stream (XADD MAXLEN ~): old records are trimmed, never a request
+    # held. 0: memory_budget_mb / record_kb (see max_entries).
+    maxlen: int = Field(0, ge=0)
     # Producer. Records wait here for the writer thread; when it is full, submit() drops.
     queue_size: int = Field(10_000, ge=1)
     # XADDs per pipelined round trip.
     write_batch: int = Field(64, ge=1)
-    # Drop new records while the slowest consumer group lags by this many entries (0: no limit);
-    # the lag is read from XINFO GROUPS at most every lag_refresh_s.
-    lag_budget: int = Field(50_000, ge=0)
+    # Drop new records while the trainers' group has this many entries unread or read and not
+    # acked (0: no limit); read from XINFO GROUPS at most every lag_refresh_s. At most the cap.
+    lag_budget: int = Field(10_000, ge=0)
     lag_refresh_s: float = Field(1.0, ge=0)
     # Every Redis call gives up after socket_timeout_s, so a dead Redis costs bounded time.
     socket_timeout_s: float = Field(2.0, gt=0)
@@ -123,6 +137,43 @@ class StreamConfig(_Section):
     dedupe_window: int = Field(100_000, ge=0)
     # Private redis-server: seconds for it to answer PING.
     start_timeout_s: float = Field(10.0, gt=0)
+
+    @property
+    def max_entries(self) -> int:
+        """The stream's cap: maxlen if set, else as many records as fit the memory budget."""
+        return _stream_cap(self.maxlen, self.memory_budget_mb, self.record_kb)
+
+    # The cross-field checks below are field validators (seeing the fields declared before
+    # theirs), not a model validator, so an error names the field and shows only its value,
+    # never the whole section with redis_url's password in it.
+
+    @field_validator("redis_url")
+    @classmethod
+    def _scheme(cls, v: str) -> str:
+        if v and not v.startswith(REDIS_SCHEMES):
+            raise ValueError("must start with redis://, rediss:// or unix:// (or be empty for a private "
+                             "redis-server)")
+        return v
+
+    @field_validator("maxlen")
+    @classmethod
+    def _fits_budget(cls, v: int, info: ValidationInfo) -> int:
+        budget, kb = info.data.get("memory_budget_mb"), info.data.get("record_kb")
+        if v and budget and kb and v * kb > budget * 1024:
+            raise ValueError(f"{v} records of ~{kb:g} KB take ~{v * kb / 1024:.0f} MB, over memory_budget_mb "
+                             f"{budget}; lower maxlen (0 derives it from the budget) or raise memory_budget_mb")
+        return v
+
+    @field_validator("lag_budget")
+    @classmethod
+    def _within_cap(cls, v: int, info: ValidationInfo) -> int:
+        if not v or not {"maxlen", "memory_budget_mb", "record_kb"} <= info.data.keys():
+            return v  # no budget, or a field it depends on is itself invalid (reported there)
+        cap = _stream_cap(info.data["maxlen"], info.data["memory_budget_mb"], info.data["record_kb"])
+        if v > cap:
+            raise ValueError(f"{v} exceeds the stream's cap of {cap} records (maxlen, or memory_budget_mb / "
+                             f"record_kb): trimming would eat the backlog before the budget drops anything")
+        return v
 
     @model_validator(mode="after")
     def _timeouts(self) -> "StreamConfig":

@@ -4,8 +4,9 @@ Producer (serving side). Serving must not slow down or fail because Redis is slo
 full: `submit()` only puts the record into a bounded in-memory queue; a background thread
 encodes and XADDs in pipelined batches (MAXLEN ~ cap). A record is *dropped and counted*,
 never waited for, when the queue is full, Redis is unreachable (short socket timeouts, then
-a doubling back-off during which nothing is tried), or the slowest consumer group is over
-the lag budget (fresh data is worth more than a backlog the trimming would eat anyway).
+a doubling back-off during which nothing is tried), Redis is full (maxmemory with
+noeviction: it refuses writes rather than evict stream data), or the trainers' backlog is
+over the lag budget (fresh data is worth more than a backlog the trimming would eat anyway).
 
 Consumer (training side). A consumer-group reader with at-least-once delivery: entries stay
 pending until the caller acks them, entries a dead consumer held longer than claim_idle_ms
@@ -32,7 +33,7 @@ from typing import Any, Iterable
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -106,8 +107,8 @@ def group_info(client: redis.Redis, stream: str) -> dict[str, dict[str, Any]]:
 
 # -- producer -------------------------------------------------------------------------------
 
-QUEUE_FULL, REDIS_DOWN, LAG, INVALID, ERROR, CLOSED = (
-    "queue_full", "redis_down", "lag", "invalid", "error", "closed")
+QUEUE_FULL, REDIS_DOWN, REDIS_FULL, LAG, INVALID, ERROR, CLOSED = (
+    "queue_full", "redis_down", "redis_full", "lag", "invalid", "error", "closed")
 _STOP = object()
 
 
@@ -117,7 +118,7 @@ class ProducerStats:
     written: int = 0
     dropped: dict[str, int] = field(default_factory=dict)  # by reason: queue_full, redis_down, lag, ...
     queued: int = 0
-    lag: int | None = None  # slowest group's lag at the last refresh
+    lag: int | None = None  # trainers' backlog (unread + unacked entries) at the last refresh
     redis_up: bool = True
 
     @property
@@ -141,6 +142,7 @@ class RecordProducer:
         self._down_until = 0.0
         self._backoff = cfg.reconnect_backoff_s
         self._lag_at = float("-inf")
+        self._full = False  # the last batch met an out-of-memory Redis
         self._thread = threading.Thread(target=self._run, name=f"osd-producer[{self.stream}]", daemon=True)
         self._thread.start()
 
@@ -261,7 +263,7 @@ class RecordProducer:
                 return
             pipe = self._client.pipeline(transaction=False)
             for p in payloads:
-                pipe.xadd(self.stream, {FIELD: p}, maxlen=self.cfg.maxlen, approximate=True)
+                pipe.xadd(self.stream, {FIELD: p}, maxlen=self.cfg.max_entries, approximate=True)
             results = pipe.execute(raise_on_error=False) if payloads else []
         except _UNREACHABLE as e:
             # Some XADDs of the batch may have landed; they are counted as dropped (over-counting
@@ -274,36 +276,46 @@ class RecordProducer:
             self._finish(0, {ERROR: len(payloads), INVALID: invalid})
             return
         errors = [r for r in results if isinstance(r, Exception)]
-        if errors:
-            log.warning("record producer: %d of %d XADDs failed: %s", len(errors), len(results), errors[0])
+        full = sum(isinstance(r, OutOfMemoryError) for r in errors)
+        if full and not self._full:  # once per episode, like redis_down: the counts say how many
+            log.warning("record producer: Redis is out of memory (maxmemory reached; noeviction keeps the "
+                        "stream intact): dropping records as redis_full until it has room. Its maxmemory is "
+                        "below stream.memory_budget_mb, or something besides the capped stream fills it")
+        self._full = full > 0
+        if len(errors) > full:
+            log.warning("record producer: %d of %d XADDs failed: %s", len(errors) - full, len(results),
+                        next(r for r in errors if not isinstance(r, OutOfMemoryError)))
         self._mark_up()
-        self._finish(len(results) - len(errors), {ERROR: len(errors), INVALID: invalid})
+        self._finish(len(results) - len(errors), {REDIS_FULL: full, ERROR: len(errors) - full, INVALID: invalid})
 
     def _over_budget(self, now: float) -> bool:
         budget = self.cfg.lag_budget
         if budget <= 0:
             return False
         if now - self._lag_at >= self.cfg.lag_refresh_s:
-            lag = self._read_lag()
+            lag = self._read_backlog()
             self._lag_at = now
             with self._cond:
                 self._stats.lag = lag
         lag = self._stats.lag
         return lag is not None and lag >= budget
 
-    def _read_lag(self) -> int:
-        """Lag of the trainers' group (`cfg.group`); 0 before it exists (MAXLEN bounds the
-        stream). Other groups (the rollout controller's) only observe: their lag never costs
-        the trainers a record."""
+    def _read_backlog(self) -> int:
+        """Entries the trainers' group (`cfg.group`) still needs: not yet delivered (lag) plus
+        delivered and not acked (pending). A trainer holds what it read until its checkpoint;
+        if those did not count, the budget would let MAXLEN trim them, and a trainer that
+        then died would leave nothing to redeliver. 0 before the group exists (MAXLEN bounds
+        the stream). Other groups (the rollout controller's) only observe: their backlog
+        never costs the trainers a record."""
         g = group_info(self._client, self.stream).get(self.cfg.group)
         if g is None:
             return 0
         lag = g.get("lag")
         if lag is None:
             # Redis cannot tell (e.g. entries deleted mid-stream); the stream length is an
-            # upper bound, so the budget still holds.
-            lag = self._client.xlen(self.stream)
-        return int(lag)
+            # upper bound of lag + pending, so the budget still holds.
+            return int(self._client.xlen(self.stream))
+        return int(lag) + int(g.get("pending", 0))
 
     def _mark_down(self, err: Exception) -> None:
         self._down_until = time.monotonic() + self._backoff
@@ -528,7 +540,7 @@ class RecordConsumer:
             log.warning("record consumer %s: %s entry %s -> %s: %s", self.name, reason, eid, self.dead_stream, error)
             copy = {b"reason": reason, b"error": error[:1000], b"original_id": eid, b"consumer": self.name}
             copy.update({b"orig." + (k if isinstance(k, bytes) else str(k).encode()): v for k, v in fields.items()})
-            pipe.xadd(self.dead_stream, copy, maxlen=self.cfg.maxlen, approximate=True)
+            pipe.xadd(self.dead_stream, copy, maxlen=self.cfg.max_entries, approximate=True)
         pipe.xack(self.stream, self.group, *[d[0] for d in dead])
         pipe.execute()
         for _, reason, _, _ in dead:

@@ -85,3 +85,39 @@ def test_cli_bad_config_exits_2_without_traceback(capsys, monkeypatch):
     assert main(["config", "show"]) == 2
     err = capsys.readouterr().err
     assert "serve.num_replicas" in err and "Traceback" not in err
+
+
+def test_redis_url_scheme_checked_at_load():
+    with pytest.raises(ConfigError, match=r"stream\.redis_url: .*must start with redis://, rediss:// or unix://"):
+        load_config(environ={"OSD_STREAM__REDIS_URL": "http://127.0.0.1:6379"})
+    for ok in ("", "redis://h:1/0", "rediss://u:p@h:2/1", "unix:///tmp/r.sock"):
+        assert load_config(environ={"OSD_STREAM__REDIS_URL": ok}).stream.redis_url == ok
+
+
+def test_stream_cap_follows_memory_budget():
+    s = load_config(environ={"OSD_STREAM__MEMORY_BUDGET_MB": "56", "OSD_STREAM__LAG_BUDGET": "500"}).stream
+    assert s.maxlen == 0 and s.max_entries == 1024  # 56 MB / 56 KB
+    s = load_config(environ={"OSD_STREAM__MAXLEN": "300", "OSD_STREAM__LAG_BUDGET": "300"}).stream
+    assert s.max_entries == 300  # set explicitly: used as is
+    # The default cap is what the default budget holds, not 100,000 records (5.5 GB).
+    d = OSDConfig().stream
+    assert d.max_entries * d.record_kb <= d.memory_budget_mb * 1024 and d.lag_budget <= d.max_entries
+
+
+def test_stream_budget_combinations_refused_with_field():
+    with pytest.raises(ConfigError, match=r"stream\.maxlen: .*100000 records of ~56 KB take ~5469 MB, over "
+                                          r"memory_budget_mb 1024"):
+        load_config(environ={"OSD_STREAM__MAXLEN": "100000"})
+    with pytest.raises(ConfigError, match=r"stream\.lag_budget: .*20000 exceeds the stream's cap of 18724"):
+        load_config(environ={"OSD_STREAM__LAG_BUDGET": "20000"})
+    with pytest.raises(ConfigError, match=r"stream\.lag_budget: .*exceeds the stream's cap of 100 records"):
+        load_config(environ={"OSD_STREAM__MAXLEN": "100"})
+    assert load_config(environ={"OSD_STREAM__MAXLEN": "100", "OSD_STREAM__LAG_BUDGET": "0"}).stream.max_entries == 100
+
+
+@pytest.mark.parametrize("flag", [[], ["--json"]])
+def test_cli_config_show_hides_passwords(capsys, monkeypatch, flag):
+    monkeypatch.setenv("OSD_STREAM__REDIS_URL", "redis://:s3cret-pw@db.example:6379/0")
+    assert main(["config", "show", *flag]) == 0
+    out = capsys.readouterr().out
+    assert "redis://:***@db.example:6379/0" in out and "s3cret-pw" not in out

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from pipeline.config import OSDConfig, StreamConfig
-from pipeline.records import VERSION_KEY, Record, encode
+from pipeline.records import VERSION_KEY, Record, decode, encode
 from pipeline.redis_server import RedisServer, RedisServerError, find_redis_server, free_port, resolve_redis_url
 from pipeline.streams import FIELD, RecordConsumer, RecordProducer, connect, dead_letter_stream, read_records
 
@@ -293,6 +293,49 @@ def test_lag_budget_drops_and_counts(redis_url):
         assert p.stats().written == 6  # ... and records flow again
 
 
+def test_lag_budget_counts_read_but_unacked_entries(redis_url):
+    """A trainer holds what it read until its checkpoint. Those entries are still needed (if it
+    dies they are redelivered from the stream), so they count toward the budget like unread
+    ones; counting only unread ones let MAXLEN trim held entries out from under a trainer."""
+    c = cfg(lag_budget=5, lag_refresh_s=0)
+    consumer = RecordConsumer(redis_url, c, name="holder")
+    with RecordProducer(redis_url, c) as p:
+        for i in range(5):
+            p.submit(make_record(i))
+        assert p.flush(10) and p.stats().written == 5
+        held = drain(consumer, 5, ack=False)
+        assert consumer.lag() == 0 and consumer.pending() == 5
+        for i in range(5, 8):
+            p.submit(make_record(i))
+            assert p.flush(10)
+        s = p.stats()
+        assert s.written == 5 and s.dropped == {"lag": 3} and s.lag == 5
+        consumer.ack(held)  # checkpoint: the backlog is gone, records flow again
+        p.submit(make_record(99))
+        assert p.flush(10) and p.stats().written == 6
+
+
+def big_record(i: int) -> Record:
+    return make_record(i, n=2000, k=8)  # about 100 KB encoded
+
+
+def test_full_redis_refuses_writes_counted_never_evicts(tmp_path):
+    with RedisServer(tmp_path / "redis", maxmemory_mb=3) as server:
+        c = cfg(lag_budget=0)
+        with RecordProducer(server.url, c) as p:
+            for i in range(60):  # ~6 MB into 3
+                p.submit(big_record(i))
+                assert p.flush(10)
+            s = p.stats()
+        assert s.written > 0 and s.dropped.get("redis_full", 0) > 0
+        assert s.written + s.dropped["redis_full"] == 60 and set(s.dropped) == {"redis_full"}
+        assert s.redis_up  # full is not down: no back-off, the next record is tried
+        r = raw(server.url)
+        assert r.xlen(c.stream) == s.written  # what was accepted is all still there
+        first = decode(r.xrange(c.stream, count=1)[0][1][FIELD])
+        assert first.request_id == "req-0"  # the oldest was not evicted to make room
+
+
 def test_duplicate_record_is_delivered_once(redis_url):
     c = cfg()
     rec, other = make_record(1), make_record(2)
@@ -322,7 +365,7 @@ def test_url_with_user_and_password(redis_url):
     admin = raw(redis_url)
     admin.execute_command("ACL", "SETUSER", "osd", "on", ">s3cret", "~*", "&*", "+@all")
     try:
-        host = redis_url.split("//", 1)[1]
+        host = redis_url.rsplit("@", 1)[1]  # the session server's own URL carries the default user's password
         url = f"redis://osd:s3cret@{host}"
         c = cfg()
         consumer = RecordConsumer(url, c, name="a")
@@ -346,7 +389,7 @@ def test_resolve_url_starts_one_private_server(tmp_path):
     conf = OSDConfig(state_dir=tmp_path / "state")
     url = resolve_redis_url(conf)
     try:
-        assert url.startswith("redis://127.0.0.1:")
+        assert url.startswith("redis://:") and "@127.0.0.1:" in url  # password, loopback
         assert resolve_redis_url(conf) == url  # started once
         r = raw(url)
         assert r.config_get("appendonly")["appendonly"] == "yes"
