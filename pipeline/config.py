@@ -16,6 +16,7 @@ import os
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Mapping
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
@@ -88,6 +89,14 @@ class ServeConfig(_Section):
     max_seq_len: int = Field(2048, ge=2)
     # KV cache slots per replica (concurrent requests decoding at once).
     max_concurrency: int = Field(2, ge=1)
+    # Requests waiting for a slot, per replica; one more gets 429 at once. A waiter that gets
+    # no slot within queue_timeout_s gets 503. Both carry Retry-After.
+    max_queue: int = Field(16, ge=0)
+    queue_timeout_s: float = Field(30.0, gt=0)
+    # Health fails (Serve restarts the replica) when a running request made no step this long.
+    stall_timeout_s: float = Field(20.0, gt=0)
+    # Request bodies above this many bytes get 413 before they are parsed.
+    max_body_bytes: int = Field(1_048_576, ge=1024)
     # Target top-k ids kept per verified position in each record.
     capture_top_k: int = Field(32, ge=1)
 
@@ -313,12 +322,36 @@ def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def redact_url(url: str) -> str:
+    """`url` with its password replaced by ***; anything that is not a URL with one is returned as is."""
+    if "://" not in url:
+        return url
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    userinfo, at, hostport = parts.netloc.rpartition("@")
+    if not at or ":" not in userinfo:
+        return url
+    user = userinfo.split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{hostport}"))
+
+
+def redact_urls(tree: Any) -> Any:
+    """A copy of a config tree (dicts, lists, scalars) with every URL's password redacted."""
+    if isinstance(tree, dict):
+        return {k: redact_urls(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [redact_urls(v) for v in tree]
+    return redact_url(tree) if isinstance(tree, str) else tree
+
+
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
         reason = "unknown key" if e["type"] == "extra_forbidden" else e["msg"]
-        got = "" if e["type"] == "extra_forbidden" else f" (got {e.get('input')!r})"
+        got = "" if e["type"] == "extra_forbidden" else f" (got {redact_urls(e.get('input'))!r})"
         lines.append(f"  {path}: {reason}{got}")
     return "\n".join(lines)
 

@@ -55,7 +55,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pipeline.config import OSDConfig, StreamConfig
+from pipeline.config import OSDConfig, StreamConfig, redact_url, redact_urls  # noqa: F401 (redact_*: re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -107,30 +107,6 @@ def server_maxmemory_mb(stream: StreamConfig) -> int:
 
 
 # -- URLs: redaction and a reachability check ------------------------------------------------
-
-
-def redact_url(url: str) -> str:
-    """`url` with its password replaced by ***; anything that is not a URL with one is returned as is."""
-    if "://" not in url:
-        return url
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    userinfo, at, hostport = parts.netloc.rpartition("@")
-    if not at or ":" not in userinfo:
-        return url
-    user = userinfo.split(":", 1)[0]
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{hostport}"))
-
-
-def redact_urls(tree: Any) -> Any:
-    """A copy of a config tree (dicts, lists, scalars) with every URL's password redacted."""
-    if isinstance(tree, dict):
-        return {k: redact_urls(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [redact_urls(v) for v in tree]
-    return redact_url(tree) if isinstance(tree, str) else tree
 
 
 def _describe(url: str) -> str:

@@ -91,6 +91,7 @@ class LocalStack:
     def __init__(self, cfg: OSDConfig, api_key: str | None = None, app_name: str = "osd"):
         self.cfg, self.api_key, self.app_name = cfg, api_key, app_name
         self.redis: Any = None
+        self.reaper: Any = None
         self.url = f"http://{cfg.serve.host}:{cfg.serve.port}"
 
     def start(self) -> "LocalStack":
@@ -100,9 +101,12 @@ class LocalStack:
         from pipeline.redis_server import private_server
         from serve.app import build_app
 
+        from pipeline.reaper import Reaper
+
         cfg = self.cfg
         warn_if_exposed(cfg, self.api_key)
         preflight(cfg)
+        self.reaper = Reaper().start()  # from here on, whatever starts dies with this process
         if not cfg.stream.redis_url:
             self.redis = private_server(cfg)
             cfg = cfg.model_copy(update={"stream": cfg.stream.model_copy(update={"redis_url": self.redis.url})})
@@ -132,6 +136,9 @@ class LocalStack:
             ray.shutdown()
             if self.redis is not None:
                 self.redis.stop()
+            if self.reaper is not None:
+                self.reaper.close()
+                self.reaper = None
 
     def __enter__(self) -> "LocalStack":
         return self.start()

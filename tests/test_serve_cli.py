@@ -1,6 +1,8 @@
 """`osd serve` as a user runs it, in its own process (its own Ray, its own private Redis).
 
 A separate module from test_serve_app so that module's Ray is shut down before this starts.
+Issue 18: no process outlives `osd serve`, whether it stops on Ctrl-C or is killed with
+`kill -9`; and a misconfiguration fails at once with one line, not a Ray traceback.
 """
 
 import os
@@ -9,33 +11,65 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import requests
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 
-def test_osd_serve_cli_starts_and_stops(tmp_path):
-    """`osd serve` as a user runs it: prints the URL, answers, exits cleanly on SIGINT."""
+def serve_env(tmp_path, **extra) -> dict:
+    return {"OSD_MODEL__TARGET": "tiny-random", "OSD_SERVE__DRAFT": "none", "OSD_STATE_DIR": str(tmp_path),
+            "PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1", **extra}
+
+
+def start_serve(tmp_path, *args, **env):
+    """Start `osd serve`; returns (process, url, every process it started)."""
     from pipeline.redis_server import free_port
 
     port = free_port()
-    env = {"OSD_MODEL__TARGET": "tiny-random", "OSD_SERVE__DRAFT": "none", "OSD_STATE_DIR": str(tmp_path),
-           "PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port), *args],
+                            env=serve_env(tmp_path, **env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, lines = None, []
+    deadline = time.monotonic() + 120
+    while url is None and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+        if line.startswith("serving OpenAI-compatible API at "):
+            url = line.split()[4].removesuffix("/v1")
+    if url != f"http://127.0.0.1:{port}":
+        proc.kill()
+        pytest.fail("osd serve did not start:\n" + "".join(lines[-20:]))
+    return proc, url, psutil.Process(proc.pid).children(recursive=True)
+
+
+def assert_all_gone(procs, within_s: float = 60) -> None:
+    def alive(p):
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + within_s
+    while (left := [p for p in procs if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    names = [f"{p.pid} {p.name()}" for p in left if alive(p)]
+    for p in left:  # leave nothing behind for the next test, whatever the verdict
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    assert not names, f"processes outlived osd serve: {names}"
+
+
+def test_osd_serve_cli_starts_and_stops_leaving_nothing(tmp_path):
+    """`osd serve` as a user runs it: prints the URL, answers, exits cleanly on SIGINT, and every
+    process it started (Ray, Serve's actors, its private Redis) is gone."""
+    proc, url, started = start_serve(tmp_path)
+    assert any(p.name() == "redis-server" for p in started)
     try:
-        url = None
-        deadline = time.monotonic() + 120
-        lines = []
-        while url is None and time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("serving OpenAI-compatible API at "):
-                url = line.split()[4].removesuffix("/v1")
-        assert url == f"http://127.0.0.1:{port}", "".join(lines[-20:])
         r = requests.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200 and r.json()["osd"]["draft_version"] == "none"
     finally:
@@ -45,3 +79,30 @@ def test_osd_serve_cli_starts_and_stops(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
     assert proc.returncode == 0
+    assert_all_gone(started)
+
+
+def test_kill_9_of_osd_serve_leaves_no_process(tmp_path):
+    """Issue 18, defect 8: after kill -9 the private redis-server used to live on, unowned."""
+    proc, url, started = start_serve(tmp_path)
+    assert requests.get(url + "/healthz", timeout=30).status_code == 200
+    proc.kill()
+    proc.wait(timeout=30)
+    assert_all_gone(started)
+
+
+@pytest.mark.parametrize("args,env,expect", [
+    (["--draft", "truncate:99"], {}, "serve.draft 'truncate:99'"),
+    ([], {"OSD_STREAM__REDIS_URL": "redis://127.0.0.1:1/0"}, "cannot reach Redis"),
+    ([], {"OSD_STREAM__REDIS_URL": "http://127.0.0.1:6379"}, "stream.redis_url"),
+], ids=["draft-too-deep", "redis-unreachable", "redis-url-not-redis"])
+def test_misconfiguration_fails_fast_with_one_line(tmp_path, args, env, expect):
+    """Issue 18, defect 10: these used to fail after 35-39 s inside Ray, or print nothing at all."""
+    from pipeline.redis_server import free_port
+
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(free_port()), *args],
+                          env=serve_env(tmp_path, **env), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("osd: error")]
+    assert len(errors) == 1 and expect in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "ray" not in proc.stderr.lower()
