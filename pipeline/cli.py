@@ -184,6 +184,24 @@ def _cmd_bench_stream(cfg: OSDConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_load(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from pipeline.bench_load import LoadBenchError, run_load_bench
+
+    try:
+        levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    except ValueError:
+        print(f"osd: error: --levels must be comma-separated integers, got {args.levels!r}", file=sys.stderr)
+        return 2
+    url = args.url or f"http://{cfg.serve.host}:{cfg.serve.port}"
+    try:
+        run_load_bench(url, api_key=args.api_key, levels=levels, seconds=args.seconds, max_tokens=args.max_tokens,
+                       timeout_s=args.timeout, json_path=args.out)
+    except LoadBenchError as e:
+        print(f"osd: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _cmd_replay(cfg: OSDConfig, args: argparse.Namespace) -> int:
     from pipeline.replay import ReplayError, run_replay, select_prompts
 
@@ -282,6 +300,19 @@ def _add_bench_stream_parser(bench_sub: argparse._SubParsersAction) -> None:
     bs.set_defaults(func=_cmd_bench_stream)
 
 
+def _add_bench_load_parser(bench_sub: argparse._SubParsersAction) -> None:
+    bl = bench_sub.add_parser("load", help="closed-loop chat load on a running server at rising concurrency")
+    bl.add_argument("--url", help="server base URL (default http://{serve.host}:{serve.port})")
+    bl.add_argument("--api-key", help="Bearer key (default $OSD_API_KEY)")
+    bl.add_argument("--levels", default="1,2,4,8,16,32", metavar="C,C,...", help="concurrency levels (default 1,2,4,8,16,32)")
+    bl.add_argument("--seconds", type=float, default=20, metavar="S", help="seconds per level (default 20)")
+    bl.add_argument("--max-tokens", type=int, default=16, metavar="M", help="max_tokens per request (default 16)")
+    bl.add_argument("--timeout", type=float, default=60, metavar="S", help="per-request client timeout (default 60)")
+    bl.add_argument("--out", "--json", dest="out", default="reports/bench/load.json", metavar="PATH",
+                    help="where to write JSON")
+    bl.set_defaults(func=_cmd_bench_load)
+
+
 def _add_replay_parser(sub: argparse._SubParsersAction) -> None:
     rp = sub.add_parser("replay", help="replay prompts against an OpenAI-compatible endpoint and summarise")
     rp.add_argument("--url", help="server base URL (default http://{serve.host}:{serve.port})")
@@ -359,6 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
     bt.add_argument("--json", default="reports/bench/train.json", metavar="PATH")
     bt.set_defaults(func=_cmd_bench_train)
     _add_bench_stream_parser(bench_sub)
+    _add_bench_load_parser(bench_sub)
     _add_replay_parser(sub)
 
     dr_p = sub.add_parser("draft", help="draft models")
