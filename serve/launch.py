@@ -62,11 +62,13 @@ def preflight(cfg: OSDConfig) -> None:
             raise LaunchError(f"serve.draft {cfg.serve.draft!r}: {e}") from None
 
 
-def lock_down_proxy(api_key: str | None) -> None:
-    """Before a local ray.init: the proxy (a child of the raylet started there) inherits these
-    and checks the key on every route (serve/proxy_auth.py)."""
+def lock_down_local_cluster(api_key: str | None) -> None:
+    """Before a local ray.init: Ray's control ports require its token (a person's explicit
+    RAY_AUTH_MODE wins), and the proxy, a child of the raylet started there, inherits the key
+    and checks it on every route (serve/proxy_auth.py)."""
     from serve.proxy_auth import CALLBACK, CALLBACK_ENV
 
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     if api_key:
         os.environ["OSD_API_KEY"] = api_key
         os.environ.setdefault(CALLBACK_ENV, CALLBACK)
@@ -115,7 +117,7 @@ class LocalStack:
         address = os.environ.get("RAY_ADDRESS")
         _log("starting Ray" if not address else f"joining Ray at {address}")
         if not address:
-            lock_down_proxy(self.api_key)
+            lock_down_local_cluster(self.api_key)
         ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
         serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
         _log(f"deploying {cfg.serve.num_replicas} target replica(s) of {cfg.model.target} with draft {cfg.serve.draft}")

@@ -29,7 +29,7 @@ def app(tmp_path_factory):
     from pipeline.config import load_config
     from pipeline.redis_server import RedisServer, free_port
     from serve.app import build_app
-    from serve.launch import lock_down_proxy
+    from serve.launch import lock_down_local_cluster
 
     redis_srv = RedisServer(tmp_path_factory.mktemp("app-redis")).start()
     port = free_port()
@@ -40,7 +40,7 @@ def app(tmp_path_factory):
         "stream": {"redis_url": redis_srv.url, "stream": "test:records"},
     })
     saved = dict(os.environ)
-    lock_down_proxy(KEY)  # as `osd serve` does: the key at Serve's proxy too (/-/routes)
+    lock_down_local_cluster(KEY)  # as `osd serve` does: the key at Serve's proxy too (/-/routes)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(cfg, api_key=KEY), name="osd-test", route_prefix="/")
