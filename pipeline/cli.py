@@ -30,6 +30,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
         from serve.drafts import DraftSpecError
 
         extra.append(DraftSpecError)
+    if "serve.launch" in sys.modules:
+        from serve.launch import LaunchError
+
+        extra.append(LaunchError)
     if "pipeline.up" in sys.modules:
         from pipeline.up import UpError
 

@@ -63,12 +63,12 @@ def preflight(cfg: OSDConfig) -> None:
 
 
 def lock_down_local_cluster(api_key: str | None) -> None:
-    """Before a local ray.init: Ray's control ports require its token (a person's explicit
-    RAY_AUTH_MODE wins), and the proxy, a child of the raylet started there, inherits the key
-    and checks it on every route (serve/proxy_auth.py)."""
+    """Before a local ray.init: the proxy, a child of the raylet started there, inherits the key
+    and checks it on every route (serve/proxy_auth.py). Ray's control ports need no step here:
+    Ray 2.60 turns its token authentication on for a local cluster unless RAY_AUTH_MODE says
+    otherwise (set in the environment before it is imported, it would not apply to this process)."""
     from serve.proxy_auth import CALLBACK, CALLBACK_ENV
 
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
     if api_key:
         os.environ["OSD_API_KEY"] = api_key
         os.environ.setdefault(CALLBACK_ENV, CALLBACK)

@@ -18,9 +18,14 @@ from dataclasses import dataclass
 import torch
 
 
+# Below this temperature decoding is greedy (vLLM's convention, its _SAMPLING_EPS): logits
+# divided by a smaller one overflow float32 to inf, and the softmax of that is NaN.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy. top_k 0 and top_p 1.0 disable those filters."""
+    """temperature 0 (or below GREEDY_BELOW) means greedy. top_k 0 and top_p 1.0 disable those filters."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -37,7 +42,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -47,7 +52,7 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     rules; the target's warped p is the distribution the output must follow.
     """
     x = logits.float()
-    if params.temperature > 0:
+    if not params.greedy:
         x = x / params.temperature
     if params.top_k > 0 and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
@@ -59,6 +64,9 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # the most likely token is always kept.
         before = torch.cumsum(sorted_p, dim=-1) - sorted_p
         drop_sorted = before >= params.top_p
+        # Said outright, not left to `before` (0 for the first token): a top_p below float32's
+        # smallest number rounds to 0 there, and would drop every token (a NaN draw, a 500).
+        drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return torch.softmax(x, dim=-1)

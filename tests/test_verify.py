@@ -212,3 +212,20 @@ def test_statistical_test_catches_a_wrong_rule():
 
     first, _, _ = _emitted_counts(wrong, P_FIXED, Q_FIXED, TRIALS, seed=1234)
     assert chi2_pvalue(first, P_FIXED[0]) < 1e-6
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-40])
+def test_tiny_top_p_keeps_the_most_likely_token(top_p):
+    """Found by schemathesis (issue 18): top_p = 5e-324 rounds to 0 in float32, dropped every
+    token, and the NaN draw was a 500. However small top_p is, the top token remains."""
+    logits = torch.tensor([[0.1, 2.0, -1.0, 0.5]])
+    probs = warp_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert torch.equal(probs, torch.tensor([[0.0, 1.0, 0.0, 0.0]]))
+
+
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-40, 9e-6])
+def test_tiny_temperature_is_greedy(temperature):
+    """A temperature this small overflowed the logits to inf and the NaN draw was a 500."""
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    assert not SamplingParams(temperature=1e-4).greedy
