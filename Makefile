@@ -25,11 +25,14 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(VENV)/bin/osd demo
 
+# The import contract first (seconds): every import points down the layers (pyproject.toml).
 test: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest
 
 # Everything except the tests that load the real SmolLM2 weights.
 test-fast: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -m "not slow"
 
 clean-venv:

@@ -1,6 +1,2 @@
-"""What the rest shares: the config tree, target loading, prompt data and the `osd` CLI."""
-
-from pipeline.config import ConfigError, OSDConfig, load_config
-from pipeline.target import LoadedModel, TargetError, load_target
-
-__all__ = ["ConfigError", "LoadedModel", "OSDConfig", "TargetError", "load_config", "load_target"]
+"""The orchestration on top: the `osd` CLI, the local stack (`osd serve`, `osd up`), the demo,
+the rollout controller and its canary rule, load replay and the benchmarks."""

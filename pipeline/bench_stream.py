@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import OSDConfig
-from pipeline.records import Record, decode, encode, new_record_id
-from pipeline.redis_server import RedisServer
-from pipeline.streams import FIELD, RecordConsumer, RecordProducer, connect
+from infra.config import OSDConfig
+from infra.records import Record, decode, encode, new_record_id
+from infra.redis_server import RedisServer
+from infra.streams import FIELD, RecordConsumer, RecordProducer, connect
 
 
 def synthetic_record(rng: np.random.Generator, tokens: int, top_k: int, vocab: int = 49152) -> Record:

@@ -38,18 +38,12 @@ Decision, after at least `min_requests` in each arm:
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
 METRICS = ("acceptance", "mean_accepted_len")
 VAR_FLOOR = 1e-4  # a handful of identical observations must not look infinitely certain
-
-
-def canary_share(request_id: str) -> float:
-    """A request's fixed position in [0, 1): routed to the canary iff below its weight."""
-    return int(hashlib.sha256(request_id.encode()).hexdigest()[:12], 16) / float(1 << 48)
 
 
 def request_sample(accepted: Sequence[bool], draft_tokens: Sequence[int]) -> tuple[float, float] | None:

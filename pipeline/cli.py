@@ -10,45 +10,27 @@ import time
 from pathlib import Path
 from typing import Callable, Sequence
 
-from pipeline.config import ConfigError, OSDConfig, load_config
-from pipeline.prompts import PromptDataError
-from pipeline.registry import RegistryError
-from pipeline.target import TargetError
+from infra.config import ConfigError, OSDConfig, load_config
+from infra.draft_spec import DraftSpecError
+from infra.prompts import PromptDataError
+from infra.redis_server import RedisServerError
+from infra.registry import RegistryError
+from infra.target import TargetError
+from pipeline.launch import LaunchError
+from pipeline.up import UpError
+from serve.errors import EngineError, RequestError
 
-# Errors that are the user's to fix: print the message, exit 2, no traceback.
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, TargetError, PromptDataError, RegistryError)
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    # serve/ imports torch; only pull its error types in once a command has loaded it.
-    extra: list[type[Exception]] = []
-    if "serve.engine" in sys.modules:
-        from serve.engine import EngineError, RequestError
-
-        extra += [EngineError, RequestError]
-    if "serve.drafts" in sys.modules:
-        from serve.drafts import DraftSpecError
-
-        extra.append(DraftSpecError)
-    if "serve.launch" in sys.modules:
-        from serve.launch import LaunchError
-
-        extra.append(LaunchError)
-    if "pipeline.up" in sys.modules:
-        from pipeline.up import UpError
-
-        extra.append(UpError)
-    if "train.draft_model" in sys.modules:
-        from train.draft_model import DraftSpecError as TrainDraftSpecError
-
-        extra.append(TrainDraftSpecError)
-    return USER_ERRORS + tuple(extra)
+# Errors that are the user's to fix: print the message, exit 2, no traceback. Each comes from a
+# module that imports no model library, so naming them costs the CLI nothing at start-up.
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, TargetError, PromptDataError, RegistryError,
+                                            RedisServerError, DraftSpecError, EngineError, RequestError,
+                                            LaunchError, UpError)
 
 
 def _cmd_config_show(cfg: OSDConfig, args: argparse.Namespace) -> int:
     import yaml
 
-    from pipeline.redis_server import redact_urls
+    from infra.redis_server import redact_urls
 
     # URLs may carry passwords (redis://:secret@host); the output gets pasted into issues.
     tree = redact_urls(cfg.model_dump(mode="json"))
@@ -60,7 +42,7 @@ def _cmd_config_show(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_models_prepare(cfg: OSDConfig, args: argparse.Namespace) -> int:
-    from pipeline.target import SMOLLM2, load_target, prepare_smollm2
+    from infra.target import SMOLLM2, load_target, prepare_smollm2
 
     spec = args.target or cfg.model.target
     if spec == SMOLLM2:
@@ -73,7 +55,7 @@ def _cmd_models_prepare(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_data_stats(cfg: OSDConfig, args: argparse.Namespace) -> int:
-    from pipeline import prompts as pr
+    from infra import prompts as pr
 
     t0 = time.perf_counter()
     if args.prompts_file:
@@ -102,7 +84,7 @@ def _cmd_data_stats(cfg: OSDConfig, args: argparse.Namespace) -> int:
 def _cmd_serve(cfg: OSDConfig, args: argparse.Namespace) -> int:
     import os
 
-    from serve.launch import run_server
+    from pipeline.launch import run_server
 
     updates = {k: v for k, v in (("host", args.host), ("port", args.port), ("num_replicas", args.replicas),
                                  ("draft", args.draft)) if v is not None}
@@ -126,7 +108,7 @@ def _cmd_draft_init(cfg: OSDConfig, args: argparse.Namespace) -> int:
 def _cmd_train(cfg: OSDConfig, args: argparse.Namespace) -> int:
     import ray
 
-    from pipeline.redis_server import resolve_redis_url
+    from infra.redis_server import resolve_redis_url
     from train.trainer import run_with_restarts, save_stats
 
     overrides: dict = {"stream": {"redis_url": resolve_redis_url(cfg)}}
@@ -146,7 +128,7 @@ def _cmd_train(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_train(cfg: OSDConfig, args: argparse.Namespace) -> int:
-    from train.bench_train import run_train_bench
+    from pipeline.bench_train import run_train_bench
 
     run_train_bench(cfg, records=args.records, domain=args.domain, eval_prompts=args.eval_prompts,
                     workers=tuple(args.workers), init_draft=args.init_draft, json_path=args.json)
@@ -168,7 +150,7 @@ def _cmd_up(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_engine(cfg: OSDConfig, args: argparse.Namespace) -> int:
-    from serve.bench_engine import run_bench
+    from pipeline.bench_engine import run_bench
 
     run_bench(cfg, n_prompts=args.prompts, prompts_file=args.prompts_file, limit=args.limit,
               max_new_tokens=args.max_new_tokens, k=args.k, draft_spec=args.draft, device=args.device,
@@ -178,7 +160,7 @@ def _cmd_bench_engine(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
 def _cmd_bench_stream(cfg: OSDConfig, args: argparse.Namespace) -> int:
     from pipeline.bench_stream import run_stream_bench
-    from pipeline.redis_server import RedisServerError
+    from infra.redis_server import RedisServerError
 
     try:
         run_stream_bench(cfg, records=args.records, tokens=args.tokens, top_k=args.top_k, json_path=args.json)
@@ -225,7 +207,7 @@ def _cmd_replay(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_registry(cfg: OSDConfig, args: argparse.Namespace) -> int:
-    from pipeline.registry import Registry
+    from infra.registry import Registry
 
     reg = Registry.from_config(cfg)
     op = args.registry_op
@@ -446,7 +428,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config)
         return func(cfg, args)
     except Exception as e:
-        if not isinstance(e, _user_errors()):
+        if not isinstance(e, USER_ERRORS):
             raise
         print(f"osd: error: {e}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import OSDConfig
+from infra.config import OSDConfig
 
 
 def _log(msg: str) -> None:
@@ -132,7 +132,7 @@ def stream_records(cfg: OSDConfig) -> list:
     costs the paired estimate only, never the report."""
     import redis
 
-    from pipeline.streams import connect, read_records
+    from infra.streams import connect, read_records
 
     try:
         client = connect(cfg.stream.redis_url, cfg.stream)
@@ -226,9 +226,9 @@ def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
 
 def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 660, speed_prompts: int = 12,
              max_tokens: int = 64, concurrency: int = 2, out_dir: str | Path = "reports/demo") -> dict[str, Any]:
-    from pipeline.prompts import load_sharegpt
-    from pipeline.registry import Registry
-    from pipeline.target import load_target
+    from infra.prompts import load_sharegpt
+    from infra.registry import Registry
+    from infra.target import load_target
     from pipeline.up import ClosedLoop
     from train.warm_start import run_warm_start, warm_prompts
 

@@ -34,8 +34,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from pipeline.config import OSDConfig
-from pipeline.prompts import DOMAINS, Prompt, load_jsonl, load_sharegpt
+from infra.config import OSDConfig
+from infra.prompts import DOMAINS, Prompt, load_jsonl, load_sharegpt
 
 MODEL_NAME = "osd"
 MAX_ERRORS_KEPT = 5

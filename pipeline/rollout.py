@@ -31,8 +31,8 @@ import time
 from typing import Any
 
 from pipeline.canary_rule import Arm, CanaryRule, decide, request_sample
-from pipeline.config import OSDConfig
-from pipeline.registry import AliasMoved, Registry, RegistryError
+from infra.config import OSDConfig
+from infra.registry import AliasMoved, Registry, RegistryError
 
 FINAL = ("promote", "rollback")
 
@@ -44,7 +44,7 @@ def _log(msg: str) -> None:
 class CanaryController:
     def __init__(self, cfg: OSDConfig | dict[str, Any], registry: Registry | None = None,
                  consumer_name: str = "controller"):
-        from pipeline.streams import RecordConsumer
+        from infra.streams import RecordConsumer
 
         self.cfg = cfg = cfg if isinstance(cfg, OSDConfig) else OSDConfig.model_validate(cfg)
         ro = cfg.rollout

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from pipeline.config import OSDConfig
+from infra.config import OSDConfig
 
 # Trainer restarts: 1 s, 2 s, 4 s ... at most RESTART_CAP_S apart, without end. A run that
 # lasted RESTART_CAP_S or more was healthy, so its failure starts the back-off over.
@@ -76,7 +76,7 @@ def supervise(run_once: Callable[[], Any], stopping: threading.Event, *, base_s:
 
 def ensure_stable(cfg: OSDConfig, warm_start_dir: str | Path | None = None) -> str:
     """The stable version id, publishing and promoting the warm-start draft if the registry has none."""
-    from pipeline.registry import Registry
+    from infra.registry import Registry
 
     reg = Registry.from_config(cfg)
     stable = reg.alias("stable")
@@ -114,7 +114,7 @@ class ClosedLoop:
 
     def start(self) -> "ClosedLoop":
         from pipeline.rollout import start_controller
-        from serve.launch import LocalStack
+        from pipeline.launch import LocalStack
 
         stable = ensure_stable(self.cfg)
         self.stack = LocalStack(self.cfg, self.api_key)
@@ -196,7 +196,7 @@ class ClosedLoop:
 
 
 def run_up(cfg: OSDConfig, api_key: str | None = None, train: bool = True) -> int:
-    from serve.launch import wait_for_signal
+    from pipeline.launch import wait_for_signal
 
     loop = ClosedLoop(cfg, api_key, train=train).start()
     print(f"osd is up: OpenAI-compatible API at {loop.url}/v1 (Ctrl-C to stop)\n"

@@ -1,1 +1,2 @@
-"""Serving: the speculative decoding engine and, later, the Ray Serve deployments."""
+"""Serving: the speculative decoding engine, the Ray Serve deployments behind an OpenAI-compatible
+endpoint, hot swap of draft versions, and the records each finished request writes."""

@@ -5,7 +5,7 @@
 
 Each replica runs the speculative engine and, when a request finishes, submits one record
 (prompt, output, the target's top-k per position) to the Redis stream. Submitting only
-enqueues (see pipeline.streams.RecordProducer): serving never waits on, or fails because
+enqueues (see infra.streams.RecordProducer): serving never waits on, or fails because
 of, the record path.
 
 `build_app(cfg)` binds the deployments from the one config tree, so tests and `osd serve`
@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pipeline.config import OSDConfig
+from infra.config import OSDConfig
 from serve.openai_api import (
     SSE_DONE,
     APIError,
@@ -56,8 +56,8 @@ class TargetReplica:
     def __init__(self, cfg_dict: dict[str, Any]):
         import torch
 
-        from pipeline.streams import RecordProducer
-        from pipeline.target import load_target
+        from infra.streams import RecordProducer
+        from infra.target import load_target
         from serve.drafts import build_draft
         from serve.engine import EngineOptions, SpecEngine
         from serve.metrics import ServeMetrics
@@ -85,7 +85,7 @@ class TargetReplica:
     # -- drafts: fixed, or registry versions that hot-swap (serve/hot_swap.py) -------
 
     def _make_router(self, cfg: OSDConfig, build_draft: Any) -> Any:
-        from pipeline.registry import Registry
+        from infra.registry import Registry
         from serve.hot_swap import DraftRouter, Routing
 
         self.registry = Registry.from_config(cfg)
@@ -132,7 +132,7 @@ class TargetReplica:
     # -- request preparation --------------------------------------------------
 
     def _token_ids(self, req: dict[str, Any]) -> tuple[list[int], str]:
-        from pipeline.prompts import messages_ids
+        from infra.prompts import messages_ids
         from serve.engine import RequestError
 
         if req["kind"] == "chat":
@@ -151,7 +151,7 @@ class TargetReplica:
         return req["prompt"], ""
 
     async def _prepare(self, req: dict[str, Any]):
-        from pipeline.prompts import domain_of
+        from infra.prompts import domain_of
         from serve.engine import GenerationParams
         from serve.verify import SamplingParams
 
@@ -172,7 +172,7 @@ class TargetReplica:
 
     def _finish(self, req_id: str, version: str, result: Any, domain: str | None, record: bool,
                 t0: float) -> dict[str, Any]:
-        from pipeline.records import record_from_capture
+        from infra.records import record_from_capture
 
         record_id = None
         if record and result.capture is not None:

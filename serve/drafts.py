@@ -4,7 +4,7 @@
 - `self`: the target as its own draft (acceptance 1 under greedy); measures the cost side.
 - `truncate:L`: the target's first L decoder layers with its embedding, final norm and
   head, sharing the target's tensors (no copy).
-- a directory: a draft published by `osd draft init` or the trainer (train/draft_model.py).
+- a directory: a draft published by `osd draft init` or the trainer (infra/draft_model.py).
 Registry versions come with the registry.
 """
 
@@ -16,9 +16,7 @@ from typing import Any
 
 import torch
 
-
-class DraftSpecError(ValueError):
-    pass
+from infra.draft_spec import DraftSpecError
 
 
 def truncated_llama(target: Any, n_layers: int) -> Any:
@@ -64,7 +62,7 @@ def build_draft(spec: str | None, target: Any) -> Any | None:
             raise DraftSpecError(f"bad draft spec {spec!r}: expected truncate:L with an integer L") from None
         return truncated_llama(target, n)
     if Path(spec).expanduser().is_dir():
-        from train.draft_model import load_draft  # a published draft directory (digests checked)
+        from infra.draft_model import load_draft  # a published draft directory (digests checked)
 
         return load_draft(Path(spec).expanduser(), target)[0]
     raise DraftSpecError(f"unknown draft spec {spec!r}: expected none, self, truncate:L or a draft directory")

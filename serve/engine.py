@@ -36,27 +36,15 @@ from typing import Any, AsyncIterator, Sequence
 
 import torch
 
-from pipeline.config import ServeConfig
+from infra.config import ServeConfig
 from serve.admission import SlotPool
 from serve.capture import Capture, CaptureBuffer
+from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
 from serve.runner import KVCache, Runner, make_runner
 from serve.verify import SamplingParams, verify_greedy, verify_sampling, warp_probs
 
 
 DEFAULT: Any = object()  # "the engine's own draft" for the per-request draft= argument
-
-
-class EngineError(ValueError):
-    """The engine cannot be built from these models (vocab mismatch, bad options)."""
-
-
-class RequestError(ValueError):
-    """A request is invalid (too long, empty, bad ids); raised at the call, before any token.
-    `code` is the OpenAI error code the API answers with (None: a plain invalid request)."""
-
-    def __init__(self, message: str, code: str | None = None):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass(frozen=True)

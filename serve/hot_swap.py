@@ -1,7 +1,7 @@
 """Which draft each request gets, and swapping drafts under load without failing a request.
 
 A replica holds a stable draft and optionally a canary with a traffic weight. A request
-goes to the canary iff `canary_share(request_id) < weight` (pipeline/canary_rule.py), so the
+goes to the canary iff `canary_share(request_id) < weight`, so the
 same request id always lands on the same arm. The choice is made when the request starts
 and travels with it (SpecEngine's per-request `draft=`), so a swap only affects requests
 that start after it; requests in flight finish on the draft they began with.
@@ -20,12 +20,17 @@ Two ways to move the drafts, both ending in `apply()`:
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pipeline.canary_rule import canary_share
+
+
+def canary_share(request_id: str) -> float:
+    """A request's fixed position in [0, 1): routed to the canary iff below its weight."""
+    return int(hashlib.sha256(request_id.encode()).hexdigest()[:12], 16) / float(1 << 48)
 
 
 @dataclass(frozen=True)

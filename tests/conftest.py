@@ -4,7 +4,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny():
     """One tiny random target for the whole session (built in-process, ~0.2 s)."""
-    from pipeline.target import load_target
+    from infra.target import load_target
 
     return load_target("tiny-random", progress=False)
 
@@ -23,7 +23,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """One private redis-server (AOF on, free loopback port) for the `redis` tests of a session."""
-    from pipeline.redis_server import RedisServer
+    from infra.redis_server import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server

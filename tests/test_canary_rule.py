@@ -9,11 +9,11 @@ from pipeline.canary_rule import (
     Arm,
     CanaryRule,
     RunningStats,
-    canary_share,
     cs_radius,
     decide,
     request_sample,
 )
+from serve.hot_swap import canary_share
 
 pytestmark = pytest.mark.pure
 

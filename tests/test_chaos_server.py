@@ -41,8 +41,8 @@ def app(tmp_path_factory):
     import ray
     from ray import serve
 
-    from pipeline.config import load_config
-    from pipeline.redis_server import RedisServer, free_port
+    from infra.config import load_config
+    from infra.redis_server import RedisServer, free_port
     from serve.app import build_app
 
     redis_srv = RedisServer(tmp_path_factory.mktemp("chaos-redis")).start()

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from pipeline.config import load_config
-from pipeline.registry import Registry
+from infra.config import load_config
+from infra.registry import Registry
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
@@ -23,9 +23,9 @@ def _wait(cond, timeout, what):
 
 def test_closed_loop_promotes_a_trained_candidate_and_rolls_back_a_bad_one(tiny, tmp_path):
     from pipeline.demo import post_chat
-    from pipeline.redis_server import free_port
+    from infra.redis_server import free_port
     from pipeline.up import ClosedLoop
-    from train.draft_model import DraftSpec, build_draft, save_draft
+    from infra.draft_model import DraftSpec, build_draft, save_draft
 
     cfg = load_config(environ={}, overrides={
         "state_dir": str(tmp_path), "model": {"target": "tiny-random"},

@@ -1,7 +1,7 @@
 import pytest
 
 from pipeline.cli import main
-from pipeline.config import ConfigError, OSDConfig, env_overrides, load_config
+from infra.config import ConfigError, OSDConfig, env_overrides, load_config
 
 pytestmark = pytest.mark.pure
 

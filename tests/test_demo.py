@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import OSDConfig
-from pipeline.records import Record
-from pipeline.registry import Registry
+from infra.config import OSDConfig
+from infra.records import Record
+from infra.registry import Registry
 from train.trainer import is_held_out
 
 
@@ -37,7 +37,7 @@ def records_from(draft, n: int, *, domain: str, created_at: float, k: int = 16) 
 
 def test_every_version_is_scored_on_the_same_held_out_post_shift_code_records(tiny, tmp_path, one_thread):
     from pipeline.demo import paired_alpha
-    from train.draft_model import DraftSpec, build_draft, save_draft
+    from infra.draft_model import DraftSpec, build_draft, save_draft
 
     torch.manual_seed(0)
     cfg = OSDConfig.model_validate({"train": {"held_out_every": 3}})
@@ -82,7 +82,7 @@ def test_no_held_out_post_shift_records_means_no_scores(tiny, tmp_path):
 
 def test_a_corrupt_version_is_named_and_the_others_still_scored(tiny, tmp_path, capsys):
     from pipeline.demo import paired_alpha
-    from train.draft_model import WEIGHTS_FILE, DraftSpec, build_draft, save_draft
+    from infra.draft_model import WEIGHTS_FILE, DraftSpec, build_draft, save_draft
 
     cfg = OSDConfig.model_validate({"train": {"held_out_every": 2}})
     spec = DraftSpec(num_layers=1)
@@ -103,7 +103,7 @@ def test_a_corrupt_version_is_named_and_the_others_still_scored(tiny, tmp_path, 
 
 def test_a_dead_redis_costs_the_paired_estimate_only(capsys):
     from pipeline.demo import stream_records
-    from pipeline.redis_server import free_port
+    from infra.redis_server import free_port
 
     cfg = OSDConfig.model_validate({"stream": {"redis_url": f"redis://127.0.0.1:{free_port()}/0",
                                                "connect_timeout_s": 0.2, "socket_timeout_s": 0.5,
@@ -117,8 +117,8 @@ def test_stream_records_come_from_the_stream(redis_url):
     import redis
 
     from pipeline.demo import stream_records
-    from pipeline.records import encode
-    from pipeline.streams import FIELD
+    from infra.records import encode
+    from infra.streams import FIELD
 
     cfg = OSDConfig.model_validate({"stream": {"redis_url": redis_url}})
     rec = Record(request_id="r", draft_version="v1", prompt_ids=np.arange(3, dtype=np.int32),
@@ -131,7 +131,7 @@ def test_stream_records_come_from_the_stream(redis_url):
 
 def test_speed_prompts_file_reads_back_for_osd_bench_engine(tmp_path):
     from pipeline.demo import write_prompts
-    from pipeline.prompts import Prompt, load_jsonl
+    from infra.prompts import Prompt, load_jsonl
 
     prompts = [Prompt("sg-1", 'print("a")\n\tdef f(): pass', "code", "held_out"),
                Prompt("sg-2", "Write me a haiku", "writing", "held_out")]

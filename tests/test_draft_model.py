@@ -1,4 +1,4 @@
-"""train/draft_model.py: the draft family built from a target, and its on-disk format."""
+"""infra/draft_model.py: the draft family built from a target, and its on-disk format."""
 
 import json
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pipeline.target import MANIFEST, TargetError, build_tiny_llama, tiny_tokenizer
+from infra.target import MANIFEST, TargetError, build_tiny_llama, tiny_tokenizer
 from serve.engine import EngineOptions, GenerationParams, SpecEngine
-from train.draft_model import (
+from infra.draft_model import (
     EMBED,
     HEAD,
     INFO_FILE,

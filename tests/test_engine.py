@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from chi2 import chi2_pvalue
-from pipeline.target import build_tiny_llama, tiny_tokenizer
+from infra.target import build_tiny_llama, tiny_tokenizer
 from serve.drafts import DraftSpecError, build_draft, truncated_llama
 from serve.engine import EngineError, EngineOptions, GenerationParams, RequestError, SpecEngine
 from serve.runner import HFRunner, LlamaRunner, StaticKVCache, make_runner

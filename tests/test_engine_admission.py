@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from pipeline.target import build_tiny_llama
+from infra.target import build_tiny_llama
 from serve.admission import Overloaded
 from serve.drafts import truncated_llama
 from serve.engine import EngineOptions, GenerationParams, SpecEngine

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from pipeline.config import load_config
-from pipeline.registry import Registry
+from infra.config import load_config
+from infra.registry import Registry
 from serve.hot_swap import DraftRouter, Routing
 
 pytestmark = [pytest.mark.usefixtures("one_thread")]
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread")]
 
 @pytest.fixture
 def setup(tiny, tmp_path):
-    from train.draft_model import DraftSpec, build_draft, save_draft
+    from infra.draft_model import DraftSpec, build_draft, save_draft
 
     cfg = load_config(environ={}, overrides={
         "state_dir": str(tmp_path), "model": {"target": "tiny-random"},

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from pipeline.target import tiny_tokenizer
+from infra.target import tiny_tokenizer
 from serve.openai_api import (
     APIError,
     ChatCompletionRequest,

@@ -1,7 +1,7 @@
 import pytest
 
-from pipeline.config import DataConfig
-from pipeline.prompts import (
+from infra.config import DataConfig
+from infra.prompts import (
     PromptDataError,
     chat_ids,
     conversation_root,

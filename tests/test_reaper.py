@@ -1,4 +1,4 @@
-"""pipeline/reaper.py: what a process started is stopped when it is killed with SIGKILL, even
+"""infra/reaper.py: what a process started is stopped when it is killed with SIGKILL, even
 a grandchild that was orphaned (reparented away) before the kill."""
 
 import os
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.pure
 
 OWNER = """
 import subprocess, sys, time
-from pipeline.reaper import Reaper
+from infra.reaper import Reaper
 Reaper().start()
 # An orphan, as Ray's agents become when the raylet dies: the middle process lives a while
 # (the guard records it and its child), then exits and leaves its child to init.
@@ -46,7 +46,7 @@ def test_sigkilled_owner_takes_its_orphans_along():
 
 
 def test_clean_close_leaves_no_guard():
-    from pipeline.reaper import Reaper
+    from infra.reaper import Reaper
 
     r = Reaper().start()
     guard = psutil.Process(r._guard.pid)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.registry import (
+from infra.registry import (
     DigestMismatch,
     Registry,
     RegistryError,
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
 @pytest.fixture(scope="module")
 def draft_dir(tiny, tmp_path_factory):
-    from train.draft_model import DraftSpec, build_draft, save_draft
+    from infra.draft_model import DraftSpec, build_draft, save_draft
 
     spec = DraftSpec(num_layers=1)
     out = tmp_path_factory.mktemp("drafts") / "d1"
@@ -48,7 +48,7 @@ def test_publish_get_list_and_load(reg, draft_dir, tiny):
     assert [x.id for x in reg.list()] == ["v1", "v2"]
     model, info = reg.load_draft("v1", tiny.model)
     ids = torch.tensor([[1, 2, 3]])
-    from train.draft_model import load_draft
+    from infra.draft_model import load_draft
 
     ref, _ = load_draft(draft_dir, tiny.model)
     assert torch.equal(model(ids).logits, ref(ids).logits) and info["version"] == "v1"
@@ -97,7 +97,7 @@ def test_truncated_or_foreign_manifest_means_no_version(reg, draft_dir):
 
 _KILL_CHILD = """
 import os, sys, time
-from pipeline.registry import Registry
+from infra.registry import Registry
 real_link = os.link
 def stuck(*a, **k):  # files are written; hang right before the manifest appears
     open(sys.argv[3], "w").close()
@@ -226,7 +226,7 @@ def test_registry_cli(tmp_path, draft_dir):
 
 
 def test_up_needs_a_stable_draft_or_a_warm_start(tmp_path, draft_dir):
-    from pipeline.config import load_config
+    from infra.config import load_config
     from pipeline.up import UpError, ensure_stable
 
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
@@ -245,7 +245,7 @@ def _copy_and_break(draft_dir, dest, edit, remanifest=True):
     remanifest=False, so the defect under test is the only one."""
     import shutil
 
-    from pipeline.target import write_manifest
+    from infra.target import write_manifest
 
     shutil.copytree(draft_dir, dest)
     edit(dest)
@@ -354,7 +354,7 @@ def test_gc_refuses_a_keep_last_below_one(reg, draft_dir, keep_last):
 
 def test_cli_gc_refuses_a_negative_keep_last_and_rollback_is_audited(tmp_path, draft_dir):
     env = {**os.environ, "OSD_STATE_DIR": str(tmp_path / "state")}
-    from pipeline.config import load_config
+    from infra.config import load_config
 
     reg = Registry.from_config(load_config(environ={}, overrides={"state_dir": str(tmp_path / "state")}))
     for v in ("v1", "v2"):
@@ -395,7 +395,7 @@ def test_rollback_of_stable_is_audited_with_the_version_it_undid(reg, draft_dir)
 
 
 def test_alias_moves_can_be_compare_and_set(reg, draft_dir):
-    from pipeline.registry import AliasMoved
+    from infra.registry import AliasMoved
 
     for v in ("v1", "v2", "v3"):
         reg.publish(draft_dir, v)

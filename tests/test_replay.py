@@ -19,9 +19,9 @@ import pytest
 from aiohttp import web
 
 from pipeline.cli import main
-from pipeline.config import OSDConfig
-from pipeline.prompts import Prompt
-from pipeline.redis_server import free_port
+from infra.config import OSDConfig
+from infra.prompts import Prompt
+from infra.redis_server import free_port
 from pipeline.replay import (
     BAD_RESPONSE,
     RequestResult,

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from pipeline.config import load_config
+from infra.config import load_config
 
 pytestmark = [pytest.mark.redis, pytest.mark.usefixtures("one_thread")]
 

@@ -5,17 +5,17 @@ import random
 import numpy as np
 import pytest
 
-from pipeline.records import Record
-from pipeline.registry import Registry
+from infra.records import Record
+from infra.registry import Registry
 from pipeline.rollout import CanaryController
-from pipeline.streams import RecordProducer
+from infra.streams import RecordProducer
 
 pytestmark = [pytest.mark.redis, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")
 def draft_dir(tiny, tmp_path_factory):
-    from train.draft_model import DraftSpec, build_draft, save_draft
+    from infra.draft_model import DraftSpec, build_draft, save_draft
 
     spec = DraftSpec(num_layers=1)
     out = tmp_path_factory.mktemp("drafts") / "d"
@@ -24,7 +24,7 @@ def draft_dir(tiny, tmp_path_factory):
 
 
 def _cfg(tmp_path, redis_url, **rollout):
-    from pipeline.config import load_config
+    from infra.config import load_config
 
     return load_config(environ={}, overrides={
         "state_dir": str(tmp_path), "stream": {"redis_url": redis_url, "stream": "t:records", "block_ms": 0},
@@ -126,7 +126,7 @@ def test_bad_candidate_is_rolled_back_quickly_and_not_retried(tmp_path, redis_ur
 
 
 def test_controller_survives_a_dead_redis(tmp_path, draft_dir):
-    from pipeline.redis_server import RedisServer
+    from infra.redis_server import RedisServer
 
     with RedisServer(tmp_path / "redis") as srv:
         cfg = _cfg(tmp_path, srv.url, poll_s=0.05)
@@ -146,7 +146,7 @@ def test_controller_survives_a_dead_redis(tmp_path, draft_dir):
 
 def test_a_never_empty_stream_does_not_starve_decisions(tmp_path, redis_url, draft_dir, monkeypatch):
     """Records arriving as fast as they are read: each tick still reaches its decision."""
-    from pipeline.streams import Delivery
+    from infra.streams import Delivery
 
     cfg, reg, ctrl = _stable_and_candidate(tmp_path, redis_url, draft_dir, "bad")
     ctrl.tick()  # "bad" becomes the canary at 10%

@@ -26,10 +26,10 @@ def app(tmp_path_factory):
     import ray
     from ray import serve
 
-    from pipeline.config import load_config
-    from pipeline.redis_server import RedisServer, free_port
+    from infra.config import load_config
+    from infra.redis_server import RedisServer, free_port
     from serve.app import build_app
-    from serve.launch import lock_down_local_cluster
+    from pipeline.launch import lock_down_local_cluster
 
     redis_srv = RedisServer(tmp_path_factory.mktemp("app-redis")).start()
     port = free_port()
@@ -181,9 +181,9 @@ def test_prompt_over_context_is_400_not_500(app):
 
 def test_request_writes_a_record_matching_the_engine(app):
     """HTTP -> replica -> Redis: the record's ids and top-k are what the engine produced."""
-    from pipeline.prompts import chat_ids
-    from pipeline.streams import RecordConsumer
-    from pipeline.target import load_target
+    from infra.prompts import chat_ids
+    from infra.streams import RecordConsumer
+    from infra.target import load_target
     from serve.drafts import build_draft
     from serve.engine import EngineOptions, GenerationParams, SpecEngine
 

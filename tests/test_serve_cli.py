@@ -25,7 +25,7 @@ def serve_env(tmp_path, **extra) -> dict:
 
 def start_serve(tmp_path, *args, **env):
     """Start `osd serve`; returns (process, url, every process it started)."""
-    from pipeline.redis_server import free_port
+    from infra.redis_server import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port), *args],
@@ -98,7 +98,7 @@ def test_kill_9_of_osd_serve_leaves_no_process(tmp_path):
 ], ids=["draft-too-deep", "redis-unreachable", "redis-url-not-redis"])
 def test_misconfiguration_fails_fast_with_one_line(tmp_path, args, env, expect):
     """Issue 18, defect 10: these used to fail after 35-39 s inside Ray, or print nothing at all."""
-    from pipeline.redis_server import free_port
+    from infra.redis_server import free_port
 
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(free_port()), *args],
                           env=serve_env(tmp_path, **env), capture_output=True, text=True, timeout=120)

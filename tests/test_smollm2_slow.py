@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from pipeline.config import ModelConfig
-from pipeline.prompts import chat_ids
-from pipeline.target import MANIFEST, load_target, prepare_smollm2, smollm2_gguf_path
+from infra.config import ModelConfig
+from infra.prompts import chat_ids
+from infra.target import MANIFEST, load_target, prepare_smollm2, smollm2_gguf_path
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def test_truncated_gguf_is_refused(tmp_path):
     cut = tmp_path / gguf.name
     with open(gguf, "rb") as f:
         cut.write_bytes(f.read(gguf.stat().st_size // 2))
-    from pipeline.target import TargetError
+    from infra.target import TargetError
 
     with pytest.raises(TargetError, match="cannot convert"):
         prepare_smollm2(tmp_path / "cache", progress=False, gguf=cut)

@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-from pipeline.config import ModelConfig
-from pipeline.target import (
+from infra.config import ModelConfig
+from infra.target import (
     MANIFEST,
     TargetError,
     build_tiny_llama,
@@ -123,7 +123,7 @@ def test_interrupted_cache_is_not_used(tmp_path, monkeypatch):
     # A cache directory without its manifest (killed mid-conversion) must not load.
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"GGUF" + b"\0" * 64)
-    from pipeline.target import sha256_file, smollm2_cache_dir
+    from infra.target import sha256_file, smollm2_cache_dir
 
     out = smollm2_cache_dir(tmp_path / "cache", sha256_file(fake))
     out.mkdir(parents=True)

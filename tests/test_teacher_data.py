@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.prompts import Prompt, chat_ids
-from pipeline.records import decode, encode
-from pipeline.target import build_tiny_llama, tiny_tokenizer
+from infra.prompts import Prompt, chat_ids
+from infra.records import decode, encode
+from infra.target import build_tiny_llama, tiny_tokenizer
 from train.teacher_data import (
     TeacherCache,
     cached_teacher_records,

@@ -18,8 +18,8 @@ N_RECORDS = 60
 @pytest.fixture(scope="module")
 def records():
     """A fixed record set: the tiny target's own greedy outputs with their top-8."""
-    from pipeline.records import record_from_capture
-    from pipeline.target import load_target
+    from infra.records import record_from_capture
+    from infra.target import load_target
     from serve.engine import EngineOptions, GenerationParams, SpecEngine
 
     threads = torch.get_num_threads()
@@ -51,7 +51,7 @@ def ray_local():
 @pytest.fixture
 def stream(redis_url, tmp_path):
     """A fresh stream config pointing at the session's redis-server."""
-    from pipeline.config import load_config
+    from infra.config import load_config
 
     def make(**train):
         return load_config(environ={}, overrides={
@@ -65,7 +65,7 @@ def stream(redis_url, tmp_path):
 
 
 def produce(cfg, recs):
-    from pipeline.streams import RecordProducer
+    from infra.streams import RecordProducer
 
     with RecordProducer(cfg.stream.redis_url, cfg.stream) as p:
         for r in recs:
@@ -75,7 +75,7 @@ def produce(cfg, recs):
 
 
 def group_state(cfg):
-    from pipeline.streams import RecordConsumer
+    from infra.streams import RecordConsumer
 
     with RecordConsumer(cfg.stream.redis_url, cfg.stream, name="inspector") as c:
         return c.pending(), c.lag()
@@ -92,9 +92,9 @@ def mean_fkl(draft, recs, max_seq_len=1024):
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_two_workers_learn_and_export_loadable_drafts(ray_local, stream, records, tmp_path, stage):
-    from pipeline.target import load_target
+    from infra.target import load_target
     from serve.engine import EngineOptions, GenerationParams, SpecEngine
-    from train.draft_model import DraftSpec, build_draft, load_draft
+    from infra.draft_model import DraftSpec, build_draft, load_draft
     from train.trainer import TrainerGroup
 
     cfg = stream(zero_stage=stage)
@@ -109,7 +109,7 @@ def test_zero_two_workers_learn_and_export_loadable_drafts(ray_local, stream, re
     exports = stats[0].exports
     assert exports and all(e["zero_stage"] == stage and e["world_size"] == 2 for e in exports)
     assert exports[-1]["parent"] == (exports[-2]["version"] if len(exports) > 1 else None)
-    from pipeline.registry import Registry
+    from infra.registry import Registry
 
     published = Registry.from_config(cfg).get(exports[-1]["version"])  # candidates land in the registry
     assert published.lineage["parent"] == exports[-1]["parent"] and published.metrics["alpha_est"] is not None
@@ -180,7 +180,7 @@ def test_killed_worker_resumes_and_loses_no_record(ray_local, stream, records, t
 def test_corrupt_records_go_to_dead_letter_and_training_goes_on(ray_local, stream, records, tmp_path):
     import redis
 
-    from pipeline.streams import FIELD, dead_letter_stream
+    from infra.streams import FIELD, dead_letter_stream
     from train.trainer import TrainerGroup
 
     cfg = stream(num_workers=1, zero_stage=1)
@@ -228,10 +228,10 @@ def recording_fsync(fd):
     synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
     return real_fsync(fd)
 os.fsync = recording_fsync
-from pipeline.config import load_config
-from pipeline.redis_server import free_port
-from pipeline.target import load_target
-from train.draft_model import DraftSpec, build_draft
+from infra.config import load_config
+from infra.redis_server import free_port
+from infra.target import load_target
+from infra.draft_model import DraftSpec, build_draft
 from train.ds_engine import DistillEngine, init_distributed
 init_distributed(0, 1, "127.0.0.1", free_port(), "cpu", 120)
 cfg = load_config(environ={}, overrides={"train": {"zero_stage": 1}}).train
@@ -276,7 +276,7 @@ def test_a_group_whose_start_fails_gives_its_placement_group_back(ray_local, str
     import ray
     from ray.util import placement_group_table
 
-    from pipeline.redis_server import free_port
+    from infra.redis_server import free_port
     from train.trainer import TrainerGroup
 
     cfg = stream(num_workers=1, zero_stage=1)

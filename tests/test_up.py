@@ -61,7 +61,7 @@ def test_closed_loop_keeps_restarting_its_trainer_group(tmp_path, monkeypatch):
     """ClosedLoop's trainer thread with a fake group: failed groups are shut down and replaced."""
     import train.trainer
     import pipeline.up as up
-    from pipeline.config import load_config
+    from infra.config import load_config
 
     made, shut = [], []
 

@@ -23,9 +23,9 @@ def draft_init(state, *args):
 def test_warm_start_publishes_v1_and_resumes(tmp_path):
     import torch
 
-    from pipeline.target import load_target
+    from infra.target import load_target
     from serve.engine import EngineOptions, GenerationParams, SpecEngine
-    from train.draft_model import load_draft
+    from infra.draft_model import load_draft
 
     first = draft_init(tmp_path, "--epochs", "1", "--out", str(tmp_path / "e1"))
     assert "published v1" in first and "resuming" not in first

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from pipeline.records import Record
+from infra.records import Record
 
 
 @dataclass

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from pipeline.config import TrainConfig
+from infra.config import TrainConfig
 
 COMPLETE = "COMPLETE"
 CONSOLIDATED = "consolidated.safetensors"

@@ -2,14 +2,14 @@
 
 Warm start for distillation: before live traffic exists, the target greedily answers a
 prompt set and we keep, for every generated position, its top-k ids and log-probs, in the
-same `pipeline.records.Record` shape that serving captures.
+same `infra.records.Record` shape that serving captures.
 
 - `generate_teacher_records`: batched greedy Hugging Face `generate` (left padding,
   attention mask, `output_logits=True`), the top-k of the raw logits' log_softmax taken per
   step on the whole [B, V] batch. Each sequence is cut after its first EOS (the EOS kept);
   pad positions are dropped.
 - `TeacherCache`: one Arrow IPC file per key (sha256 of the key's canonical JSON). The file
-  is a table with the record schema (`pipeline.records.record_schema(K)`), one row per
+  is a table with the record schema (`infra.records.record_schema(K)`), one row per
   record, and carries in its schema metadata the key and a sha256 of its content, so a
   truncated or altered file is detected, logged and rebuilt, never half-used. Files are
   written to a temp name and renamed. Built in chunks, each chunk saved as it finishes
@@ -33,8 +33,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipeline.prompts import Prompt, chat_ids
-from pipeline.records import SCHEMA_VERSION, Record, record_schema
+from infra.prompts import Prompt, chat_ids
+from infra.records import SCHEMA_VERSION, Record, record_schema
 
 log = logging.getLogger("osd.teacher")
 

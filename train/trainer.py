@@ -31,7 +31,7 @@ from typing import Any
 import ray
 import torch
 
-from pipeline.config import OSDConfig
+from infra.config import OSDConfig
 
 
 def _log(rank: int, msg: str) -> None:
@@ -71,14 +71,14 @@ class TrainerWorker:
         torch.set_num_threads(1 if world_size > 1 else max(1, torch.get_num_threads()))
 
     def address(self) -> tuple[str, int]:
-        from pipeline.redis_server import free_port
+        from infra.redis_server import free_port
 
         return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any] | None:
-        from pipeline.streams import RecordConsumer
-        from pipeline.target import load_target
-        from train.draft_model import build_draft, load_draft
+        from infra.streams import RecordConsumer
+        from infra.target import load_target
+        from infra.draft_model import build_draft, load_draft
         from train.ds_engine import DistillEngine, init_distributed
 
         tc = self.cfg.train
@@ -86,7 +86,7 @@ class TrainerWorker:
         loaded = load_target(self.cfg.model.target, self.cfg.model, progress=False)
         self.target = loaded.model
         if self.init_draft and self.init_draft.startswith("registry:"):  # registry:<version id>
-            from pipeline.registry import Registry
+            from infra.registry import Registry
 
             draft, info = Registry.from_config(self.cfg).load_draft(self.init_draft.split(":", 1)[1], self.target)
             self.parent_version = info["version"]
@@ -113,7 +113,7 @@ class TrainerWorker:
         return resumed
 
     def draft_spec(self):
-        from train.draft_model import DraftSpec
+        from infra.draft_model import DraftSpec
 
         tc = self.cfg.train
         return DraftSpec(num_layers=tc.draft_layers, layer_source=tc.draft_layer_source,
@@ -264,7 +264,7 @@ class TrainerWorker:
         return out
 
     def _publish(self, weights: dict[str, torch.Tensor], losses: list[float], n_records: int) -> dict[str, Any]:
-        from train.draft_model import draft_with_weights, save_draft
+        from infra.draft_model import draft_with_weights, save_draft
 
         draft = draft_with_weights(self.target, self.spec_info, weights)
         alpha = estimate_alpha(draft, self.held_out, self.cfg.train.max_seq_len)
@@ -280,7 +280,7 @@ class TrainerWorker:
         path = str(out_dir)
         # Into the registry, where the rollout controller picks it up. A registry that cannot
         # take it costs nothing: the checkpoint is COMPLETE and the candidate stays on disk.
-        from pipeline.registry import Registry, RegistryError
+        from infra.registry import Registry, RegistryError
 
         try:
             reg = Registry.from_config(self.cfg)

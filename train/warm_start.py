@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config import OSDConfig
+from infra.config import OSDConfig
 
 
 def _log(msg: str) -> None:
@@ -33,7 +33,7 @@ def warm_prompts(cfg: OSDConfig, n: int, max_chars: int = 600, split: str = "tra
     """The first n short prompts of a split. `prompts`: ShareGPT already loaded (any split), so a
     caller that needs several selections parses the file (~2.5 s) once; read from disk if None."""
     if prompts is None:
-        from pipeline.prompts import load_sharegpt
+        from infra.prompts import load_sharegpt
 
         prompts = load_sharegpt(cfg.data, split=split)
     return [p for p in prompts if p.split == split and len(p.text) <= max_chars
@@ -42,7 +42,7 @@ def warm_prompts(cfg: OSDConfig, n: int, max_chars: int = 600, split: str = "tra
 
 def teacher_records(cfg: OSDConfig, loaded: Any, prompts: list, *, progress: bool = True) -> list:
     """The target's records for `prompts`, from the on-disk cache when present."""
-    from train.draft_model import target_ref
+    from infra.draft_model import target_ref
     from train.teacher_data import TeacherCache, generate_teacher_records
 
     tc = cfg.train
@@ -74,10 +74,10 @@ def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progres
                    force: bool = False) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from pipeline.redis_server import free_port
-    from pipeline.target import load_target
+    from infra.redis_server import free_port
+    from infra.target import load_target
     from train.batching import pack, take_budget
-    from train.draft_model import DraftSpec, build_draft, draft_with_weights, save_draft, target_ref
+    from infra.draft_model import DraftSpec, build_draft, draft_with_weights, save_draft, target_ref
     from train.ds_engine import DistillEngine, init_distributed
     from train.trainer import estimate_alpha
 

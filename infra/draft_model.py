@@ -37,12 +37,12 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline.target import MANIFEST, TargetError, verify_manifest, write_manifest
+from infra.draft_spec import DraftLoadError, DraftSpec, DraftSpecError  # noqa: F401 (re-exported)
+from infra.target import MANIFEST, TargetError, verify_manifest, write_manifest
 
 DRAFT_FORMAT = 1
 CONFIG_FILE = "config.json"
@@ -55,30 +55,6 @@ HEAD = "lm_head.weight"
 SHARED_ATTR = "osd_shared_names"
 # ... and the target layer each decoder layer was copied from.
 INDICES_ATTR = "osd_layer_indices"
-
-
-class DraftSpecError(ValueError):
-    """A DraftSpec does not fit the target (too many layers, bad sizes)."""
-
-
-class DraftLoadError(TargetError):
-    """A saved draft cannot be loaded: incomplete or corrupt directory, or a target it does not fit."""
-
-
-class DraftSpec(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    num_layers: int = Field(4, ge=1)
-    # Which target layers initialise the draft's: the first num_layers, or evenly spaced
-    # indices that include the first and the last.
-    layer_source: Literal["first", "spaced"] = "first"
-    # None = the target's. A different hidden size needs independent_head=True.
-    hidden_size: int | None = Field(None, ge=1)
-    intermediate_size: int | None = Field(None, ge=1)
-    # Train a copy of the final norm and LM head instead of sharing the target's.
-    independent_head: bool = False
-    # Seed for tensors that cannot be copied from the target (different sizes).
-    seed: int = 0
 
 
 # ---------------------------------------------------------------- building
@@ -98,7 +74,7 @@ def shared_names(draft: Any) -> tuple[str, ...]:
     """State-dict names of `draft` that are the target's tensors (set by build/load)."""
     names = getattr(draft, SHARED_ATTR, None)
     if names is None:
-        raise DraftSpecError("this model was not built by train.draft_model (no shared-tensor list)")
+        raise DraftSpecError("this model was not built by infra.draft_model (no shared-tensor list)")
     return tuple(names)
 
 
@@ -259,7 +235,7 @@ def trainable_state_dict(draft: Any, spec: DraftSpec | None = None) -> dict[str,
 # ---------------------------------------------------------------- target reference
 
 def target_ref(loaded: Any) -> dict[str, Any]:
-    """{"spec", "sha256"} of a pipeline.target.LoadedModel: sha256 of its cache manifest
+    """{"spec", "sha256"} of a infra.target.LoadedModel: sha256 of its cache manifest
     (which digests every weight and tokenizer file), None for an in-process model."""
     path = getattr(loaded, "path", None)
     digest = None

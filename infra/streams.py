@@ -15,7 +15,7 @@ moved to `<stream>:dead` (with the reason and its original id) and acked so it c
 the group, and a record id seen recently is skipped (and acked) so producer retries do
 not train twice.
 
-Entries hold one field, b"rec", the payload of pipeline.records.encode.
+Entries hold one field, b"rec", the payload of infra.records.encode.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from pipeline.config import StreamConfig
-from pipeline.records import Record, RecordError, UnknownSchemaVersion, decode, encode
+from infra.config import StreamConfig
+from infra.records import Record, RecordError, UnknownSchemaVersion, decode, encode
 
 log = logging.getLogger(__name__)
 

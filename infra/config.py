@@ -286,7 +286,7 @@ class OSDConfig(_Section):
 
 
 def default_config_text() -> str:
-    return resources.files("pipeline").joinpath("defaults.yaml").read_text()
+    return resources.files("infra").joinpath("defaults.yaml").read_text()
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal
 
-from pipeline.config import DataConfig
+from infra.config import DataConfig
 
 Split = Literal["train", "held_out"]
 DOMAINS = ("code", "math", "writing", "other")

@@ -55,7 +55,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pipeline.config import OSDConfig, StreamConfig, redact_url, redact_urls  # noqa: F401 (redact_*: re-exported)
+from infra.config import OSDConfig, StreamConfig, redact_url, redact_urls  # noqa: F401 (redact_*: re-exported)
 
 log = logging.getLogger(__name__)
 

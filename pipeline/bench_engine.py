@@ -19,9 +19,9 @@ from typing import Any, Callable
 
 import torch
 
-from pipeline.config import OSDConfig
-from pipeline.prompts import Prompt, chat_ids, load_jsonl, load_sharegpt
-from pipeline.target import load_target
+from infra.config import OSDConfig
+from infra.prompts import Prompt, chat_ids, load_jsonl, load_sharegpt
+from infra.target import load_target
 from serve.drafts import build_draft
 from serve.engine import EngineOptions, GenerationParams, SpecEngine, SpecStats
 

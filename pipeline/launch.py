@@ -23,7 +23,7 @@ import sys
 import threading
 from typing import Any
 
-from pipeline.config import OSDConfig
+from infra.config import OSDConfig
 
 
 class LaunchError(RuntimeError):
@@ -45,8 +45,8 @@ def is_loopback(host: str) -> bool:
 
 def preflight(cfg: OSDConfig) -> None:
     """Check in this process what the replicas would otherwise fail on inside Ray."""
-    from pipeline.redis_server import RedisServerError, check_redis_url
-    from pipeline.target import load_target
+    from infra.redis_server import RedisServerError, check_redis_url
+    from infra.target import load_target
     from serve.drafts import DraftSpecError, build_draft
 
     if cfg.stream.redis_url:
@@ -100,10 +100,10 @@ class LocalStack:
         import ray
         from ray import serve
 
-        from pipeline.redis_server import private_server
+        from infra.redis_server import private_server
         from serve.app import build_app
 
-        from pipeline.reaper import Reaper
+        from infra.reaper import Reaper
 
         cfg = self.cfg
         warn_if_exposed(cfg, self.api_key)

@@ -4,7 +4,7 @@ Layout under the registry root (`registry.uri`; file://<state_dir>/registry by d
 s3://, gs:// and hdfs:// through pyarrow.fs):
 
     versions/<id>/manifest.json            the version exists iff this file parses and validates
-    versions/<id>/<payload>/config.json    the draft's files (train/draft_model.py format),
+    versions/<id>/<payload>/config.json    the draft's files (infra/draft_model.py format),
     versions/<id>/<payload>/draft.safetensors   written before the manifest that names them
     versions/<id>/<payload>/draft.json ...
     aliases/stable.json                    {"version", "previous", "updated_at", "reason"}
@@ -322,7 +322,7 @@ class Registry:
     def load_draft(self, version: str, target_model: Any) -> tuple[Any, dict[str, Any]]:
         """The version's draft on `target_model`'s shared tensors, after the digest check.
         A version that is not a loadable draft is a RegistryError with one line saying why."""
-        from train.draft_model import DraftLoadError, DraftSpecError, load_draft
+        from infra.draft_model import DraftLoadError, DraftSpecError, load_draft
 
         path = self.local_path(version)
         try:
@@ -495,7 +495,7 @@ def _version(body: dict[str, Any]) -> Version:
 
 
 def _sha256(path: Path) -> str:
-    from pipeline.target import sha256_file
+    from infra.target import sha256_file
 
     return sha256_file(path)
 
@@ -577,9 +577,9 @@ def _skeleton_shapes(directory: Path, config: dict[str, Any]) -> dict[str, list[
 
 
 def check_draft_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, str]]:
-    """(draft.json, {file: sha256 from osd-manifest.json}) of a directory train.draft_model.load_draft
+    """(draft.json, {file: sha256 from osd-manifest.json}) of a directory infra.draft_model.load_draft
     can load onto a fitting target; RegistryError naming the first thing that would stop it."""
-    from train.draft_model import DRAFT_FORMAT, DraftSpec
+    from infra.draft_model import DRAFT_FORMAT, DraftSpec
 
     d = Path(directory)
     missing = [n for n in DRAFT_FILES if not (d / n).is_file()]

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import OSDConfig
+from infra.config import OSDConfig
 
 
 def _log(msg: str) -> None:
@@ -29,12 +29,12 @@ def run_train_bench(cfg: OSDConfig, *, records: int = 2000, domain: str = "code"
 
     import ray
 
-    from pipeline.records import new_record_id
-    from pipeline.redis_server import RedisServer
-    from pipeline.streams import RecordProducer
-    from pipeline.prompts import load_sharegpt
-    from pipeline.target import load_target
-    from train.draft_model import DraftSpec, build_draft, load_draft
+    from infra.records import new_record_id
+    from infra.redis_server import RedisServer
+    from infra.streams import RecordProducer
+    from infra.prompts import load_sharegpt
+    from infra.target import load_target
+    from infra.draft_model import DraftSpec, build_draft, load_draft
     from train.trainer import TrainerGroup, estimate_alpha
     from train.warm_start import teacher_records, warm_prompts
 

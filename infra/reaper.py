@@ -10,7 +10,7 @@ of `osd serve`, reparented away from it. So the stack starts a small guard proce
   that is still the same process: SIGTERM (Redis flushes its AOF), SIGKILL after a grace.
 A process started less than a second before a crash can escape; Ray starts nothing that late.
 
-    python -m pipeline.reaper OWNER_PID      (stdin: the pipe; started by `Reaper.start`)
+    python -m infra.reaper OWNER_PID      (stdin: the pipe; started by `Reaper.start`)
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Reaper:
 
     def start(self) -> "Reaper":
         # A session of its own: a Ctrl-C at the terminal must not end the guard before the stack.
-        self._guard = subprocess.Popen([sys.executable, "-m", "pipeline.reaper", str(os.getpid())],
+        self._guard = subprocess.Popen([sys.executable, "-m", "infra.reaper", str(os.getpid())],
                                        stdin=subprocess.PIPE, start_new_session=True)
         return self
 

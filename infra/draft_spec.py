@@ -1,0 +1,37 @@
+"""The draft family's spec and the errors of building or loading a draft.
+
+Light on purpose (pydantic only, no torch): the CLI and the registry name these without
+loading a model library. Building and the on-disk format are in infra/draft_model.py.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from infra.target import TargetError
+
+
+class DraftSpecError(ValueError):
+    """A DraftSpec does not fit the target (too many layers, bad sizes)."""
+
+
+class DraftLoadError(TargetError):
+    """A saved draft cannot be loaded: incomplete or corrupt directory, or a target it does not fit."""
+
+
+class DraftSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_layers: int = Field(4, ge=1)
+    # Which target layers initialise the draft's: the first num_layers, or evenly spaced
+    # indices that include the first and the last.
+    layer_source: Literal["first", "spaced"] = "first"
+    # None = the target's. A different hidden size needs independent_head=True.
+    hidden_size: int | None = Field(None, ge=1)
+    intermediate_size: int | None = Field(None, ge=1)
+    # Train a copy of the final norm and LM head instead of sharing the target's.
+    independent_head: bool = False
+    # Seed for tensors that cannot be copied from the target (different sizes).
+    seed: int = 0
