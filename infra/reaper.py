@@ -7,7 +7,9 @@ of `osd serve`, reparented away from it. So the stack starts a small guard proce
   knows them once they are orphaned;
 - it holds the read end of a pipe whose write end only the stack's process has; when that
   process ends, in any way, the pipe reads EOF, and the guard stops every recorded process
-  that is still the same process: SIGTERM (Redis flushes its AOF), SIGKILL after a grace.
+  that is still the same process: SIGTERM (Redis flushes its AOF), SIGKILL after a grace;
+- a clean stop writes "stand down" first: the stack has stopped its own processes, and the
+  owner's other children (a test session's Redis) are not the guard's to stop.
 A process started less than a second before a crash can escape; Ray starts nothing that late.
 
     python -m infra.reaper OWNER_PID      (stdin: the pipe; started by `Reaper.start`)
@@ -23,6 +25,8 @@ import sys
 import time
 
 import psutil
+
+STAND_DOWN = b"stand down\n"
 
 
 def descendants(owner: int) -> dict[int, float]:
@@ -80,9 +84,13 @@ class Reaper:
         return self
 
     def close(self) -> None:
-        """The stack stopped cleanly: the guard sweeps stragglers and exits."""
+        """The stack stopped cleanly: the guard exits and stops nothing. (The owner may have
+        children of its own that must live on, a test session's Redis for one.)"""
         if self._guard is not None and self._guard.stdin is not None:
-            self._guard.stdin.close()
+            try:
+                self._guard.stdin.write(STAND_DOWN)
+            finally:
+                self._guard.stdin.close()
             try:
                 self._guard.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -97,7 +105,12 @@ def guard(owner: int, poll_s: float = 1.0) -> list[int]:
         known = {pid: t for pid, t in known.items() if psutil.pid_exists(pid)}  # forget the ended
         known.update(descendants(owner))
         ready, _, _ = select.select([stdin], [], [], poll_s)
-        if ready and not os.read(stdin.fileno(), 4096):  # EOF: every writer is gone
+        if not ready:
+            continue
+        data = os.read(stdin.fileno(), 4096)
+        if STAND_DOWN in data:  # a clean stop: the owner stopped its stack itself
+            return []
+        if not data:  # EOF without a word: the owner died
             return sweep(known)
 
 

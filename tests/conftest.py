@@ -39,3 +39,4 @@ def redis_url(redis_server):
     client.flushall()
     client.close()
     return redis_server.url
+

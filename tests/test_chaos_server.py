@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import pytest
 import requests
 
+from apps import running_app
+
 pytestmark = [pytest.mark.chaos, pytest.mark.ray, pytest.mark.redis]
 
 KEY = "chaos-key"
@@ -38,32 +40,12 @@ ANSWERS = {400, 413, 415, 429, 503}  # the refusals a hardened server may give b
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    import ray
-    from ray import serve
-
-    from infra.config import load_config
-    from infra.redis_server import RedisServer, free_port
-    from serve.app import build_app
-
-    redis_srv = RedisServer(tmp_path_factory.mktemp("chaos-redis")).start()
-    port = free_port()
-    cfg = load_config(environ={}, overrides={
-        "model": {"target": "tiny-random"},
-        # A queued request gets the server's 503 well before the client gives up on it, so a
-        # client timeout can only mean a hang.
-        "serve": {"draft": "truncate:1", "port": port, "max_new_tokens": MAX_NEW, "k": 3,
-                  "queue_timeout_s": CLIENT_TIMEOUT_S / 3},
-        "stream": {"redis_url": redis_srv.url, "stream": "chaos:records"},
-    })
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(cfg, api_key=KEY), name=APP, route_prefix="/")
-        yield {"url": f"http://127.0.0.1:{port}", "cfg": cfg}
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        redis_srv.stop()
+    # A queued request gets the server's 503 well before the client gives up on it, so a
+    # client timeout can only mean a hang.
+    serve = {"draft": "truncate:1", "max_new_tokens": MAX_NEW, "k": 3, "queue_timeout_s": CLIENT_TIMEOUT_S / 3}
+    with running_app(tmp_path_factory.mktemp("chaos-redis"), key=KEY, name=APP, serve=serve,
+                     stream_name="chaos:records") as app:
+        yield app
 
 
 def chat(text, **kw):

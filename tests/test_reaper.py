@@ -45,10 +45,18 @@ def test_sigkilled_owner_takes_its_orphans_along():
     assert not orphan.is_running() or orphan.status() == psutil.STATUS_ZOMBIE
 
 
-def test_clean_close_leaves_no_guard():
+def test_clean_close_ends_the_guard_and_spares_the_owners_children():
+    """A clean stop is not a crash: the owner's other children (a test session's Redis) live on."""
     from infra.reaper import Reaper
 
-    r = Reaper().start()
-    guard = psutil.Process(r._guard.pid)
-    r.close()
-    assert not guard.is_running() or guard.status() == psutil.STATUS_ZOMBIE
+    child = subprocess.Popen(["sleep", "300"])
+    try:
+        r = Reaper().start()
+        guard = psutil.Process(r._guard.pid)
+        time.sleep(1.5)  # the guard has recorded the child
+        r.close()
+        guard.wait(10)
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()

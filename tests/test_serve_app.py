@@ -5,13 +5,14 @@ the module; the Redis-down test runs last because it stops and restarts that ser
 """
 
 import json
-import os
 import threading
 import time
 
 import numpy as np
 import pytest
 import requests
+
+from apps import running_app
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
@@ -23,33 +24,10 @@ QUEUE = 4  # requests waiting for a KV slot (2 slots): the 7th concurrent one ge
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    import ray
-    from ray import serve
-
-    from infra.config import load_config
-    from infra.redis_server import RedisServer, free_port
-    from serve.app import build_app
-    from pipeline.launch import lock_down_local_cluster
-
-    redis_srv = RedisServer(tmp_path_factory.mktemp("app-redis")).start()
-    port = free_port()
-    cfg = load_config(environ={}, overrides={
-        "model": {"target": "tiny-random"},
-        "serve": {"draft": "truncate:1", "port": port, "max_new_tokens": MAX_NEW, "k": 3,
-                  "max_queue": QUEUE, "queue_timeout_s": 20},
-        "stream": {"redis_url": redis_srv.url, "stream": "test:records"},
-    })
-    saved = dict(os.environ)
-    lock_down_local_cluster(KEY)  # as `osd serve` does: the key at Serve's proxy too (/-/routes)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(cfg, api_key=KEY), name="osd-test", route_prefix="/")
-    yield {"url": f"http://127.0.0.1:{port}", "cfg": cfg, "redis": redis_srv}
-    serve.shutdown()
-    ray.shutdown()
-    redis_srv.stop()
-    os.environ.clear()
-    os.environ.update(saved)
+    serve = {"draft": "truncate:1", "max_new_tokens": MAX_NEW, "k": 3, "max_queue": QUEUE, "queue_timeout_s": 20}
+    with running_app(tmp_path_factory.mktemp("app-redis"), key=KEY, name="osd-test", serve=serve,
+                     stream_name="test:records") as app:
+        yield app
 
 
 def post(app, path, body, headers=AUTH, **kw):

@@ -1,0 +1,36 @@
+"""A real Serve app for the server tests (test_serve_app, test_chaos_server)."""
+
+import contextlib
+import os
+
+
+@contextlib.contextmanager
+def running_app(data_dir, *, key: str, name: str, serve: dict, stream_name: str):
+    """A real local Ray Serve app (tiny-random target) on a free loopback port, with its own
+    redis-server, locked down as `osd serve` locks it (the key at Serve's proxy too)."""
+    import ray
+    from ray import serve as ray_serve
+
+    from infra.config import load_config
+    from infra.redis_server import RedisServer, free_port
+    from pipeline.launch import lock_down_local_cluster
+    from serve.app import build_app
+
+    redis_srv = RedisServer(data_dir).start()
+    port = free_port()
+    cfg = load_config(environ={}, overrides={
+        "model": {"target": "tiny-random"}, "serve": {"port": port, **serve},
+        "stream": {"redis_url": redis_srv.url, "stream": stream_name}})
+    saved = dict(os.environ)
+    lock_down_local_cluster(key)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        ray_serve.start(http_options={"host": "127.0.0.1", "port": port})
+        ray_serve.run(build_app(cfg, api_key=key), name=name, route_prefix="/")
+        yield {"url": f"http://127.0.0.1:{port}", "cfg": cfg, "redis": redis_srv}
+    finally:
+        ray_serve.shutdown()
+        ray.shutdown()
+        redis_srv.stop()
+        os.environ.clear()
+        os.environ.update(saved)
