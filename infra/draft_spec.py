@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from infra.config import TrainConfig
 from infra.target import TargetError
 
 
@@ -35,3 +36,10 @@ class DraftSpec(BaseModel):
     independent_head: bool = False
     # Seed for tensors that cannot be copied from the target (different sizes).
     seed: int = 0
+
+
+def draft_spec_from_train(train: TrainConfig) -> DraftSpec:
+    """The spec a training run builds its draft to: the train section's draft_* settings.
+    One place, so the warm start, the online trainer and the benches build the same draft."""
+    return DraftSpec(num_layers=train.draft_layers, layer_source=train.draft_layer_source,
+                     independent_head=train.independent_head)

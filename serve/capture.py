@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from infra.tokens import topk_logprobs
+
 
 @dataclass
 class Capture:
@@ -50,9 +52,7 @@ class CaptureBuffer:
         if rows <= 0:
             return
         logits = target_logits[:rows]
-        vals, ids = torch.topk(logits, self.top_k, dim=-1)
-        # log-softmax restricted to the top-k: logit - logsumexp over the full vocab.
-        lps = vals - torch.logsumexp(logits, dim=-1, keepdim=True)
+        ids, lps = topk_logprobs(logits, self.top_k)
         self.ids[self.n : self.n + rows] = ids
         self.lps[self.n : self.n + rows] = lps
         self.n += rows

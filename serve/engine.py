@@ -37,6 +37,7 @@ from typing import Any, AsyncIterator, Sequence
 import torch
 
 from infra.config import ServeConfig
+from infra.tokens import eos_token_ids
 from serve.admission import SlotPool
 from serve.capture import Capture, CaptureBuffer
 from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
@@ -330,10 +331,7 @@ class SpecEngine:
             raise EngineError(f"tokenizer has {len(tokenizer)} tokens, more than the model's {self.target.vocab_size}")
         self.max_seq_len = min(self.target.max_seq_len, self.draft.max_seq_len if self.draft else 10**9)
         self.device = self.target.device
-        eos = getattr(target_model.config, "eos_token_id", None)
-        if tokenizer is not None and tokenizer.eos_token_id is not None:
-            eos = tokenizer.eos_token_id
-        self.eos = frozenset(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+        self.eos = frozenset(eos_token_ids(tokenizer, getattr(target_model.config, "eos_token_id", None)))
         slots = []
         for _ in range(self.options.max_concurrency):
             slot = _Slot(self.target.new_cache())

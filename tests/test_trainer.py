@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-pytestmark = [pytest.mark.ray, pytest.mark.redis]
+pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.deepspeed]
 
 N_RECORDS = 60
 
@@ -94,7 +94,8 @@ def mean_fkl(draft, recs, max_seq_len=1024):
 def test_zero_two_workers_learn_and_export_loadable_drafts(ray_local, stream, records, tmp_path, stage):
     from infra.target import load_target
     from serve.engine import EngineOptions, GenerationParams, SpecEngine
-    from infra.draft_model import DraftSpec, build_draft, load_draft
+    from infra.draft_model import build_draft, load_draft
+    from infra.draft_spec import draft_spec_from_train
     from train.trainer import TrainerGroup
 
     cfg = stream(zero_stage=stage)
@@ -115,7 +116,7 @@ def test_zero_two_workers_learn_and_export_loadable_drafts(ray_local, stream, re
     assert published.lineage["parent"] == exports[-1]["parent"] and published.metrics["alpha_est"] is not None
 
     target = load_target("tiny-random", progress=False).model
-    before = build_draft(target, DraftSpec(num_layers=1, layer_source=cfg.train.draft_layer_source))
+    before = build_draft(target, draft_spec_from_train(cfg.train))  # what the group started from
     after, info = load_draft(exports[-1]["path"], target)
     # Distillation moved the draft towards the target on the records it was trained on.
     assert mean_fkl(after, records) < mean_fkl(before, records)

@@ -1,39 +1,65 @@
 """`osd draft init` end to end on the tiny target, each run in its own process (DeepSpeed
 joins a process group, which must not leak into the test process)."""
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
-pytestmark = pytest.mark.pure
+pytestmark = pytest.mark.deepspeed
 
 
-def draft_init(state, *args):
+def draft_init(state, *args) -> dict:
+    """Runs `osd draft init`; returns the JSON summary it prints last."""
     env = {**os.environ, "OSD_MODEL__TARGET": "tiny-random", "OSD_STATE_DIR": str(state),
            "OSD_TRAIN__DRAFT_LAYERS": "1", "OSD_TRAIN__LR": "0.001", "OSD_TRAIN__TOKEN_BUDGET": "200",
            "OSD_DATA__MAX_PROMPT_CHARS": "200"}
     p = subprocess.run([sys.executable, "-m", "pipeline.cli", "draft", "init", "--prompts", "40",
                         "--max-new-tokens", "12", *args], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout + p.stderr
+    lines = p.stdout.splitlines()
+    start = max(i for i, line in enumerate(lines) if line == "{")
+    return json.loads("\n".join(lines[start:]))
+
+
+def teacher_files(state) -> dict:
+    """Teacher cache files -> (inode, mtime): a rebuild writes a new file and renames it."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (state / "teacher").glob("*")}
+
+
+def checkpoints(state) -> dict:
+    """epoch -> the COMPLETE marker's text of its warm-start checkpoint (it holds a write time)."""
+    out = {}
+    for marker in (state / "warm-start").glob("*/checkpoints/step-*/COMPLETE"):
+        text = marker.read_text()
+        out[json.loads(text)["epoch"]] = text
+    return out
 
 
 def test_warm_start_publishes_v1_and_resumes(tmp_path):
     import torch
 
+    from infra.draft_model import load_draft
     from infra.target import load_target
     from serve.engine import EngineOptions, GenerationParams, SpecEngine
-    from infra.draft_model import load_draft
 
     first = draft_init(tmp_path, "--epochs", "1", "--out", str(tmp_path / "e1"))
-    assert "published v1" in first and "resuming" not in first
+    assert first["version"] == "v1" and first["path"] == str(tmp_path / "e1")
+    assert (tmp_path / "e1" / "draft.json").is_file()
+    after_first = checkpoints(tmp_path)
+    assert list(after_first) == [0]
+    teacher = teacher_files(tmp_path)
+    assert len(teacher) == 1 and all(name.endswith(".arrow") and ".part-" not in name for name in teacher)
+
     # Same settings, more epochs: the teacher cache is hit and epoch 1 is not redone.
     second = draft_init(tmp_path, "--epochs", "3")
-    assert "(0.0 s; cached" in second
-    assert "resuming after epoch 1" in second
-    assert "epoch 1/3" not in second and "epoch 3/3" in second
+    assert second["path"] == str(tmp_path / "drafts" / "v1")
+    assert teacher_files(tmp_path) == teacher  # read, not rebuilt
+    after_second = checkpoints(tmp_path)
+    assert sorted(after_second) == [0, 1, 2]
+    assert after_second[0] == after_first[0]  # epoch 1's checkpoint was resumed from, not rewritten
 
     target = load_target("tiny-random", progress=False).model
     draft, info = load_draft(tmp_path / "drafts" / "v1", target)

@@ -35,6 +35,7 @@ import torch
 
 from infra.prompts import Prompt, chat_ids
 from infra.records import SCHEMA_VERSION, Record, record_schema
+from infra.tokens import eos_token_ids, topk_logprobs
 
 log = logging.getLogger("osd.teacher")
 
@@ -58,17 +59,6 @@ class CacheCorrupt(RuntimeError):
 
 # ---------------------------------------------------------------- generation
 
-def _eos_ids(model: Any, tokenizer: Any, eos_token_id: int | Sequence[int] | None) -> list[int]:
-    eos = eos_token_id
-    if eos is None and tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos = tokenizer.eos_token_id
-    if eos is None:
-        eos = getattr(model.generation_config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-
-
 @torch.inference_mode()
 def generate_teacher_records(
     target_model: Any,
@@ -89,19 +79,13 @@ def generate_teacher_records(
 
     if max_new_tokens < 1 or top_k < 1 or batch_size < 1:
         raise TeacherDataError("max_new_tokens, top_k and batch_size must be >= 1")
-    eos = _eos_ids(target_model, tokenizer, eos_token_id)
+    eos = eos_token_ids(tokenizer, getattr(target_model.generation_config, "eos_token_id", None),
+                        explicit=eos_token_id)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else None)
     if pad is None:
         raise TeacherDataError("the tokenizer has no pad token and there is no EOS to pad with")
-    vocab = target_model.config.vocab_size
-    k = min(top_k, vocab)
-    limit = getattr(target_model.config, "max_position_embeddings", None)
-    device = next(target_model.parameters()).device
-    ids = [chat_ids(tokenizer, p.text) for p in prompts]
-    for p, x in zip(prompts, ids):
-        if limit and len(x) + max_new_tokens > limit:
-            raise TeacherDataError(f"prompt {p.id}: {len(x)} tokens + max_new_tokens {max_new_tokens} "
-                                   f"exceeds the context of {limit}")
+    k = min(top_k, target_model.config.vocab_size)
+    ids = _prompt_ids(target_model, tokenizer, prompts, max_new_tokens)
     gen_cfg = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
         eos_token_id=eos or None, pad_token_id=pad,
@@ -114,49 +98,86 @@ def generate_teacher_records(
         from tqdm import tqdm
 
         bar = tqdm(total=len(prompts), unit="prompt", desc="teacher", leave=False)
-    eos_t = torch.tensor(eos or [-1], device=device)
+    eos_t = torch.tensor(eos or [-1], device=next(target_model.parameters()).device)
     try:
         for start in range(0, len(order), batch_size):
             batch = order[start : start + batch_size]
-            width = max(len(ids[i]) for i in batch)
-            inp = torch.full((len(batch), width), pad, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, i in enumerate(batch):  # left padding
-                inp[row, width - len(ids[i]):] = torch.tensor(ids[i])
-                mask[row, width - len(ids[i]):] = 1
-            res = target_model.generate(input_ids=inp.to(device), attention_mask=mask.to(device),
-                                        generation_config=gen_cfg)
-            gen = res.sequences[:, width:]  # [B, T]
-            steps = len(res.logits)
-            top_ids = torch.empty((len(batch), steps, k), dtype=torch.int32)
-            top_lps = torch.empty((len(batch), steps, k), dtype=torch.float16)
-            for t, logits in enumerate(res.logits):  # one [B, V] block per step
-                logits = logits.float()
-                vals, idx = torch.topk(logits, k, dim=-1)
-                top_ids[:, t] = idx.to(torch.int32).cpu()
-                top_lps[:, t] = (vals - torch.logsumexp(logits, dim=-1, keepdim=True)).to(torch.float16).cpu()
-            # Length of each row: through its first EOS, else all steps.
-            is_eos = torch.isin(gen, eos_t)
-            first_eos = is_eos.int().argmax(1) + 1  # argmax returns the first maximum
-            first = torch.where(is_eos.any(1), first_eos, torch.full_like(first_eos, steps))
-            gen_np, ids_np, lps_np = gen.to(torch.int32).cpu().numpy(), top_ids.numpy(), top_lps.numpy()
-            for row, i in enumerate(batch):
-                n = int(first[row])
-                p = prompts[i]
-                out[i] = Record(
-                    request_id=str(p.id), draft_version=TEACHER_VERSION, domain=p.domain,
-                    prompt_ids=np.asarray(ids[i], dtype=np.int32),
-                    output_ids=gen_np[row, :n].copy(),
-                    topk_ids=ids_np[row, :n].copy(), topk_logprobs=lps_np[row, :n].copy(),
-                    accepted=np.zeros(n, dtype=bool), draft_tokens=np.full(n, -1, dtype=np.int32),
-                    draft_probs=np.full(n, np.nan, dtype=np.float32),
-                )
+            for i, rec in zip(batch, _generate_batch(target_model, gen_cfg, [ids[i] for i in batch],
+                                                     [prompts[i] for i in batch], pad, eos_t, k)):
+                out[i] = rec
             if bar is not None:
                 bar.update(len(batch))
     finally:
         if bar is not None:
             bar.close()
     return out  # type: ignore[return-value]
+
+
+def _prompt_ids(target_model: Any, tokenizer: Any, prompts: Sequence[Prompt], max_new_tokens: int) -> list[list[int]]:
+    """Each prompt's chat-template ids; TeacherDataError if one plus max_new_tokens exceeds the context."""
+    limit = getattr(target_model.config, "max_position_embeddings", None)
+    ids = [chat_ids(tokenizer, p.text) for p in prompts]
+    for p, x in zip(prompts, ids):
+        if limit and len(x) + max_new_tokens > limit:
+            raise TeacherDataError(f"prompt {p.id}: {len(x)} tokens + max_new_tokens {max_new_tokens} "
+                                   f"exceeds the context of {limit}")
+    return ids
+
+
+def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input ids [B, W], attention mask [B, W]) with every row right-aligned: generation
+    appends after the last column, so all rows must end there."""
+    width = max(len(r) for r in rows)
+    inp = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, x in enumerate(rows):
+        inp[row, width - len(x):] = torch.tensor(x)
+        mask[row, width - len(x):] = 1
+    return inp, mask
+
+
+def _steps_topk(step_logits: Sequence[torch.Tensor], b: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids [B, T, k] int32 and log-probs [B, T, k] fp16 (on the CPU), from `generate`'s
+    T raw logits blocks [B, V], one per step: the whole batch in one op per step."""
+    top_ids = torch.empty((b, len(step_logits), k), dtype=torch.int32)
+    top_lps = torch.empty((b, len(step_logits), k), dtype=torch.float16)
+    for t, logits in enumerate(step_logits):
+        idx, lps = topk_logprobs(logits.float(), k)
+        top_ids[:, t] = idx.to(torch.int32).cpu()
+        top_lps[:, t] = lps.to(torch.float16).cpu()
+    return top_ids, top_lps
+
+
+def _lengths_through_eos(gen: torch.Tensor, eos_t: torch.Tensor, steps: int) -> torch.Tensor:
+    """[B] length of each generated row of `gen` [B, T]: through its first EOS (kept), else all steps."""
+    is_eos = torch.isin(gen, eos_t)
+    first_eos = is_eos.int().argmax(1) + 1  # argmax returns the first maximum
+    return torch.where(is_eos.any(1), first_eos, torch.full_like(first_eos, steps))
+
+
+def _generate_batch(target_model: Any, gen_cfg: Any, rows: list[list[int]], prompts: list[Prompt], pad: int,
+                    eos_t: torch.Tensor, k: int) -> list[Record]:
+    """One batched greedy `generate` over `rows` (the prompts' ids), a Record per row."""
+    device = next(target_model.parameters()).device
+    inp, mask = _left_pad(rows, pad)
+    res = target_model.generate(input_ids=inp.to(device), attention_mask=mask.to(device),
+                                generation_config=gen_cfg)
+    gen = res.sequences[:, inp.shape[1]:]  # [B, T]
+    top_ids, top_lps = _steps_topk(res.logits, len(rows), k)
+    lengths = _lengths_through_eos(gen, eos_t, len(res.logits))
+    gen_np, ids_np, lps_np = gen.to(torch.int32).cpu().numpy(), top_ids.numpy(), top_lps.numpy()
+    out = []
+    for row, (p, x) in enumerate(zip(prompts, rows)):
+        n = int(lengths[row])
+        out.append(Record(
+            request_id=str(p.id), draft_version=TEACHER_VERSION, domain=p.domain,
+            prompt_ids=np.asarray(x, dtype=np.int32),
+            output_ids=gen_np[row, :n].copy(),
+            topk_ids=ids_np[row, :n].copy(), topk_logprobs=lps_np[row, :n].copy(),
+            accepted=np.zeros(n, dtype=bool), draft_tokens=np.full(n, -1, dtype=np.int32),
+            draft_probs=np.full(n, np.nan, dtype=np.float32),
+        ))
+    return out
 
 
 # ---------------------------------------------------------------- records <-> table

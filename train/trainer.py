@@ -18,7 +18,6 @@ A live worker touches the records it holds (keep_alive) so they are never taken 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -32,15 +31,12 @@ import ray
 import torch
 
 from infra.config import OSDConfig
+# pipeline/ (demo, bench_train) also imports these two from here.
+from train.evaluator import estimate_alpha, is_held_out
 
 
 def _log(rank: int, msg: str) -> None:
     print(f"[osd train rank {rank}] {msg}", flush=True)
-
-
-def is_held_out(record_id: str, every: int) -> bool:
-    """One record in `every`, chosen by a hash of its id (stable across restarts)."""
-    return int(hashlib.sha256(record_id.encode()).hexdigest()[:8], 16) % every == 0
 
 
 @dataclass
@@ -68,6 +64,8 @@ class TrainerWorker:
         self.run_dir = Path(run_dir)
         self.init_draft = init_draft
         self.consumer_name = consumer_name or f"trainer-{rank}"
+        # Deliveries of held-out records: never trained on, acked with the next checkpoint.
+        self._held_acks: list = []
         torch.set_num_threads(1 if world_size > 1 else max(1, torch.get_num_threads()))
 
     def address(self) -> tuple[str, int]:
@@ -79,12 +77,15 @@ class TrainerWorker:
         from infra.streams import RecordConsumer
         from infra.target import load_target
         from infra.draft_model import build_draft, load_draft
+        from infra.draft_spec import draft_spec_from_train
         from train.ds_engine import DistillEngine, init_distributed
 
         tc = self.cfg.train
         init_distributed(self.rank, self.world_size, master_addr, master_port, tc.device, tc.collective_timeout_s)
         loaded = load_target(self.cfg.model.target, self.cfg.model, progress=False)
         self.target = loaded.model
+        # Exports are rebuilt to the configured spec, also when training starts from a saved draft.
+        self.spec_info = draft_spec_from_train(tc)
         if self.init_draft and self.init_draft.startswith("registry:"):  # registry:<version id>
             from infra.registry import Registry
 
@@ -94,9 +95,8 @@ class TrainerWorker:
             draft, info = load_draft(self.init_draft, self.target)
             self.parent_version = info.get("version") or Path(self.init_draft).name
         else:
-            draft = build_draft(self.target, self.draft_spec())
+            draft = build_draft(self.target, self.spec_info)
             self.parent_version = None
-        self.spec_info = self.draft_spec()
         self.engine = DistillEngine(draft, tc)
         self.consumer = RecordConsumer(self.cfg.stream.redis_url, self.cfg.stream, name=self.consumer_name)
         self.held_out: list[Any] = []
@@ -112,33 +112,11 @@ class TrainerWorker:
         self.resumed = resumed
         return resumed
 
-    def draft_spec(self):
-        from infra.draft_model import DraftSpec
-
-        tc = self.cfg.train
-        return DraftSpec(num_layers=tc.draft_layers, layer_source=tc.draft_layer_source,
-                         independent_head=tc.independent_head)
-
     @property
     def ckpt_dir(self) -> Path:
         return self.run_dir / "checkpoints"
 
     # -- the loop ----------------------------------------------------------------
-
-    def _loss_fn(self):
-        from train.batching import position_logits
-        from train.losses import distill_loss, position_weights
-
-        tc = self.cfg.train
-
-        def fn(model, batch):
-            logits = position_logits(model, batch)
-            w = position_weights(batch.accepted, batch.draft_tokens, tc.positions, other_weight=tc.mix_weight)
-            if batch.n_records == 0:
-                w = torch.zeros_like(w)  # null batch: zero loss, zero gradients
-            return distill_loss(logits, batch.topk_ids, batch.topk_logprobs, kind=tc.loss, beta=tc.jsd_beta, weights=w)
-
-        return fn
 
     def _fill(self, buffer: list, block_ms: int) -> int:
         """Read new deliveries; held-out ones go to the α buffer (acked at the next checkpoint)."""
@@ -161,12 +139,12 @@ class TrainerWorker:
         import torch.distributed as dist
 
         from train.batching import record_tokens, take_budget
+        from train.objective import distill_loss_fn
 
         tc = self.cfg.train
         stats = RunStats(self.rank, resumed=self.resumed)
-        loss_fn = self._loss_fn()
+        loss_fn = distill_loss_fn(tc)
         buffer: list = []
-        self._held_acks: list = []
         unacked: list = []  # trained since the last checkpoint
         since_export, last_export = 0, time.monotonic()
         t_start, last_data = time.monotonic(), time.monotonic()
@@ -306,25 +284,6 @@ def null_batch():
     return Batch(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), z, z,
                  torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1), torch.zeros(1, dtype=torch.bool),
                  torch.full((1,), -1, dtype=torch.long), n_records=0, n_tokens=0)
-
-
-@torch.no_grad()
-def estimate_alpha(draft: torch.nn.Module, records: list, max_seq_len: int) -> float | None:
-    """Mean per-position acceptance lower bound of `draft` on `records`, from the records'
-    target top-k alone (no target forward): sum over known tokens of min(p, q)."""
-    from train.batching import pack, position_logits
-    from train.losses import expected_acceptance
-
-    if not records:
-        return None
-    draft.eval()
-    total, n = 0.0, 0
-    for i in range(0, len(records), 8):
-        batch = pack(records[i:i + 8], max_seq_len)
-        acc = expected_acceptance(position_logits(draft, batch), batch.topk_ids, batch.topk_logprobs)
-        total += float(acc.lower.sum())
-        n += acc.lower.numel()
-    return total / n if n else None
 
 
 class TrainerGroup:

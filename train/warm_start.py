@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,33 +64,58 @@ def teacher_records(cfg: OSDConfig, loaded: Any, prompts: list, *, progress: boo
 
 
 def split_held_out(records: list, every: int) -> tuple[list, list]:
-    from train.trainer import is_held_out
+    from train.evaluator import is_held_out
 
     held = [r for r in records if is_held_out(r.request_id, every)]
     train = [r for r in records if not is_held_out(r.request_id, every)]
     return train, held
 
 
+@dataclass
+class _Epochs:
+    """What the distillation passes produced, for the published metrics."""
+
+    losses: list[float]
+    tokens: int
+    train_s: float
+
+
 def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progress: bool = True,
                    force: bool = False) -> dict[str, Any]:
-    from tqdm import tqdm
-
-    from infra.redis_server import free_port
+    """Teacher records -> a draft of target layers -> distilled -> published as v1 (module doc)."""
+    from infra.draft_model import build_draft
+    from infra.draft_spec import draft_spec_from_train
     from infra.target import load_target
-    from train.batching import pack, take_budget
-    from infra.draft_model import DraftSpec, build_draft, draft_with_weights, save_draft, target_ref
-    from train.ds_engine import DistillEngine, init_distributed
-    from train.trainer import estimate_alpha
+    from train.evaluator import estimate_alpha
 
     tc = cfg.train
-    state = Path(cfg.state_dir)
-    out_dir = Path(out_dir) if out_dir else state / "drafts" / "v1"
+    out_dir = Path(out_dir) if out_dir else Path(cfg.state_dir) / "drafts" / "v1"
     if out_dir.exists() and not force:
         _log(f"{out_dir} already exists (use --force to rebuild)")
         return json.loads((out_dir / "draft.json").read_text())
     t0 = time.perf_counter()
     loaded = load_target(cfg.model.target, cfg.model, progress=progress)
     prompts = warm_prompts(cfg, tc.warm_prompts)
+    train_recs, held, gen_s = _teacher_split(cfg, loaded, prompts, progress)
+
+    spec = draft_spec_from_train(tc)
+    draft = build_draft(loaded.model, spec)
+    alpha_before = estimate_alpha(draft, held, tc.max_seq_len)
+    _log(f"draft: {tc.draft_layers} {tc.draft_layer_source} layers of the target; acceptance estimate before "
+         f"training {alpha_before:.3f}")
+
+    engine, ckpt_dir, first_epoch = _resumable_engine(cfg, draft, prompts, spec, force)
+    epochs = _train_epochs(cfg, engine, train_recs, ckpt_dir, first_epoch, progress)
+    out = _save_v1(cfg, loaded, spec, engine.export_weights(), out_dir, held=held, n_train=len(train_recs),
+                   n_prompts=len(prompts), alpha_before=alpha_before, epochs=epochs, force=force)
+    _log(f"published v1 at {out_dir}: acceptance estimate {alpha_before:.3f} -> {out['alpha_est']:.3f} "
+         f"({time.perf_counter() - t0:.0f} s in all, {epochs.train_s:.0f} s training)")
+    return {"version": "v1", "path": str(out_dir), "generate_s": gen_s, "train_s": epochs.train_s, **out}
+
+
+def _teacher_split(cfg: OSDConfig, loaded: Any, prompts: list, progress: bool) -> tuple[list, list, float]:
+    """(train records, held-out records, seconds spent getting them) for `prompts`."""
+    tc = cfg.train
     _log(f"teacher outputs for {len(prompts)} ShareGPT train prompts, up to {tc.warm_max_new_tokens} tokens each")
     t_gen = time.perf_counter()
     records = teacher_records(cfg, loaded, prompts, progress=progress)
@@ -97,34 +123,44 @@ def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progres
     train_recs, held = split_held_out(records, tc.held_out_every)
     _log(f"{len(records)} teacher records ({gen_s:.1f} s; cached for next time): {len(train_recs)} train, "
          f"{len(held)} held out")
+    return train_recs, held, gen_s
 
-    spec = DraftSpec(num_layers=tc.draft_layers, layer_source=tc.draft_layer_source,
-                     independent_head=tc.independent_head)
-    draft = build_draft(loaded.model, spec)
-    alpha_before = estimate_alpha(draft, held, tc.max_seq_len)
-    _log(f"draft: {tc.draft_layers} {tc.draft_layer_source} layers of the target; acceptance estimate before "
-         f"training {alpha_before:.3f}")
 
+def _resumable_engine(cfg: OSDConfig, draft: torch.nn.Module, prompts: list, spec: Any,
+                      force: bool) -> tuple[Any, Path, int]:
+    """A one-process DistillEngine on `draft`, resumed from this run's newest complete checkpoint
+    unless `force`. Returns (engine, checkpoint dir, first epoch still to train)."""
+    from infra.redis_server import free_port
+    from train.ds_engine import DistillEngine, init_distributed
+
+    tc = cfg.train
     init_distributed(0, 1, "127.0.0.1", free_port(), tc.device)
     engine = DistillEngine(draft, tc)
     # Checkpoints are keyed by everything that shapes the run, so a resume never mixes settings.
     run_key = hashlib.sha256(json.dumps({"prompts": [p.id for p in prompts], "spec": spec.model_dump(),
                                          "loss": tc.loss, "lr": tc.lr, "tokens": tc.warm_max_new_tokens,
-                                         "budget": tc.token_budget, "warmup": tc.warmup_steps}, sort_keys=True).encode()).hexdigest()[:16]
-    ckpt_dir = state / "warm-start" / run_key / "checkpoints"
+                                         "budget": tc.token_budget, "warmup": tc.warmup_steps},
+                                        sort_keys=True).encode()).hexdigest()[:16]
+    ckpt_dir = Path(cfg.state_dir) / "warm-start" / run_key / "checkpoints"
     resumed = engine.load_latest(ckpt_dir) if not force else None
     first_epoch = int(resumed["epoch"]) + 1 if resumed else 0
     if resumed:
         _log(f"resuming after epoch {first_epoch} from {resumed['tag']}")
+    return engine, ckpt_dir, first_epoch
 
-    from train.losses import distill_loss, position_weights
-    from train.batching import position_logits
 
-    def loss_fn(model, batch):
-        w = position_weights(batch.accepted, batch.draft_tokens, "all")
-        return distill_loss(position_logits(model, batch), batch.topk_ids, batch.topk_logprobs, kind=tc.loss,
-                            beta=tc.jsd_beta, weights=w)
+def _train_epochs(cfg: OSDConfig, engine: Any, train_recs: list, ckpt_dir: Path, first_epoch: int,
+                  progress: bool) -> _Epochs:
+    """Epochs first_epoch.. of train.warm_epochs, each a seeded shuffle packed to the token
+    budget, with a checkpoint after each so a rerun resumes at the next epoch."""
+    from tqdm import tqdm
 
+    from train.batching import pack, take_budget
+    from train.objective import distill_loss_fn
+
+    tc = cfg.train
+    # Teacher records carry no draft proposals, so every position counts whatever train.positions says.
+    loss_fn = distill_loss_fn(tc, positions="all")
     losses: list[float] = []
     tokens = 0
     t_train = time.perf_counter()
@@ -141,18 +177,26 @@ def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progres
             bar.set_postfix(loss=f"{losses[-1]:.3f}")
         bar.close()
         engine.save(ckpt_dir, {"epoch": epoch, "records_total": len(train_recs) * (epoch + 1)})
-    train_s = time.perf_counter() - t_train
+    return _Epochs(losses, tokens, time.perf_counter() - t_train)
 
-    weights = engine.export_weights()
+
+def _save_v1(cfg: OSDConfig, loaded: Any, spec: Any, weights: dict[str, torch.Tensor], out_dir: Path, *,
+             held: list, n_train: int, n_prompts: int, alpha_before: float | None, epochs: _Epochs,
+             force: bool) -> dict[str, Any]:
+    """The trained draft saved at out_dir with its metrics (acceptance after training on the
+    held-out records) and lineage. Returns metrics and lineage together."""
+    from infra.draft_model import draft_with_weights, save_draft, target_ref
+    from train.evaluator import estimate_alpha
+
+    tc = cfg.train
     final = draft_with_weights(loaded.model, spec, weights)
     alpha_after = estimate_alpha(final, held, tc.max_seq_len)
+    losses, tokens, train_s = epochs.losses, epochs.tokens, epochs.train_s
     metrics = {"alpha_est": alpha_after, "alpha_est_before": alpha_before,
                "loss_last": losses[-1] if losses else None, "held_out_records": len(held),
                "train_tokens_per_s": tokens / train_s if train_s > 0 and tokens else None}
-    lineage = {"parent": None, "kind": "warm_start", "records_consumed": len(train_recs) * tc.warm_epochs,
-               "prompts": len(prompts), "epochs": tc.warm_epochs, "loss": tc.loss}
+    lineage = {"parent": None, "kind": "warm_start", "records_consumed": n_train * tc.warm_epochs,
+               "prompts": n_prompts, "epochs": tc.warm_epochs, "loss": tc.loss}
     save_draft(final, spec, out_dir, target_ref=target_ref(loaded), lineage=lineage, metrics=metrics,
                overwrite=force)
-    _log(f"published v1 at {out_dir}: acceptance estimate {alpha_before:.3f} -> {alpha_after:.3f} "
-         f"({time.perf_counter() - t0:.0f} s in all, {train_s:.0f} s training)")
-    return {"version": "v1", "path": str(out_dir), "generate_s": gen_s, "train_s": train_s, **metrics, **lineage}
+    return {**metrics, **lineage}

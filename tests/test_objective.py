@@ -1,0 +1,64 @@
+"""train/objective.py: the loss closure the online trainer and the warm start both step on."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from infra.config import TrainConfig
+from infra.prompts import Prompt
+from infra.target import build_tiny_llama, tiny_tokenizer
+from train.batching import pack, position_logits
+from train.losses import distill_loss, position_weights
+from train.objective import distill_loss_fn
+from train.teacher_data import generate_teacher_records
+
+pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.fixture(scope="module")
+def batch():
+    """Teacher records packed, with a draft proposal at every other position, accepted at every fourth."""
+    target = build_tiny_llama(seed=0, num_layers=2)
+    prompts = [Prompt(f"p{i}", f"tell me about {i}", "other", "train") for i in range(3)]
+    recs = generate_teacher_records(target, tiny_tokenizer(), prompts, max_new_tokens=8, top_k=8, progress=False)
+    b = pack(recs, 128)
+    m = b.accepted.shape[0]
+    pos = torch.arange(m)
+    return dataclasses.replace(b, draft_tokens=torch.where(pos % 2 == 0, 7, -1), accepted=pos % 4 == 0)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return build_tiny_llama(seed=3, num_layers=1)
+
+
+def test_configured_loss_and_position_weights(batch, draft):
+    tc = TrainConfig(loss="jsd", jsd_beta=0.3, positions="mix", mix_weight=0.4)
+    with torch.no_grad():
+        w = position_weights(batch.accepted, batch.draft_tokens, "mix", other_weight=0.4)
+        want = distill_loss(position_logits(draft, batch), batch.topk_ids, batch.topk_logprobs, kind="jsd",
+                            beta=0.3, weights=w)
+        got = distill_loss_fn(tc)(draft, batch)
+    assert 0.0 < w.min() < w.max() == 1.0  # the batch has both weights
+    assert torch.allclose(got, want)
+
+
+def test_positions_override_weighs_every_position(batch, draft):
+    """The warm start counts every position whatever train.positions says."""
+    tc = TrainConfig(loss="fkl", positions="rejected")
+    with torch.no_grad():
+        want = distill_loss(position_logits(draft, batch), batch.topk_ids, batch.topk_logprobs, kind="fkl")
+        got = distill_loss_fn(tc, positions="all")(draft, batch)
+        rejected_only = distill_loss_fn(tc)(draft, batch)
+    assert torch.allclose(got, want)
+    assert not torch.allclose(rejected_only, want)
+
+
+def test_a_batch_without_records_steps_with_zero_gradients(batch, draft):
+    """The trainer's null batch (a rank without data) must leave the weights where they are."""
+    draft.zero_grad()
+    loss = distill_loss_fn(TrainConfig(positions="all"))(draft, dataclasses.replace(batch, n_records=0))
+    loss.backward()
+    assert float(loss.detach()) == 0.0
+    assert all(p.grad is None or not p.grad.any() for p in draft.parameters())

@@ -1,0 +1,34 @@
+"""The loss the DistillEngine steps on: the draft's logits at a packed batch's positions
+against the records' target top-k, weighted per position.
+
+The online trainer and the warm start train the same objective; they differ only in which
+positions count (the warm start's teacher records have no draft proposals, so it weighs every
+position). One closure keeps a change to the loss from reaching one of them and not the other.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from infra.config import TrainConfig
+from train.batching import Batch, position_logits
+from train.losses import WeightMode, distill_loss, position_weights
+
+
+def distill_loss_fn(train: TrainConfig, positions: WeightMode | None = None,
+                    ) -> Callable[[torch.nn.Module, Batch], torch.Tensor]:
+    """loss_fn(model, batch) -> scalar for `DistillEngine.train_batch`: `train.loss` over the
+    batch's positions, weighted by `positions` (default `train.positions`, `train.mix_weight`)."""
+    mode = train.positions if positions is None else positions
+
+    def fn(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        logits = position_logits(model, batch)
+        w = position_weights(batch.accepted, batch.draft_tokens, mode, other_weight=train.mix_weight)
+        if batch.n_records == 0:
+            w = torch.zeros_like(w)  # null batch: zero loss, zero gradients
+        return distill_loss(logits, batch.topk_ids, batch.topk_logprobs, kind=train.loss, beta=train.jsd_beta,
+                            weights=w)
+
+    return fn
