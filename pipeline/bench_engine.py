@@ -20,8 +20,9 @@ from typing import Any, Callable
 import torch
 
 from infra.config import OSDConfig
-from infra.prompts import Prompt, chat_ids, load_jsonl, load_sharegpt
+from infra.prompts import chat_ids
 from infra.target import load_target
+from pipeline.replay import select_prompts
 from serve.drafts import build_draft
 from serve.engine import EngineOptions, GenerationParams, SpecEngine, SpecStats
 
@@ -48,15 +49,6 @@ class MethodRun:
     @property
     def median_tok_s(self) -> float:
         return statistics.median(t / s for t, s in zip(self.tokens, self.seconds)) if self.seconds else 0.0
-
-
-def select_prompts(cfg: OSDConfig, n: int, prompts_file: str | None, limit: int | None,
-                   max_chars: int) -> list[Prompt]:
-    if prompts_file:
-        prompts = load_jsonl(prompts_file, cfg.data)
-    else:
-        prompts = [p for p in load_sharegpt(cfg.data, split="held_out") if len(p.text) <= max_chars][:n]
-    return prompts[:limit] if limit else prompts
 
 
 def _hf_generate(model, ids: list[int], max_new: int, eos: int | None, pad: int, assistant=None) -> list[int]:
@@ -91,32 +83,70 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
               log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
     mcfg = cfg.model.model_copy(update={"device": device})
     loaded = load_target(target or mcfg.target, mcfg, progress=True)
-    model, tok = loaded.model, loaded.tokenizer
-    draft = build_draft(draft_spec, model)
+    draft = build_draft(draft_spec, loaded.model)
     if draft is None:
         raise ValueError("osd bench engine needs a draft: --draft self or truncate:L")
-    prompts = select_prompts(cfg, n_prompts, prompts_file, limit, max_prompt_chars)
+    # --max-prompt-chars and --prompts pick from ShareGPT; a prompts file is used whole.
+    prompts = select_prompts(cfg, None if prompts_file else n_prompts, prompts_file,
+                             max_prompt_chars=None if prompts_file else max_prompt_chars)
+    prompts = prompts[:limit] if limit else prompts
     if not prompts:
         raise ValueError("no prompts selected")
-    serve_cfg = cfg.serve.model_copy(update={"k": k})
-    engine = SpecEngine(model, draft, tok, EngineOptions.from_config(serve_cfg))
+    engine = SpecEngine(loaded.model, draft, loaded.tokenizer,
+                        EngineOptions.from_config(cfg.serve.model_copy(update={"k": k})))
+    ids_list = [chat_ids(loaded.tokenizer, p.text) for p in prompts]
+    log(f"== osd bench engine: target {loaded.spec}, draft {draft_spec}, k={k}, {len(prompts)} prompts, "
+        f"max_new_tokens={max_new_tokens}, device={device}, threads={torch.get_num_threads()}")
+    runs, sd_stats, capture_ratios = time_methods(method_runners(engine, loaded, draft), ids_list,
+                                                  max_new_tokens, log)
+    result = summarize(runs, sd_stats, capture_ratios, greedy_mismatches(loaded.model, runs, ids_list),
+                       engine.options)
+    result.update({
+        "target": loaded.spec,
+        "draft": draft_spec,
+        "k": k,
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "device": device,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.processor() or platform.machine(),
+    })
+    if draft_spec == "self":
+        result.update(self_draft_cost(runs, k))
+    print_table(result, runs, log)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2))
+        log(f"wrote {json_path}")
+    return result
+
+
+MethodFn = Callable[[list[int], int], tuple[list[int], "SpecStats | None"]]
+
+
+def method_runners(engine: SpecEngine, loaded: Any, draft: Any) -> dict[str, MethodFn]:
+    """Each method as (prompt ids, token budget) -> (output ids, speculative stats or None)."""
+    model, tok = loaded.model, loaded.tokenizer
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    ids_list = [chat_ids(tok, p.text) for p in prompts]
 
     def own(ids, n, speculate: bool, capture: bool):
         r = engine.generate(ids, GenerationParams(max_new_tokens=n, speculate=speculate, capture=capture))
         return r.output_ids, r.stats
 
-    Runner = Callable[[list[int], int], tuple[list[int], "SpecStats | None"]]
-    runners: dict[str, Runner] = {
+    return {
         "hf_ar": lambda ids, n: (_hf_generate(model, ids, n, eos, pad), None),
         "hf_assisted": lambda ids, n: (_hf_generate(model, ids, n, eos, pad, assistant=draft), None),
         "ar": lambda ids, n: own(ids, n, False, True),
         "sd": lambda ids, n: own(ids, n, True, True),
         "sd_nocapture": lambda ids, n: own(ids, n, True, False),
     }
-    log(f"== osd bench engine: target {loaded.spec}, draft {draft_spec}, k={k}, {len(prompts)} prompts, "
-        f"max_new_tokens={max_new_tokens}, device={device}, threads={torch.get_num_threads()}")
+
+
+def time_methods(runners: dict[str, MethodFn], ids_list: list[list[int]], max_new_tokens: int,
+                 log: Callable[[str], None]) -> tuple[dict[str, MethodRun], SpecStats, list[float]]:
+    """Every method on every prompt; returns the runs, the merged stats of "sd" and, per prompt,
+    (time with capture / time without) - 1."""
     # Warm-up: one short call per method (allocator, MKL/oneDNN kernels, HF caches).
     for fn in runners.values():
         fn(ids_list[0], 8)
@@ -138,7 +168,12 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
         capture_ratios.append(runs["sd"].seconds[-1] / runs["sd_nocapture"].seconds[-1] - 1.0)
         log(f"  [{i + 1}/{len(ids_list)}] {len(ids)} prompt tokens, "
             + ", ".join(f"{m} {runs[m].tokens[-1] / runs[m].seconds[-1]:.1f}" for m in METHODS) + " tok/s")
+    return runs, sd_stats, capture_ratios
 
+
+def greedy_mismatches(model: Any, runs: dict[str, MethodRun], ids_list: list[list[int]]) -> list[dict[str, Any]]:
+    """Where an own method's output first differs from HF generate's, with the target's top-2
+    logit gap there (a near tie explains a difference by float rounding)."""
     mismatches = []
     for m in ("ar", "sd", "sd_nocapture"):
         for i, (ref, got) in enumerate(zip(runs["hf_ar"].outputs, runs[m].outputs)):
@@ -146,9 +181,12 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
             if pos is not None:
                 gap = _top2_gap(model, ids_list[i] + ref[:pos]) if pos < len(ref) else None
                 mismatches.append({"method": m, "prompt": i, "position": pos, "top2_logit_gap": gap})
+    return mismatches
 
-    t_ar = sum(runs["ar"].seconds) / max(sum(runs["ar"].tokens), 1)
-    result: dict[str, Any] = {
+
+def summarize(runs: dict[str, MethodRun], sd_stats: SpecStats, capture_ratios: list[float],
+              mismatches: list[dict[str, Any]], options: EngineOptions) -> dict[str, Any]:
+    return {
         "hf_ar_tok_s": runs["hf_ar"].tok_s,
         "hf_assisted_tok_s": runs["hf_assisted"].tok_s,
         "ar_tok_s": runs["ar"].tok_s,
@@ -169,34 +207,21 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
         # Where a speculative step's time goes, in ms per step (prefill excluded).
         "sd_stage_ms_per_step": {n: 1e3 * t / max(sd_stats.num_steps, 1) for n, t in sd_stats.stage_s.items()},
         "sd_steps": sd_stats.num_steps,
-        "adaptive_k": engine.options.adaptive_k,
-        "draft_confidence": engine.options.draft_confidence,
+        "adaptive_k": options.adaptive_k,
+        "draft_confidence": options.draft_confidence,
         "tokens": {m: sum(runs[m].tokens) for m in METHODS},
         "seconds": {m: sum(runs[m].seconds) for m in METHODS},
-        "target": loaded.spec,
-        "draft": draft_spec,
-        "k": k,
-        "prompts": len(prompts),
-        "max_new_tokens": max_new_tokens,
-        "device": device,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "machine": platform.processor() or platform.machine(),
     }
-    if draft_spec == "self":
-        # Ideal cost per emitted token with a perfect draft of the target's own cost:
-        # (one target forward + k draft steps) / (k + 1), both taken as own AR's time per token.
-        ideal = (t_ar + k * t_ar) / (k + 1)
-        per_tok = sum(runs["sd"].seconds) / max(sum(runs["sd"].tokens), 1)
-        result["self_ms_per_token"] = 1e3 * per_tok
-        result["self_ideal_ms_per_token"] = 1e3 * ideal
-        result["self_vs_ideal"] = per_tok / ideal
-    print_table(result, runs, log)
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=2))
-        log(f"wrote {json_path}")
-    return result
+
+
+def self_draft_cost(runs: dict[str, MethodRun], k: int) -> dict[str, float]:
+    """Ideal cost per emitted token with a perfect draft of the target's own cost:
+    (one target forward + k draft steps) / (k + 1), both taken as own AR's time per token."""
+    t_ar = sum(runs["ar"].seconds) / max(sum(runs["ar"].tokens), 1)
+    ideal = (t_ar + k * t_ar) / (k + 1)
+    per_tok = sum(runs["sd"].seconds) / max(sum(runs["sd"].tokens), 1)
+    return {"self_ms_per_token": 1e3 * per_tok, "self_ideal_ms_per_token": 1e3 * ideal,
+            "self_vs_ideal": per_tok / ideal}
 
 
 def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callable[[str], None]) -> None:

@@ -25,35 +25,18 @@ def _log(msg: str) -> None:
 def run_train_bench(cfg: OSDConfig, *, records: int = 2000, domain: str = "code", eval_prompts: int = 64,
                     workers: tuple[int, ...] = (1, 2), init_draft: str | None = None,
                     json_path: str | Path | None = None) -> dict[str, Any]:
-    import dataclasses
-
     import ray
 
-    from infra.records import new_record_id
     from infra.redis_server import RedisServer
-    from infra.streams import RecordProducer
-    from infra.prompts import load_sharegpt
     from infra.target import load_target
-    from infra.draft_model import DraftSpec, build_draft, load_draft
-    from train.trainer import TrainerGroup, estimate_alpha
-    from train.warm_start import teacher_records, warm_prompts
+    from train.trainer import estimate_alpha
 
     tc = cfg.train
     loaded = load_target(cfg.model.target, cfg.model, progress=True)
     default_v1 = Path(cfg.state_dir) / "drafts" / "v1"
     init_draft = init_draft or (str(default_v1) if default_v1.is_dir() else None)
-    sharegpt = load_sharegpt(cfg.data)  # both selections from one parse
-    train_p = warm_prompts(cfg, records, split="train", domain=domain, prompts=sharegpt)
-    eval_p = warm_prompts(cfg, eval_prompts, split="held_out", domain=domain, prompts=sharegpt)
-    _log(f"teacher records: {len(train_p)} train + {len(eval_p)} held-out {domain!r} prompts (cached after the first run)")
-    train_recs = teacher_records(cfg, loaded, train_p)
-    eval_recs = teacher_records(cfg, loaded, eval_p)
-    if init_draft:
-        start, _ = load_draft(init_draft, loaded.model)
-    else:
-        start = build_draft(loaded.model, DraftSpec(num_layers=tc.draft_layers, layer_source=tc.draft_layer_source,
-                                                    independent_head=tc.independent_head))
-    alpha_before = estimate_alpha(start, eval_recs, tc.max_seq_len)
+    train_recs, eval_recs = teacher_sets(cfg, loaded, records, eval_prompts, domain)
+    alpha_before = estimate_alpha(starting_draft(cfg, loaded, init_draft), eval_recs, tc.max_seq_len)
     _log(f"starting draft {init_draft or 'fresh'}: acceptance estimate on held-out {domain} {alpha_before:.3f}")
 
     results: dict[int, dict[str, Any]] = {}
@@ -61,36 +44,9 @@ def run_train_bench(cfg: OSDConfig, *, records: int = 2000, domain: str = "code"
     ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
     with tempfile.TemporaryDirectory(prefix="osd-bench-train-") as tmp, RedisServer(Path(tmp) / "redis") as redis_srv:
         for w in workers:
-            stream = f"bench:train:{w}"
-            run_cfg = OSDConfig.model_validate({
-                **cfg.model_dump(mode="json"),
-                "stream": {**cfg.stream.model_dump(mode="json"), "redis_url": redis_srv.url, "stream": stream,
-                           "lag_budget": 0, "maxlen": max(cfg.stream.maxlen, len(train_recs) + 1)},
-                "train": {**tc.model_dump(mode="json"), "num_workers": w,
-                          # one candidate at the end, so exports do not dominate the timing
-                          "export_every_records": len(train_recs) + 1, "export_every_s": 1e9},
-            })
-            with RecordProducer(redis_srv.url, run_cfg.stream) as prod:
-                for r in train_recs:
-                    prod.submit(dataclasses.replace(r, record_id=new_record_id()))
-                prod.flush(120)
-            _log(f"{w} worker(s), ZeRO-{tc.zero_stage}: training on {len(train_recs)} records")
-            group = TrainerGroup(run_cfg, Path(tmp) / f"run-{w}", init_draft=init_draft)
-            try:
-                t0 = time.perf_counter()
-                stats = group.run(idle_stop_s=5, timeout=7200)
-                wall = time.perf_counter() - t0 - 5  # minus the idle wait that ends the run
-            finally:
-                group.shutdown()
-            tokens = sum(s.tokens for s in stats)
-            results[w] = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-                          "records": sum(s.records_trained for s in stats), "steps": max(s.steps for s in stats)}
-            _log(f"{w} worker(s): {tokens} tokens in {wall:.1f} s = {tokens / wall:.0f} tokens/s")
-            exports = stats[0].exports
-            if exports:
-                cand, _ = load_draft(exports[-1]["path"], loaded.model)
-                results[w]["alpha_after"] = estimate_alpha(cand, eval_recs, tc.max_seq_len)
-                alpha_after = results[w]["alpha_after"]
+            run_cfg = worker_run_config(cfg, redis_srv.url, w, len(train_recs))
+            results[w] = time_workers(run_cfg, loaded, train_recs, eval_recs, Path(tmp) / f"run-{w}", init_draft)
+            alpha_after = results[w].get("alpha_after", alpha_after)
     out = {
         "tokens_per_s": {str(w): r["tokens_per_s"] for w, r in results.items()},
         "workers": list(workers),
@@ -105,14 +61,89 @@ def run_train_bench(cfg: OSDConfig, *, records: int = 2000, domain: str = "code"
         "loss": tc.loss,
         "lr": tc.lr,
     }
-    print(f"\n{'workers':>8}{'tokens':>10}{'seconds':>9}{'tokens/s':>10}{'alpha after':>13}")
-    for w, r in results.items():
-        a = r.get("alpha_after")
-        print(f"{w:>8}{r['tokens']:>10}{r['wall_s']:>9.1f}{r['tokens_per_s']:>10.0f}{'' if a is None else f'{a:.3f}':>13}")
-    print(f"acceptance estimate on held-out {domain}: {alpha_before:.3f} -> "
-          f"{'n/a' if alpha_after is None else f'{alpha_after:.3f}'} after {len(train_recs)} records")
+    print_table(results, domain, alpha_before, alpha_after, len(train_recs))
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(out, indent=2))
         print(f"wrote {json_path}")
     return out
+
+
+def teacher_sets(cfg: OSDConfig, loaded: Any, records: int, eval_prompts: int, domain: str) -> tuple[list, list]:
+    """Teacher records of `records` train-split and `eval_prompts` held-out prompts of `domain`."""
+    from infra.prompts import load_sharegpt
+    from train.warm_start import teacher_records, warm_prompts
+
+    sharegpt = load_sharegpt(cfg.data)  # both selections from one parse
+    train_p = warm_prompts(cfg, records, split="train", domain=domain, prompts=sharegpt)
+    eval_p = warm_prompts(cfg, eval_prompts, split="held_out", domain=domain, prompts=sharegpt)
+    _log(f"teacher records: {len(train_p)} train + {len(eval_p)} held-out {domain!r} prompts (cached after the first run)")
+    return teacher_records(cfg, loaded, train_p), teacher_records(cfg, loaded, eval_p)
+
+
+def starting_draft(cfg: OSDConfig, loaded: Any, init_draft: str | None) -> Any:
+    """The draft training starts from: `init_draft`, or a fresh one built as the trainer would."""
+    from infra.draft_model import DraftSpec, build_draft, load_draft
+
+    if init_draft:
+        return load_draft(init_draft, loaded.model)[0]
+    tc = cfg.train
+    return build_draft(loaded.model, DraftSpec(num_layers=tc.draft_layers, layer_source=tc.draft_layer_source,
+                                               independent_head=tc.independent_head))
+
+
+def worker_run_config(cfg: OSDConfig, redis_url: str, workers: int, n_records: int) -> OSDConfig:
+    """`cfg` on the bench's private stream, with `workers` trainers and one export at the end."""
+    return OSDConfig.model_validate({
+        **cfg.model_dump(mode="json"),
+        "stream": {**cfg.stream.model_dump(mode="json"), "redis_url": redis_url, "stream": f"bench:train:{workers}",
+                   "lag_budget": 0, "maxlen": max(cfg.stream.maxlen, n_records + 1)},
+        "train": {**cfg.train.model_dump(mode="json"), "num_workers": workers,
+                  # one candidate at the end, so exports do not dominate the timing
+                  "export_every_records": n_records + 1, "export_every_s": 1e9},
+    })
+
+
+def time_workers(run_cfg: OSDConfig, loaded: Any, train_recs: list, eval_recs: list, run_dir: Path,
+                 init_draft: str | None) -> dict[str, Any]:
+    """Stream the train records, train a group on them until the stream is idle, and score the
+    candidate it exported on the held-out records."""
+    import dataclasses
+
+    from infra.draft_model import load_draft
+    from infra.records import new_record_id
+    from infra.streams import RecordProducer
+    from train.trainer import TrainerGroup, estimate_alpha
+
+    tc, w = run_cfg.train, run_cfg.train.num_workers
+    with RecordProducer(run_cfg.stream.redis_url, run_cfg.stream) as prod:
+        for r in train_recs:
+            prod.submit(dataclasses.replace(r, record_id=new_record_id()))
+        prod.flush(120)
+    _log(f"{w} worker(s), ZeRO-{tc.zero_stage}: training on {len(train_recs)} records")
+    group = TrainerGroup(run_cfg, run_dir, init_draft=init_draft)
+    try:
+        t0 = time.perf_counter()
+        stats = group.run(idle_stop_s=5, timeout=7200)
+        wall = time.perf_counter() - t0 - 5  # minus the idle wait that ends the run
+    finally:
+        group.shutdown()
+    tokens = sum(s.tokens for s in stats)
+    result = {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+              "records": sum(s.records_trained for s in stats), "steps": max(s.steps for s in stats)}
+    _log(f"{w} worker(s): {tokens} tokens in {wall:.1f} s = {tokens / wall:.0f} tokens/s")
+    exports = stats[0].exports
+    if exports:
+        cand, _ = load_draft(exports[-1]["path"], loaded.model)
+        result["alpha_after"] = estimate_alpha(cand, eval_recs, tc.max_seq_len)
+    return result
+
+
+def print_table(results: dict[int, dict[str, Any]], domain: str, alpha_before: float, alpha_after: float | None,
+                n_records: int) -> None:
+    print(f"\n{'workers':>8}{'tokens':>10}{'seconds':>9}{'tokens/s':>10}{'alpha after':>13}")
+    for w, r in results.items():
+        a = r.get("alpha_after")
+        print(f"{w:>8}{r['tokens']:>10}{r['wall_s']:>9.1f}{r['tokens_per_s']:>10.0f}{'' if a is None else f'{a:.3f}':>13}")
+    print(f"acceptance estimate on held-out {domain}: {alpha_before:.3f} -> "
+          f"{'n/a' if alpha_after is None else f'{alpha_after:.3f}'} after {n_records} records")

@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -226,27 +227,62 @@ def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
 
 def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 660, speed_prompts: int = 12,
              max_tokens: int = 64, concurrency: int = 2, out_dir: str | Path = "reports/demo") -> dict[str, Any]:
-    from infra.prompts import load_sharegpt
     from infra.registry import Registry
-    from infra.target import load_target
-    from pipeline.up import ClosedLoop
-    from train.warm_start import run_warm_start, warm_prompts
+    from pipeline.up import ClosedLoop, ensure_stable
 
     t_start = time.time()
+    loaded, v1 = prepare(cfg)
+    setup_s = time.time() - t_start
+    state = Path(cfg.state_dir) / "demo" / time.strftime("%Y%m%d-%H%M%S")
+    dcfg = demo_config(cfg, state)
+    ensure_stable(dcfg, warm_start_dir=v1)
+    general, code, speed_set = workload_prompts(cfg, speed_prompts)
+    _log(f"workload: {len(general)} general then {len(code)} code held-out prompts; "
+         f"{general_s:.0f} s general, {code_s:.0f} s code, {max_tokens} tokens each, {concurrency} clients")
+
+    loop = ClosedLoop(dcfg, run_name="demo").start()
+    reg = Registry.from_config(dcfg)
+    try:
+        work = Workload(loop.url, max_tokens, concurrency)
+        run = run_phases(loop, reg, work, general, code, speed_set, general_s=general_s, code_s=code_s)
+    finally:
+        loop.stop()
+
+    versions = version_table(run.samples, run.shift, reg)
+    _log("paired estimate: every version on the same held-out post-shift code records")
+    paired = paired_alpha(dcfg, run.records, run.shift, loaded.model, reg)
+    report = build_report(run, work.results, versions, paired, general_s=general_s, code_s=code_s)
+    report.update({"setup_s": setup_s, "loop_s": time.time() - run.t0, "total_s": time.time() - t_start,
+                   "state_dir": str(state), "target": cfg.model.target})
     out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # The speed prompts, so the same check can be rerun elsewhere (a GPU) with `osd bench engine`.
+    write_prompts(speed_set, out_dir / "speed_prompts.jsonl")
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    plot(run.samples, run.shift, run.t0, run.controller["decisions"], out_dir / "acceptance.png")
+    _print(report, out_dir)
+    return report
+
+
+def prepare(cfg: OSDConfig) -> tuple[Any, Path]:
+    """The target (converted and cached on the first run) and the warm-start draft v1's directory."""
+    from infra.target import load_target
+    from train.warm_start import run_warm_start
+
     _log(f"target {cfg.model.target}: preparing (cached after the first run)")
     loaded = load_target(cfg.model.target, cfg.model, progress=True)
     v1 = Path(cfg.state_dir) / "drafts" / "v1"
     if not v1.is_dir():
         _log("no warm-start draft yet: running `osd draft init` once (cached for later runs)")
         run_warm_start(cfg)
-    setup_s = time.time() - t_start
+    return loaded, v1
 
-    state = Path(cfg.state_dir) / "demo" / time.strftime("%Y%m%d-%H%M%S")
-    dcfg = demo_config(cfg, state)
-    from pipeline.up import ensure_stable
 
-    ensure_stable(dcfg, warm_start_dir=v1)
+def workload_prompts(cfg: OSDConfig, speed_prompts: int) -> tuple[list, list, list]:
+    """(general, code, speed check) prompts: short held-out ShareGPT prompts, no text twice."""
+    from infra.prompts import load_sharegpt
+    from train.warm_start import warm_prompts
+
     sharegpt = load_sharegpt(cfg.data)  # parsed once: held-out traffic, v1's prompts, the train top-up
     held = [p for p in sharegpt if p.split == "held_out" and len(p.text) <= 600]
     general = unique_texts([p for p in held if p.domain != "code"])
@@ -259,70 +295,65 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 660, spe
     code = unique_texts(code + [p for p in sharegpt if p.split == "train" and p.domain == "code"
                                 and len(p.text) <= 600 and p.id not in warm_ids],
                         exclude={p.text for p in speed_set})
-    _log(f"workload: {len(general)} general then {len(code)} code held-out prompts; "
-         f"{general_s:.0f} s general, {code_s:.0f} s code, {max_tokens} tokens each, {concurrency} clients")
+    return general, code, speed_set
 
-    loop = ClosedLoop(dcfg, run_name="demo").start()
-    reg = Registry.from_config(dcfg)
+
+@dataclass
+class PhaseRun:
+    """What the loop's phases left behind, read before the loop stops."""
+
+    t0: float  # start of phase 1 (time.time())
+    shift: float  # start of phase 2, the shift to code
+    speed: dict[str, Any]  # speed_check's result, with max_tokens
+    controller: dict[str, Any]  # the rollout controller's status: decisions, aliases
+    samples: list[dict[str, Any]]  # the controller's per-request samples
+    records: list  # the run's records, from its private stream
+
+
+def run_phases(loop: Any, reg: Any, work: Workload, general: list, code: list, speed_set: list, *,
+               general_s: float, code_s: float) -> PhaseRun:
+    """General traffic, the shift to code, then the speed check."""
 
     def status() -> str:
         a = reg.aliases()
         c = a["canary"]
         return f"stable {a['stable']['version']}" + (f", canary {c['version']} at {c['weight']:.0%}" if c else "")
 
-    try:
-        work = Workload(loop.url, max_tokens, concurrency)
-        t0 = time.time()
-        _log("phase 1: general traffic")
-        work.run("general", general, general_s, status)
-        shift = time.time()
-        _log(f"phase 2: the traffic shifts to code ({status()})")
-        work.run("code", code, code_s, status)
-        _log(f"speed check: {len(speed_set)} post-shift code prompts, speculative vs autoregressive, same server")
-        speed = dict(speed_check(loop.url, speed_set, max_tokens), max_tokens=max_tokens)
-        time.sleep(2 * dcfg.rollout.poll_s)
-        ctl = loop.controller_status()
-        samples = loop.samples()
-        records = stream_records(loop.cfg)
-    finally:
-        loop.stop()
+    t0 = time.time()
+    _log("phase 1: general traffic")
+    work.run("general", general, general_s, status)
+    shift = time.time()
+    _log(f"phase 2: the traffic shifts to code ({status()})")
+    work.run("code", code, code_s, status)
+    _log(f"speed check: {len(speed_set)} post-shift code prompts, speculative vs autoregressive, same server")
+    speed = dict(speed_check(loop.url, speed_set, work.max_tokens), max_tokens=work.max_tokens)
+    time.sleep(2 * loop.cfg.rollout.poll_s)
+    return PhaseRun(t0, shift, speed, loop.controller_status(), loop.samples(), stream_records(loop.cfg))
 
-    decisions = ctl["decisions"]
-    versions = version_table(samples, shift, reg)
-    _log("paired estimate: every version on the same held-out post-shift code records")
-    paired = paired_alpha(dcfg, records, shift, loaded.model, reg)
+
+def build_report(run: PhaseRun, results: list[dict[str, Any]], versions: list[dict[str, Any]],
+                 paired: dict[str, Any], *, general_s: float, code_s: float) -> dict[str, Any]:
+    decisions = run.controller["decisions"]
     by_id = {p["version"]: p["alpha_est"] for p in paired["versions"]}
     for v in versions:
         v["alpha_est_post_shift"] = by_id.get(v["version"])
-    failed = [r for r in work.results if not r["ok"]]
-    report = {
+    failed = [r for r in results if not r["ok"]]
+    return {
         "failed_requests": len(failed),
-        "requests": len(work.results),
+        "requests": len(results),
         "promoted": [d["version"] for d in decisions if d["action"] == "promote"],
         "rolled_back": [d["version"] for d in decisions if d["action"] == "rollback"],
         "versions": versions,
-        "speedup_vs_ar": speed["speedup_vs_ar"],
+        "speedup_vs_ar": run.speed["speedup_vs_ar"],
         "paired_post_shift": paired,
-        "speed_check": speed,
+        "speed_check": run.speed,
         "decisions": [{k: d.get(k) for k in ("time", "action", "version", "reason", "weight")} for d in decisions],
-        "final_aliases": ctl["aliases"],
-        "phases": {"general_s": general_s, "code_s": code_s, "shift_time": shift, "start_time": t0,
-                   "requests_general": sum(r["phase"] == "general" for r in work.results),
-                   "requests_code": sum(r["phase"] == "code" for r in work.results)},
+        "final_aliases": run.controller["aliases"],
+        "phases": {"general_s": general_s, "code_s": code_s, "shift_time": run.shift, "start_time": run.t0,
+                   "requests_general": sum(r["phase"] == "general" for r in results),
+                   "requests_code": sum(r["phase"] == "code" for r in results)},
         "errors": [r["error"] for r in failed][:20],
-        "setup_s": setup_s,
-        "loop_s": time.time() - t0,
-        "total_s": time.time() - t_start,
-        "state_dir": str(state),
-        "target": cfg.model.target,
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # The speed prompts, so the same check can be rerun elsewhere (a GPU) with `osd bench engine`.
-    write_prompts(speed_set, out_dir / "speed_prompts.jsonl")
-    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    plot(samples, shift, t0, decisions, out_dir / "acceptance.png")
-    _print(report, out_dir)
-    return report
 
 
 def _print(r: dict[str, Any], out_dir: Path) -> None:

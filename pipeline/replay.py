@@ -63,9 +63,10 @@ class ReplayConnectionError(ReplayError):
 def select_prompts(cfg: OSDConfig, n: int | None = None, prompts_file: str | None = None,
                    split: str | None = "held_out", domain: str | None = None,
                    max_prompt_chars: int | None = 1000) -> list[Prompt]:
-    """The replayed prompts, in file order: from a JSONL file (all its lines; `split` is not
-    applied) or ShareGPT's `split`; then the domain and length filters; then the first `n`
-    (default: 32 from ShareGPT, all from a file)."""
+    """The prompts `osd replay` and `osd bench engine` send, in file order: from a JSONL file
+    (all its lines; `split` is not applied) or ShareGPT's `split`; then the domain and length
+    filters (None or 0: no length limit); then the first `n` (default: 32 from ShareGPT, all
+    from a file)."""
     if domain is not None and domain not in DOMAINS:
         raise ReplayError(f"unknown domain {domain!r}; one of {', '.join(DOMAINS)}")
     if prompts_file:

@@ -173,18 +173,20 @@ class ClosedLoop:
         return ray.get(self.controller.samples.remote(), timeout=30)
 
     def stop(self) -> None:
+        """Trainer, controller, then serving; a part that Ray cannot reach any more (its actor
+        died, the call timed out) is logged and the rest still stops."""
         import ray
 
         try:
             self.stop_trainer()
-        except Exception:
-            pass
+        except ray.exceptions.RayError as e:
+            _log(f"stopping the trainer group failed ({_reason(e)}); stopping the rest")
         if self.controller is not None:
             try:
                 ray.get(self.controller.stop.remote(), timeout=30)
                 ray.kill(self.controller)
-            except Exception:
-                pass
+            except ray.exceptions.RayError as e:
+                _log(f"stopping the rollout controller failed ({_reason(e)}); stopping the rest")
         if self.stack is not None:
             self.stack.stop()
 

@@ -40,6 +40,7 @@ from infra.config import ServeConfig
 from infra.tokens import eos_token_ids
 from serve.admission import SlotPool
 from serve.capture import Capture, CaptureBuffer
+from serve.detokenize import StopScanner
 from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
 from serve.runner import KVCache, Runner, make_runner
 from serve.verify import SamplingParams, verify_greedy, verify_sampling, warp_probs
@@ -161,7 +162,7 @@ class _Slot:
         self.drafts: dict[Any, KVCache] = {}
 
     def draft_cache(self, runner: Runner) -> KVCache:
-        key = getattr(runner, "cache_key", id(runner))
+        key = runner.cache_key
         cache = self.drafts.get(key)
         if cache is None:
             if len(self.drafts) >= self.MAX_DRAFT_SHAPES:
@@ -185,7 +186,8 @@ class _Seq:
         self.eos = eos
         self.out: list[int] = []
         self.finish: str | None = None
-        self.text: str | None = None
+        self.text: str | None = None  # set when a stop string cut the output
+        self.stops: StopScanner | None = None  # set by the engine when stop strings apply
         self.stats = SpecStats(accepted_per_pos=[0] * k)
         self.capture = capture
         self.cap_accepted: list[bool] = []
@@ -263,14 +265,16 @@ def verify(seq: _Seq, drafts: torch.Tensor, q: torch.Tensor | None, logits: torc
                            warp_probs(logits, params), seq.gen)
 
 
-def commit(seq: _Seq, drafts: torch.Tensor, own: list[float], logits: torch.Tensor, n: int, nxt: int,
-           tokenizer: Any) -> list[int]:
+def commit(seq: _Seq, drafts: torch.Tensor, own: list[float], logits: torch.Tensor, n: int,
+           nxt: int) -> list[int]:
     """Accept n drafts plus `nxt`, roll both caches back to the committed prefix, record
     capture rows, apply stop rules. Returns the tokens this step emitted."""
     k = drafts.shape[0]
     base = len(seq.tokens)
     new = drafts[:n].tolist() + [nxt]
-    seq.slot.target.truncate(base - 1 + 1 + n)
+    # score() fed the target [last committed, drafts...] on top of base - 1 cached tokens. Keep
+    # all committed tokens plus the n accepted drafts; `nxt` is the next forward's first input.
+    seq.slot.target.truncate(base + n)
     if seq.dcache is not None and k:
         seq.dcache.truncate(min(seq.dcache.length, base + n))
     st = seq.stats
@@ -298,17 +302,16 @@ def commit(seq: _Seq, drafts: torch.Tensor, own: list[float], logits: torch.Tens
         if len(seq.out) >= seq.params.max_new_tokens:
             seq.finish = "length"
             break
-    if seq.params.stop and tokenizer is not None:
-        _apply_stop_strings(seq, tokenizer)
+    if seq.stops is not None:
+        _apply_stop_strings(seq, seq.stops, emitted)
     return emitted
 
 
-def _apply_stop_strings(seq: _Seq, tokenizer: Any) -> None:
-    text = tokenizer.decode(seq.out, skip_special_tokens=True)
-    hits = [text.find(s) for s in seq.params.stop if s and s in text]
-    if hits:
+def _apply_stop_strings(seq: _Seq, stops: StopScanner, emitted: list[int]) -> None:
+    stops.push(emitted)
+    if stops.stop_at is not None:
         seq.finish = "stop"
-        seq.text = text[: min(hits)]
+        seq.text = stops.text_before_stop()
 
 
 # ---------------------------------------------------------------- engine
@@ -393,6 +396,8 @@ class SpecEngine:
             cap = CaptureBuffer(params.max_new_tokens, min(self.options.capture_top_k, self.target.vocab_size),
                                 self.device)
         seq = _Seq(prompt, params, slot, k, self.eos, cap, self.device, draft if use_draft else None)
+        if params.stop and self.tokenizer is not None:
+            seq.stops = StopScanner(self.tokenizer, params.stop)
         prefill(self.target, seq.draft, seq)
         return seq
 
@@ -410,7 +415,7 @@ class SpecEngine:
         t2 = time.perf_counter()
         n, nxt = verify(seq, drafts, q, logits)
         t3 = time.perf_counter()
-        emitted = commit(seq, drafts, own, logits, n, nxt, self.tokenizer)
+        emitted = commit(seq, drafts, own, logits, n, nxt)
         t4 = time.perf_counter()
         clock["propose"] += t1 - t0
         clock["score"] += t2 - t1

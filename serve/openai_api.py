@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from serve.detokenize import REPLACEMENT, StopScanner
+
 
 class APIError(Exception):
     """An error answered to the client: HTTP status plus an OpenAI error body."""
@@ -199,29 +201,27 @@ class IncrementalText:
 
     Holds back a trailing U+FFFD (a multi-byte character cut between tokens) and the last
     few characters that could still become a stop string, so the client never receives
-    text the final answer will not contain.
+    text the final answer will not contain. Decoding and the stop search are incremental
+    (serve/detokenize.py), as in the engine, so both see the same text.
     """
 
     def __init__(self, tokenizer: Any, stops: tuple[str, ...] = ()):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.scan = StopScanner(tokenizer, stops)
         self.sent = 0
-        self.stops = tuple(s for s in stops if s)
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.hold = max((len(s) for s in self.scan.stops), default=1) - 1
 
     def push(self, new_ids: list[int]) -> str:
-        self.ids += new_ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        safe = len(text) - self.hold
-        for stop in self.stops:  # a completed stop string: nothing from its start on is sent
-            at = text.find(stop)
-            if at >= 0:
-                safe = min(safe, at)
-        if text.endswith("\ufffd"):
-            safe = min(safe, len(text) - 1)
+        self.scan.push(new_ids)
+        decoder = self.scan.decoder
+        end = len(decoder)
+        safe = end - self.hold
+        if self.scan.stop_at is not None:  # a completed stop string: nothing from its start on is sent
+            safe = min(safe, self.scan.stop_at)
+        if end and decoder.text_from(end - 1) == REPLACEMENT:
+            safe = min(safe, end - 1)
         if safe <= self.sent:
             return ""
-        delta = text[self.sent:safe]
+        delta = decoder.text_from(self.sent)[: safe - self.sent]
         self.sent = safe
         return delta
 

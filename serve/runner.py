@@ -10,7 +10,7 @@ match HF to float rounding.
 engine accepts any pair of causal LMs that share a vocab; it is slower.
 
 Both expose: new_cache(), forward(tokens [T], cache) -> logits [T, V] (appending T
-positions to the cache), and cache.truncate(n) for rollback.
+positions to the cache), cache.truncate(n) for rollback, and cache_key.
 """
 
 from __future__ import annotations
@@ -34,6 +34,12 @@ class Runner(Protocol):
 
     def new_cache(self) -> KVCache: ...
 
+    @property
+    def cache_key(self) -> Any:
+        """Equal for runners whose caches are interchangeable, so a request slot keeps one
+        draft cache per key and a hot-swapped draft of the same shape reuses it."""
+        ...
+
     def forward(self, tokens: torch.Tensor, cache: Any) -> torch.Tensor: ...
 
 
@@ -55,6 +61,10 @@ class StaticKVCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
         self.length = n
 
+
+# Context bound of an HFRunner whose model config declares no max_position_embeddings (a
+# model with no position limit of its own); the engine's max_seq_len still applies below it.
+HF_CONTEXT_WITHOUT_LIMIT = 4096
 
 _HEAD_T: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -191,7 +201,7 @@ class HFRunner:
         self.model = model
         self.device = next(model.parameters()).device
         self.vocab_size = model.config.vocab_size
-        limit = getattr(model.config, "max_position_embeddings", None) or 4096
+        limit = getattr(model.config, "max_position_embeddings", None) or HF_CONTEXT_WITHOUT_LIMIT
         self.max_seq_len = min(max_seq_len or limit, limit)
 
     def new_cache(self) -> _HFCache:

@@ -1,6 +1,7 @@
 """The whole loop end to end on tiny models, under steady load with 0 failed requests:
 serve -> records -> trainer -> registry -> canary -> a decision on the trained candidate;
-then an injected better draft is promoted and an injected random-weights draft rolled back."""
+then an injected better draft is promoted and an injected random-weights draft rolled back.
+Stopping the loop is checked on its own too."""
 
 import threading
 import time
@@ -11,7 +12,6 @@ import torch
 from infra.config import load_config
 from infra.registry import Registry
 
-pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 
 def _wait(cond, timeout, what):
@@ -21,6 +21,8 @@ def _wait(cond, timeout, what):
         time.sleep(0.5)
 
 
+@pytest.mark.ray
+@pytest.mark.redis
 def test_closed_loop_promotes_a_trained_candidate_and_rolls_back_a_bad_one(tiny, tmp_path):
     from pipeline.demo import post_chat
     from infra.redis_server import free_port
@@ -100,3 +102,40 @@ def test_closed_loop_promotes_a_trained_candidate_and_rolls_back_a_bad_one(tiny,
     assert {"v1", trained["version"], "good", "bad"} <= versions  # every swap happened under load
     audit = [(e["action"], e["version"]) for e in reg.audit_log()]
     assert ("promote", "good") in audit and ("rollback", "bad") in audit and ("start", "bad") in audit
+
+
+@pytest.mark.pure
+def test_stop_logs_a_part_ray_cannot_reach_and_still_stops_the_rest(capsys):
+    import ray
+
+    from pipeline.up import ClosedLoop
+
+    class DeadGroup:
+        def shutdown(self):
+            raise ray.exceptions.ActorDiedError()
+
+    class Stack:
+        stopped = False
+
+        def stop(self):
+            self.stopped = True
+
+    loop = ClosedLoop(load_config(environ={}, overrides={}))
+    loop._trainer_group, loop.stack = DeadGroup(), Stack()
+    loop.stop()
+    assert loop.stack.stopped
+    assert "stopping the trainer group failed (ActorDiedError" in capsys.readouterr().out
+
+
+@pytest.mark.pure
+def test_stop_does_not_hide_an_error_that_is_not_ray_s():
+    from pipeline.up import ClosedLoop
+
+    class BrokenGroup:
+        def shutdown(self):
+            raise KeyError("a bug, not an unreachable actor")
+
+    loop = ClosedLoop(load_config(environ={}, overrides={}))
+    loop._trainer_group = BrokenGroup()
+    with pytest.raises(KeyError):
+        loop.stop()

@@ -11,6 +11,8 @@ from infra.records import Record
 from infra.registry import Registry
 from train.trainer import is_held_out
 
+pure = pytest.mark.pure  # all but the stream test, which reads a real Redis
+
 
 def records_from(draft, n: int, *, domain: str, created_at: float, k: int = 16) -> list[Record]:
     """Records whose target top-k is exactly `draft`'s distribution: `draft` is the perfect draft for them."""
@@ -35,6 +37,7 @@ def records_from(draft, n: int, *, domain: str, created_at: float, k: int = 16) 
     return out
 
 
+@pure
 def test_every_version_is_scored_on_the_same_held_out_post_shift_code_records(tiny, tmp_path, one_thread):
     from pipeline.demo import paired_alpha
     from infra.draft_model import DraftSpec, build_draft, save_draft
@@ -72,6 +75,7 @@ def test_every_version_is_scored_on_the_same_held_out_post_shift_code_records(ti
     assert a["v2"] > 0.85 and a["v1"] < a["v2"] - 0.1
 
 
+@pure
 def test_no_held_out_post_shift_records_means_no_scores(tiny, tmp_path):
     from pipeline.demo import paired_alpha
 
@@ -80,6 +84,7 @@ def test_no_held_out_post_shift_records_means_no_scores(tiny, tmp_path):
     assert out == {"records": 0, "positions": 0, "versions": []}
 
 
+@pure
 def test_a_corrupt_version_is_named_and_the_others_still_scored(tiny, tmp_path, capsys):
     from pipeline.demo import paired_alpha
     from infra.draft_model import WEIGHTS_FILE, DraftSpec, build_draft, save_draft
@@ -101,6 +106,7 @@ def test_a_corrupt_version_is_named_and_the_others_still_scored(tiny, tmp_path, 
     assert "paired estimate: cannot load v1 (DigestMismatch" in capsys.readouterr().out
 
 
+@pure
 def test_a_dead_redis_costs_the_paired_estimate_only(capsys):
     from pipeline.demo import stream_records
     from infra.redis_server import free_port
@@ -129,6 +135,7 @@ def test_stream_records_come_from_the_stream(redis_url):
     assert [r.record_id for r in stream_records(cfg)] == [rec.record_id]
 
 
+@pure
 def test_speed_prompts_file_reads_back_for_osd_bench_engine(tmp_path):
     from pipeline.demo import write_prompts
     from infra.prompts import Prompt, load_jsonl
@@ -139,3 +146,26 @@ def test_speed_prompts_file_reads_back_for_osd_bench_engine(tmp_path):
     write_prompts(prompts, path)
     back = load_jsonl(path)
     assert [(p.id, p.domain, p.text) for p in back] == [(p.id, p.domain, p.text) for p in prompts]
+
+
+@pure
+def test_report_counts_requests_decisions_and_names_each_version_s_paired_estimate():
+    from pipeline.demo import PhaseRun, build_report
+
+    decisions = [{"time": 5.0, "action": "start", "version": "v2", "reason": "new", "weight": 0.5},
+                 {"time": 6.0, "action": "promote", "version": "v2", "reason": "ok", "evidence": {}},
+                 {"time": 7.0, "action": "rollback", "version": "v3", "reason": "worse", "weight": 0.5}]
+    run = PhaseRun(t0=1.0, shift=4.0, speed={"speedup_vs_ar": 1.5, "pairs": []},
+                   controller={"decisions": decisions, "aliases": {"stable": {"version": "v2"}}},
+                   samples=[], records=[])
+    results = [{"ok": True, "phase": "general"}, {"ok": False, "phase": "code", "error": "timeout"},
+               {"ok": True, "phase": "code"}]
+    versions = [{"version": "v1"}, {"version": "v2"}]
+    paired = {"records": 3, "positions": 30, "versions": [{"version": "v2", "alpha_est": 0.7}]}
+    r = build_report(run, results, versions, paired, general_s=10, code_s=20)
+    assert (r["requests"], r["failed_requests"], r["errors"]) == (3, 1, ["timeout"])
+    assert r["promoted"] == ["v2"] and r["rolled_back"] == ["v3"] and r["speedup_vs_ar"] == 1.5
+    assert [v.get("alpha_est_post_shift") for v in r["versions"]] == [None, 0.7]
+    assert r["phases"] == {"general_s": 10, "code_s": 20, "shift_time": 4.0, "start_time": 1.0,
+                           "requests_general": 1, "requests_code": 2}
+    assert r["decisions"][1] == {"time": 6.0, "action": "promote", "version": "v2", "reason": "ok", "weight": None}

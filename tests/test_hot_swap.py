@@ -10,7 +10,7 @@ from infra.config import load_config
 from infra.registry import Registry
 from serve.hot_swap import DraftRouter, Routing
 
-pytestmark = [pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture

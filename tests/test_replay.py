@@ -271,6 +271,8 @@ def test_select_prompts_from_file(tmp_path):
     assert len(select_prompts(CFG, 1, str(f), domain="writing")) == 1
     with pytest.raises(ReplayError, match="unknown domain"):
         select_prompts(CFG, None, str(f), domain="poetry")
+    # No length limit (how `osd bench engine` reads a prompts file): every line, in order.
+    assert [p.text for p in select_prompts(CFG, None, str(f), max_prompt_chars=None)] == [x["prompt"] for x in lines]
 
 
 @pure

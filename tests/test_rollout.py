@@ -10,7 +10,8 @@ from infra.registry import Registry
 from pipeline.rollout import CanaryController
 from infra.streams import RecordProducer
 
-pytestmark = [pytest.mark.redis, pytest.mark.usefixtures("one_thread")]
+pytestmark = [pytest.mark.usefixtures("one_thread")]
+redis = pytest.mark.redis  # every test but the metrics one reads a real stream
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +89,7 @@ def _drive(ctrl, prod, reg, stable_p, canary_p, seed, max_requests=2000, batch=2
     raise AssertionError(f"no decision after {served} requests")
 
 
+@redis
 def test_better_candidate_is_promoted_step_by_step(tmp_path, redis_url, draft_dir):
     cfg = _cfg(tmp_path, redis_url)
     reg = Registry.from_config(cfg)
@@ -110,6 +112,7 @@ def test_better_candidate_is_promoted_step_by_step(tmp_path, redis_url, draft_di
     assert served <= 1000
 
 
+@redis
 def test_bad_candidate_is_rolled_back_quickly_and_not_retried(tmp_path, redis_url, draft_dir):
     cfg, reg, ctrl = _stable_and_candidate(tmp_path, redis_url, draft_dir, "bad")
     with RecordProducer(redis_url, cfg.stream) as prod:
@@ -125,6 +128,7 @@ def test_bad_candidate_is_rolled_back_quickly_and_not_retried(tmp_path, redis_ur
     assert again.tick() == [] and reg.alias("canary") is None
 
 
+@redis
 def test_controller_survives_a_dead_redis(tmp_path, draft_dir):
     from infra.redis_server import RedisServer
 
@@ -144,6 +148,7 @@ def test_controller_survives_a_dead_redis(tmp_path, draft_dir):
         ctrl._thread.join(10)
 
 
+@redis
 def test_a_never_empty_stream_does_not_starve_decisions(tmp_path, redis_url, draft_dir, monkeypatch):
     """Records arriving as fast as they are read: each tick still reaches its decision."""
     from infra.streams import Delivery
@@ -167,6 +172,7 @@ def test_a_never_empty_stream_does_not_starve_decisions(tmp_path, redis_url, dra
     assert [d["action"] for d in decisions] == ["rollback"] and decisions[0]["version"] == "bad"
 
 
+@redis
 def test_a_manual_rollback_of_the_canary_is_not_undone_by_the_controller(tmp_path, redis_url, draft_dir):
     cfg, reg, ctrl = _stable_and_candidate(tmp_path, redis_url, draft_dir, "v2")
     assert [d["action"] for d in ctrl.tick()] == ["start"] and reg.alias("canary")["version"] == "v2"
@@ -178,6 +184,7 @@ def test_a_manual_rollback_of_the_canary_is_not_undone_by_the_controller(tmp_pat
     assert ctrl.tick() == [] and reg.alias("canary")["version"] == "v2"
 
 
+@redis
 def test_a_manual_rollback_of_stable_is_not_undone_by_the_controller(tmp_path, redis_url, draft_dir):
     cfg = _cfg(tmp_path, redis_url)
     reg = Registry.from_config(cfg)
@@ -190,6 +197,7 @@ def test_a_manual_rollback_of_stable_is_not_undone_by_the_controller(tmp_path, r
     assert ctrl.tick() == [] and reg.alias("canary") is None and reg.alias("stable")["version"] == "v1"
 
 
+@redis
 def test_a_tick_racing_a_manual_rollback_does_not_put_the_canary_back(tmp_path, redis_url, draft_dir, monkeypatch):
     """The person's rollback lands after the tick read the aliases and before it moves the canary."""
     import pipeline.rollout as rollout
@@ -206,3 +214,25 @@ def test_a_tick_racing_a_manual_rollback_does_not_put_the_canary_back(tmp_path, 
     assert ctrl.tick() == []
     assert reg.alias("canary") is None and reg.alias("stable")["version"] == "v1"
     assert [(e["action"], e["version"]) for e in reg.audit_log()] == [("start", "v2"), ("rollback", "v2")]
+
+
+@pytest.mark.pure
+def test_metrics_that_cannot_be_created_are_logged_and_the_controller_goes_on(monkeypatch, capsys):
+    import ray
+    from ray.util import metrics
+
+    from pipeline.rollout import _Metrics
+
+    assert not _Metrics().ok  # outside Ray: nothing to export to, and nothing to say
+    assert capsys.readouterr().out == ""
+
+    def refuse(*a, **kw):
+        raise ValueError("no metrics here")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(metrics, "Gauge", refuse)
+    m = _Metrics()
+    assert not m.ok
+    assert "rollout metrics off: cannot create them (ValueError: no metrics here)" in capsys.readouterr().out
+    m.weight("v1", 0.5)  # the controller's calls are no-ops
+    m.decision("v1", "promote")
