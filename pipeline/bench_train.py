@@ -83,13 +83,12 @@ def teacher_sets(cfg: OSDConfig, loaded: Any, records: int, eval_prompts: int, d
 
 def starting_draft(cfg: OSDConfig, loaded: Any, init_draft: str | None) -> Any:
     """The draft training starts from: `init_draft`, or a fresh one built as the trainer would."""
-    from infra.draft_model import DraftSpec, build_draft, load_draft
+    from infra.draft_model import build_draft, load_draft
+    from infra.draft_spec import draft_spec_from_train
 
     if init_draft:
         return load_draft(init_draft, loaded.model)[0]
-    tc = cfg.train
-    return build_draft(loaded.model, DraftSpec(num_layers=tc.draft_layers, layer_source=tc.draft_layer_source,
-                                               independent_head=tc.independent_head))
+    return build_draft(loaded.model, draft_spec_from_train(cfg.train))
 
 
 def worker_run_config(cfg: OSDConfig, redis_url: str, workers: int, n_records: int) -> OSDConfig:
