@@ -4,7 +4,8 @@ A draft is a small Llama built out of the target:
 
 - its decoder layers are trainable COPIES of `num_layers` target layers, chosen by
   `layer_source`: "first" (layers 0..L-1) or "spaced" (evenly spaced, first and last
-  included);
+  included); with `share_layers` they are the target's own layer tensors instead (shared,
+  frozen; the `truncate:L` draft of serve/drafts.py), and such a draft is never saved;
 - its token embedding, final norm and LM head are the target's own tensors, SHARED (same
   storage, no copy) and FROZEN. With `independent_head` the norm and head are trainable
   copies instead (the embedding stays shared).
@@ -17,20 +18,21 @@ On disk (one directory, written atomically: a temp dir beside it, renamed at the
 
     config.json         the draft's Hugging Face config
     draft.safetensors   the trainable tensors only (never the shared ones), safetensors
-    draft.json          {"format", "kind", "spec", "target_ref", "layer_indices",
+    draft.json          {"format", "kind", "spec", "target_ref" ({"spec", "sha256"}: the
+                         target's identity, infra.target.target_identity), "layer_indices",
                          "shared_tensors": {name: {"shape", "dtype"}}, "trainable_tensors",
                          "lineage", "metrics", "created_at"}
     osd-manifest.json   sha256 + size of every file above; written last
 
 `load_draft` verifies the manifest before reading anything, rebuilds the model from
 config.json, loads draft.safetensors (safetensors only, no pickle) and attaches the given
-target's tensors for the shared names, refusing a target whose shapes do not fit.
+target's tensors for the shared names, refusing a target whose shapes do not fit, or whose
+identity is not the one draft.json records (when the caller gives it).
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import os
 import shutil
@@ -41,8 +43,8 @@ from typing import Any
 
 import torch
 
-from infra.draft_spec import DraftLoadError, DraftSpec, DraftSpecError  # noqa: F401 (re-exported)
-from infra.target import MANIFEST, TargetError, verify_manifest, write_manifest
+from infra.draft_spec import DraftLoadError, DraftSpec, DraftSpecError, target_mismatch  # noqa: F401 (re-exported)
+from infra.target import MANIFEST, TargetError, identify_target, target_identity, verify_manifest, write_manifest
 
 DRAFT_FORMAT = 1
 CONFIG_FILE = "config.json"
@@ -151,22 +153,31 @@ def _assemble(cfg: Any, tensors: dict[str, torch.Tensor], shared: set[str], dtyp
     return draft.eval()
 
 
-def build_draft(target_model: Any, spec: DraftSpec | None = None) -> Any:
-    """A LlamaForCausalLM draft of `target_model` per `spec` (see the module doc).
-
-    Decoder layers are trainable copies; embedding, final norm and head share the target's
-    storage and are frozen (norm and head are trainable copies with independent_head)."""
-    spec = spec or DraftSpec()
-    tcfg = target_model.config
+def _check_spec(spec: DraftSpec, tcfg: Any) -> None:
     if getattr(tcfg, "model_type", None) != "llama":
         raise DraftSpecError(f"drafts are Llama models; the target is {getattr(tcfg, 'model_type', None)!r}")
-    indices = layer_indices(spec, tcfg.num_hidden_layers)
     new_hidden = spec.hidden_size is not None and spec.hidden_size != tcfg.hidden_size
     if new_hidden and not spec.independent_head:
         raise DraftSpecError(
             f"hidden_size {spec.hidden_size} differs from the target's {tcfg.hidden_size}: the target's "
             f"head cannot be shared, set independent_head=True"
         )
+    new_ffn = spec.intermediate_size is not None and spec.intermediate_size != tcfg.intermediate_size
+    if spec.share_layers and (new_hidden or new_ffn):
+        raise DraftSpecError("share_layers uses the target's own layers, so hidden_size and intermediate_size "
+                             "must be the target's")
+
+
+def build_draft(target_model: Any, spec: DraftSpec | None = None) -> Any:
+    """A LlamaForCausalLM draft of `target_model` per `spec` (see the module doc).
+
+    Decoder layers are trainable copies (the target's own, frozen, with share_layers);
+    embedding, final norm and head share the target's storage and are frozen (norm and head
+    are trainable copies with independent_head)."""
+    spec = spec or DraftSpec()
+    tcfg = target_model.config
+    _check_spec(spec, tcfg)
+    indices = layer_indices(spec, tcfg.num_hidden_layers)
     cfg = _draft_config(tcfg, spec, indices)
     dtype, device = target_model.dtype, next(target_model.parameters()).device
     tsd = target_model.state_dict()
@@ -191,6 +202,10 @@ def build_draft(target_model: Any, spec: DraftSpec | None = None) -> Any:
         if name.startswith("model.layers."):
             _, _, j, rest = name.split(".", 3)
             src = tsd.get(f"model.layers.{indices[int(j)]}.{rest}")
+            if spec.share_layers:  # _check_spec made the shapes the target's
+                tensors[name] = src
+                shared.add(name)
+                continue
             tensors[name] = src.clone() if src is not None and src.shape == shape else fresh_tensor(name).clone()
             continue
         src = tsd.get(name)
@@ -235,13 +250,14 @@ def trainable_state_dict(draft: Any, spec: DraftSpec | None = None) -> dict[str,
 # ---------------------------------------------------------------- target reference
 
 def target_ref(loaded: Any) -> dict[str, Any]:
-    """{"spec", "sha256"} of a infra.target.LoadedModel: sha256 of its cache manifest
-    (which digests every weight and tokenizer file), None for an in-process model."""
-    path = getattr(loaded, "path", None)
-    digest = None
-    if path is not None and (Path(path) / MANIFEST).is_file():
-        digest = hashlib.sha256((Path(path) / MANIFEST).read_bytes()).hexdigest()
-    return {"spec": loaded.spec, "sha256": digest}
+    """{"spec", "sha256"} of a infra.target.LoadedModel; sha256 is its identity
+    (infra.target.target_identity), never None."""
+    return {"spec": loaded.spec, "sha256": target_identity(loaded)}
+
+
+def target_ref_of(model_cfg: Any, model: Any) -> dict[str, Any]:
+    """target_ref of the configured target (infra.config.ModelConfig), given as its loaded model."""
+    return {"spec": model_cfg.target, "sha256": identify_target(model_cfg.target, model_cfg, model)}
 
 
 # ---------------------------------------------------------------- save / load
@@ -255,6 +271,11 @@ def save_draft(draft: Any, spec: DraftSpec, directory: str | Path, *, target_ref
     from safetensors.torch import save_file
 
     directory = Path(directory)
+    if spec.share_layers or any(n.startswith("model.layers.") for n in shared_names(draft)):
+        # Its layers are the target's: saving the trainable tensors would write nothing of it,
+        # and loading that onto any target of the same shape would give that target's layers.
+        raise DraftSpecError("a share_layers draft is the target's own layers and is not saved; "
+                             "serve it as truncate:L")
     if directory.exists() and not overwrite:
         raise FileExistsError(f"{directory} exists; pass overwrite=True to replace it")
     directory.parent.mkdir(parents=True, exist_ok=True)
@@ -264,7 +285,8 @@ def save_draft(draft: Any, spec: DraftSpec, directory: str | Path, *, target_ref
     info = {
         "format": DRAFT_FORMAT,
         "kind": "osd-draft",
-        "spec": spec.model_dump(mode="json"),
+        # share_layers is always False here; left out so readers of older code still parse it.
+        "spec": spec.model_dump(mode="json", exclude={"share_layers"}),
         "target_ref": target_ref,
         "layer_indices": list(getattr(draft, INDICES_ATTR, ()) or ()),
         "shared_tensors": {k: {"shape": list(sd[k].shape), "dtype": str(sd[k].dtype).removeprefix("torch.")}
@@ -293,29 +315,32 @@ def save_draft(draft: Any, spec: DraftSpec, directory: str | Path, *, target_ref
     return directory
 
 
-def load_draft(directory: str | Path, target_model: Any, *,
-               expect_target_sha256: str | None = None) -> tuple[Any, dict[str, Any]]:
-    """Load a draft saved by save_draft onto `target_model`'s shared tensors.
+def _checked_manifest(directory: Path, verified: dict[str, str] | None) -> dict[str, Any]:
+    """The draft's osd-manifest.json, every file checked against it. `verified`: digests the
+    caller has just checked itself (a registry version's); then the manifest must name the same
+    digests and no file is hashed a second time."""
+    if verified is None:
+        try:
+            return verify_manifest(directory)
+        except DraftLoadError:
+            raise
+        except TargetError as e:
+            raise DraftLoadError(f"cannot load draft from {directory}: {e}") from None
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        listed = {name: meta["sha256"] for name, meta in manifest["files"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DraftLoadError(f"cannot load draft from {directory}: unreadable {MANIFEST} ({e})") from None
+    differ = sorted(n for n, sha in listed.items() if verified.get(n) != sha)
+    if differ:
+        raise DraftLoadError(f"{directory}: {', '.join(differ)} not among the checked files or with another "
+                             f"digest than {MANIFEST} lists")
+    return manifest
 
-    Returns (model, info) with info = draft.json plus "path". Raises DraftLoadError on a
-    missing or corrupt directory or a target the draft does not fit."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+
+def _read_info(directory: Path) -> tuple[dict[str, Any], DraftSpec, dict[str, Any], Any]:
     from transformers import AutoConfig
 
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise DraftLoadError(f"draft directory {directory} does not exist")
-    try:
-        manifest = verify_manifest(directory)
-    except DraftLoadError:
-        raise
-    except TargetError as e:
-        raise DraftLoadError(f"cannot load draft from {directory}: {e}") from None
-    listed = set(manifest.get("files", {}))
-    absent = {CONFIG_FILE, WEIGHTS_FILE, INFO_FILE} - listed
-    if absent:
-        raise DraftLoadError(f"{directory} is not a saved draft: {MANIFEST} does not list {sorted(absent)}")
     try:
         info = json.loads((directory / INFO_FILE).read_text())
         spec = DraftSpec(**info["spec"])
@@ -326,11 +351,10 @@ def load_draft(directory: str | Path, target_model: Any, *,
     if info.get("format") != DRAFT_FORMAT or info.get("kind") != "osd-draft":
         raise DraftLoadError(f"{directory}: draft format {info.get('format')!r} / kind {info.get('kind')!r}, "
                              f"this code reads format {DRAFT_FORMAT}")
-    ref_sha = (info.get("target_ref") or {}).get("sha256")
-    if expect_target_sha256 is not None and ref_sha != expect_target_sha256:
-        raise DraftLoadError(f"{directory} was trained against target sha256 {str(ref_sha)[:16]}…, "
-                             f"not the given target's {expect_target_sha256[:16]}…")
+    return info, spec, shared_meta, cfg
 
+
+def _check_fits(directory: Path, cfg: Any, shared_meta: dict[str, Any], target_model: Any) -> None:
     tcfg = target_model.config
     if tcfg.vocab_size != cfg.vocab_size:
         raise DraftLoadError(f"{directory}: draft vocab {cfg.vocab_size} does not match the target's "
@@ -346,6 +370,32 @@ def load_draft(directory: str | Path, target_model: Any, *,
             raise DraftLoadError(f"{directory}: shared tensor {name} should be {meta['shape']}, "
                                  f"the target has {got}; this draft belongs to another target")
 
+
+def load_draft(directory: str | Path, target_model: Any, *, expect_target_sha256: str | None = None,
+               verified: dict[str, str] | None = None) -> tuple[Any, dict[str, Any]]:
+    """Load a draft saved by save_draft onto `target_model`'s shared tensors.
+
+    `expect_target_sha256`: the target's identity (infra.target.target_identity); a draft
+    recording another is refused. `verified`: see _checked_manifest.
+    Returns (model, info) with info = draft.json plus "path". Raises DraftLoadError on a
+    missing or corrupt directory or a target the draft does not fit."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise DraftLoadError(f"draft directory {directory} does not exist")
+    manifest = _checked_manifest(directory, verified)
+    absent = {CONFIG_FILE, WEIGHTS_FILE, INFO_FILE} - set(manifest.get("files", {}))
+    if absent:
+        raise DraftLoadError(f"{directory} is not a saved draft: {MANIFEST} does not list {sorted(absent)}")
+    info, spec, shared_meta, cfg = _read_info(directory)
+    why = target_mismatch(info.get("target_ref"), expect_target_sha256)
+    if why:
+        raise DraftLoadError(f"the draft in {directory} was {why}")
+    _check_fits(directory, cfg, shared_meta, target_model)
+
+    tsd = target_model.state_dict()
     dtype, device = target_model.dtype, next(target_model.parameters()).device
     try:
         own = load_file(str(directory / WEIGHTS_FILE), device=str(device))

@@ -36,6 +36,9 @@ class DraftSpec(BaseModel):
     independent_head: bool = False
     # Seed for tensors that cannot be copied from the target (different sizes).
     seed: int = 0
+    # Use the target's own layer tensors (shared, frozen) instead of trainable copies: the
+    # `truncate:L` draft. Nothing of it is trained, so it is never saved (save_draft refuses).
+    share_layers: bool = False
 
 
 def draft_spec_from_train(train: TrainConfig) -> DraftSpec:
@@ -43,3 +46,20 @@ def draft_spec_from_train(train: TrainConfig) -> DraftSpec:
     One place, so the warm start, the online trainer and the benches build the same draft."""
     return DraftSpec(num_layers=train.draft_layers, layer_source=train.draft_layer_source,
                      independent_head=train.independent_head)
+
+
+def short(digest: str | None) -> str:
+    """A target digest as messages show it."""
+    return f"{digest[:12]}…" if digest else "none"
+
+
+def target_mismatch(recorded: dict | None, expect_sha256: str | None) -> str | None:
+    """Why a draft whose target reference is `recorded` ({"spec", "sha256"}) does not belong to
+    the target whose identity (infra.target.target_identity) is `expect_sha256`; None if it does.
+    A reference without a digest (drafts saved before the identity was recorded) cannot be told
+    apart and passes; loading still checks that the tensors fit."""
+    got = (recorded or {}).get("sha256")
+    if expect_sha256 is None or got is None or got == expect_sha256:
+        return None
+    return (f"made for target {(recorded or {}).get('spec')!r} (sha256 {short(got)}), not this one "
+            f"(sha256 {short(expect_sha256)})")

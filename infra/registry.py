@@ -3,7 +3,8 @@
 Layout under the registry root (`registry.uri`; file://<state_dir>/registry by default,
 s3://, gs:// and hdfs:// through pyarrow.fs):
 
-    versions/<id>/manifest.json            the version exists iff this file parses and validates
+    versions/<id>/manifest.json            the version exists iff this file parses and validates;
+                                           its "target" is the draft's target_ref ({"spec", "sha256"})
     versions/<id>/<payload>/config.json    the draft's files (infra/draft_model.py format),
     versions/<id>/<payload>/draft.safetensors   written before the manifest that names them
     versions/<id>/<payload>/draft.json ...
@@ -30,7 +31,8 @@ store), so a reader sees the old alias or the new one. On a local registry alias
 gc's deletions take an exclusive flock on <root>/.lock, and gc re-reads the aliases under
 it, so gc never deletes a version an alias was just pointed at (object stores have no lock:
 there gc re-reads the aliases just before deleting, which narrows the race but cannot close
-it). Loading a version checks every digest before it reads the safetensors (never pickle).
+it). Loading a version checks every digest once, before it reads the safetensors (never
+pickle), and refuses a version made for another target than the one it is loaded onto.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
+
+from infra.draft_spec import target_mismatch as _target_mismatch
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -88,7 +92,12 @@ class Version:
     files: dict[str, dict[str, Any]]
     lineage: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
-    tokenizer: dict[str, Any] = field(default_factory=dict)
+    target: dict[str, Any] = field(default_factory=dict)  # {"spec", "sha256"}: what it was made for
+
+    @property
+    def tokenizer(self) -> dict[str, Any]:
+        """The old name of `target` (manifests wrote it under "tokenizer" before)."""
+        return self.target
 
     @property
     def size(self) -> int:
@@ -180,8 +189,12 @@ class Registry:
     # -- versions -------------------------------------------------------------------
 
     def publish(self, src_dir: str | os.PathLike, version: str | None = None, *, lineage: dict | None = None,
-                metrics: dict | None = None, tokenizer: dict | None = None) -> Version:
-        """Copy a draft directory in as a new immutable version (next vN when version is None)."""
+                metrics: dict | None = None, target: dict | None = None,
+                expect_target_sha256: str | None = None) -> Version:
+        """Copy a draft directory in as a new immutable version (next vN when version is None).
+
+        `target`: the manifest's target reference (default: the draft's own target_ref).
+        `expect_target_sha256`: the configured target's identity; a draft made for another is refused."""
         src = Path(src_dir)
         if not src.is_dir():
             raise RegistryError(f"cannot publish {src}: not a directory")
@@ -194,12 +207,15 @@ class Registry:
             raise RegistryError(f"cannot publish {src}: {e}") from None
         lineage = lineage if lineage is not None else info.get("lineage", {})
         metrics = metrics if metrics is not None else info.get("metrics", {})
-        tokenizer = tokenizer if tokenizer is not None else info.get("target_ref", {})
+        target = target if target is not None else info.get("target_ref") or {}
+        why = _target_mismatch(target, expect_target_sha256)
+        if why:
+            raise RegistryError(f"cannot publish {src}: the draft was {why}")
         if version is not None:
-            return self._publish_once(check_id(version), files, expected, lineage, metrics, tokenizer)
+            return self._publish_once(check_id(version), files, expected, lineage, metrics, target)
         for _ in range(100):  # concurrent auto-numbered publishes: the loser takes the next number
             try:
-                return self._publish_once(self._next_id(), files, expected, lineage, metrics, tokenizer)
+                return self._publish_once(self._next_id(), files, expected, lineage, metrics, target)
             except VersionExists:
                 continue
         raise RegistryError("could not allocate a version id after 100 tries")
@@ -209,7 +225,7 @@ class Registry:
         return f"v{max(nums, default=0) + 1}"
 
     def _publish_once(self, version: str, files: list[Path], expected: dict[str, str], lineage: dict,
-                      metrics: dict, tokenizer: dict) -> Version:
+                      metrics: dict, target: dict) -> Version:
         vdir = self._p("versions", version)
         mpath = f"{vdir}/{MANIFEST}"
         if self._exists(mpath):
@@ -231,7 +247,7 @@ class Registry:
             raise RegistryError(f"cannot publish {files[0].parent}: {', '.join(bad)} changed since its osd-manifest.json "
                                 f"was written (corrupt, or edited by hand); re-save the draft")
         body = {"format": FORMAT, "version": version, "created_at": time.time(), "payload": payload,
-                "files": digests, "lineage": lineage, "metrics": metrics, "tokenizer": tokenizer}
+                "files": digests, "lineage": lineage, "metrics": metrics, "target": target}
         data = json.dumps(body, indent=2, sort_keys=True).encode()
         if self.local:  # ... manifest last, created exclusively
             tmp = Path(f"{vdir}/.{MANIFEST}.{payload}")
@@ -296,7 +312,10 @@ class Registry:
 
     def local_path(self, version: str) -> Path:
         """A local directory with the version's files, every digest checked (DigestMismatch if not)."""
-        v = self.get(version)
+        return self._checked_files(self.get(version))
+
+    def _checked_files(self, v: Version) -> Path:
+        version = v.id
         if self.local:
             path = self.payload_dir(v)
         else:
@@ -319,15 +338,26 @@ class Registry:
                                      f"the version is corrupt and will not be loaded")
         return path
 
-    def load_draft(self, version: str, target_model: Any) -> tuple[Any, dict[str, Any]]:
+    def load_draft(self, version: str, target_model: Any, *,
+                   expect_target_sha256: str | None = None) -> tuple[Any, dict[str, Any]]:
         """The version's draft on `target_model`'s shared tensors, after the digest check.
-        A version that is not a loadable draft is a RegistryError with one line saying why."""
+        `expect_target_sha256`: the target's identity; a version made for another is refused
+        before any file is read. A version that is not a loadable draft is a RegistryError
+        with one line saying why."""
         from infra.draft_model import DraftLoadError, DraftSpecError, load_draft
 
-        path = self.local_path(version)
+        v = self.get(version)
+        why = _target_mismatch(v.target, expect_target_sha256)
+        if why:
+            raise RegistryError(f"version {version} cannot be loaded: it was {why}")
+        path = self._checked_files(v)
+        # Every file was just hashed against this manifest: the draft's own osd-manifest.json
+        # is compared with those digests instead of hashing each file a second time.
+        verified = {name: meta["sha256"] for name, meta in v.files.items()}
         try:
             check_draft_dir(path)  # versions published before publish checked this
-            model, info = load_draft(path, target_model)
+            model, info = load_draft(path, target_model, expect_target_sha256=expect_target_sha256,
+                                     verified=verified)
         except RegistryError as e:
             raise RegistryError(f"version {version} cannot be loaded: {e}") from None
         except (DraftLoadError, DraftSpecError) as e:
@@ -491,7 +521,7 @@ class Registry:
 def _version(body: dict[str, Any]) -> Version:
     return Version(id=body["version"], created_at=float(body["created_at"]), payload=body["payload"],
                    files=body["files"], lineage=body.get("lineage") or {}, metrics=body.get("metrics") or {},
-                   tokenizer=body.get("tokenizer") or {})
+                   target=body.get("target") or body.get("tokenizer") or {})
 
 
 def _sha256(path: Path) -> str:

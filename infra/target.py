@@ -352,3 +352,56 @@ def load_target(
         model, tok = load_hf_dir(path, cfg)
     model.to(cfg.device).eval()
     return LoadedModel(model, tok, spec, path, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------- identity
+
+def _dir_identity(path: Path) -> str:
+    """sha256 of the directory's cache manifest, which digests every weight and tokenizer file.
+    A directory without one gets the same kind of digest over its files, hashed here."""
+    if (path / MANIFEST).is_file():
+        return hashlib.sha256((path / MANIFEST).read_bytes()).hexdigest()
+    files = {p.name: sha256_file(p) for p in sorted(path.iterdir()) if p.is_file()}
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _described_identity(spec: str, model: Any) -> str:
+    """An in-process target has no files: its identity is its canonical spec (the seed decides
+    the weights) plus its config and dtype, so tiny-random and tiny-random:0 match and seeds differ."""
+    config = model.config.to_dict()
+    for volatile in ("transformers_version", "_name_or_path", "dtype", "torch_dtype"):
+        config.pop(volatile, None)
+    body = {"spec": f"{TINY_RANDOM}:{_parse_tiny_seed(spec)}", "config": config,
+            "dtype": str(model.dtype).removeprefix("torch.")}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _is_tiny(spec: str) -> bool:
+    return spec == TINY_RANDOM or spec.startswith(TINY_RANDOM + ":")
+
+
+def target_identity(loaded: LoadedModel) -> str:
+    """The sha256 (hex) that names this target in every draft made for it and every registry
+    manifest: equal for the same weights and tokenizer, different otherwise."""
+    if loaded.path is None:
+        return _described_identity(loaded.spec, loaded.model)
+    return _dir_identity(loaded.path)
+
+
+def identify_target(spec: str | None = None, cfg: ModelConfig | None = None, model: Any = None,
+                    progress: bool = False) -> str:
+    """target_identity of the target `spec` names, without loading its weights where a cache
+    manifest gives it. `model`: that target, already loaded (spares rebuilding a tiny one)."""
+    cfg = cfg or ModelConfig()
+    spec = spec or cfg.target
+    if _is_tiny(spec):
+        if model is None:  # built in a fraction of a second; its config and dtype are part of the identity
+            model = build_tiny_llama(_parse_tiny_seed(spec), dtype=cfg.dtype)
+        return _described_identity(spec, model)
+    if spec == SMOLLM2:
+        return _dir_identity(prepare_smollm2(cfg.cache_dir, progress=progress))
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        raise TargetError(f"unknown target {spec!r}: not {SMOLLM2!r}, not {TINY_RANDOM!r}, "
+                          f"and no directory of that name exists")
+    return _dir_identity(path)

@@ -212,7 +212,11 @@ def _cmd_registry(cfg: OSDConfig, args: argparse.Namespace) -> int:
     reg = Registry.from_config(cfg)
     op = args.registry_op
     if op == "publish":
-        v = reg.publish(args.dir, args.version)
+        from infra.target import identify_target
+
+        # A draft made for another target than the configured one is refused here, not at serving.
+        target_sha256 = identify_target(cfg.model.target, cfg.model, progress=True)
+        v = reg.publish(args.dir, args.version, expect_target_sha256=target_sha256)
         print(f"published {v.id} ({v.size / 1e6:.1f} MB) to {reg.uri}")
     elif op == "list":
         aliases = {name: a["version"] for name, a in reg.aliases().items() if a}
@@ -260,7 +264,8 @@ def _cmd_registry(cfg: OSDConfig, args: argparse.Namespace) -> int:
 def _add_registry_parser(sub: argparse._SubParsersAction) -> None:
     rg = sub.add_parser("registry", help="draft versions and the stable/canary aliases (registry.uri)")
     rs = rg.add_subparsers(dest="registry_op", required=True)
-    pb = rs.add_parser("publish", help="copy a draft directory in as a new immutable version")
+    pb = rs.add_parser("publish", help="copy a draft directory in as a new immutable version (the draft "
+                                       "must have been made for model.target)")
     pb.add_argument("dir")
     pb.add_argument("--version", help="version id (default: the next vN)")
     ls = rs.add_parser("list", help="versions, oldest first, with their aliases and lineage")

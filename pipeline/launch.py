@@ -45,8 +45,9 @@ def is_loopback(host: str) -> bool:
 
 def preflight(cfg: OSDConfig) -> None:
     """Check in this process what the replicas would otherwise fail on inside Ray."""
+    from infra.draft_spec import DraftLoadError
     from infra.redis_server import RedisServerError, check_redis_url
-    from infra.target import load_target
+    from infra.target import load_target, target_identity
     from serve.drafts import DraftSpecError, build_draft
 
     if cfg.stream.redis_url:
@@ -57,8 +58,8 @@ def preflight(cfg: OSDConfig) -> None:
     loaded = load_target(cfg.model.target, cfg.model, progress=True)  # also converts the model once, here
     if cfg.serve.draft != "registry":
         try:
-            build_draft(cfg.serve.draft, loaded.model)
-        except (DraftSpecError, OSError, ValueError) as e:
+            build_draft(cfg.serve.draft, loaded.model, target_sha256=target_identity(loaded))
+        except (DraftSpecError, DraftLoadError, OSError, ValueError) as e:
             raise LaunchError(f"serve.draft {cfg.serve.draft!r}: {e}") from None
 
 

@@ -86,12 +86,15 @@ class TargetReplica:
 
     def _make_router(self, cfg: OSDConfig, build_draft: Any) -> Any:
         from infra.registry import Registry
+        from infra.target import identify_target
         from serve.hot_swap import DraftRouter, Routing
 
         self.registry = Registry.from_config(cfg)
+        # Every draft loaded here must have been made for this target (hot swap refuses others).
+        self.target_sha256 = identify_target(cfg.model.target, cfg.model, self.target)
         log = lambda msg: print(f"[osd replica] {msg}", flush=True)  # noqa: E731
         if cfg.serve.draft != "registry":
-            model = build_draft(cfg.serve.draft, self.target)
+            model = build_draft(cfg.serve.draft, self.target, target_sha256=self.target_sha256)
             initial = Routing(cfg.serve.draft if model is not None else "none",
                               self.engine.make_draft(model) if model is not None else None)
             return DraftRouter(self._load_version, initial, log)
@@ -108,7 +111,8 @@ class TargetReplica:
         return router
 
     def _load_version(self, version: str) -> Any:
-        model, _ = self.registry.load_draft(version, self.target)  # digests checked first
+        # Digests checked first, and a version made for another target refused.
+        model, _ = self.registry.load_draft(version, self.target, expect_target_sha256=self.target_sha256)
         return self.engine.make_draft(model)
 
     def _pick(self, req: dict[str, Any]) -> tuple[str, Any]:

@@ -7,7 +7,8 @@ and travels with it (SpecEngine's per-request `draft=`), so a swap only affects 
 that start after it; requests in flight finish on the draft they began with.
 
 Versions come from the registry by id: the digests are checked before the safetensors are
-read, and a version that fails is refused (remembered with its reason, not retried), while
+read, and a version that fails, or that was made for another target (its recorded target
+identity is not the replica's), is refused (remembered with its reason, not retried), while
 the replica keeps serving what it had. Routing is one tuple replaced whole, so the request
 path never sees half a swap.
 

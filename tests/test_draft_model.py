@@ -27,7 +27,7 @@ from infra.draft_model import (
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
-REF = {"spec": "tiny-random:0", "sha256": None}
+REF = {"spec": "tiny-random:0", "sha256": "cd" * 32}
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +100,38 @@ def test_layer_indices_spaced_on_thirty_layers():
     assert layer_indices(DraftSpec(num_layers=4, layer_source="spaced"), 30) == [0, 10, 19, 29]
 
 
-def test_first_layers_match_truncated_target_logits(target):
-    from serve.drafts import truncated_llama
-
-    draft = build_draft(target, DraftSpec(num_layers=2))
+def test_share_layers_draft_is_the_targets_own_tensors(target):
+    shared = build_draft(target, DraftSpec(num_layers=2, share_layers=True))
+    tp = dict(target.named_parameters())
+    for name, p in shared.named_parameters():
+        assert p.data_ptr() == tp[name].data_ptr() and not p.requires_grad, name
+    assert set(shared_names(shared)) == set(shared.state_dict()) and trainable_state_dict(shared) == {}
+    assert all(p.requires_grad for p in target.parameters())  # the target's own Parameters untouched
+    # The same function as copies of the first two layers.
+    copied = build_draft(target, DraftSpec(num_layers=2))
     with torch.no_grad():
-        assert torch.equal(draft(_ids()).logits, truncated_llama(target, 2)(_ids()).logits)
+        assert torch.equal(shared(_ids()).logits, copied(_ids()).logits)
+    spaced = build_draft(target, DraftSpec(num_layers=2, layer_source="spaced", share_layers=True))
+    q_proj = [layer.self_attn.q_proj.weight.data_ptr() for layer in (spaced.model.layers[1], target.model.layers[3])]
+    assert q_proj[0] == q_proj[1]  # draft layer 1 is target layer 3
+
+
+def test_share_layers_with_other_sizes_is_refused(target):
+    with pytest.raises(DraftSpecError, match="share_layers"):
+        build_draft(target, DraftSpec(num_layers=2, intermediate_size=64, share_layers=True))
+    with pytest.raises(DraftSpecError, match="share_layers"):
+        build_draft(target, DraftSpec(num_layers=2, hidden_size=32, independent_head=True, share_layers=True))
+
+
+def test_share_layers_draft_is_not_saved(target, tmp_path):
+    """Saving writes trainable tensors only: a shared-layer draft would be saved as nothing, and
+    load onto any same-shaped target as that target's layers. It is refused, nothing written."""
+    spec = DraftSpec(num_layers=2, share_layers=True)
+    with pytest.raises(DraftSpecError, match="truncate:L"):
+        save_draft(build_draft(target, spec), spec, tmp_path / "d", target_ref=REF)
+    with pytest.raises(DraftSpecError, match="truncate:L"):  # under a spec that does not say so
+        save_draft(build_draft(target, spec), DraftSpec(num_layers=2), tmp_path / "d", target_ref=REF)
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_too_many_layers_and_bad_hidden_size_are_refused(target):
@@ -258,9 +284,35 @@ def test_mismatched_target_is_refused(saved):
         load_draft(saved, build_tiny_llama(num_layers=4, hidden_size=32))
 
 
-def test_expected_target_digest_is_checked(target, saved):
-    with pytest.raises(DraftLoadError, match="trained against"):
+def test_expected_target_digest_is_checked(target, saved, tmp_path):
+    with pytest.raises(DraftLoadError, match=r"\(sha256 cdcdcdcdcdcd…\), not this one \(sha256 abababababab…\)"):
         load_draft(saved, target, expect_target_sha256="ab" * 32)
+    assert load_draft(saved, target, expect_target_sha256="cd" * 32)[1]["target_ref"] == REF
+    # Drafts saved before the identity was recorded cannot be told apart: the shapes decide.
+    spec = DraftSpec(num_layers=1)
+    old = save_draft(build_draft(target, spec), spec, tmp_path / "old", target_ref={"spec": "x", "sha256": None})
+    load_draft(old, target, expect_target_sha256="ab" * 32)
+
+
+def test_saved_spec_leaves_out_share_layers(saved):
+    """Always False when saved; absent, so code from before the option still reads the draft."""
+    assert "share_layers" not in json.loads((saved / INFO_FILE).read_text())["spec"]
+
+
+def test_digests_the_caller_checked_are_not_hashed_again(target, saved, monkeypatch):
+    import infra.target
+
+    manifest = json.loads((saved / MANIFEST).read_text())["files"]
+    verified = {name: meta["sha256"] for name, meta in manifest.items()}
+    hashed = []
+    real = infra.target.sha256_file
+    monkeypatch.setattr(infra.target, "sha256_file", lambda p, *a, **k: hashed.append(p.name) or real(p, *a, **k))
+    load_draft(saved, target, verified=verified)
+    assert hashed == []
+    load_draft(saved, target)  # without: each file once
+    assert sorted(hashed) == sorted(manifest)
+    with pytest.raises(DraftLoadError, match=WEIGHTS_FILE):
+        load_draft(saved, target, verified={**verified, WEIGHTS_FILE: "00" * 32})
 
 
 def test_saved_draft_serves_like_the_in_memory_one(tmp_path):

@@ -14,7 +14,7 @@ import torch
 
 from chi2 import chi2_pvalue
 from infra.target import build_tiny_llama, tiny_tokenizer
-from serve.drafts import DraftSpecError, build_draft, truncated_llama
+from serve.drafts import DraftSpecError, build_draft
 from serve.engine import EngineError, EngineOptions, GenerationParams, RequestError, SpecEngine
 from serve.runner import HFRunner, LlamaRunner, StaticKVCache, make_runner
 from serve.verify import SamplingParams, warp_probs
@@ -69,7 +69,7 @@ def greedy_targets():
         drafts = {
             "bad": tiny(seed + 100, layers=1),
             "perfect": target,
-            "truncated": truncated_llama(target, 2),
+            "truncated": build_draft("truncate:2", target),
         }
         out[seed] = (target, drafts, [(p, hf_greedy(target, p, N_NEW)) for p in prompts])
     return out
@@ -164,7 +164,7 @@ def v8():
     with torch.no_grad():
         # q is proportional to p ** -0.5: the draft prefers what the target finds unlikely.
         bad.lm_head.weight.mul_(-0.5)
-    return {"target": target, "normal": truncated_llama(target, 1), "bad": bad}
+    return {"target": target, "normal": build_draft("truncate:1", target), "bad": bad}
 
 
 def exact_first_two(target, prompt, sp: SamplingParams) -> torch.Tensor:
@@ -222,7 +222,7 @@ def test_sampling_is_reproducible_with_a_seed(v8):
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=3)])
 def test_kv_cache_after_partial_acceptance_equals_fresh_prefill(greedy_targets, sampling):
     target = greedy_targets[1][0]
-    eng = SpecEngine(target, truncated_llama(target, 3), options=EngineOptions(k=4, max_seq_len=64, max_concurrency=1))
+    eng = SpecEngine(target, build_draft("truncate:3", target), options=EngineOptions(k=4, max_seq_len=64, max_concurrency=1))
     prompt = [5, 9, 13]
     r = eng.generate(prompt, GenerationParams(max_new_tokens=40, sampling=sampling, capture=False))
     st = r.stats
@@ -557,9 +557,9 @@ def test_engine_pairs_a_non_llama_target_with_a_llama_draft():
 def test_per_request_draft_is_lossless_and_shares_the_slot_cache(greedy_targets):
     """A request may name its own draft (hot swap): output unchanged, one cache per draft shape."""
     target = greedy_targets[1][0]
-    eng = SpecEngine(target, truncated_llama(target, 1), options=EngineOptions(k=3, max_seq_len=64, max_concurrency=1))
-    other = eng.make_draft(truncated_llama(target, 1))  # same shape, different object
-    deeper = eng.make_draft(truncated_llama(target, 2))
+    eng = SpecEngine(target, build_draft("truncate:1", target), options=EngineOptions(k=3, max_seq_len=64, max_concurrency=1))
+    other = eng.make_draft(build_draft("truncate:1", target))  # same shape, different object
+    deeper = eng.make_draft(build_draft("truncate:2", target))
     prompt, params = [3, 7, 11], GenerationParams(max_new_tokens=20, capture=False)
     want = eng.generate(prompt, params, draft=None).output_ids  # autoregressive
     for d in (other, deeper, eng.draft):
@@ -573,7 +573,7 @@ def test_per_request_draft_is_lossless_and_shares_the_slot_cache(greedy_targets)
 def test_a_draft_with_a_shorter_context_is_refused_for_hot_swap(greedy_targets):
     target = greedy_targets[1][0]
     eng = SpecEngine(target, None, options=EngineOptions(k=2, max_seq_len=64, max_concurrency=1))
-    short = truncated_llama(target, 1)
+    short = build_draft("truncate:1", target)
     short.config.max_position_embeddings = 32
     with pytest.raises(EngineError, match="shorter than the engine's"):
         eng.make_draft(short)

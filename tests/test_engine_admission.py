@@ -8,7 +8,7 @@ import pytest
 
 from infra.target import build_tiny_llama
 from serve.admission import Overloaded
-from serve.drafts import truncated_llama
+from serve.drafts import build_draft
 from serve.engine import EngineOptions, GenerationParams, SpecEngine
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
@@ -22,7 +22,7 @@ def target():
 
 
 def engine(target, **kw) -> SpecEngine:
-    return SpecEngine(target, truncated_llama(target, 1), options=EngineOptions(k=3, max_seq_len=64, **kw))
+    return SpecEngine(target, build_draft("truncate:1", target), options=EngineOptions(k=3, max_seq_len=64, **kw))
 
 
 async def run_stream(eng: SpecEngine, prompt: list[int], n: int = 12) -> list[int]:

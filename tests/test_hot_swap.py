@@ -1,5 +1,6 @@
 """Hot swap in a target replica (constructed directly, no Serve): registry versions by id,
-requests in flight keep their draft, a version with a bad digest is refused."""
+requests in flight keep their draft, a version with a bad digest or made for another target
+is refused."""
 
 import asyncio
 import time
@@ -15,7 +16,7 @@ pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
 @pytest.fixture
 def setup(tiny, tmp_path):
-    from infra.draft_model import DraftSpec, build_draft, save_draft
+    from infra.draft_model import DraftSpec, build_draft, save_draft, target_ref
 
     cfg = load_config(environ={}, overrides={
         "state_dir": str(tmp_path), "model": {"target": "tiny-random"},
@@ -23,7 +24,7 @@ def setup(tiny, tmp_path):
     reg = Registry.from_config(cfg)
     for i, layers in enumerate((1, 2, 1), 1):
         spec = DraftSpec(num_layers=layers)
-        save_draft(build_draft(tiny.model, spec), spec, tmp_path / f"d{i}", target_ref={"spec": "tiny-random"})
+        save_draft(build_draft(tiny.model, spec), spec, tmp_path / f"d{i}", target_ref=target_ref(tiny))
         reg.publish(tmp_path / f"d{i}", f"v{i}")
     reg.promote("v1")
     return cfg, reg
@@ -89,6 +90,28 @@ def test_bad_digest_is_refused_and_the_replica_keeps_serving(setup):
     st = rep.router.state()
     assert (st["stable"], st["canary"], st["canary_weight"]) == ("v3", "v1", 0.25)
     assert rep.stats()["drafts"]["refused"].keys() == {"v2"}
+
+
+def test_a_version_for_another_target_is_refused_and_the_replica_keeps_serving(setup, tmp_path):
+    """Same shapes, other weights: only the recorded target identity tells them apart."""
+    from infra.draft_model import DraftSpec, build_draft, save_draft, target_ref
+    from infra.target import load_target, target_identity
+    from serve.app import TargetReplica
+
+    cfg, reg = setup
+    other = load_target("tiny-random:2", progress=False)
+    spec = DraftSpec(num_layers=1)
+    save_draft(build_draft(other.model, spec), spec, tmp_path / "foreign", target_ref=target_ref(other))
+    reg.publish(tmp_path / "foreign", "v4")
+    rep = TargetReplica(cfg.model_dump(mode="json"))
+    rep.router.stop_following()
+    rep.reconfigure({"stable": "v4"})
+    st = rep.router.state()
+    mine, theirs = target_identity(load_target("tiny-random", progress=False)), target_identity(other)
+    assert st["stable"] == "v1" and "made for target 'tiny-random:2'" in st["refused"]["v4"]
+    assert theirs[:12] in st["refused"]["v4"] and mine[:12] in st["refused"]["v4"]
+    out = asyncio.run(rep.generate(_req(2, 8)))
+    assert out["draft_version"] == "v1" and out["output_ids"]
 
 
 def test_router_apply_is_all_or_nothing():

@@ -25,11 +25,11 @@ pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
 @pytest.fixture(scope="module")
 def draft_dir(tiny, tmp_path_factory):
-    from infra.draft_model import DraftSpec, build_draft, save_draft
+    from infra.draft_model import DraftSpec, build_draft, save_draft, target_ref
 
     spec = DraftSpec(num_layers=1)
     out = tmp_path_factory.mktemp("drafts") / "d1"
-    save_draft(build_draft(tiny.model, spec), spec, out, target_ref={"spec": "tiny-random"},
+    save_draft(build_draft(tiny.model, spec), spec, out, target_ref=target_ref(tiny),
                lineage={"parent": None, "records_consumed": 7}, metrics={"alpha_est": 0.4})
     return out
 
@@ -42,7 +42,7 @@ def reg(tmp_path):
 def test_publish_get_list_and_load(reg, draft_dir, tiny):
     v = reg.publish(draft_dir)
     assert v.id == "v1" and v.lineage["records_consumed"] == 7 and v.metrics["alpha_est"] == 0.4
-    assert v.tokenizer == {"spec": "tiny-random"}
+    assert v.target["spec"] == "tiny-random" and len(v.target["sha256"]) == 64
     assert set(v.files) == {p.name for p in draft_dir.iterdir()}
     assert reg.publish(draft_dir).id == "v2"
     assert [x.id for x in reg.list()] == ["v1", "v2"]
@@ -203,7 +203,8 @@ def test_bad_uri_is_a_clear_error(tmp_path):
 
 
 def test_registry_cli(tmp_path, draft_dir):
-    env = {**os.environ, "OSD_STATE_DIR": str(tmp_path / "state")}
+    # publish compares the draft with the configured target: the one draft_dir was made for
+    env = {**os.environ, "OSD_STATE_DIR": str(tmp_path / "state"), "OSD_MODEL__TARGET": "tiny-random"}
 
     def osd(*args, ok=True):
         r = subprocess.run([sys.executable, "-m", "pipeline.cli", "registry", *args], env=env,
@@ -462,3 +463,50 @@ def test_promote_first_then_gc_keeps_the_promoted_version(reg, draft_dir):
     Registry(reg.uri, cache_dir=reg.cache_dir).promote("v2")
     assert reg.gc(keep_last=1) == []  # v1 is stable's previous, v2 stable, v3 the newest
     assert all(reg.exists(v) for v in ("v1", "v2", "v3"))
+
+
+# ---------------------------------------------------------------- the target a version was made for
+
+def test_manifest_records_the_target_and_old_manifests_still_load(reg, draft_dir, tiny):
+    from infra.target import target_identity
+
+    reg.publish(draft_dir, "v1")
+    mpath = Path(reg.root) / "versions" / "v1" / "manifest.json"
+    body = json.loads(mpath.read_text())
+    assert body["target"] == {"spec": "tiny-random", "sha256": target_identity(tiny)} and "tokenizer" not in body
+    # A manifest written before the field was renamed
+    body["tokenizer"] = body.pop("target")
+    mpath.write_text(json.dumps(body))
+    assert reg.get("v1").target["sha256"] == target_identity(tiny)
+    reg.load_draft("v1", tiny.model, expect_target_sha256=target_identity(tiny))
+
+
+def test_a_version_for_another_target_is_refused_before_any_file_is_hashed(reg, draft_dir, tiny, monkeypatch):
+    import infra.target
+
+    reg.publish(draft_dir, "v1")
+    hashed = []
+    real = infra.target.sha256_file
+    monkeypatch.setattr(infra.target, "sha256_file", lambda p, *a, **k: hashed.append(p.name) or real(p, *a, **k))
+    with pytest.raises(RegistryError, match=r"version v1 cannot be loaded: it was made for target 'tiny-random' "
+                                            r"\(sha256 \w{12}…\), not this one \(sha256 abababababab…\)"):
+        reg.load_draft("v1", tiny.model, expect_target_sha256="ab" * 32)
+    assert hashed == []
+
+
+def test_loading_a_version_hashes_each_file_once(reg, draft_dir, tiny, monkeypatch):
+    import infra.target
+
+    v = reg.publish(draft_dir, "v1")
+    hashed = []
+    real = infra.target.sha256_file
+    monkeypatch.setattr(infra.target, "sha256_file", lambda p, *a, **k: hashed.append(p.name) or real(p, *a, **k))
+    reg.load_draft("v1", tiny.model)
+    assert sorted(hashed) == sorted(v.files)
+
+
+def test_publish_refuses_a_draft_for_another_target(reg, draft_dir):
+    with pytest.raises(RegistryError, match=r"cannot publish .*d1: the draft was made for target 'tiny-random' "
+                                            r"\(sha256 \w{12}…\), not this one \(sha256 abababababab…\)"):
+        reg.publish(draft_dir, "v1", expect_target_sha256="ab" * 32)
+    assert reg.list() == []

@@ -242,7 +242,7 @@ class TrainerWorker:
         return out
 
     def _publish(self, weights: dict[str, torch.Tensor], losses: list[float], n_records: int) -> dict[str, Any]:
-        from infra.draft_model import draft_with_weights, save_draft
+        from infra.draft_model import draft_with_weights, save_draft, target_ref_of
 
         draft = draft_with_weights(self.target, self.spec_info, weights)
         alpha = estimate_alpha(draft, self.held_out, self.cfg.train.max_seq_len)
@@ -253,7 +253,7 @@ class TrainerWorker:
                    "records_since_parent": n_records, "world_size": self.world_size,
                    "zero_stage": self.cfg.train.zero_stage}
         out_dir = self.run_dir / "candidates" / version
-        save_draft(draft, self.spec_info, out_dir, target_ref={"spec": self.cfg.model.target},
+        save_draft(draft, self.spec_info, out_dir, target_ref=target_ref_of(self.cfg.model, self.target),
                    lineage=lineage, metrics=metrics)
         path = str(out_dir)
         # Into the registry, where the rollout controller picks it up. A registry that cannot
