@@ -95,11 +95,6 @@ class Version:
     target: dict[str, Any] = field(default_factory=dict)  # {"spec", "sha256"}: what it was made for
 
     @property
-    def tokenizer(self) -> dict[str, Any]:
-        """The old name of `target` (manifests wrote it under "tokenizer" before)."""
-        return self.target
-
-    @property
     def size(self) -> int:
         return sum(int(f["size"]) for f in self.files.values())
 

@@ -239,7 +239,7 @@ def _cmd_registry(cfg: OSDConfig, args: argparse.Namespace) -> int:
         v = reg.get(args.version)
         names = [n for n, a in reg.aliases().items() if a and a["version"] == v.id]
         print(json.dumps({"version": v.id, "created_at": v.created_at, "aliases": names, "lineage": v.lineage,
-                          "metrics": v.metrics, "tokenizer": v.tokenizer, "files": v.files}, indent=2))
+                          "metrics": v.metrics, "target": v.target, "files": v.files}, indent=2))
     elif op == "promote":
         body = reg.promote(args.version, reason="osd registry promote")
         reg.audit({"action": "promote", "version": body["version"], "reason": "osd registry promote", "manual": True})
@@ -330,14 +330,8 @@ def _add_replay_parser(sub: argparse._SubParsersAction) -> None:
     rp.set_defaults(func=_cmd_replay)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="osd",
-        description="Online speculative decoding: serve, record, distill, roll out.",
-    )
-    p.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults; also $OSD_CONFIG)")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_inspect_parsers(sub: argparse._SubParsersAction) -> None:
+    """osd config / models / data: look at the config, the target cache and the prompts."""
     cfg_p = sub.add_parser("config", help="inspect the effective config")
     cfg_sub = cfg_p.add_subparsers(dest="action", required=True, metavar="ACTION")
     show = cfg_sub.add_parser("show", help="print the effective config (file + OSD_* overrides)")
@@ -358,6 +352,9 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--json", action="store_true")
     stats.set_defaults(func=_cmd_data_stats)
 
+
+def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
+    """osd bench engine / train / stream / load."""
     bench_p = sub.add_parser("bench", help="benchmarks (print a table, write JSON)")
     bench_sub = bench_p.add_subparsers(dest="action", required=True, metavar="ACTION")
     be = bench_sub.add_parser("engine", help="own AR and speculative decoding vs Hugging Face, one process")
@@ -382,8 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
     bt.set_defaults(func=_cmd_bench_train)
     _add_bench_stream_parser(bench_sub)
     _add_bench_load_parser(bench_sub)
-    _add_replay_parser(sub)
 
+
+def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
+    """osd draft init and osd train."""
     dr_p = sub.add_parser("draft", help="draft models")
     dr_sub = dr_p.add_subparsers(dest="action", required=True, metavar="ACTION")
     di = dr_sub.add_parser("init", help="warm start: distill the first draft offline from the target's outputs")
@@ -403,6 +402,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--idle-stop", type=float, help="stop after this many seconds without records")
     tr.set_defaults(func=_cmd_train)
 
+
+def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
+    """osd serve, osd up and osd demo: the stack, the loop, the demo."""
     sv = sub.add_parser("serve", help="start local Ray, Redis and the OpenAI-compatible app; print the URL")
     sv.add_argument("--host", help="bind address (default serve.host)")
     sv.add_argument("--port", type=int, help="HTTP port (default serve.port)")
@@ -410,7 +412,6 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--draft", help="none, self, truncate:L or a draft directory (default serve.draft)")
     sv.set_defaults(func=_cmd_serve)
 
-    _add_registry_parser(sub)
 
     up = sub.add_parser("up", help="the closed loop: Ray, Redis, serving, trainer and rollout controller")
     up.add_argument("--no-train", action="store_true", help="serve and roll out, without the trainer")
@@ -423,6 +424,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--out", default="reports/demo", help="report directory (default reports/demo)")
     demo.set_defaults(func=_cmd_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="osd",
+        description="Online speculative decoding: serve, record, distill, roll out.",
+    )
+    p.add_argument("--config", metavar="FILE", help="YAML config (default: built-in defaults; also $OSD_CONFIG)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_inspect_parsers(sub)
+    _add_bench_parsers(sub)
+    _add_replay_parser(sub)
+    _add_draft_and_train_parsers(sub)
+    _add_run_parsers(sub)
+    _add_registry_parser(sub)
     return p
 
 
