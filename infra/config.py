@@ -200,6 +200,9 @@ class TrainConfig(_Section):
     device: str = "cpu"  # cpu: gloo; cuda: NCCL
     # How long surviving ranks wait in a collective for a dead one before failing.
     collective_timeout_s: float = Field(300.0, gt=0)
+    # Custom Ray resources each worker asks for besides its CPU, e.g. {trainer: 1}, so the
+    # workers land on the nodes that advertise them (a KubeRay worker group: helm/osd).
+    resources: dict[str, float] = Field(default_factory=dict)
     lr: float = Field(1e-3, gt=0)
     # Linear learning-rate warm-up over this many optimizer steps (0: none).
     warmup_steps: int = Field(20, ge=0)
@@ -234,6 +237,18 @@ class TrainConfig(_Section):
     warm_max_new_tokens: int = Field(64, ge=1)
     warm_epochs: int = Field(6, ge=1)
     warm_batch_size: int = Field(16, ge=1)
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, v: dict[str, float]) -> dict[str, float]:
+        # Ray takes CPU and GPU as num_cpus/num_gpus, never in `resources`; it would refuse them later.
+        builtin = sorted(k for k in v if k in ("CPU", "GPU", "memory", "object_store_memory"))
+        if builtin:
+            raise ValueError(f"{', '.join(builtin)} cannot be custom resources; name your own, e.g. trainer")
+        bad = sorted(k for k, n in v.items() if not n > 0)
+        if bad:
+            raise ValueError(f"amounts must be > 0 (got {', '.join(f'{k}={v[k]}' for k in bad)})")
+        return v
 
     @model_validator(mode="after")
     def _offload(self) -> "TrainConfig":

@@ -294,7 +294,7 @@ class TrainerGroup:
         from ray.util.placement_group import placement_group
 
         self.n = num_workers or cfg.train.num_workers
-        self.pg = placement_group([{"CPU": 1}] * self.n, strategy="PACK")
+        self.pg = placement_group([{"CPU": 1, **cfg.train.resources}] * self.n, strategy="PACK")
         self.workers: list = []
         try:
             self._start(cfg, run_dir, init_draft)
@@ -308,7 +308,7 @@ class TrainerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as strategy
 
         ray.get(self.pg.ready(), timeout=120)
-        actor = ray.remote(num_cpus=1)(TrainerWorker)
+        actor = ray.remote(num_cpus=1, resources=dict(cfg.train.resources))(TrainerWorker)
         cfg_dict = cfg.model_dump(mode="json")
         env = {"env_vars": {"DS_ACCELERATOR": "cpu"}} if cfg.train.device == "cpu" else {}
 
