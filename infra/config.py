@@ -232,6 +232,13 @@ class TrainConfig(_Section):
     # One record in this many is held out (not trained on) to estimate a candidate's acceptance.
     held_out_every: int = Field(10, ge=2)
     held_out_buffer: int = Field(200, ge=1)
+    # The offline gate (train/gate.py): each candidate and the current stable version are
+    # scored on the newest gate_records held-out records (at most held_out_buffer); it is
+    # published as servable only if the paired interval's lower bound is above 0.
+    gate_records: int = Field(100, ge=1)
+    gate_min_records: int = Field(20, ge=1)
+    gate_confidence: float = Field(0.95, gt=0, lt=1)
+    gate_resamples: int = Field(2000, ge=100)
     # Warm start (`osd draft init`): teacher outputs for this many ShareGPT train prompts.
     warm_prompts: int = Field(256, ge=1)
     warm_max_new_tokens: int = Field(64, ge=1)
@@ -266,13 +273,17 @@ class RegistryConfig(_Section):
 class RolloutConfig(_Section):
     # Canary traffic shares to pass in turn; passing the last one promotes (pipeline/canary_rule.py).
     canary_steps: list[float] = Field(default_factory=lambda: [0.1, 0.5, 1.0])
-    # Acceptance may be this much worse (absolute), mean accepted length len_margin tokens.
+    # Roll back when canary - stable acceptance is surely below -margin (absolute), or mean
+    # accepted length below -len_margin tokens per step.
     margin: float = Field(0.02, ge=0)
     len_margin: float = Field(0.1, ge=0)
+    # Promote only when canary - stable acceptance is surely above min_gain.
+    min_gain: float = Field(0.0, ge=0)
     alpha: float = Field(0.05, gt=0, lt=1)  # error rate of the always-valid intervals
     tau: float = Field(0.1, gt=0)  # mixture scale of the sequential test
     min_requests: int = Field(10, ge=2)  # per arm per step before deciding
-    max_requests: int = Field(200, ge=2)  # canary requests per step before the budget rule
+    # Canary requests per step; still undecided then, the canary expires and stable stays.
+    max_requests: int = Field(400, ge=2)
     # The controller reads records as its own consumer group, so trainers are unaffected.
     group: str = "rollout"
     poll_s: float = Field(1.0, gt=0)

@@ -343,6 +343,9 @@ def build_report(run: PhaseRun, results: list[dict[str, Any]], versions: list[di
         "requests": len(results),
         "promoted": [d["version"] for d in decisions if d["action"] == "promote"],
         "rolled_back": [d["version"] for d in decisions if d["action"] == "rollback"],
+        "expired": [d["version"] for d in decisions if d["action"] == "expired"],
+        # candidates the offline gate kept from users, with the paired evidence against stable
+        "gated": [gated_entry(d) for d in decisions if d["action"] == "gated"],
         "versions": versions,
         "speedup_vs_ar": run.speed["speedup_vs_ar"],
         "paired_post_shift": paired,
@@ -354,6 +357,13 @@ def build_report(run: PhaseRun, results: list[dict[str, Any]], versions: list[di
                    "requests_code": sum(r["phase"] == "code" for r in results)},
         "errors": [r["error"] for r in failed][:20],
     }
+
+
+def gated_entry(d: dict[str, Any]) -> dict[str, Any]:
+    """A gated candidate for the report: why, and the gate's paired numbers against stable."""
+    g = (d.get("evidence") or {}).get("gate") or {}
+    keep = ("stable", "records", "positions", "candidate_alpha", "stable_alpha", "diff", "lower", "upper")
+    return {"version": d["version"], "reason": d.get("reason"), **{k: g.get(k) for k in keep}}
 
 
 def _print(r: dict[str, Any], out_dir: Path) -> None:
@@ -371,9 +381,14 @@ def _print(r: dict[str, Any], out_dir: Path) -> None:
     for v in pp.get("versions", []):
         print(f"  {v['version']:<16}parent {str(v['parent'] or '-'):<16}records {v['records_consumed'] or 0:>6}"
               f"  alpha_est {v['alpha_est']:.3f}")
+    for g in r.get("gated", []):
+        iv = "-" if g["lower"] is None else f"[{g['lower']:+.3f}, {g['upper']:+.3f}]"
+        print(f"  gated {g['version']:<16}vs {str(g['stable'] or '-'):<16}records {g['records'] or 0:>4}  "
+              f"paired diff interval {iv}")
     sp = r["speedup_vs_ar"]
     print(f"\nrequests {r['requests']}, failed {r['failed_requests']}; promoted {r['promoted'] or '-'}; "
-          f"rolled back {r['rolled_back'] or '-'}")
+          f"rolled back {r['rolled_back'] or '-'}; expired {r.get('expired') or '-'}; "
+          f"gated {[g['version'] for g in r.get('gated', [])] or '-'}")
     print(f"post-shift speed-up vs AR (median of per-prompt ratios): {'n/a' if sp is None else f'{sp:.2f}x'}")
     print(f"same prompts elsewhere: osd bench engine --prompts-file {out_dir / 'speed_prompts.jsonl'} "
           f"--max-new-tokens {r['speed_check']['max_tokens']} --draft <a version's directory> [--device cuda]")

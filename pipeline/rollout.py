@@ -9,11 +9,16 @@ One look (`tick`):
    record too) and turn each into an (acceptance, mean accepted length) sample of the
    version that served it (pipeline/canary_rule.py). Only samples of the current window
    count: both arms over the same span of traffic.
-2. No canary: the newest registry version newer than stable that was never decided on
-   becomes the canary at the first weight (alias `canary`), and the window restarts.
-3. A canary: `decide()` on the window. advance -> next weight (window restarts), or promote
-   after the last; rollback -> the canary alias is dropped. Every decision, with the
-   evidence it rested on, goes to the registry's audit log and to metrics.
+2. No canary: the registry versions newer than stable that were never decided on, newest
+   first, meet the offline gate: a version whose manifest lacks passing paired evidence
+   against the *current* stable (train/gate.py, written by the trainer at export) is audited
+   `gated` with that evidence and never served. The first one admitted becomes the canary
+   at the first weight (alias `canary`), and the window restarts.
+3. A canary: `decide()` on the window. advance -> next weight (window restarts); promote
+   (only at the last step below full traffic, on evidence of improvement); rollback -> the
+   canary alias is dropped; expire (the step's request budget spent undecided) -> dropped
+   too, stable stays. Every decision, with the evidence it rested on, goes to the
+   registry's audit log and to metrics.
 
 State lives in the registry (aliases + audit), so a restarted controller carries on: the
 canary it finds keeps its weight, and versions with a decision in the audit are not tried
@@ -30,11 +35,12 @@ import threading
 import time
 from typing import Any
 
-from pipeline.canary_rule import Arm, CanaryRule, decide, request_sample
+from pipeline.canary_rule import Arm, CanaryRule, decide, gate_verdict, request_sample
 from infra.config import OSDConfig
 from infra.registry import AliasMoved, Registry, RegistryError
 
-FINAL = ("promote", "rollback")
+# Decisions after which a version is never canaried again by the controller.
+FINAL = ("promote", "rollback", "gated", "expired")
 
 
 def _log(msg: str) -> None:
@@ -49,7 +55,7 @@ class CanaryController:
         self.cfg = cfg = cfg if isinstance(cfg, OSDConfig) else OSDConfig.model_validate(cfg)
         ro = cfg.rollout
         self.rule = CanaryRule(alpha=ro.alpha, tau=ro.tau, margin=ro.margin, len_margin=ro.len_margin,
-                               min_requests=ro.min_requests, max_requests=ro.max_requests)
+                               min_gain=ro.min_gain, min_requests=ro.min_requests, max_requests=ro.max_requests)
         self.steps = list(ro.canary_steps)
         self.registry = registry or Registry.from_config(cfg)
         stream_cfg = cfg.stream.model_copy(update={"group": ro.group})
@@ -83,8 +89,8 @@ class CanaryController:
                 if sample is None or rec.draft_version == "none":
                     continue
                 self.history.append({"time": rec.created_at, "version": rec.draft_version,
-                                     "acceptance": sample[0], "mean_accepted_len": sample[1],
-                                     "domain": rec.domain})
+                                     "acceptance": sample.acceptance, "mean_accepted_len": sample.mean_accepted_len,
+                                     "accepted": sample.accepted, "judged": sample.judged, "domain": rec.domain})
                 del self.history[:-100_000]
                 if rec.created_at >= self.window_start:
                     self.arms.setdefault(rec.draft_version, Arm()).add(sample)
@@ -118,21 +124,29 @@ class CanaryController:
         return {e.get("version") for e in self.registry.audit_log() if e.get("action") in FINAL}
 
     def _candidate(self, stable: dict[str, Any]) -> Any | None:
+        """The newest undecided version newer than stable that the offline gate admits; each
+        one refused on the way is audited `gated` with its evidence (so never tried again)."""
         try:
             stable_v = self.registry.get(stable["version"])
         except RegistryError:
             return None
 
-        def newest() -> Any | None:
-            newer = [v for v in self.registry.list() if v.created_at > stable_v.created_at
-                     and v.id not in self.decided and v.id != stable_v.id]
-            return newer[-1] if newer else None
+        def undecided() -> list:
+            return [v for v in self.registry.list() if v.created_at > stable_v.created_at
+                    and v.id not in self.decided and v.id != stable_v.id]
 
-        if newest() is None:
+        if not undecided():
             return None
         # Others decide too (`osd registry rollback`): re-read the audit only when about to start one.
         self.decided |= self._decided_in_audit()
-        return newest()
+        for v in reversed(undecided()):
+            ok, why = gate_verdict(v.metrics.get("gate"), stable_v.id)
+            if ok:
+                return v
+            self.decided.add(v.id)
+            self._record("gated", v.id, why, {"gate": _without_pairs(v.metrics.get("gate"))},
+                         stable=stable_v.id, parent=v.lineage.get("parent"), alpha_est=v.metrics.get("alpha_est"))
+        return None
 
     def tick(self) -> list[dict[str, Any]]:
         """One look at the evidence; returns the decisions it made."""
@@ -156,6 +170,7 @@ class CanaryController:
                 self.metrics.weight(cand.id, self.steps[0])
                 self._record("start", cand.id, f"new candidate (parent {cand.lineage.get('parent')}, "
                              f"alpha_est {cand.metrics.get('alpha_est')}); canary at {self.steps[0]:.0%}",
+                             {"gate": _without_pairs(cand.metrics.get("gate"))},
                              weight=self.steps[0], stable=stable["version"])
             return self.decisions[n_before:]
         version, weight = canary["version"], float(canary["weight"])
@@ -164,7 +179,8 @@ class CanaryController:
         try:
             if weight >= 1.0:  # a restarted controller found the canary at full traffic: finish
                 return self._promote(version, stable, {"canary": c_arm.summary()}, n_before)
-            d = decide(s_arm, c_arm, self.rule, k=self.cfg.serve.k)
+            nxt = [w for w in self.steps if w > weight]
+            d = decide(s_arm, c_arm, self.rule, k=self.cfg.serve.k, final=not nxt or nxt[0] >= 1.0)
             self._progress(version, weight, s_arm, c_arm, d)
             return self._act(d, version, weight, stable, n_before)
         except AliasMoved as e:  # a person moved the canary since this tick read it: theirs stands
@@ -173,16 +189,19 @@ class CanaryController:
             return self.decisions[n_before:]
 
     def _act(self, d: Any, version: str, weight: float, stable: dict[str, Any], n_before: int) -> list:
-        if d.action == "rollback":
+        if d.action in ("rollback", "expire"):  # either way the canary goes and stable stays
+            action = "rollback" if d.action == "rollback" else "expired"
             self.registry.clear_canary(expect=version)
             self.decided.add(version)
             self.metrics.weight(version, 0.0)
-            self._record("rollback", version, d.reason, d.evidence, weight=weight, stable=stable["version"])
+            self._record(action, version, d.reason, d.evidence, weight=weight, stable=stable["version"])
             self._restart_window()
+        elif d.action == "promote":
+            return self._promote(version, stable, d.evidence, n_before, d.reason)
         elif d.action == "advance":
             nxt = [w for w in self.steps if w > weight]
-            if not nxt or nxt[0] >= 1.0:
-                return self._promote(version, stable, d.evidence, n_before, d.reason)
+            if not nxt or nxt[0] >= 1.0:  # decide() promotes at the last step; never on non-inferiority
+                raise ValueError(f"advance at the last canary step ({weight:.0%}) is not a promotion")
             self.registry.set_canary(version, nxt[0], reason=d.reason, expect=version)
             self.metrics.weight(version, nxt[0])
             self._record("advance", version, d.reason, d.evidence, weight=nxt[0], stable=stable["version"])
@@ -195,8 +214,8 @@ class CanaryController:
         if d.action != "continue" or now - self._last_progress < self.progress_s:
             return
         self._last_progress = now
-        _log(f"canary {version} at {weight:.0%}: stable n={s_arm.n} acceptance {s_arm.acceptance.mean:.3f}, "
-             f"canary n={c_arm.n} acceptance {c_arm.acceptance.mean:.3f}; {d.reason}")
+        _log(f"canary {version} at {weight:.0%}: stable n={s_arm.n} acceptance {s_arm.acceptance.ratio:.3f}, "
+             f"canary n={c_arm.n} acceptance {c_arm.acceptance.ratio:.3f}; {d.reason}")
 
     def _promote(self, version: str, stable: dict, evidence: dict, n_before: int, reason: str = "") -> list:
         self.registry.promote(version, reason="canary passed", expect_canary=version)
@@ -254,7 +273,8 @@ class _Metrics:
             self._weight = m.Gauge("osd_rollout_canary_weight", "Canary traffic share", tag_keys=("draft_version",))
             self._decisions = m.Counter("osd_rollout_decisions_total", "Rollout decisions",
                                         tag_keys=("draft_version", "action"))
-            self._acc = m.Gauge("osd_rollout_window_acceptance", "Mean per-request acceptance in the window",
+            self._acc = m.Gauge("osd_rollout_window_acceptance",
+                                "Acceptance in the window (accepted over judged draft tokens)",
                                 tag_keys=("draft_version", "arm"))
             self._n = m.Gauge("osd_rollout_window_requests", "Requests in the window",
                               tag_keys=("draft_version", "arm"))
@@ -274,8 +294,13 @@ class _Metrics:
 
     def arm(self, version: str, arm: str, a: Arm) -> None:
         if self.ok:
-            self._acc.set(a.acceptance.mean, {"draft_version": version, "arm": arm})
+            self._acc.set(a.acceptance.ratio, {"draft_version": version, "arm": arm})
             self._n.set(a.n, {"draft_version": version, "arm": arm})
+
+
+def _without_pairs(gate: Any) -> Any:
+    """Gate evidence for the audit log, without the per-record pairs (they stay in the manifest)."""
+    return {k: v for k, v in gate.items() if k != "per_record"} if isinstance(gate, dict) else gate
 
 
 CONTROLLER_NAME = "osd-rollout-controller"

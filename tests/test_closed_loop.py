@@ -1,6 +1,7 @@
 """The whole loop end to end on tiny models, under steady load with 0 failed requests:
-serve -> records -> trainer -> registry -> canary -> a decision on the trained candidate;
-then an injected better draft is promoted and an injected random-weights draft rolled back.
+serve -> records -> trainer (gate at export) -> registry -> controller -> a decision on the
+trained candidate; then an injected better draft, with gate evidence against the current
+stable, is promoted, and an injected random-weights draft is gated: it never reaches a user.
 Stopping the loop is checked on its own too."""
 
 import threading
@@ -12,6 +13,22 @@ import torch
 from infra.config import load_config
 from infra.registry import Registry
 
+
+
+def _gate_evidence(cfg, reg, tiny, draft):
+    """What the trainer stores at export (train/gate.py), computed here for a draft published by
+    hand: `draft` against the current stable version on held-out records of the tiny target."""
+    from infra.prompts import Prompt
+    from train.evaluator import gate_candidate
+    from train.teacher_data import generate_teacher_records
+
+    prompts = [Prompt(f"h{i}", f"held out {i}?" * (1 + i % 3), "other", "train") for i in range(10)]
+    records = generate_teacher_records(tiny.model, tiny.tokenizer, prompts, max_new_tokens=6, top_k=32,
+                                       progress=False)
+    stable = reg.alias("stable")["version"]
+    model, _ = reg.load_draft(stable, tiny.model)
+    return gate_candidate(draft, model, stable, records, cfg.train.max_seq_len, min_records=len(records),
+                          resamples=300)
 
 
 def _wait(cond, timeout, what):
@@ -33,8 +50,8 @@ def test_closed_loop_promotes_a_trained_candidate_and_rolls_back_a_bad_one(tiny,
         "state_dir": str(tmp_path), "model": {"target": "tiny-random"},
         "serve": {"port": free_port(), "max_new_tokens": 24, "num_cpus_per_replica": 0.5, "alias_poll_s": 0.3},
         "train": {"draft_layers": 1, "export_every_records": 12, "export_every_s": 1000, "held_out_every": 5,
-                  "token_budget": 256, "max_seq_len": 128},
-        "rollout": {"canary_steps": [0.5, 1.0], "min_requests": 4, "max_requests": 12, "poll_s": 0.3},
+                  "token_budget": 256, "max_seq_len": 128, "gate_min_records": 2, "gate_resamples": 300},
+        "rollout": {"canary_steps": [0.5, 1.0], "min_requests": 4, "max_requests": 40, "poll_s": 0.3},
     })
     spec = DraftSpec(num_layers=1)  # the warm start: 1 of the target's 2 layers
     save_draft(build_draft(tiny.model, spec), spec, tmp_path / "drafts" / "v1", target_ref={"spec": "tiny-random"})
@@ -57,7 +74,8 @@ def test_closed_loop_promotes_a_trained_candidate_and_rolls_back_a_bad_one(tiny,
             c.start()
         # the trainer publishes candidates from live records; the controller decides on one
         def final(version=None):
-            return [d for d in loop.controller_status()["decisions"] if d["action"] in ("promote", "rollback")
+            return [d for d in loop.controller_status()["decisions"]
+                    if d["action"] in ("promote", "rollback", "gated", "expired")
                     and (version is None or d["version"] == version)]
 
         _wait(lambda: final(), 240, "a rollout decision on a trained candidate")
@@ -65,32 +83,45 @@ def test_closed_loop_promotes_a_trained_candidate_and_rolls_back_a_bad_one(tiny,
         assert trained["version"].startswith("t-v") and trained["evidence"], trained
         cand = reg.get(trained["version"])
         assert cand.lineage["records_consumed"] >= 12, cand.lineage
+        # the trainer scored it against the stable version at export, whatever the outcome
+        assert cand.metrics["gate"]["stable"] == "v1" and "passed" in cand.metrics["gate"], cand.metrics
         # the controller takes the newest candidate, so an earlier export may have been skipped: the parent
         # is v1 or the trainer's previous export (each export continues from the one before)
         parent = cand.lineage["parent"]
         assert parent == "v1" or (parent.startswith("t-v") and parent < trained["version"]), cand.lineage
         loop.stop_trainer()  # from here on, only the injected versions compete (after any canary in flight)
 
-        # an injected better draft is promoted ...
-        reg.publish(tmp_path / "good", "good")
+        def settled():  # no canary and every version newer than stable decided: stable will not move
+            decided = {e["version"] for e in reg.audit_log() if e["action"] in ("promote", "rollback", "gated",
+                                                                               "expired")}
+            st = reg.get(reg.alias("stable")["version"])
+            return reg.alias("canary") is None and all(
+                v.id in decided for v in reg.list() if v.created_at > st.created_at)
+
+        _wait(settled, 180, "the trained candidates' decisions")  # gate evidence is against *this* stable
+
+        # an injected better draft, with passing gate evidence against the current stable, is promoted ...
+        evidence = _gate_evidence(cfg, reg, tiny, build_draft(tiny.model, full))
+        assert evidence["passed"], evidence
+        reg.publish(tmp_path / "good", "good", metrics={"gate": evidence})
         _wait(lambda: final("good"), 180, "a decision on the better draft")
         assert final("good")[0]["action"] == "promote"
         stable = reg.alias("stable")
         assert stable["version"] == "good" and stable["previous"] in {v.id for v in reg.list()} - {"good"}
 
-        # ... and an injected bad draft (random weights) is rolled back within a bounded number of requests
+        # ... and an injected bad draft (random weights) is gated: it never becomes the canary
         bad = build_draft(tiny.model, spec)
         with torch.no_grad():
             for i, (name, p) in enumerate(bad.named_parameters()):
                 if p.requires_grad:
                     p.normal_(0, 0.5, generator=torch.Generator().manual_seed(i))
         save_draft(bad, spec, tmp_path / "bad", target_ref={"spec": "tiny-random"})
-        reg.publish(tmp_path / "bad", "bad")
-        n_at_publish = len(results)
-        _wait(lambda: final("bad"), 180, "the bad draft's rollback")
-        assert final("bad")[0]["action"] == "rollback"
-        assert len(results) - n_at_publish <= 80  # min_requests per arm at a 50% share, plus polling lag
+        evidence = _gate_evidence(cfg, reg, tiny, bad)
+        reg.publish(tmp_path / "bad", "bad", metrics={"gate": evidence})
+        _wait(lambda: final("bad"), 60, "the bad draft's gate decision")
+        assert final("bad")[0]["action"] == "gated" and final("bad")[0]["evidence"]["gate"]["upper"] < 0
         assert reg.alias("stable")["version"] == "good" and reg.alias("canary") is None
+        time.sleep(2)  # requests after the decision: still none on "bad"
     finally:
         stop.set()
         for c in clients:
@@ -99,9 +130,9 @@ def test_closed_loop_promotes_a_trained_candidate_and_rolls_back_a_bad_one(tiny,
     failed = [r for r in results if not r["ok"]]
     assert not failed, failed[:3]
     versions = {r["version"] for r in results}
-    assert {"v1", trained["version"], "good", "bad"} <= versions  # every swap happened under load
+    assert {"v1", "good"} <= versions and "bad" not in versions  # swaps under load; the gated one never served
     audit = [(e["action"], e["version"]) for e in reg.audit_log()]
-    assert ("promote", "good") in audit and ("rollback", "bad") in audit and ("start", "bad") in audit
+    assert ("promote", "good") in audit and ("gated", "bad") in audit and ("start", "bad") not in audit
 
 
 @pytest.mark.pure

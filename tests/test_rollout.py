@@ -1,4 +1,5 @@
-"""The canary controller against a real Redis stream and a file:// registry (synthetic records)."""
+"""The canary controller against a real Redis stream and a file:// registry (synthetic records):
+the offline gate before any canary, then the canary rule's promote / rollback / expire."""
 
 import random
 
@@ -32,13 +33,27 @@ def _cfg(tmp_path, redis_url, **rollout):
         "rollout": {"canary_steps": [0.1, 0.5, 1.0], "min_requests": 8, "max_requests": 60, **rollout}})
 
 
-def _stable_and_candidate(tmp_path, redis_url, draft_dir, candidate):
-    """v1 published and stable, `candidate` published after it, and a fresh controller."""
-    cfg = _cfg(tmp_path, redis_url)
+def _gate(stable="v1", lower=0.01):
+    """Offline gate evidence as the trainer writes it (train/gate.py), with a chosen interval."""
+    return {"stable": stable, "lower": lower, "upper": lower + 0.04, "diff": lower + 0.02, "records": 40,
+            "positions": 900, "passed": lower > 0, "min_gain": 0.0, "reason": "set by the test",
+            "per_record": [[0.1, 20]] * 40}
+
+
+def _publish(reg, draft_dir, version, gate=None, **gate_kw):
+    """Publish with gate evidence (default: passing against v1); gate=False: with none."""
+    metrics = {} if gate is False else {"gate": gate or _gate(**gate_kw)}
+    return reg.publish(draft_dir, version, metrics=metrics)
+
+
+def _stable_and_candidate(tmp_path, redis_url, draft_dir, candidate, **rollout):
+    """v1 published and stable, `candidate` published after it with passing gate evidence,
+    and a fresh controller."""
+    cfg = _cfg(tmp_path, redis_url, **rollout)
     reg = Registry.from_config(cfg)
     reg.publish(draft_dir, "v1")
     reg.promote("v1")
-    reg.publish(draft_dir, candidate)
+    _publish(reg, draft_dir, candidate)
     return cfg, reg, CanaryController(cfg)
 
 
@@ -83,7 +98,7 @@ def _drive(ctrl, prod, reg, stable_p, canary_p, seed, max_requests=2000, batch=2
     while served < max_requests:
         _serve(prod, reg, stable_p, canary_p, rng, batch)
         served += batch
-        done = [d for d in ctrl.tick() if d["action"] in ("promote", "rollback")]
+        done = [d for d in ctrl.tick() if d["action"] in ("promote", "rollback", "expired")]
         if done:
             return done[0], served
     raise AssertionError(f"no decision after {served} requests")
@@ -97,7 +112,7 @@ def test_better_candidate_is_promoted_step_by_step(tmp_path, redis_url, draft_di
     reg.promote("v1")
     ctrl = CanaryController(cfg)
     assert ctrl.tick() == []  # nothing to roll out
-    reg.publish(draft_dir, "v2")
+    _publish(reg, draft_dir, "v2")
     with RecordProducer(redis_url, cfg.stream) as prod:
         start = ctrl.tick()
         assert [d["action"] for d in start] == ["start"] and reg.alias("canary")["weight"] == 0.1
@@ -106,7 +121,9 @@ def test_better_candidate_is_promoted_step_by_step(tmp_path, redis_url, draft_di
     actions = [d["action"] for d in ctrl.decisions]
     assert actions == ["start", "advance", "promote"]  # 10% -> 50% -> promoted
     assert reg.alias("stable")["version"] == "v2" and reg.alias("canary") is None
-    assert final["evidence"]["acceptance"]["lower"] > -cfg.rollout.margin
+    # promoted on evidence of improvement, not on the absence of harm
+    assert final["evidence"]["acceptance"]["lower"] > cfg.rollout.min_gain
+    assert ctrl.decisions[0]["evidence"]["gate"]["stable"] == "v1"  # the start names the gate it passed
     log = reg.audit_log()
     assert [e["action"] for e in log] == actions and all(e["reason"] for e in log)
     assert served <= 1000
@@ -126,6 +143,98 @@ def test_bad_candidate_is_rolled_back_quickly_and_not_retried(tmp_path, redis_ur
     # a restarted controller reads the audit log and does not try "bad" again
     again = CanaryController(cfg, consumer_name="controller-2")
     assert again.tick() == [] and reg.alias("canary") is None
+
+
+@redis
+def test_candidates_without_passing_gate_evidence_are_gated_audited_and_never_served(tmp_path, redis_url, draft_dir):
+    cfg = _cfg(tmp_path, redis_url)
+    reg = Registry.from_config(cfg)
+    reg.publish(draft_dir, "v1")
+    reg.promote("v1")
+    _publish(reg, draft_dir, "ok")  # the oldest: passing evidence against v1
+    _publish(reg, draft_dir, "none", gate=False)  # published by hand: no evidence at all
+    _publish(reg, draft_dir, "failing", lower=-0.003)  # its interval reaches below 0
+    _publish(reg, draft_dir, "vs-parent", stable="t-v0002")  # passing, but against its parent, not stable
+    ctrl = CanaryController(cfg)
+    got = ctrl.tick()
+    # newest first: each refused one is audited with its evidence; the first admitted one starts
+    assert [(d["action"], d["version"]) for d in got] == [
+        ("gated", "vs-parent"), ("gated", "failing"), ("gated", "none"), ("start", "ok")]
+    assert reg.alias("canary")["version"] == "ok"
+    log = {e["version"]: e for e in reg.audit_log() if e["action"] == "gated"}
+    assert "against t-v0002, but stable is v1" in log["vs-parent"]["reason"]
+    assert log["failing"]["evidence"]["gate"]["lower"] == -0.003 and "gate failed" in log["failing"]["reason"]
+    assert "per_record" not in log["failing"]["evidence"]["gate"]  # the pairs stay in the manifest
+    assert "no offline gate evidence" in log["none"]["reason"] and log["none"]["stable"] == "v1"
+    # a restarted controller reads the audit: once "ok" is decided, nothing gated is ever canaried
+    reg.rollback("by hand")
+    again = CanaryController(cfg, consumer_name="controller-2")
+    assert again.tick() == [] and reg.alias("canary") is None
+    served = {e["version"] for e in reg.audit_log() if e["action"] == "start"}
+    assert served == {"ok"}
+
+
+@redis
+def test_an_undecided_canary_expires_at_the_budget_and_stable_stays(tmp_path, redis_url, draft_dir):
+    cfg, reg, ctrl = _stable_and_candidate(tmp_path, redis_url, draft_dir, "same", canary_steps=[0.5, 1.0],
+                                           max_requests=30)
+    with RecordProducer(redis_url, cfg.stream) as prod:
+        assert [d["action"] for d in ctrl.tick()] == ["start"]
+        final, served = _drive(ctrl, prod, reg, 0.4, 0.4, seed=5)
+    assert final["action"] == "expired" and final["version"] == "same"
+    assert final["evidence"]["canary"]["n"] >= 30 and final["evidence"]["acceptance"]["lower"] <= 0
+    assert "point estimate is not evidence" in final["reason"]
+    assert reg.alias("canary") is None and reg.alias("stable")["version"] == "v1"
+    assert [e["action"] for e in reg.audit_log()] == ["start", "expired"]
+    again = CanaryController(cfg, consumer_name="controller-2")  # an expired version is not tried again
+    assert again.tick() == [] and reg.alias("canary") is None
+
+
+@redis
+def test_with_the_real_gate_a_worse_draft_never_becomes_canary_and_a_better_one_is_promoted(
+        tmp_path, redis_url, tiny):
+    """Gate evidence computed by train/ on the tiny target's own records, as the trainer does at
+    export: stable is the 1-layer draft; a random-weights draft is refused, the 2-layer one
+    (the target itself) admitted and then promoted on served evidence."""
+    import torch
+
+    from infra.draft_model import DraftSpec, build_draft, save_draft
+    from infra.prompts import Prompt
+    from train.evaluator import gate_candidate
+    from train.teacher_data import generate_teacher_records
+
+    prompts = [Prompt(f"q{i}", f"rollout question {i}?" * (1 + i % 3), "other", "train") for i in range(10)]
+    held_out = generate_teacher_records(tiny.model, tiny.tokenizer, prompts, max_new_tokens=6, top_k=259,
+                                        progress=False)
+    drafts = {"weak": build_draft(tiny.model, DraftSpec(num_layers=1)),
+              "random": build_draft(tiny.model, DraftSpec(num_layers=1)),
+              "full": build_draft(tiny.model, DraftSpec(num_layers=2))}
+    with torch.no_grad():
+        for i, p in enumerate(p for p in drafts["random"].parameters() if p.requires_grad):
+            p.normal_(0, 0.5, generator=torch.Generator().manual_seed(i))
+    for name, d in drafts.items():
+        save_draft(d, DraftSpec(num_layers=d.config.num_hidden_layers), tmp_path / name,
+                   target_ref={"spec": "tiny-random"})
+    cfg = _cfg(tmp_path, redis_url, canary_steps=[0.5, 1.0])
+    reg = Registry.from_config(cfg)
+    reg.publish(tmp_path / "weak", "v1")
+    reg.promote("v1")
+    ctrl = CanaryController(cfg)
+
+    def gate(name):
+        return gate_candidate(drafts[name], drafts["weak"], "v1", held_out, 128, min_records=len(held_out),
+                              resamples=300)
+
+    _publish(reg, tmp_path / "random", "worse", gate=gate("random"))
+    assert [(d["action"], d["version"]) for d in ctrl.tick()] == [("gated", "worse")]
+    assert reg.alias("canary") is None
+    _publish(reg, tmp_path / "full", "better", gate=gate("full"))
+    assert [(d["action"], d["version"]) for d in ctrl.tick()] == [("start", "better")]
+    with RecordProducer(redis_url, cfg.stream) as prod:
+        final, _ = _drive(ctrl, prod, reg, 0.3, 0.6, seed=6)
+    assert (final["action"], final["version"]) == ("promote", "better")
+    started = [e["version"] for e in reg.audit_log() if e["action"] == "start"]
+    assert "worse" not in started  # never served to a user
 
 
 @redis
@@ -189,7 +298,7 @@ def test_a_manual_rollback_of_stable_is_not_undone_by_the_controller(tmp_path, r
     cfg = _cfg(tmp_path, redis_url)
     reg = Registry.from_config(cfg)
     for v in ("v1", "v2"):
-        reg.publish(draft_dir, v)
+        _publish(reg, draft_dir, v)
     reg.promote("v1")
     reg.promote("v2")  # by hand: no audit entry of the controller's names v2
     ctrl = CanaryController(cfg)

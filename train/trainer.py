@@ -32,7 +32,10 @@ import torch
 
 from infra.config import OSDConfig
 # pipeline/ (demo, bench_train) also imports these two from here.
-from train.evaluator import estimate_alpha, is_held_out
+from train.evaluator import estimate_alpha, gate_candidate, gate_records, is_held_out, per_record_acceptance
+
+# Prompts trained on, remembered so the gate skips held-out records that repeat one (bounded).
+TRAINED_PROMPTS_KEPT = 50_000
 
 
 def _log(rank: int, msg: str) -> None:
@@ -100,6 +103,8 @@ class TrainerWorker:
         self.engine = DistillEngine(draft, tc)
         self.consumer = RecordConsumer(self.cfg.stream.redis_url, self.cfg.stream, name=self.consumer_name)
         self.held_out: list[Any] = []
+        self.trained_prompts: dict[bytes, None] = {}  # insertion-ordered set, oldest dropped first
+        self._stable_cache: tuple[str, Any, dict[str, tuple[float, int]]] | None = None
         self.replay: list[Any] = []  # recently trained records (train.replay_steps); not persisted
         self._rng = random.Random(self.rank)
         resumed = self.engine.load_latest(self.ckpt_dir)
@@ -130,6 +135,9 @@ class TrainerWorker:
                 self._held_acks.append(d)
             else:
                 buffer.append(d)
+                self.trained_prompts[d.record.prompt_ids.tobytes()] = None
+                if len(self.trained_prompts) > TRAINED_PROMPTS_KEPT:
+                    del self.trained_prompts[next(iter(self.trained_prompts))]
         return len(got)
 
     def run(self, max_records: int | None = None, max_seconds: float | None = None,
@@ -248,7 +256,7 @@ class TrainerWorker:
         alpha = estimate_alpha(draft, self.held_out, self.cfg.train.max_seq_len)
         version = f"{self.run_dir.name}-v{self.versions:04d}"
         metrics = {"loss": sum(losses) / len(losses) if losses else None, "alpha_est": alpha,
-                   "held_out_records": len(self.held_out)}
+                   "held_out_records": len(self.held_out), "gate": self._gate(draft)}
         lineage = {"parent": self.parent_version, "records_consumed": self.records_total,
                    "records_since_parent": n_records, "world_size": self.world_size,
                    "zero_stage": self.cfg.train.zero_stage}
@@ -268,9 +276,38 @@ class TrainerWorker:
                 shutil.rmtree(out_dir, ignore_errors=True)
         except (RegistryError, OSError) as e:
             _log(0, f"could not publish {version} to the registry ({e}); it stays at {out_dir}")
-        _log(0, f"published {version}: alpha_est {alpha}, loss {metrics['loss']}, {self.records_total} records")
+        _log(0, f"published {version}: alpha_est {alpha}, loss {metrics['loss']}, {self.records_total} records; "
+                f"gate {'passed' if metrics['gate']['passed'] else 'failed'}: {metrics['gate']['reason']}")
         self.parent_version = version
         return {"version": version, "path": path, **metrics, **lineage}
+
+    def _gate(self, draft: torch.nn.Module) -> dict[str, Any]:
+        """Paired evidence that `draft` beats the *current* stable version (not its parent, which
+        may have been gated or rolled back) on the newest held-out records; see train/gate.py.
+        The controller canaries only a candidate whose evidence passes against its stable."""
+        from infra.registry import Registry, RegistryError
+
+        tc = self.cfg.train
+        kw = dict(confidence=tc.gate_confidence, resamples=tc.gate_resamples, min_records=tc.gate_min_records,
+                  min_gain=0.0)
+        records = gate_records(self.held_out, tc.gate_records, set(self.trained_prompts))
+        try:
+            reg = Registry.from_config(self.cfg)
+            stable = (reg.alias("stable") or {}).get("version")
+            if stable is None:
+                return gate_candidate(draft, None, None, records, tc.max_seq_len, **kw)
+            if self._stable_cache is None or self._stable_cache[0] != stable:
+                model, _ = reg.load_draft(stable, self.target)
+                self._stable_cache = (stable, model, {})  # stable's scores per record id, reused
+            _, model, scores = self._stable_cache
+            todo = [r for r in records if r.record_id not in scores]
+            scores.update(zip((r.record_id for r in todo), per_record_acceptance(model, todo, tc.max_seq_len)))
+            base = [scores[r.record_id] for r in records]
+            return gate_candidate(draft, None, stable, records, tc.max_seq_len, stable_scores=base, **kw)
+        except (RegistryError, OSError) as e:
+            # No evidence means gated: the candidate is still published, for a person to look at.
+            return {"passed": False, "stable": None, "records": len(records),
+                    "reason": f"could not score the stable version ({type(e).__name__}: {e})"}
 
     def close(self) -> None:
         self.consumer.close()
