@@ -170,6 +170,11 @@ class RecordProducer:
         with self._cond:
             return self._cond.wait_for(lambda: self._unfinished == 0, timeout)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the writer thread still runs (a health check fails when it has died)."""
+        return self._thread.is_alive()
+
     def stats(self) -> ProducerStats:
         with self._cond:
             s = self._stats

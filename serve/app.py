@@ -44,7 +44,6 @@ from serve.openai_api import (
 )
 
 MODEL_ALIAS = "osd"
-OPEN_PATHS = frozenset({"/healthz"})  # the only routes answered without the API key
 log = logging.getLogger("ray.serve")
 
 
@@ -298,8 +297,7 @@ class TargetReplica:
     def check_health(self) -> None:
         """Serve calls this every health_check_period_s; raising makes Serve restart the replica."""
         self.engine.check_health(self.cfg.serve.stall_timeout_s)
-        thread = getattr(self.producer, "_thread", None)
-        if thread is not None and not thread.is_alive():
+        if self.producer is not None and not self.producer.alive:
             raise RuntimeError("the record producer's thread has died")
         self.router.check_health()
 
