@@ -102,6 +102,12 @@ class TrainerWorker:
             self.parent_version = None
         self.engine = DistillEngine(draft, tc)
         self.consumer = RecordConsumer(self.cfg.stream.redis_url, self.cfg.stream, name=self.consumer_name)
+        from infra.streams import connect
+        from train.metrics import TrainerMetrics
+
+        # Loss, steps and checkpoints for Prometheus and the ops page (its own client: never the consumer's).
+        self.telemetry = TrainerMetrics(self.rank, connect(self.cfg.stream.redis_url, self.cfg.stream),
+                                        self.cfg.stream.stream)
         self.held_out: list[Any] = []
         self.trained_prompts: dict[bytes, None] = {}  # insertion-ordered set, oldest dropped first
         self._stable_cache: tuple[str, Any, dict[str, tuple[float, int]]] | None = None
@@ -220,6 +226,7 @@ class TrainerWorker:
         stats.tokens += batch.n_tokens
         stats.losses.append(loss)
         loss_acc.append(loss)
+        self.telemetry.step(loss, self.records_total)
 
     def _replay_steps(self, loss_fn, stats: RunStats, loss_acc: list[float]) -> None:
         """train.replay_steps more steps on records drawn again from this rank's recent ones. Every
@@ -247,6 +254,7 @@ class TrainerWorker:
         out: dict[str, Any] = {"acked": acked, "tag": tag}
         if self.rank == 0:
             out["export"] = self._publish(weights, losses, n_records)
+        self.telemetry.checkpoint(tag, out.get("export"))
         return out
 
     def _publish(self, weights: dict[str, torch.Tensor], losses: list[float], n_records: int) -> dict[str, Any]:
