@@ -268,8 +268,6 @@ def save_draft(draft: Any, spec: DraftSpec, directory: str | Path, *, target_ref
     """Write the draft into `directory` atomically; returns the directory.
 
     An existing directory is refused unless overwrite=True (then it is replaced whole)."""
-    from safetensors.torch import save_file
-
     directory = Path(directory)
     if spec.share_layers or any(n.startswith("model.layers.") for n in shared_names(draft)):
         # Its layers are the target's: saving the trainable tensors would write nothing of it,
@@ -286,7 +284,7 @@ def save_draft(draft: Any, spec: DraftSpec, directory: str | Path, *, target_ref
         "format": DRAFT_FORMAT,
         "kind": "osd-draft",
         # share_layers is always False here; left out so readers of older code still parse it.
-        "spec": spec.model_dump(mode="json", exclude={"share_layers"}),
+        "spec": spec.saved_fields(),
         "target_ref": target_ref,
         "layer_indices": list(getattr(draft, INDICES_ATTR, ()) or ()),
         "shared_tensors": {k: {"shape": list(sd[k].shape), "dtype": str(sd[k].dtype).removeprefix("torch.")}
@@ -296,10 +294,18 @@ def save_draft(draft: Any, spec: DraftSpec, directory: str | Path, *, target_ref
         "metrics": metrics or {},
         "created_at": time.time(),
     }
+    return write_draft_dir(directory, draft.config, trainable, info)
+
+
+def write_draft_dir(directory: Path, config: Any, tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> Path:
+    """config.json, draft.safetensors, draft.json and the manifest (last), written to a temp dir
+    beside `directory` and renamed over it: a reader sees the old draft or the new, never half."""
+    from safetensors.torch import save_file
+
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
-        draft.config.to_json_file(tmp / CONFIG_FILE, use_diff=False)
-        save_file(trainable, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "osd.kind": "draft"})
+        config.to_json_file(tmp / CONFIG_FILE, use_diff=False)
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "osd.kind": "draft"})
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
         write_manifest(tmp, {"kind": "osd-draft"})  # last: its presence means complete
         if directory.exists():
@@ -390,6 +396,10 @@ def load_draft(directory: str | Path, target_model: Any, *, expect_target_sha256
     if absent:
         raise DraftLoadError(f"{directory} is not a saved draft: {MANIFEST} does not list {sorted(absent)}")
     info, spec, shared_meta, cfg = _read_info(directory)
+    if spec.family == "head":
+        from infra.draft_head import load_head
+
+        return load_head(directory, info, cfg, target_model, expect_target_sha256=expect_target_sha256)
     why = target_mismatch(info.get("target_ref"), expect_target_sha256)
     if why:
         raise DraftLoadError(f"the draft in {directory} was {why}")

@@ -39,6 +39,19 @@ class DraftSpec(BaseModel):
     # Use the target's own layer tensors (shared, frozen) instead of trainable copies: the
     # `truncate:L` draft. Nothing of it is trained, so it is never saved (save_draft refuses).
     share_layers: bool = False
+    # "layer": decoder layers copied from the target (above). "head": one decoder layer over
+    # the target's own hidden states at `feature_layers` (EAGLE-3 form, infra/draft_head.py),
+    # with its own LM head over the `draft_vocab` most frequent target tokens.
+    family: Literal["layer", "head"] = "layer"
+    # head only: target layer outputs (0-based) fused by its fc; None = EAGLE-3's low/mid/high.
+    feature_layers: tuple[int, ...] | None = None
+    draft_vocab: int = Field(8192, ge=2)
+
+    def saved_fields(self) -> dict:
+        """The spec as draft.json stores it. A layer draft leaves the head's fields out, so
+        readers that predate the head family still parse it."""
+        exclude = {"share_layers"} | ({"family", "feature_layers", "draft_vocab"} if self.family == "layer" else set())
+        return self.model_dump(mode="json", exclude=exclude)
 
 
 def draft_spec_from_train(train: TrainConfig) -> DraftSpec:

@@ -601,6 +601,22 @@ def _skeleton_shapes(directory: Path, config: dict[str, Any]) -> dict[str, list[
     return {k: list(v.shape) for k, v in model.state_dict().items()}
 
 
+def _head_shapes(directory: Path, spec: Any, header: dict[str, Any]) -> dict[str, list[int]]:
+    """The tensor shapes a head draft (infra/draft_head.py) of `spec` has on config.json's target."""
+    from transformers import AutoConfig
+
+    from infra.draft_head import head_shapes
+
+    if "d2t" not in header:
+        raise RegistryError("a head draft's draft.safetensors has no d2t (its draft vocabulary)")
+    try:
+        cfg = AutoConfig.from_pretrained(directory, local_files_only=True)
+        shapes = head_shapes(cfg, spec, header["d2t"]["shape"][0])
+    except Exception as e:
+        raise RegistryError(f"config.json does not describe the head's target ({_one_line(e)[:200]})") from None
+    return {**shapes, "model.embed_tokens.weight": [cfg.vocab_size, cfg.hidden_size]}
+
+
 def check_draft_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, str]]:
     """(draft.json, {file: sha256 from osd-manifest.json}) of a directory infra.draft_model.load_draft
     can load onto a fitting target; RegistryError naming the first thing that would stop it."""
@@ -616,7 +632,7 @@ def check_draft_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[
         raise RegistryError(f"draft.json: format {info.get('format')!r} / kind {info.get('kind')!r}, "
                             f"expected format {DRAFT_FORMAT} / kind 'osd-draft'")
     try:
-        DraftSpec(**info["spec"])
+        spec = DraftSpec(**info["spec"])
         shared = {k: list(v["shape"]) for k, v in info["shared_tensors"].items()}
         trainable = set(info["trainable_tensors"])
         listed = manifest["files"]
@@ -628,7 +644,7 @@ def check_draft_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[
     if set(header) != trainable:
         raise RegistryError(f"draft.safetensors holds {len(header)} tensors that differ from the "
                             f"{len(trainable)} draft.json lists as trainable")
-    shapes = _skeleton_shapes(d, config)
+    shapes = _head_shapes(d, spec, header) if spec.family == "head" else _skeleton_shapes(d, config)
     if set(shapes) != trainable | set(shared) or trainable & set(shared):
         raise RegistryError("draft.json's trainable and shared tensors do not make up the model config.json "
                             "describes")

@@ -41,6 +41,7 @@ from infra.tokens import eos_token_ids
 from serve.admission import SlotPool
 from serve.capture import Capture, CaptureBuffer
 from serve.detokenize import StopScanner
+from serve.head_runner import commit_head, is_head, propose_head
 from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
 from serve.runner import KVCache, Runner, make_runner
 from serve.verify import SamplingParams, verify_greedy, verify_sampling, warp_probs
@@ -194,6 +195,11 @@ class _Seq:
         self.cap_draft_tokens: list[int] = []
         self.cap_draft_probs: list[float] = []
         self.device = device
+        # Head drafts only (serve/head_runner.py): target features of rows the head has not
+        # cached yet, from row feat_start on; and the verify forward's, until commit.
+        self.feats: torch.Tensor | None = None
+        self.feat_start = 0
+        self.step_feats: torch.Tensor | None = None
         seed = params.sampling.seed
         self.gen = None
         if not params.sampling.greedy:
@@ -212,6 +218,13 @@ def prefill(target: Runner, draft: Runner | None, seq: _Seq) -> None:
     slot = seq.slot
     slot.target.truncate(0)
     head = torch.tensor(seq.tokens[:-1], dtype=torch.long, device=seq.device)
+    if is_head(draft):
+        # The head reads the prefill's features; it runs over them at the first propose.
+        layers = draft.feature_layers
+        seq.feats = target.forward_features(head, slot.target, layers)[1] if head.numel() else None
+        seq.feat_start = 0
+        seq.dcache.truncate(0)
+        return
     if head.numel():
         target.forward(head, slot.target)
     if draft is not None and seq.dcache is not None:
@@ -254,6 +267,9 @@ def propose(draft: Runner, seq: _Seq, k: int, confidence: float):
 def score(target: Runner, seq: _Seq, drafts: torch.Tensor) -> torch.Tensor:
     """One target forward over [last committed token, drafts...] -> logits [len(drafts)+1, V]."""
     inp = torch.cat([seq.pending(seq.slot.target), drafts])
+    if is_head(seq.draft):
+        logits, seq.step_feats = target.forward_features(inp, seq.slot.target, seq.draft.feature_layers)
+        return logits
     return target.forward(inp, seq.slot.target)
 
 
@@ -275,7 +291,10 @@ def commit(seq: _Seq, drafts: torch.Tensor, own: list[float], logits: torch.Tens
     # score() fed the target [last committed, drafts...] on top of base - 1 cached tokens. Keep
     # all committed tokens plus the n accepted drafts; `nxt` is the next forward's first input.
     seq.slot.target.truncate(base + n)
-    if seq.dcache is not None and k:
+    if is_head(seq.draft):
+        commit_head(seq, base, seq.step_feats[: n + 1])
+        seq.step_feats = None
+    elif seq.dcache is not None and k:
         seq.dcache.truncate(min(seq.dcache.length, base + n))
     st = seq.stats
     st.num_steps += 1
@@ -407,7 +426,8 @@ class SpecEngine:
         clock = seq.stats.stage_s
         t0 = time.perf_counter()
         if k > 0:
-            drafts, q, own = propose(seq.draft, seq, k, self.options.draft_confidence)
+            stage = propose_head if is_head(seq.draft) else propose
+            drafts, q, own = stage(seq.draft, seq, k, self.options.draft_confidence)
         else:
             drafts, q, own = torch.empty(0, dtype=torch.long, device=self.device), None, []
         t1 = time.perf_counter()

@@ -149,6 +149,18 @@ class LlamaRunner:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """tokens: [T] int64 on device -> logits [T, V] fp32; appends T positions to cache."""
+        return self._run(tokens, cache, ())[0]
+
+    @torch.inference_mode()
+    def forward_features(self, tokens: torch.Tensor, cache: StaticKVCache,
+                         layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """As forward, plus the outputs of decoder `layers` (0-based), concatenated:
+        (logits [T, V] fp32, features [T, len(layers) * D]). The same single pass: the head
+        draft reads what the target computed anyway."""
+        return self._run(tokens, cache, layers)
+
+    def _run(self, tokens: torch.Tensor, cache: StaticKVCache,
+             layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         t = tokens.shape[0]
         start = cache.length
         end = start + t
@@ -160,6 +172,7 @@ class LlamaRunner:
         # One query block attends to everything cached plus itself, causally.
         mask = None if t == 1 else self.causal[start:end, :end]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        kept: dict[int, torch.Tensor] = {}
         for i, (ln1, wq, wk, wv, wo, ln2, wg, wu, wd) in enumerate(self.layers):
             x = self._rms(h, ln1)
             q = F.linear(x, wq).view(t, nh, hd).transpose(0, 1)  # [H, T, hd]
@@ -175,8 +188,11 @@ class LlamaRunner:
             h = h + F.linear(attn.transpose(0, 1).reshape(t, nh * hd), wo)
             x = self._rms(h, ln2)
             h = h + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+            if i in layers:
+                kept[i] = h
         cache.length = end
-        return (self._rms(h, self.norm) @ self.lm_head_t).float()
+        feats = torch.cat([kept[i] for i in layers], dim=-1) if layers else None
+        return (self._rms(h, self.norm) @ self.lm_head_t).float(), feats
 
 
 class _HFCache:
@@ -221,9 +237,27 @@ class HFRunner:
         cache.length += t
         return out.logits[0].float()
 
+    @torch.inference_mode()
+    def forward_features(self, tokens: torch.Tensor, cache: _HFCache,
+                         layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """As LlamaRunner.forward_features, through HF's hidden_states (entry i+1 is layer i's output)."""
+        t = tokens.shape[0]
+        if cache.length + t > self.max_seq_len:
+            raise ValueError(f"sequence of {cache.length + t} tokens exceeds {self.max_seq_len}")
+        pos = torch.arange(cache.length, cache.length + t, device=self.device).unsqueeze(0)
+        out = self.model(input_ids=tokens.unsqueeze(0), past_key_values=cache.kv, position_ids=pos, use_cache=True,
+                         output_hidden_states=True)
+        cache.length += t
+        return out.logits[0].float(), torch.cat([out.hidden_states[i + 1][0] for i in layers], dim=-1)
+
 
 def make_runner(model: Any, max_seq_len: int | None = None) -> Runner:
-    """The fast runner for Llama models, the generic one for anything else."""
+    """The fast runner for Llama models, the generic one for anything else; a head draft
+    (infra/draft_head.py) gets its own runner."""
+    if getattr(model, "osd_family", None) == "head":
+        from serve.head_runner import HeadRunner
+
+        return HeadRunner(model, max_seq_len)
     if getattr(model.config, "model_type", None) == "llama" and not getattr(model.config, "attention_bias", False):
         return LlamaRunner(model, max_seq_len)
     return HFRunner(model, max_seq_len)

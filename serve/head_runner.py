@@ -1,0 +1,117 @@
+"""Serving a `head` draft (infra/draft_head.py): its runner and its propose stage.
+
+Rows and caches. Row t of the head reads the target's features at position t and the token
+x_{t+1}, and predicts x_{t+2}. With N committed tokens the target has features for positions
+0..N-2 (the last token is the next forward's input), so the head's cache holds target rows
+0..N-2 at most. Per request the engine keeps `seq.feats`: the target features of the rows the
+head has not cached yet (from `seq.feat_start`), taken from the verify forward and the
+prefill, which compute them anyway: no extra target work, no host sync.
+
+Propose: one head forward catches up on those rows (target features) and gives draft 1; each
+further draft is one row fed with the head's own output state. After verification the head's
+cache keeps its target rows only (commit_head); the accepted positions come back as target
+rows next step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from serve.runner import StaticKVCache
+from serve.verify import warp_probs
+
+
+class HeadRunner:
+    """A head draft behind the engine's runner interface (new_cache, cache_key, vocab_size)."""
+
+    def __init__(self, head: Any, max_seq_len: int | None = None):
+        self.head = head
+        self.device = head.d2t.device
+        self.dtype = head.embed.dtype
+        self.vocab_size = head.vocab_size
+        self.feature_layers: tuple[int, ...] = head.feature_layers
+        limit = head.cos.shape[0]
+        self.max_seq_len = min(max_seq_len or limit, limit)
+        self.causal = torch.ones(self.max_seq_len, self.max_seq_len, dtype=torch.bool, device=self.device).tril()
+
+    def new_cache(self) -> StaticKVCache:
+        h = self.head
+        return StaticKVCache(1, h.n_kv, self.max_seq_len, h.head_dim, self.dtype, self.device)
+
+    @property
+    def cache_key(self) -> tuple:
+        h = self.head
+        return ("head", h.n_kv, self.max_seq_len, h.head_dim, self.dtype, str(self.device))
+
+    def forward(self, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
+        raise TypeError("a head draft reads target features: the engine drives it through propose_head")
+
+    @torch.inference_mode()
+    def rows(self, g: torch.Tensor, next_ids: torch.Tensor, cache: StaticKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append rows (inputs g [T, h], next tokens [T]) to the cache. Returns the last row's
+        draft-vocab logits [V_d] and its output state [1, h]."""
+        h = self.head
+        t, start = next_ids.shape[0], cache.length
+        end = start + t
+        if end > cache.max_len:
+            raise ValueError(f"sequence of {end} rows exceeds the head cache's {cache.max_len}")
+        x = h.mix(g.unsqueeze(0), next_ids.unsqueeze(0))
+        q, k, v = h.qkv(x, torch.arange(start, end, device=self.device))
+        cache.k[0, :, start:end] = k[0]
+        cache.v[0, :, start:end] = v[0]
+        mask = None if t == 1 else self.causal[start:end, :end]
+        o = h.attend(x, q, cache.k[:, :, :end], cache.v[:, :, :end], mask)[0]
+        cache.length = end
+        return h.logits(o[-1]), o[-1:]
+
+    @torch.inference_mode()
+    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        return self.head.fuse(feats)
+
+
+def is_head(runner: Any) -> bool:
+    return isinstance(runner, HeadRunner)
+
+
+def propose_head(runner: HeadRunner, seq: Any, k: int, confidence: float):
+    """Draft up to k tokens (engine.propose's contract): (tokens [n], q [n, V] or None, own probs).
+    q is the head's distribution over its vocabulary scattered into the target's: 0 outside it,
+    which verify() handles (a target token there is reached only through the residual)."""
+    params = seq.params.sampling
+    cache = seq.dcache
+    start = cache.length
+    if len(seq.tokens) - 1 <= start:  # a one-token prompt: no target features yet
+        return torch.empty(0, dtype=torch.long, device=seq.device), None, []
+    g = runner.fuse(seq.feats[start - seq.feat_start:])
+    nxt = torch.tensor(seq.tokens[start + 1:], dtype=torch.long, device=seq.device)
+    d2t = runner.head.d2t
+    tokens: list[int] = []
+    qs: list[torch.Tensor] = []
+    own: list[float] = []
+    for i in range(k):
+        logits, g = runner.rows(g, nxt, cache)
+        probs = torch.softmax(logits, dim=-1) if params.greedy else warp_probs(logits, params)
+        if i > 0 and float(probs.max()) < confidence:  # decided before drawing, as propose()
+            break
+        j = int(torch.argmax(probs)) if params.greedy else int(torch.multinomial(probs, 1, generator=seq.gen))
+        tok = int(d2t[j])
+        tokens.append(tok)
+        own.append(float(probs[j]))
+        if not params.greedy:
+            qs.append(torch.zeros(runner.vocab_size, dtype=probs.dtype, device=probs.device).index_copy_(0, d2t, probs))
+        nxt = torch.tensor([tok], dtype=torch.long, device=seq.device)
+    q = torch.stack(qs) if qs else None
+    return torch.tensor(tokens, dtype=torch.long, device=seq.device), q, own
+
+
+def commit_head(seq: Any, base: int, feats: torch.Tensor) -> None:
+    """After verify: keep the head's target rows only (rows <= base-2, base = committed tokens
+    before this step) and add the target features of this step's committed positions (`feats`,
+    rows base-1..), dropping features of rows the cache already holds."""
+    cache = seq.dcache
+    cache.truncate(min(cache.length, base - 1))
+    prev = feats[:0] if seq.feats is None else seq.feats  # None: a one-token prompt had no prefill
+    seq.feats = torch.cat([prev, feats])[cache.length - seq.feat_start:]
+    seq.feat_start = cache.length

@@ -1,0 +1,241 @@
+"""The head draft family (infra/draft_head.py, serve/head_runner.py) on tiny random Llamas.
+
+The head's forward is checked against a direct computation through Hugging Face's own decoder
+layer; the serving path (rows + own-state feedback) against the training unroll; the engine's
+output against the target alone (greedy identical, sampled exact by chi-square), with target
+tokens outside the draft vocabulary.
+"""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chi2 import chi2_pvalue
+from infra.draft_head import build_head, default_feature_layers, save_head
+from infra.draft_model import load_draft
+from infra.draft_spec import DraftSpec
+from infra.target import build_tiny_llama
+from serve.engine import EngineOptions, GenerationParams, SpecEngine
+from serve.head_runner import HeadRunner
+from serve.runner import HFRunner, LlamaRunner
+from serve.verify import SamplingParams, warp_probs
+
+pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
+
+LAYERS = (1, 2, 4)
+
+
+def tiny(seed=0, layers=6, **kw):
+    m = build_tiny_llama(seed=seed, num_layers=layers, max_positions=kw.pop("max_positions", 128), **kw)
+    m.config.eos_token_id = m.generation_config.eos_token_id = None
+    return m
+
+
+def randomised(head, seed=0, scale=0.2):
+    """The head with every weight perturbed, so no test passes by the copy-of-target init."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return head
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny(0)
+
+
+@pytest.fixture(scope="module")
+def head(target):
+    d2t = torch.randperm(259, generator=torch.Generator().manual_seed(1))[:150]
+    return randomised(build_head(target, DraftSpec(family="head", feature_layers=LAYERS), d2t))
+
+
+def hf_features(target, ids):
+    with torch.no_grad():
+        out = target(torch.tensor([ids]), output_hidden_states=True)
+    return out.logits[0], torch.cat([out.hidden_states[i + 1][0] for i in LAYERS], dim=-1)
+
+
+def reference_logits(target, head, feats, next_ids):
+    """Depth-1 head logits [T, V_d] through HF's LlamaDecoderLayer holding the head's weights."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
+
+    cfg = target.config
+    layer = LlamaDecoderLayer(cfg, 0).eval()
+    sd = {f"{m}.{n}.weight": head.layer[n].weight for m, names in
+          (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", ("gate_proj", "up_proj", "down_proj")))
+          for n in names}
+    sd.update({"input_layernorm.weight": head.ln1, "post_attention_layernorm.weight": head.ln2})
+    layer.load_state_dict({k: v.detach() for k, v in sd.items()})
+
+    def rms(x, w):
+        n = LlamaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        n.weight.data.copy_(w)
+        return n(x)
+
+    with torch.no_grad():
+        g = feats @ head.fc.weight.T
+        e = target.model.embed_tokens(next_ids)
+        x = torch.cat([rms(e, head.norm_e), rms(g, head.norm_g)], -1) @ head.in_proj.weight.T
+        t = x.shape[0]
+        pos = torch.arange(t).unsqueeze(0)
+        cos_sin = target.model.rotary_emb(x.unsqueeze(0), pos)
+        mask = torch.full((t, t), float("-inf")).triu(1).view(1, 1, t, t)
+        o = layer(x.unsqueeze(0), attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
+        o = o[0] if isinstance(o, tuple) else o
+        return (rms(o[0], head.norm) @ head.lm_head.weight.T).float()
+
+
+def test_default_feature_layers_are_eagle3s():
+    assert default_feature_layers(30) == (1, 14, 26)
+    assert all(0 <= i < 2 for i in default_feature_layers(2))
+
+
+@pytest.mark.parametrize("runner_cls", [LlamaRunner, HFRunner])
+def test_runner_features_are_the_targets_layer_outputs(target, runner_cls):
+    ids = [5, 17, 200, 3, 99, 45, 8]
+    logits_ref, feats_ref = hf_features(target, ids)
+    r = runner_cls(target, 64)
+    cache = r.new_cache()
+    a_logits, a_feats = r.forward_features(torch.tensor(ids[:4]), cache, LAYERS)
+    b_logits, b_feats = r.forward_features(torch.tensor(ids[4:]), cache, LAYERS)
+    assert torch.allclose(torch.cat([a_feats, b_feats]), feats_ref, atol=1e-4, rtol=1e-4)
+    assert torch.allclose(torch.cat([a_logits, b_logits]), logits_ref, atol=1e-4, rtol=1e-4)
+
+
+def test_head_forward_matches_direct_reference(target, head):
+    ids = [5, 17, 200, 3, 99, 45, 8, 250, 31]
+    _, feats = hf_features(target, ids)
+    nxt = torch.tensor(ids[1:])
+    ref = reference_logits(target, head, feats[:-1], nxt)
+    with torch.no_grad():
+        got = head.unroll(feats[:-1].unsqueeze(0), nxt.unsqueeze(0), 1)[0][0]
+    assert got.shape == (len(ids) - 1, head.draft_vocab)
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+    # Serving, in two chunks through the KV cache, gives the same last-row logits.
+    runner = HeadRunner(head, 64)
+    cache = runner.new_cache()
+    runner.rows(runner.fuse(feats[:3]), nxt[:3], cache)
+    last, _ = runner.rows(runner.fuse(feats[3:-1]), nxt[3:], cache)
+    assert torch.allclose(last, ref[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_unroll_depths_equal_drafting_on_own_state(target, head):
+    """Depth j of the training unroll at row r is what serving computes for the j-th draft of a
+    chain that starts at row r-j+1 (true tokens as the accepted drafts)."""
+    ids = [5, 17, 200, 3, 99, 45, 8, 250, 31, 77]
+    _, feats = hf_features(target, ids)
+    nxt = torch.tensor(ids[1:])
+    rows = len(ids) - 1
+    with torch.no_grad():
+        unrolled = head.unroll(feats[:-1].unsqueeze(0), nxt.unsqueeze(0), 3)
+    runner = HeadRunner(head, 64)
+    for s in (2, 5):  # chain start: target rows 0..s
+        cache = runner.new_cache()
+        logits, g = runner.rows(runner.fuse(feats[: s + 1]), nxt[: s + 1], cache)
+        assert torch.allclose(logits, unrolled[0][0, s], atol=1e-4, rtol=1e-4)
+        for j in (2, 3):
+            if s + j - 1 >= rows:
+                break
+            logits, g = runner.rows(g, nxt[s + j - 1: s + j], cache)
+            assert torch.allclose(logits, unrolled[j - 1][0, s + j - 1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("prompt", [[17, 200, 3, 99, 45], [42]])
+def test_greedy_output_equals_target_greedy(target, head, k, prompt):
+    eng = SpecEngine(target, head, options=EngineOptions(k=k, max_seq_len=128, max_concurrency=1))
+    r = eng.generate(prompt, GenerationParams(max_new_tokens=30))
+    ar = eng.generate(prompt, GenerationParams(max_new_tokens=30, speculate=False))
+    with torch.no_grad():
+        ref = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30)[0, len(prompt):].tolist()
+    assert r.output_ids == ref == ar.output_ids
+    assert r.stats.num_draft_tokens > 0
+
+
+def test_a_head_equal_to_the_target_on_its_vocab_is_accepted(target):
+    """Sanity of the proposal path: a head whose draft vocab covers every target token and
+    whose state is trained nowhere still proposes only in-vocab ids, and greedy stays exact
+    across concurrent requests (separate feature buffers per request)."""
+    d2t = torch.arange(40, 240)
+    h = randomised(build_head(target, DraftSpec(family="head", feature_layers=LAYERS), d2t), seed=3)
+    eng = SpecEngine(target, h, options=EngineOptions(k=3, max_seq_len=128, max_concurrency=2))
+    r = eng.generate([1, 2, 3], GenerationParams(max_new_tokens=24))
+    assert set(r.capture.draft_tokens[r.capture.draft_tokens >= 0].tolist()) <= set(d2t.tolist())
+
+
+V8 = dict(vocab_size=8, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=32)
+
+
+def test_sampling_is_exact_with_target_tokens_outside_the_draft_vocab():
+    target = tiny(3, layers=3, **V8)
+    d2t = torch.tensor([0, 2, 3, 5, 6])  # 1, 4, 7 are target tokens the head cannot propose
+    head = randomised(build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 2)), d2t), seed=2, scale=0.5)
+    sp = SamplingParams(temperature=1.0)
+    prompt, k, n = [1, 2, 3], 2, 2000
+    eng = SpecEngine(target, head, options=EngineOptions(k=k, max_seq_len=32))
+    counts = torch.zeros(8, 8, dtype=torch.long)
+    drafted = accepted = 0
+    for i in range(n):
+        r = eng.generate(prompt, GenerationParams(max_new_tokens=k + 1, capture=False,
+                                                  sampling=SamplingParams(1.0, seed=i)))
+        counts[r.output_ids[0], r.output_ids[1]] += 1
+        drafted += r.stats.num_draft_tokens
+        accepted += r.stats.num_accepted_tokens
+    assert 0.05 < accepted / drafted < 0.95 and drafted - accepted > 300
+    with torch.no_grad():
+        p1 = warp_probs(target(torch.tensor([prompt])).logits[0, -1], sp)
+        p2 = warp_probs(target(torch.tensor([prompt + [t] for t in range(8)])).logits[:, -1], sp)
+    exact = p1[:, None] * p2
+    assert counts[[1, 4, 7]].sum() > 0  # out-of-vocab targets were emitted (by the residual)
+    assert chi2_pvalue(counts, exact) > 1e-3
+
+
+def test_save_load_round_trip_and_registry_check(tmp_path, target, head):
+    from infra.registry import check_draft_dir
+
+    ref = {"spec": "tiny-random", "sha256": "a" * 64}
+    d = save_head(head, tmp_path / "h1", target_ref=ref, metrics={"alpha_est": 0.5})
+    info = json.loads((d / "draft.json").read_text())
+    assert info["spec"]["family"] == "head" and info["draft_vocab"] == head.draft_vocab
+    check_draft_dir(d)
+    loaded, linfo = load_draft(d, target, expect_target_sha256="a" * 64)
+    assert torch.equal(loaded.d2t, head.d2t)
+    for (n, p), (_, q) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(p, q), n
+    assert loaded.embed.data_ptr() == target.model.embed_tokens.weight.data_ptr()
+    from infra.draft_spec import DraftLoadError
+
+    with pytest.raises(DraftLoadError, match="not this one"):
+        load_draft(d, target, expect_target_sha256="b" * 64)
+    with pytest.raises(DraftLoadError):
+        load_draft(d, tiny(0, hidden_size=32, num_heads=2, num_kv_heads=1))
+
+
+def test_layer_drafts_keep_their_draft_json(tmp_path, target):
+    from infra.draft_model import build_draft, save_draft
+
+    spec = DraftSpec(num_layers=1)
+    d = save_draft(build_draft(target, spec), spec, tmp_path / "l1", target_ref={"spec": "x", "sha256": None})
+    assert "family" not in json.loads((d / "draft.json").read_text())["spec"]
+    model, _ = load_draft(d, target)
+    assert model.config.num_hidden_layers == 1
+
+
+def test_greedy_stays_exact_through_partial_acceptances():
+    """A small vocab makes a random head agree often, so steps accept 1..k-1 drafts and the
+    feature bookkeeping across steps (commit_head) is exercised."""
+    target = tiny(5, layers=3, **dict(V8, max_positions=128))
+    head = randomised(build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 2)),
+                                 torch.tensor([0, 1, 2, 3, 5, 6, 7])), seed=4, scale=0.3)
+    eng = SpecEngine(target, head, options=EngineOptions(k=3, max_seq_len=128, adaptive_k=False))
+    prompt = [1, 2, 3, 4]
+    r = eng.generate(prompt, GenerationParams(max_new_tokens=60))
+    with torch.no_grad():
+        ref = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=60)[0, len(prompt):].tolist()
+    assert r.output_ids == ref
+    st = r.stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens and st.accepted_per_pos[1] > 0
