@@ -5,9 +5,14 @@ PY := $(VENV)/bin/python
 PYTHON ?= python3
 STAMP := $(VENV)/.osd-setup-done
 
-.PHONY: setup demo test test-fast clean-venv
+.PHONY: setup chromium demo test test-fast clean-venv
 
-setup: $(STAMP)
+setup: $(STAMP) chromium
+
+# The ops page's browser test drives Debian's Chromium (Playwright never downloads a browser here).
+chromium:
+	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 # Re-runs only when the dependency list or this file changes.
 # torch goes first so the CPU wheel on local disk satisfies every later `torch>=` range.

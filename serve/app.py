@@ -186,6 +186,7 @@ class TargetReplica:
         latency = time.perf_counter() - t0
         self.mean_request_s += 0.1 * (latency - self.mean_request_s)
         self.metrics.observe(version, result, latency)
+        self.metrics.roles(self.router.routing.stable, self.router.routing.canary)
         self._sync_record_metrics()
         st = result.stats
         return {
@@ -279,7 +280,8 @@ class TargetReplica:
             if stream is not None:
                 stream.abandon()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self, recent: bool = False) -> dict[str, Any]:
+        """recent: also this replica's last requests (for the ops page; large, so on request)."""
         self._sync_record_metrics()
         pool = self.engine.slots
         out: dict[str, Any] = {"replica": self.replica_id, "draft_version": self.draft_version,
@@ -292,6 +294,8 @@ class TargetReplica:
                        dropped_by_reason=dict(ps.dropped), queued=ps.queued, redis_up=ps.redis_up)
         else:
             out.update(records_written=0, records_dropped=0, dropped_by_reason={})
+        if recent:
+            out["recent"] = self.metrics.recent.snapshot()
         return out
 
     def check_health(self) -> None:
@@ -354,6 +358,11 @@ class OpenAIIngress:
         self.model_id = self.cfg.model.target
         self.replica_stats: dict[str, dict[str, Any]] = {}
         self.metrics = ServeMetrics()
+        from serve.ops import StreamPoller
+        from serve.ops_routes import OpsRoutes
+
+        self.ops = OpsRoutes(self.cfg, self.api_key, self._recent_stats)
+        self.stream_poller = StreamPoller(self.cfg).start()
 
     # -- helpers ---------------------------------------------------------------
 
@@ -483,6 +492,11 @@ class OpenAIIngress:
             "replicas": reps,
         }
 
+    async def _recent_stats(self) -> list[dict[str, Any]]:
+        """Each replica's stats with its recent requests (a few calls reach each replica)."""
+        calls = [self.replica.stats.remote(True) for _ in range(3 * self.cfg.serve.num_replicas)]
+        return list({s["replica"]: s for s in await asyncio.gather(*calls)}.values())
+
     # -- routes ------------------------------------------------------------------
 
     @api.post("/v1/completions")
@@ -513,6 +527,31 @@ class OpenAIIngress:
     @api.get("/osd/stats")
     async def osd_stats(self, request: Request) -> Any:
         return await self._guarded(request, self._stats)
+
+    # The ops page (serve/ops_routes.py): its own auth, so a browser can sign in with a cookie.
+    @api.get("/ops", include_in_schema=False)
+    async def ops_page(self, request: Request) -> Any:
+        return await self.ops.page(request)
+
+    @api.get("/ops/fragment", include_in_schema=False)
+    async def ops_fragment(self, request: Request) -> Any:
+        return await self.ops.fragment(request)
+
+    @api.get("/ops/api/summary", include_in_schema=False)
+    async def ops_summary(self, request: Request) -> Any:
+        return await self.ops.api_summary(request)
+
+    @api.get("/ops/login", include_in_schema=False)
+    async def ops_login_form(self, request: Request) -> Any:
+        return await self.ops.login_form(request)
+
+    @api.post("/ops/login", include_in_schema=False)
+    async def ops_login(self, request: Request) -> Any:
+        return await self.ops.login(request)
+
+    @api.post("/ops/logout", include_in_schema=False)
+    async def ops_logout(self, request: Request) -> Any:
+        return await self.ops.logout(request)
 
     @api.get("/openapi.json", include_in_schema=False)
     async def openapi(self, request: Request) -> Any:

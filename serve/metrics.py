@@ -11,6 +11,8 @@ deployment and replica tags Serve adds.
 
 from __future__ import annotations
 
+import collections
+import time
 from typing import Any
 
 LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64]
@@ -43,8 +45,13 @@ class ServeMetrics:
                                          tag_keys=tag)
         self.records_dropped = m.Counter("osd_records_dropped_total", "Training records dropped, by reason",
                                          tag_keys=("draft_version", "reason"))
+        # 1 for the version in each role now, 0 for one that left it (Grafana joins on it).
+        self.draft_info = m.Gauge("osd_draft_info", "Draft version serving in each role (1 = now)",
+                                  tag_keys=("draft_version", "role"))
+        self._roles: dict[str, str | None] = {"stable": None, "canary": None}
         self._seen_written = 0
         self._seen_dropped: dict[str, int] = {}
+        self.recent = RecentRequests()
 
     def observe(self, version: str, result: Any, latency_s: float) -> None:
         """result: serve.engine.GenerationResult."""
@@ -63,9 +70,23 @@ class ServeMetrics:
             if n:
                 self.accepted_per_pos.inc(n, {"draft_version": version, "position": str(pos)})
         self.latency.observe(latency_s, tags)
+        self.recent.add(version, latency_s, len(result.output_ids or ()), result.decode_s, None)
 
     def error(self, version: str, reason: str) -> None:
         self.errors.inc(1, {"draft_version": version, "reason": reason})
+        self.recent.add(version, 0.0, 0, 0.0, reason)
+
+    def roles(self, stable: str | None, canary: str | None) -> None:
+        """Set osd_draft_info when the routing changed (cheap to call on every request)."""
+        for role, version in (("stable", stable), ("canary", canary)):
+            old = self._roles[role]
+            if old == version:
+                continue
+            if old:
+                self.draft_info.set(0, {"draft_version": old, "role": role})
+            if version:
+                self.draft_info.set(1, {"draft_version": version, "role": role})
+            self._roles[role] = version
 
     def sync_records(self, version: str, written: int, dropped: dict[str, int]) -> None:
         """Fold the producer's running totals into the counters (it counts in its own thread)."""
@@ -78,3 +99,44 @@ class ServeMetrics:
             if n > seen:
                 self.records_dropped.inc(n - seen, {"draft_version": version, "reason": reason})
                 self._seen_dropped[reason] = n
+
+
+class RecentRequests:
+    """This replica's last requests, for the ops page's latency percentiles, tokens/s and error
+    rates per version (Prometheus histograms cannot be read back in-process). Bounded both by
+    count and by age; the ingress merges the replicas' snapshots."""
+
+    def __init__(self, maxlen: int = 2000, max_age_s: float = 3600.0):
+        self.items: collections.deque = collections.deque(maxlen=maxlen)
+        self.max_age_s = max_age_s
+
+    def add(self, version: str, latency_s: float, tokens: int, decode_s: float, error: str | None) -> None:
+        self.items.append((time.time(), version, latency_s, tokens, decode_s, error))
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        cutoff = time.time() - self.max_age_s
+        return [{"time": t, "version": v, "latency_s": lat, "tokens": n, "decode_s": d, "error": e}
+                for t, v, lat, n, d, e in list(self.items) if t >= cutoff]
+
+
+class StreamMetrics:
+    """The record stream's length and each consumer group's lag and pending count, set by the
+    ingress's poller (serve/ops.py `StreamPoller`): is training keeping up, is anything stuck."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics as m
+
+        self.length = m.Gauge("osd_stream_length", "Entries in the record stream", tag_keys=("stream",))
+        self.lag = m.Gauge("osd_stream_group_lag", "Entries not yet delivered to the group",
+                           tag_keys=("stream", "group"))
+        self.pending = m.Gauge("osd_stream_group_pending", "Entries delivered to the group and not acked",
+                               tag_keys=("stream", "group"))
+
+    def set(self, stream: str, length: int, groups: list[dict[str, Any]]) -> None:
+        self.length.set(length, {"stream": stream})
+        for g in groups:
+            tags = {"stream": stream, "group": g["group"]}
+            if g["lag"] is not None:
+                self.lag.set(g["lag"], tags)
+            if g["pending"] is not None:
+                self.pending.set(g["pending"], tags)

@@ -8,6 +8,9 @@ the callable named in RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH around the whole
 Open without the key: `/healthz` (ours) and `/-/healthz` (Serve's, what KubeRay's probes
 call); neither says more than up or down. The key is read from OSD_API_KEY in the proxy's
 environment; with none set, nothing is checked (local use on loopback).
+
+The ops page (serve/ops_auth.py): its login form is open, and /ops paths also take the
+session cookie that the form sets, so a browser can use the page without the header.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import hmac
 import json
 import os
 from typing import Any
+
+from serve import ops_auth
 
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "serve.proxy_auth:middlewares"
@@ -32,13 +37,17 @@ class APIKeyMiddleware:
     def __init__(self, app: Any, api_key: str | None = None):
         self.app = app
         key = api_key if api_key is not None else os.environ.get("OSD_API_KEY", "")
+        self.key = key
         self.expected = f"Bearer {key}".encode() if key else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or self.expected is None or scope.get("path") in OPEN_PATHS:
+        path = scope.get("path", "")
+        # /ops itself passes too: without a session the ingress answers it with the login form's redirect.
+        if scope["type"] != "http" or self.expected is None or path in OPEN_PATHS or path in ops_auth.BROWSER_ENTRY:
             return await self.app(scope, receive, send)
-        got = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if hmac.compare_digest(got, self.expected):
+        headers = dict(scope.get("headers") or [])
+        if hmac.compare_digest(headers.get(b"authorization", b""), self.expected) or ops_auth.session_ok(
+                self.key, path, headers.get(b"cookie", b"")):
             return await self.app(scope, receive, send)
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"),

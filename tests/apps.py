@@ -5,9 +5,10 @@ import os
 
 
 @contextlib.contextmanager
-def running_app(data_dir, *, key: str, name: str, serve: dict, stream_name: str):
+def running_app(data_dir, *, key: str, name: str, serve: dict, stream_name: str, extra: dict | None = None):
     """A real local Ray Serve app (tiny-random target) on a free loopback port, with its own
-    redis-server, locked down as `osd serve` locks it (the key at Serve's proxy too)."""
+    redis-server, locked down as `osd serve` locks it (the key at Serve's proxy too). extra: more
+    config overrides (top-level sections, e.g. state_dir for a registry)."""
     import ray
     from ray import serve as ray_serve
 
@@ -20,7 +21,7 @@ def running_app(data_dir, *, key: str, name: str, serve: dict, stream_name: str)
     port = free_port()
     cfg = load_config(environ={}, overrides={
         "model": {"target": "tiny-random"}, "serve": {"port": port, **serve},
-        "stream": {"redis_url": redis_srv.url, "stream": stream_name}})
+        "stream": {"redis_url": redis_srv.url, "stream": stream_name}, **(extra or {})})
     saved = dict(os.environ)
     lock_down_local_cluster(key)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -412,12 +412,18 @@ def test_prometheus_rules_use_the_platform_metrics(rendered):
         assert {"OSDAcceptanceFalling", "OSDRecordsDropped", "OSDStreamLagging", "OSDDraftRolledBack"} <= alerts
 
 
-def test_grafana_dashboard_stays_off_without_a_dashboard(chart):
+def test_grafana_dashboard_ships_the_generated_json(chart):
+    from infra.grafana_dashboard import render
+
+    out = chart.render(values={}, name=RELEASE)
+    assert not out.get("osd/templates/grafana-dashboard.yaml", "").strip()  # off by default
     out = chart.render(values={"monitoring": {"grafanaDashboard": {"enabled": True}}}, name=RELEASE)
-    assert not out.get("osd/templates/grafana-dashboard.yaml", "").strip()
-    out = chart.render(values={"monitoring": {"grafanaDashboard": {"enabled": True, "json": "{}"}}}, name=RELEASE)
     (cm,) = [d for d in yaml.safe_load_all(out["osd/templates/grafana-dashboard.yaml"]) if d]
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["osd.json"]) == json.loads(render())
+    out = chart.render(values={"monitoring": {"grafanaDashboard": {"enabled": True, "json": "{}"}}}, name=RELEASE)
+    (cm,) = [d for d in yaml.safe_load_all(out["osd/templates/grafana-dashboard.yaml"]) if d]
+    assert cm["data"]["osd.json"] == "{}"  # a JSON of one's own replaces it
 
 
 def test_generated_names_fit_63_characters(chart):
