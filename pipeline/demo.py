@@ -6,7 +6,8 @@
 3. Workload: held-out ShareGPT prompts of general domains, then code only (the shift).
 4. Same-server speed check on post-shift prompts: each prompt with speculation and without
    (`osd_speculate: false`), alternating which goes first; median of per-prompt ratios.
-5. reports/demo/report.json and a PNG of per-request acceptance over time per version.
+5. reports/demo/report.json, a PNG of per-request acceptance over time per version, and ops.html:
+   the ops page (/ops) as it stood at the end of the run, static.
 """
 
 from __future__ import annotations
@@ -210,6 +211,17 @@ def plot(samples: list[dict], shift_time: float, t0: float, decisions: list[dict
     plt.close(fig)
 
 
+def save_ops_snapshot(summary: dict[str, Any] | None, url: str, out_dir: Path) -> dict[str, Any]:
+    """The ops page as it stood at the end of the run, as static HTML next to report.json."""
+    from serve import ops_page
+
+    out: dict[str, Any] = {"page": f"{url}/ops", "snapshot": None}
+    if summary is not None:
+        (out_dir / "ops.html").write_text(ops_page.page(summary, live=False))
+        out["snapshot"] = "ops.html"
+    return out
+
+
 def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
     """The demo's settings on top of the user's: its own state dir, a fast export and rollout cadence."""
     d = cfg.model_dump(mode="json")
@@ -229,6 +241,7 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 660, spe
              max_tokens: int = 64, concurrency: int = 2, out_dir: str | Path = "reports/demo") -> dict[str, Any]:
     from infra.registry import Registry
     from pipeline.up import ClosedLoop, ensure_stable
+    from serve.ops_page import fetch_summary
 
     t_start = time.time()
     loaded, v1 = prepare(cfg)
@@ -242,9 +255,11 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 660, spe
 
     loop = ClosedLoop(dcfg, run_name="demo").start()
     reg = Registry.from_config(dcfg)
+    _log(f"ops page (live while the demo runs): {loop.url}/ops")
     try:
         work = Workload(loop.url, max_tokens, concurrency)
         run = run_phases(loop, reg, work, general, code, speed_set, general_s=general_s, code_s=code_s)
+        ops_summary = fetch_summary(loop.url)  # what the ops page shows at the end, before the stack goes
     finally:
         loop.stop()
 
@@ -256,6 +271,7 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 660, spe
                    "state_dir": str(state), "target": cfg.model.target})
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    report["ops"] = save_ops_snapshot(ops_summary, loop.url, out_dir)
     # The speed prompts, so the same check can be rerun elsewhere (a GPU) with `osd bench engine`.
     write_prompts(speed_set, out_dir / "speed_prompts.jsonl")
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -392,5 +408,8 @@ def _print(r: dict[str, Any], out_dir: Path) -> None:
     print(f"post-shift speed-up vs AR (median of per-prompt ratios): {'n/a' if sp is None else f'{sp:.2f}x'}")
     print(f"same prompts elsewhere: osd bench engine --prompts-file {out_dir / 'speed_prompts.jsonl'} "
           f"--max-new-tokens {r['speed_check']['max_tokens']} --draft <a version's directory> [--device cuda]")
+    ops = r.get("ops") or {}
+    if ops.get("snapshot"):
+        print(f"ops page snapshot: {out_dir / ops['snapshot']} (the live page was {ops['page']})")
     print(f"wrote {out_dir / 'report.json'} and {out_dir / 'acceptance.png'} "
           f"(setup {r['setup_s']:.0f} s, loop {r['loop_s']:.0f} s, total {r['total_s']:.0f} s)", flush=True)

@@ -202,6 +202,7 @@ def run_up(cfg: OSDConfig, api_key: str | None = None, train: bool = True) -> in
 
     loop = ClosedLoop(cfg, api_key, train=train).start()
     print(f"osd is up: OpenAI-compatible API at {loop.url}/v1 (Ctrl-C to stop)\n"
+          f"  ops page: {loop.url}/ops{'  (sign in with the API key)' if api_key else ''}\n"
           f"  registry: osd registry list   audit: {cfg.registry.uri or Path(cfg.state_dir) / 'registry'}/audit",
           flush=True)
     wait_for_signal()

@@ -174,3 +174,18 @@ def login_page(error: str = "") -> str:
             "autocomplete=current-password autofocus></label> <button type=submit>Sign in</button></form>"
             "<p class=muted>The key is sent once, in this form's body; the page then uses an HttpOnly "
             "session cookie.</p></body></html>")
+
+
+def fetch_summary(url: str, api_key: str | None = None, timeout: float = 60) -> dict[str, Any] | None:
+    """The live summary from a running app (None if it cannot be had: a snapshot is a nicety)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"{url}/ops/api/summary", headers=headers),
+                                    timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError):
+        return None

@@ -192,3 +192,16 @@ def test_a_redis_outage_shows_on_the_page_instead_of_failing_it(loop):
     assert s["header"]["stable"] == "v1" and s["loop"]["stream"]["length"] is None
     assert [(r["version"], r["records"]) for r in s["versions"]] == [("v1", 0), ("v2", 0)]  # roles, no data
     assert "Redis:" in ops_page.page(s)
+
+
+@pytest.mark.redis
+def test_demo_report_links_a_static_snapshot(loop, tmp_path):
+    from pipeline.demo import save_ops_snapshot
+    from serve.ops import OpsSource
+
+    cfg, reg, client, now = loop
+    out = save_ops_snapshot(OpsSource(cfg, client=client).summary([], now=now), "http://127.0.0.1:8000", tmp_path)
+    assert out == {"page": "http://127.0.0.1:8000/ops", "snapshot": "ops.html"}
+    html = (tmp_path / "ops.html").read_text()
+    assert "data-version='v2'" in html and "<script" not in html and "snapshot" in html
+    assert save_ops_snapshot(None, "http://x", tmp_path / "none") == {"page": "http://x/ops", "snapshot": None}
