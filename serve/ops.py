@@ -94,7 +94,7 @@ class OpsSource:
             "charts": {"acceptance": ordered(st.acceptance_series(evidence, t0, now, BUCKETS)),
                        "markers": st.decision_markers(audit, t0, now),
                        "per_position": ordered(st.per_position(aggs)),
-                       "canary_weight": st.weight_series(audit, t0, now)},
+                       "canary_weight": st.weight_series(audit, t0, now, _current_weight(aliases))},
             "loop": self._loop(replicas, problems),
             "problems": problems,
             "registry": self._registry(audit),
@@ -166,6 +166,12 @@ def stream_health(client: Any, name: str) -> dict[str, Any]:
               for g, i in sorted(group_info(client, name).items())]
     return {"length": client.xlen(name), "dead_lettered": client.xlen(dead_letter_stream(name)),
             "groups": groups, "status": read_all(client, name)}
+
+
+def _current_weight(aliases: dict[str, Any]) -> tuple[float, float]:
+    canary = aliases.get("canary")
+    # No canary: no time to place the drop at, so it shows at the end (now).
+    return (float(canary.get("updated_at") or 0.0), float(canary["weight"])) if canary else (float("inf"), 0.0)
 
 
 def _guarded(read: Any, empty: Any, problems: list[str]) -> Any:

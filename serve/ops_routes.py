@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import urllib.parse
 from typing import Any, Awaitable, Callable
 
@@ -23,6 +24,7 @@ from infra.config import OSDConfig
 from serve import ops_auth, ops_page
 
 MAX_LOGIN_BODY = 4096
+log = logging.getLogger("ray.serve")
 _NO_STORE = {"Cache-Control": "no-store"}
 
 
@@ -49,20 +51,31 @@ class OpsRoutes:
         replicas = await self.replica_stats()
         return await asyncio.to_thread(self._source.summary, replicas)
 
+    async def _answer(self, render: Callable[[dict[str, Any]], Response]) -> Response:
+        """render(summary); a failure to build it (registry unreadable, a replica gone) is logged
+        and answered 500 in the OpenAI error form, like every other route's."""
+        try:
+            return render(await self.summary())
+        except Exception:
+            log.exception("the ops summary failed")
+            return JSONResponse({"error": {"message": "the ops summary failed; see the ingress log",
+                                           "type": "server_error", "param": None, "code": "internal_error"}},
+                                status_code=500)
+
     async def page(self, request: Request) -> Response:
         if not self._authorized(request):
             return RedirectResponse(ops_auth.LOGIN_PATH, status_code=303, headers=_NO_STORE)
-        return HTMLResponse(ops_page.page(await self.summary()), headers=_NO_STORE)
+        return await self._answer(lambda s: HTMLResponse(ops_page.page(s), headers=_NO_STORE))
 
     async def fragment(self, request: Request) -> Response:
         if not self._authorized(request):
             return _unauthorized()
-        return HTMLResponse(ops_page.main(await self.summary()), headers=_NO_STORE)
+        return await self._answer(lambda s: HTMLResponse(ops_page.main(s), headers=_NO_STORE))
 
     async def api_summary(self, request: Request) -> Response:
         if not self._authorized(request):
             return _unauthorized()
-        return JSONResponse(await self.summary(), headers=_NO_STORE)
+        return await self._answer(lambda s: JSONResponse(s, headers=_NO_STORE))
 
     async def login_form(self, request: Request) -> Response:
         if self.api_key is None or self._authorized(request):

@@ -177,9 +177,11 @@ def canary_vs_stable(aggs: dict[str, VersionAgg], stable: str, canary: str, roll
 DECISIONS = ("start", "advance", "promote", "rollback", "expired", "gated")
 
 
-def weight_series(audit: Sequence[dict[str, Any]], t0: float, t1: float) -> list[list[float]]:
+def weight_series(audit: Sequence[dict[str, Any]], t0: float, t1: float,
+                  current: tuple[float, float] | None = None) -> list[list[float]]:
     """Canary weight as steps [[time, weight]] over [t0, t1], from the audit log: a start or an
-    advance sets it, any end of a canary (promote, rollback, expiry) drops it to 0."""
+    advance sets it, any end of a canary (promote, rollback, expiry) drops it to 0. `current`
+    (alias time, weight) wins at the end: a canary set by hand leaves no audit entry."""
     w, points = 0.0, []
     for e in sorted(audit, key=lambda e: e.get("time", 0.0)):
         act, t = e.get("action"), float(e.get("time", 0.0))
@@ -193,7 +195,12 @@ def weight_series(audit: Sequence[dict[str, Any]], t0: float, t1: float) -> list
             w = new
         elif t <= t1:
             points.append([t, new])
-    return [[t0, w]] + points + [[t1, points[-1][1] if points else w]]
+    last = points[-1][1] if points else w
+    if current is not None and abs(current[1] - last) > 1e-9:
+        after = points[-1][0] if points else t0  # never before the last audited change
+        points.append([min(max(current[0], after), t1), current[1]])
+        last = current[1]
+    return [[t0, w]] + points + [[t1, last]]
 
 
 def decision_markers(audit: Sequence[dict[str, Any]], t0: float, t1: float) -> list[dict[str, Any]]:

@@ -49,6 +49,9 @@ def test_percentile_and_weight_steps():
     audit = [{"time": 50.0, "action": "start", "weight": 0.1}, {"time": 150.0, "action": "advance", "weight": 0.5},
              {"time": 180.0, "action": "gated"}, {"time": 190.0, "action": "rollback"}]
     assert st.weight_series(audit, 100.0, 200.0) == [[100.0, 0.1], [150.0, 0.5], [190.0, 0.0], [200.0, 0.0]]
+    # A canary set by hand (no audit entry) shows from its alias time; one cleared by hand, at the end.
+    assert st.weight_series(audit, 100.0, 200.0, (195.0, 0.3))[-2:] == [[195.0, 0.3], [200.0, 0.3]]
+    assert st.weight_series(audit[:2], 100.0, 200.0, (float("inf"), 0.0))[-2:] == [[200.0, 0.0], [200.0, 0.0]]
 
 
 @pytest.fixture(scope="module")
@@ -205,3 +208,47 @@ def test_demo_report_links_a_static_snapshot(loop, tmp_path):
     html = (tmp_path / "ops.html").read_text()
     assert "data-version='v2'" in html and "<script" not in html and "snapshot" in html
     assert save_ops_snapshot(None, "http://x", tmp_path / "none") == {"page": "http://x/ops", "snapshot": None}
+
+
+@pytest.mark.pure
+def test_session_tokens_expire_and_bind_to_the_key_and_to_ops_paths():
+    from serve import ops_auth as oa
+
+    tok = oa.session_token("k", now=1000.0)
+    assert oa.valid_token("k", tok, now=1000.0 + oa.TTL_S - 1)
+    assert not oa.valid_token("k", tok, now=1000.0 + oa.TTL_S + 1)  # expired
+    assert not oa.valid_token("other", tok, now=1000.0)  # a new key ends every session
+    expiry, mac = tok.split(".")
+    assert not oa.valid_token("k", f"{int(expiry) + 99}.{mac}", now=1000.0)  # expiry is signed
+    cookie = f"a=b; {oa.COOKIE}={oa.session_token('k')}"
+    assert oa.session_ok("k", "/ops/api/summary", cookie) and oa.session_ok("k", "/ops", cookie.encode())
+    assert not oa.session_ok("k", "/v1/models", cookie) and not oa.session_ok("k", "/opsx", cookie)
+    assert "HttpOnly" in oa.set_cookie(tok, False) and "Secure" in oa.set_cookie(tok, True)
+
+
+@pytest.mark.pure
+def test_proxy_lets_a_session_cookie_through_on_ops_paths_only():
+    import asyncio
+
+    from serve import ops_auth as oa
+    from serve.proxy_auth import APIKeyMiddleware
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+
+    def status(path, headers=()):
+        sent = []
+
+        async def send(msg):
+            sent.append(msg)
+
+        scope = {"type": "http", "path": path, "headers": list(headers)}
+        asyncio.run(APIKeyMiddleware(app, api_key="k")(scope, None, send))
+        return sent[0]["status"]
+
+    cookie = (b"cookie", f"{oa.COOKIE}={oa.session_token('k')}".encode())
+    assert status("/ops") == 200 and status("/ops/login") == 200  # the ingress redirects / shows the form
+    assert status("/ops/api/summary") == 401 and status("/ops/fragment") == 401
+    assert status("/ops/api/summary", [cookie]) == 200 and status("/ops/fragment", [cookie]) == 200
+    assert status("/v1/models", [cookie]) == 401 and status("/-/routes", [cookie]) == 401
+    assert status("/v1/models", [(b"authorization", b"Bearer k")]) == 200
