@@ -20,6 +20,7 @@ from serve import ops_stats as st
 WINDOW_S = 3600.0  # the page's default span: rows, charts and the registry's recent history
 MAX_RECORDS = 5000  # newest records read per summary; bounds the page's cost on a busy stream
 BUCKETS = 30
+MIN_SPAN_S = 120.0
 
 
 class OpsSource:
@@ -81,6 +82,9 @@ class OpsSource:
                 if s["time"] >= t0:
                     serving.setdefault(s["version"], []).append(s)
         rows = st.version_rows(aggs, serving, stable, canary)
+        markers = st.decision_markers(audit, t0, now)
+        # Charts start at the window's first data (a young stack's minutes fill the width), at least MIN_SPAN_S.
+        c0 = max(t0, min([e.time for e in evidence] + [mk["time"] for mk in markers] + [now - MIN_SPAN_S]))
         order = {r["version"]: i for i, r in enumerate(rows)}  # charts list versions as the table does
 
         def ordered(d: dict[str, Any]) -> dict[str, Any]:
@@ -91,10 +95,9 @@ class OpsSource:
             "header": self._header(aliases, audit),
             "versions": rows,
             "comparison": self._comparison(evidence, audit, stable, canary_alias),
-            "charts": {"acceptance": ordered(st.acceptance_series(evidence, t0, now, BUCKETS)),
-                       "markers": st.decision_markers(audit, t0, now),
-                       "per_position": ordered(st.per_position(aggs)),
-                       "canary_weight": st.weight_series(audit, t0, now, _current_weight(aliases))},
+            "charts": {"from": c0, "acceptance": ordered(st.acceptance_series(evidence, c0, now, BUCKETS)),
+                       "markers": markers, "per_position": ordered(st.per_position(aggs)),
+                       "canary_weight": st.weight_series(audit, c0, now, _current_weight(aliases))},
             "loop": self._loop(replicas, problems),
             "problems": problems,
             "registry": self._registry(audit),

@@ -120,7 +120,7 @@ def _versions(rows: list[dict[str, Any]]) -> str:
 
 def _charts(s: dict[str, Any]) -> str:
     ch, t1 = s["charts"], s["as_of"]
-    t0 = t1 - s["window_s"]
+    t0 = ch["from"]
     acc = ops_svg.line_chart("Acceptance over time, per version", ch["acceptance"], t0, t1, markers=ch["markers"])
     pos = ops_svg.bar_chart("Acceptance per draft position (accepted / drafting steps)", ch["per_position"])
     wgt = ops_svg.step_chart("Canary weight", ch["canary_weight"], t0, t1)

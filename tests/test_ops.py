@@ -139,7 +139,8 @@ def test_summary_numbers_from_known_records_and_decisions(loop):
     assert s["charts"]["per_position"]["v1"] == pytest.approx([12 / 20, 6 / 20])
     assert s["charts"]["per_position"]["v2"] == pytest.approx([1.0, 0.5, 0.5, 0.5])
     assert [m["action"] for m in s["charts"]["markers"]] == ["start", "advance"]
-    assert [w for _, w in s["charts"]["canary_weight"]] == [0.0, 0.1, 0.5, 0.5]
+    assert s["charts"]["from"] == pytest.approx(now - 600)  # the window's first data: the start
+    assert [w for _, w in s["charts"]["canary_weight"]] == [0.1, 0.5, 0.5]
     series = s["charts"]["acceptance"]["v2"]
     assert [round(v, 4) for _, v in series if v is not None] == [round(50 / 60, 4)]
 
