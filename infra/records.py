@@ -19,6 +19,12 @@ Layout (schema version 1), one row, N = generated positions, K = target top-k, P
     accepted       list<bool>                     [N]  draft token accepted at i
     draft_tokens   list<int32>                    [N]  -1 where the draft proposed nothing
     draft_probs    list<float32>                  [N]  NaN where the draft proposed nothing
+Schema version 2 adds, after `domain`:
+    target_sha256  string, null ok  identity of the target that computed the record
+                                    (infra.target.target_identity); consumers refuse records
+                                    of other target weights (RecordConsumer expect_target_sha256)
+`encode` writes version 2; `decode` reads 1 and 2 (a v1 record has target_sha256 None), so a
+rolling upgrade does not dead-letter records already in the stream.
 The version lives in the schema metadata so it can be checked before any column is read.
 
 Decoding is zero-copy for every numeric array except `accepted` (Arrow packs bools into
@@ -37,7 +43,8 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READ_VERSIONS = (1, 2)
 VERSION_KEY = b"osd.record.version"
 
 
@@ -54,7 +61,7 @@ class UnknownSchemaVersion(RecordError):
 
     def __init__(self, version: Any):
         self.version = version
-        super().__init__(f"unknown record schema version {version!r} (this code reads {SCHEMA_VERSION})")
+        super().__init__(f"unknown record schema version {version!r} (this code reads {READ_VERSIONS})")
 
 
 class InvalidRecord(RecordError):
@@ -79,6 +86,7 @@ class Record:
     draft_tokens: np.ndarray  # [N] int32, -1 = none
     draft_probs: np.ndarray  # [N] float32, NaN = none
     domain: str | None = None
+    target_sha256: str | None = None  # schema v2; None in v1 records
     record_id: str = field(default_factory=new_record_id)
     created_at: float = field(default_factory=time.time)
     schema_version: int = SCHEMA_VERSION
@@ -96,14 +104,17 @@ class Record:
 
 _META = [("record_id", pa.string()), ("request_id", pa.string()), ("created_at", pa.float64()),
          ("draft_version", pa.string()), ("domain", pa.string())]
-_NULLABLE = frozenset({"domain"})
+_NULLABLE = frozenset({"domain", "target_sha256"})
+_V2 = [("target_sha256", pa.string())]
 
 
 @functools.lru_cache(maxsize=64)
-def record_schema(top_k: int) -> pa.Schema:
-    """The Arrow schema of a version-1 record with top-k width `top_k`."""
+def record_schema(top_k: int, version: int = 1) -> pa.Schema:
+    """The Arrow schema of a record of `version` with top-k width `top_k`. The default stays 1:
+    the teacher cache (train/teacher_data.py) stores tables of that schema."""
     return pa.schema(
         _META
+        + (_V2 if version >= 2 else [])
         + [
             ("prompt_ids", pa.list_(pa.int32())),
             ("output_ids", pa.list_(pa.int32())),
@@ -113,11 +124,11 @@ def record_schema(top_k: int) -> pa.Schema:
             ("draft_tokens", pa.list_(pa.int32())),
             ("draft_probs", pa.list_(pa.float32())),
         ],
-        metadata={VERSION_KEY: str(SCHEMA_VERSION).encode()},
+        metadata={VERSION_KEY: str(version).encode()},
     )
 
 
-_COLUMNS = tuple(record_schema(1).names)
+_COLUMNS = {v: tuple(record_schema(1, v).names) for v in READ_VERSIONS}
 
 
 # -- encode -----------------------------------------------------------------------------
@@ -162,13 +173,14 @@ def encode(record: Record) -> bytes:
     if not record.record_id or not isinstance(record.record_id, str):
         raise InvalidRecord("record_id must be a non-empty string")
 
-    schema = record_schema(k)
+    schema = record_schema(k, SCHEMA_VERSION)
     cols = [
         pa.array([record.record_id], pa.string()),
         pa.array([str(record.request_id)], pa.string()),
         pa.array([float(record.created_at)], pa.float64()),
         pa.array([str(record.draft_version)], pa.string()),
         pa.array([record.domain], pa.string()),
+        pa.array([record.target_sha256], pa.string()),
         _one_row_list(pa.array(prompt)),
         _one_row_list(pa.array(out)),
         _one_row_list(pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), k)),
@@ -197,24 +209,24 @@ def payload_version(schema: pa.Schema) -> int:
         raise UnknownSchemaVersion(raw.decode(errors="replace")) from None
 
 
-def _check_schema(schema: pa.Schema) -> int:
-    """Returns K; raises CorruptRecord naming what differs from the expected schema."""
+def _check_schema(schema: pa.Schema, version: int) -> int:
+    """Returns K; raises CorruptRecord naming what differs from `version`'s schema."""
     try:  # fast path: the schema this code writes
         k = schema.field("topk_ids").type.value_type.list_size
-        if schema.equals(record_schema(k)):
+        if schema.equals(record_schema(k, version)):
             return k
     except (KeyError, AttributeError):
         pass
     names = schema.names
-    missing = [c for c in _COLUMNS if c not in names]
-    extra = [c for c in names if c not in _COLUMNS]
+    missing = [c for c in _COLUMNS[version] if c not in names]
+    extra = [c for c in names if c not in _COLUMNS[version]]
     if missing or extra:
         raise CorruptRecord(f"wrong columns: missing {missing}, unexpected {extra}")
     t = schema.field("topk_ids").type
     if not (pa.types.is_list(t) and pa.types.is_fixed_size_list(t.value_type)):
         raise CorruptRecord(f"column topk_ids has type {t}, expected list<fixed_size_list<int32>[K]>")
     k = t.value_type.list_size
-    expected = record_schema(k)
+    expected = record_schema(k, version)
     for f in expected:
         got = schema.field(f.name).type
         if not got.equals(f.type):
@@ -265,9 +277,9 @@ def _decode(payload: bytes | memoryview | pa.Buffer) -> Record:
     except (pa.ArrowException, OSError, TypeError, ValueError) as e:
         raise CorruptRecord(f"not an Arrow IPC stream ({len(payload)} bytes): {e}") from None
     version = payload_version(reader.schema)
-    if version != SCHEMA_VERSION:
+    if version not in READ_VERSIONS:
         raise UnknownSchemaVersion(version)
-    k = _check_schema(reader.schema)
+    k = _check_schema(reader.schema, version)
     try:
         batch = reader.read_next_batch()
     except StopIteration:
@@ -282,7 +294,7 @@ def _decode(payload: bytes | memoryview | pa.Buffer) -> Record:
         raise CorruptRecord(f"record batch invalid: {e}") from None
 
     c = {name: batch.column(i) for i, name in enumerate(batch.schema.names)}
-    for name, _ in _META:
+    for name, _ in _META + (_V2 if version >= 2 else []):
         if name not in _NULLABLE and c[name].null_count:
             raise CorruptRecord(f"column {name} is null")
 
@@ -304,6 +316,7 @@ def _decode(payload: bytes | memoryview | pa.Buffer) -> Record:
         created_at=c["created_at"][0].as_py(),
         draft_version=c["draft_version"][0].as_py(),
         domain=c["domain"][0].as_py(),
+        target_sha256=c["target_sha256"][0].as_py() if version >= 2 else None,
         prompt_ids=_cell(c["prompt_ids"], "prompt_ids"),
         output_ids=out,
         topk_ids=ids.reshape(n, k),
@@ -328,6 +341,7 @@ def record_from_capture(
     domain: str | None = None,
     record_id: str | None = None,
     created_at: float | None = None,
+    target_sha256: str | None = None,
 ) -> Record:
     """Build a Record from one request and its capture.
 
@@ -350,6 +364,7 @@ def record_from_capture(
         accepted=np.asarray(capture.accepted, dtype=np.bool_),
         draft_tokens=np.asarray(capture.draft_tokens, dtype=np.int32),
         draft_probs=np.asarray(capture.draft_probs, dtype=np.float32),
+        target_sha256=target_sha256,
     )
     if record_id is not None:
         rec.record_id = record_id

@@ -370,7 +370,7 @@ class RecordConsumer:
     """Reads records of `cfg.stream` as one consumer of `cfg.group`. Not thread-safe: one per thread."""
 
     def __init__(self, url: str, cfg: StreamConfig, *, name: str | None = None,
-                 client: redis.Redis | None = None):
+                 client: redis.Redis | None = None, expect_target_sha256: str | None = None):
         # A BLOCK at least as long as the socket timeout turns every idle read into a timeout error.
         if cfg.block_ms >= cfg.socket_timeout_s * 1000:
             raise ValueError(f"block_ms ({cfg.block_ms}) must be shorter than socket_timeout_s "
@@ -378,6 +378,10 @@ class RecordConsumer:
         self.cfg = cfg
         self.stream, self.group = cfg.stream, cfg.group
         self.dead_stream = dead_letter_stream(cfg.stream)
+        # The trainer's target identity: a record computed by other target weights (schema v2's
+        # target_sha256) is dead-lettered as "wrong_target", never handed out. v1 records carry
+        # no identity and pass.
+        self.expect_target_sha256 = expect_target_sha256
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self._client = client if client is not None else connect(url, cfg, retries=2)
         self._stats = ConsumerStats()
@@ -514,6 +518,11 @@ class RecordConsumer:
                 continue
             except Exception as e:  # a decoder bug must not stop the group either
                 dead.append((eid, "corrupt", f"{type(e).__name__}: {e}", fields))
+                continue
+            want = self.expect_target_sha256
+            if want and rec.target_sha256 and rec.target_sha256 != want:
+                dead.append((eid, "wrong_target", f"record {rec.record_id} was computed by target "
+                             f"{rec.target_sha256[:12]}…, this trainer's is {want[:12]}…", fields))
                 continue
             if self.cfg.dedupe_window:
                 prev = self._seen.get(rec.record_id)

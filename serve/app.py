@@ -180,7 +180,7 @@ class TargetReplica:
         record_id = None
         if record and result.capture is not None:
             rec = record_from_capture(result.prompt_ids, result.output_ids, result.capture, request_id=req_id,
-                                      draft_version=version, domain=domain)
+                                      draft_version=version, domain=domain, target_sha256=self.target_sha256)
             if self.producer.submit(rec):
                 record_id = rec.record_id
         latency = time.perf_counter() - t0

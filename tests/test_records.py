@@ -159,7 +159,7 @@ def test_inconsistent_lengths_in_payload_are_corrupt():
         return b.set_column(i, "accepted", pa.array([[True, False]]))
 
     with pytest.raises(CorruptRecord, match="accepted has 2 rows, output_ids has 6"):
-        decode(rewrite(payload, metadata={VERSION_KEY: b"1"}, batch_fn=short_accepted))
+        decode(rewrite(payload, metadata={VERSION_KEY: str(SCHEMA_VERSION).encode()}, batch_fn=short_accepted))
 
 
 @pytest.mark.parametrize("version", [b"99", b"0", b"two"])

@@ -101,7 +101,11 @@ class TrainerWorker:
             draft = build_draft(self.target, self.spec_info)
             self.parent_version = None
         self.engine = DistillEngine(draft, tc)
-        self.consumer = RecordConsumer(self.cfg.stream.redis_url, self.cfg.stream, name=self.consumer_name)
+        from infra.draft_model import target_ref_of
+
+        # Records of other target weights (schema v2's target_sha256) are dead-lettered, never trained on.
+        self.consumer = RecordConsumer(self.cfg.stream.redis_url, self.cfg.stream, name=self.consumer_name,
+                                       expect_target_sha256=target_ref_of(self.cfg.model, self.target)["sha256"])
         from infra.streams import connect
         from train.metrics import TrainerMetrics
 
