@@ -41,8 +41,8 @@ def _frame(title: str, body: list[str], legend: Sequence[tuple[str, str]], y_tic
     return "".join(out)
 
 
-def _clock(t: float) -> str:
-    return time.strftime("%H:%M", time.gmtime(t))
+def _clock(t: float, span: float) -> str:
+    return time.strftime("%H:%M:%S" if span < 600 else "%H:%M", time.gmtime(t))  # UTC, as the page's times
 
 
 def _x_scale(t0: float, t1: float):
@@ -56,7 +56,7 @@ def _y_scale(lo: float, hi: float):
 
 
 def _time_labels(t0: float, t1: float, x_of) -> list[tuple[float, str]]:
-    return [(x_of(t0 + (t1 - t0) * i / 4), _clock(t0 + (t1 - t0) * i / 4)) for i in range(5)]
+    return [(x_of(t0 + (t1 - t0) * i / 4), _clock(t0 + (t1 - t0) * i / 4, t1 - t0)) for i in range(5)]
 
 
 def line_chart(title: str, series: dict[str, list[list]], t0: float, t1: float, *, lo: float = 0.0,
