@@ -131,6 +131,10 @@ class HeadDraft(nn.Module):
         """Output state [.., h] -> draft-vocab logits [.., V_d] fp32."""
         return self.lm_head(self._rms(o, self.norm)).float()
 
+    def forward(self, feats: torch.Tensor, next_ids: torch.Tensor, depth: int = 1) -> list[torch.Tensor]:
+        """The training unroll; a forward so DeepSpeed's hooks (ZeRO-3 gathers) see the call."""
+        return self.unroll(feats, next_ids, depth)
+
     def unroll(self, feats: torch.Tensor, next_ids: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """Training-time test: logits [B, T, V_d] at draft depths 1..depth. Depth 1 reads the
         target's features; depth j>1 at row t reads depth j-1's state of row t-1 and attends as

@@ -206,3 +206,28 @@ def messages_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     if hasattr(ids, "keys"):
         ids = ids["input_ids"]
     return list(ids)
+
+
+# ---------------------------------------------------------------- whole conversations
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "assistant": "assistant"}
+
+
+def conversation_messages(records: Iterable[Any], cfg: DataConfig, split: Split | None = None,
+                          limit: int | None = None) -> list[tuple[str, list[dict[str, str]]]]:
+    """(id, chat messages) of ShareGPT conversations as fixed text, human and assistant turns,
+    in file order: the head warm start trains on their target features (a prefill each, no
+    generation). Same split rule as the prompts, so held-out conversations stay unseen."""
+    out: list[tuple[str, list[dict[str, str]]]] = []
+    for rec in records:
+        conv_id = rec.get("id") if isinstance(rec, dict) else None
+        if not isinstance(conv_id, str) or (split is not None and split_of(conv_id, cfg.held_out_fraction) != split):
+            continue
+        msgs = [{"role": _ROLES[t["from"]], "content": t["value"]} for t in rec.get("conversations") or ()
+                if isinstance(t, dict) and t.get("from") in _ROLES and isinstance(t.get("value"), str)
+                and t["value"].strip()]
+        if len(msgs) >= 2:
+            out.append((conv_id, msgs))
+            if limit is not None and len(out) >= limit:
+                break
+    return out

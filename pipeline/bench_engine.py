@@ -83,9 +83,13 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
               log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
     mcfg = cfg.model.model_copy(update={"device": device})
     loaded = load_target(target or mcfg.target, mcfg, progress=True)
+    if draft_spec == "head:init":  # the warm-started head: built once, then taken from disk
+        from train.head_warm_start import run_head_warm_start
+
+        draft_spec = run_head_warm_start(cfg.model_copy(update={"model": mcfg}))["path"]
     draft = build_draft(draft_spec, loaded.model)
     if draft is None:
-        raise ValueError("osd bench engine needs a draft: --draft self or truncate:L")
+        raise ValueError("osd bench engine needs a draft: --draft self, truncate:L, head:init or a directory")
     # --max-prompt-chars and --prompts pick from ShareGPT; a prompts file is used whole.
     prompts = select_prompts(cfg, None if prompts_file else n_prompts, prompts_file,
                              max_prompt_chars=None if prompts_file else max_prompt_chars)
@@ -101,6 +105,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
                                                   max_new_tokens, log)
     result = summarize(runs, sd_stats, capture_ratios, greedy_mismatches(loaded.model, runs, ids_list),
                        engine.options)
+    result.update(draft_figures(sd_stats, runs, draft))
     result.update({
         "target": loaded.spec,
         "draft": draft_spec,
@@ -134,9 +139,15 @@ def method_runners(engine: SpecEngine, loaded: Any, draft: Any) -> dict[str, Met
         r = engine.generate(ids, GenerationParams(max_new_tokens=n, speculate=speculate, capture=capture))
         return r.output_ids, r.stats
 
+    def assisted(ids, n):
+        # HF cannot drive a head draft (its inputs are the target's features): not timed then.
+        if getattr(draft, "osd_family", None) == "head":
+            return [], None
+        return _hf_generate(model, ids, n, eos, pad, assistant=draft), None
+
     return {
         "hf_ar": lambda ids, n: (_hf_generate(model, ids, n, eos, pad), None),
-        "hf_assisted": lambda ids, n: (_hf_generate(model, ids, n, eos, pad, assistant=draft), None),
+        "hf_assisted": assisted,
         "ar": lambda ids, n: own(ids, n, False, True),
         "sd": lambda ids, n: own(ids, n, True, True),
         "sd_nocapture": lambda ids, n: own(ids, n, True, False),
@@ -201,7 +212,7 @@ def summarize(runs: dict[str, MethodRun], sd_stats: SpecStats, capture_ratios: l
         # Median over prompts of (time with capture / time without) - 1.
         "capture_overhead_pct": 100.0 * statistics.median(capture_ratios),
         "ar_vs_hf_ar": runs["ar"].tok_s / runs["hf_ar"].tok_s,
-        "sd_vs_hf_assisted": runs["sd"].tok_s / runs["hf_assisted"].tok_s,
+        "sd_vs_hf_assisted": runs["sd"].tok_s / runs["hf_assisted"].tok_s if runs["hf_assisted"].tok_s else None,
         "sd_vs_ar": runs["sd"].tok_s / runs["ar"].tok_s,
         "median_tok_s": {m: runs[m].median_tok_s for m in METHODS},
         # Where a speculative step's time goes, in ms per step (prefill excluded).
@@ -212,6 +223,24 @@ def summarize(runs: dict[str, MethodRun], sd_stats: SpecStats, capture_ratios: l
         "tokens": {m: sum(runs[m].tokens) for m in METHODS},
         "seconds": {m: sum(runs[m].seconds) for m in METHODS},
     }
+
+
+def draft_figures(st: SpecStats, runs: dict[str, MethodRun], draft: Any) -> dict[str, Any]:
+    """Tokens per target step, acceptance per draft position (accepted / drafted there), one
+    drafted token's time as a fraction of a target step (own AR's time per token: the step a
+    draft must beat), and for a head the share of the target's outputs inside its vocabulary."""
+    t_draft = st.stage_s["propose"] / max(st.num_draft_tokens, 1)
+    t_step = sum(runs["ar"].seconds) / max(sum(runs["ar"].tokens), 1)
+    coverage = None
+    if getattr(draft, "osd_family", None) == "head":
+        t2d = draft.t2d().cpu()
+        outs = torch.tensor([t for out in runs["ar"].outputs for t in out], dtype=torch.long)
+        coverage = float(t2d[outs].float().mean()) if outs.numel() else None
+    return {"tokens_per_target_step": st.mean_accepted_len,
+            "acceptance_per_pos": [a / d if d else 0.0 for a, d in zip(st.accepted_per_pos, st.drafted_per_pos)],
+            "draft_cost_per_token": t_draft / t_step if t_step else None,
+            "draft_vocab_coverage": coverage,
+            "draft_vocab": int(draft.d2t.numel()) if coverage is not None else None}
 
 
 def self_draft_cost(runs: dict[str, MethodRun], k: int) -> dict[str, float]:
@@ -235,7 +264,10 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
     log("")
     log(f"acceptance rate {result['acceptance_rate']:.3f}, mean accepted length {result['mean_accepted_len']:.2f} "
         f"tokens/step, own AR / HF AR {result['ar_vs_hf_ar']:.2f}x, own SD / HF assisted "
-        f"{result['sd_vs_hf_assisted']:.2f}x, own SD / own AR {result['sd_vs_ar']:.2f}x")
+        f"{result['sd_vs_hf_assisted'] or 0:.2f}x, own SD / own AR {result['sd_vs_ar']:.2f}x")
+    log("acceptance per draft position: " + ", ".join(f"{a:.3f}" for a in result["acceptance_per_pos"])
+        + f"; draft cost per token {result['draft_cost_per_token']:.3f} of a target step"
+        + (f"; draft vocab coverage {result['draft_vocab_coverage']:.3f}" if result["draft_vocab_coverage"] else ""))
     log(f"capture overhead (median per prompt) {result['capture_overhead_pct']:+.2f}%")
     log("speculative step, ms per step: " + ", ".join(f"{n} {v:.1f}" for n, v in result["sd_stage_ms_per_step"].items()))
     if "self_vs_ideal" in result:

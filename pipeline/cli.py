@@ -96,6 +96,16 @@ def _cmd_serve(cfg: OSDConfig, args: argparse.Namespace) -> int:
 def _cmd_draft_init(cfg: OSDConfig, args: argparse.Namespace) -> int:
     from train.warm_start import run_warm_start
 
+    if args.family == "head":
+        from train.head_warm_start import run_head_warm_start
+
+        if args.epochs is not None or args.prompts is not None:
+            cfg = load_config(args.config, overrides={"train": {k: v for k, v in (
+                ("warm_epochs", args.epochs), ("warm_prompts", args.prompts)) if v is not None}})
+        result = run_head_warm_start(cfg, out_dir=args.out, force=args.force, conversations=args.conversations,
+                                     draft_vocab=args.draft_vocab)
+        print(json.dumps({k: result.get(k) for k in ("path", "alpha_est_before", "alpha_est", "coverage")}, indent=2))
+        return 0
     updates = {k: v for k, v in (("warm_prompts", args.prompts), ("warm_epochs", args.epochs),
                                  ("warm_max_new_tokens", args.max_new_tokens)) if v is not None}
     if updates:
@@ -363,7 +373,8 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--limit", type=int, metavar="N", help="use at most N prompts")
     be.add_argument("--max-new-tokens", type=int, default=96, metavar="M")
     be.add_argument("--k", type=int, default=4, metavar="K", help="draft tokens per step (default 4)")
-    be.add_argument("--draft", default="truncate:4", metavar="SPEC", help="self, truncate:L or a published draft directory (default truncate:4)")
+    be.add_argument("--draft", default="truncate:4", metavar="SPEC", help="self, truncate:L, head:init (the warm-started head) or a published draft directory "
+                         "(default truncate:4)")
     be.add_argument("--device", default="cpu", help="cpu or cuda")
     be.add_argument("--target", help="target spec (default: model.target)")
     be.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer ShareGPT prompts")
@@ -391,6 +402,12 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
     di.add_argument("--max-new-tokens", type=int, help="teacher tokens per prompt (default train.warm_max_new_tokens)")
     di.add_argument("--out", help="where to publish (default <state_dir>/drafts/v1)")
     di.add_argument("--force", action="store_true", help="rebuild even if published; ignore checkpoints")
+    di.add_argument("--family", choices=["layer", "head"], default="layer",
+                    help="layer: copied target layers; head: one layer over the target's hidden states "
+                         "(default out <state_dir>/drafts/head-v1)")
+    di.add_argument("--conversations", type=int, default=600,
+                    help="head: ShareGPT train conversations as fixed text (default 600)")
+    di.add_argument("--draft-vocab", type=int, help="head: draft vocabulary size V_d (default 8192)")
     di.set_defaults(func=_cmd_draft_init)
 
     tr = sub.add_parser("train", help="run the trainer group on the record stream")

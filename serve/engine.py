@@ -105,6 +105,7 @@ class SpecStats:
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0  # tokens emitted by steps (accepted + one per step)
     accepted_per_pos: list[int] = field(default_factory=list)
+    drafted_per_pos: list[int] = field(default_factory=list)  # steps that proposed a token at i
     # Wall seconds spent in each stage, summed over steps (prefill excluded).
     stage_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
@@ -127,6 +128,10 @@ class SpecStats:
         a = self.accepted_per_pos + [0] * (n - len(self.accepted_per_pos))
         b = other.accepted_per_pos + [0] * (n - len(other.accepted_per_pos))
         self.accepted_per_pos = [x + y for x, y in zip(a, b)]
+        n = max(len(self.drafted_per_pos), len(other.drafted_per_pos))
+        a = self.drafted_per_pos + [0] * (n - len(self.drafted_per_pos))
+        b = other.drafted_per_pos + [0] * (n - len(other.drafted_per_pos))
+        self.drafted_per_pos = [x + y for x, y in zip(a, b)]
         for name in STAGES:
             self.stage_s[name] += other.stage_s[name]
 
@@ -189,7 +194,7 @@ class _Seq:
         self.finish: str | None = None
         self.text: str | None = None  # set when a stop string cut the output
         self.stops: StopScanner | None = None  # set by the engine when stop strings apply
-        self.stats = SpecStats(accepted_per_pos=[0] * k)
+        self.stats = SpecStats(accepted_per_pos=[0] * k, drafted_per_pos=[0] * k)
         self.capture = capture
         self.cap_accepted: list[bool] = []
         self.cap_draft_tokens: list[int] = []
@@ -305,6 +310,8 @@ def commit(seq: _Seq, drafts: torch.Tensor, own: list[float], logits: torch.Tens
         st.num_accepted_tokens += n
         for i in range(n):
             st.accepted_per_pos[i] += 1
+        for i in range(k):
+            st.drafted_per_pos[i] += 1
     if seq.capture is not None:
         seq.capture.add(logits[: n + 1])
         seq.cap_accepted += [True] * n + [False]

@@ -239,3 +239,86 @@ def test_greedy_stays_exact_through_partial_acceptances():
     assert r.output_ids == ref
     st = r.stats
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens and st.accepted_per_pos[1] > 0
+    # Per-position acceptance for the bench: drafted counts every step that proposed there.
+    assert st.drafted_per_pos[0] == st.num_drafts and sum(st.drafted_per_pos) == st.num_draft_tokens
+    assert all(a <= d for a, d in zip(st.accepted_per_pos, st.drafted_per_pos))
+
+
+class _TorchEngine:
+    """DistillEngine's train_batch contract over plain AdamW (pure tests run without DeepSpeed)."""
+
+    def __init__(self, model, lr=3e-3):
+        self.model = model
+        self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+
+    def train_batch(self, batch, loss_fn):
+        self.model.train()
+        loss = loss_fn(self.model, batch)
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        return float(loss.detach())
+
+
+def test_training_a_few_steps_raises_the_unrolled_estimate():
+    from train.head_train import compute_features, evaluate, head_loss_fn, train_epochs
+
+    target = tiny(7, layers=4, max_positions=128)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 259, (6,), generator=g).tolist() for _ in range(24)]
+    with torch.no_grad():
+        seqs = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=24)[0].tolist() for p in prompts]
+    layers = (0, 1, 2)
+    train = compute_features(target, seqs[:20], layers, starts=[6] * 20)
+    held = compute_features(target, seqs[20:], layers, starts=[6] * 4)
+    # The features are the runner's: the same numbers serving will feed the head.
+    r = LlamaRunner(target, 64)
+    _, f = r.forward_features(torch.tensor(seqs[0]), r.new_cache(), layers)
+    assert torch.allclose(train.feats[0].float(), f, atol=0.05, rtol=0.02)
+    head = build_head(target, DraftSpec(family="head", feature_layers=layers, draft_vocab=259))
+    before = evaluate(head, held)
+    losses = train_epochs(_TorchEngine(head), train, head_loss_fn(target.lm_head.weight.detach()), epochs=15,
+                          token_budget=256, log=lambda s: None)
+    after = evaluate(head, held)
+    assert losses[-1] < losses[0]
+    assert after["alpha_est"] > before["alpha_est"] + 0.1, (before, after)
+    assert len(after["agree_per_depth"]) == 3 and after["coverage"] == 1.0
+    # The trained head in the engine: greedy still the target's, and now drafts get accepted.
+    eng = SpecEngine(target, head, options=EngineOptions(k=3, max_seq_len=128))
+    res = eng.generate(prompts[21], GenerationParams(max_new_tokens=20))
+    assert res.output_ids == seqs[21][6:26]
+    assert res.stats.num_accepted_tokens > 0
+
+
+def test_features_of_a_padded_batch_are_each_sequences_own(target):
+    """Long and short sequences in one right-padded batch: each keeps its own length, and the
+    stored argmax is the target's own at every position (no padding rows leak in)."""
+    from train.head_train import compute_features
+
+    g = torch.Generator().manual_seed(3)
+    seqs = [torch.randint(0, 259, (n,), generator=g).tolist() for n in (300, 7)]
+    fs = compute_features(target, seqs, LAYERS)
+    for ids, am, f in zip(seqs, fs.argmax, fs.feats):
+        logits, feats = hf_features(target, ids)
+        assert am.shape == (len(ids),) and f.shape == (len(ids), feats.shape[1])
+        assert (am == logits.argmax(-1)).float().mean() > 0.99  # bf16 storage aside, the same
+
+
+def test_registry_version_of_a_head_swaps_in_beside_a_layer_draft(tmp_path, target, head):
+    """A head published to the registry loads by version id (digests checked) and serves as a
+    per-request draft of an engine whose own draft is a layer draft: the hot-swap path."""
+    from infra.draft_model import build_draft
+    from infra.registry import Registry
+
+    reg = Registry((tmp_path / "reg").as_uri(), cache_dir=tmp_path / "cache")
+    d = save_head(head, tmp_path / "h", target_ref={"spec": "tiny-random", "sha256": "c" * 64})
+    v = reg.publish(d, "head-v1")
+    model, info = reg.load_draft(v.id, target, expect_target_sha256="c" * 64)
+    assert info["spec"]["family"] == "head" and info["version"] == "head-v1"
+    eng = SpecEngine(target, build_draft(target, DraftSpec(num_layers=2)),
+                     options=EngineOptions(k=3, max_seq_len=128, max_concurrency=1))
+    runner = eng.make_draft(model)
+    prompt = [17, 200, 3, 99, 45]
+    a = eng.generate(prompt, GenerationParams(max_new_tokens=20), draft=runner)
+    b = eng.generate(prompt, GenerationParams(max_new_tokens=20))
+    assert a.output_ids == b.output_ids and a.stats.num_draft_tokens > 0

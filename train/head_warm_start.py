@@ -1,0 +1,166 @@
+"""`osd draft init --family head`: the first head draft, distilled offline.
+
+1. Data: the warm start's teacher records (the target's greedy answers, train/warm_start.py's
+   cache) plus ShareGPT conversations as fixed text (human and assistant turns, train split):
+   these need only a target prefill for their features, no generation, so they add far more
+   tokens for the same minutes.
+2. Features: one no-grad target forward per batch (train/head_train.py), cached on disk
+   under state_dir/head-features keyed by target, data and layers, so a rerun skips it.
+3. Draft vocabulary: the V_d most frequent target argmax tokens of the training data; the
+   coverage of held-out teacher outputs is reported for several V_d.
+4. Training: the unrolled loss (depth 3, 0.8^j) through the DistillEngine; evaluation on the
+   held-out teacher records, unrolled on the head's own state; saved as a draft directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infra.config import OSDConfig
+
+
+CONV_CHUNK = 40
+
+
+def _log(msg: str) -> None:
+    print(f"[osd draft init --family head] {msg}", flush=True)
+
+
+def conversation_ids(cfg: OSDConfig, tokenizer: Any, n: int, max_len: int) -> list[list[int]]:
+    """Chat-template ids of the first n train-split ShareGPT conversations, cut to max_len."""
+    from infra.prompts import conversation_messages, sharegpt_conversations
+
+    out = []
+    for _, msgs in conversation_messages(sharegpt_conversations(), cfg.data, split="train", limit=n):
+        ids = tokenizer.apply_chat_template(msgs, tokenize=True)
+        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)[:max_len]
+        if len(ids) >= 8:
+            out.append(ids)
+    return out
+
+
+def cached_features(cfg: OSDConfig, loaded: Any, name: str, seqs: list[list[int]], starts: list[int] | None,
+                    layers: tuple[int, ...], progress: bool):
+    """compute_features, from state_dir/head-features when this exact input was done before."""
+    from infra.draft_model import target_ref
+    from train.head_train import FeatureSet, compute_features
+
+    key = hashlib.sha256(json.dumps({"target": target_ref(loaded)["sha256"], "seqs": seqs, "starts": starts,
+                                     "layers": layers}).encode()).hexdigest()[:20]
+    path = Path(cfg.state_dir) / "head-features" / f"{name}-{key}.pt"
+    if path.is_file():
+        try:
+            return FeatureSet(**torch.load(path, weights_only=True))
+        except Exception as e:  # a torn or foreign file: rebuilt below
+            _log(f"feature cache {path} unreadable ({e}); recomputing")
+    total, done, t0 = sum(len(s) for s in seqs), [0], time.perf_counter()
+
+    def tick(n: int) -> None:
+        done[0] += n
+        if progress:
+            rate = done[0] / (time.perf_counter() - t0)
+            _log(f"{name} features: {done[0]}/{total} tokens ({rate:.0f} tok/s)")
+
+    fs = compute_features(loaded.model, seqs, layers, starts=starts, progress=tick)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(fs.__dict__, tmp)
+    tmp.replace(path)
+    return fs
+
+
+def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progress: bool = True,
+                        force: bool = False, conversations: int = 600, max_len: int = 512,
+                        draft_vocab: int | None = None, feature_layers: tuple[int, ...] | None = None,
+                        epochs: int | None = None, token_budget: int = 512) -> dict[str, Any]:
+    """Teacher records + ShareGPT fixed text -> target features -> a trained head (module doc)."""
+    from infra.draft_head import build_head, feature_layers_of, save_head, top_tokens
+    from infra.draft_model import target_ref
+    from infra.draft_spec import DraftSpec
+    from infra.target import load_target
+    from train.head_train import coverage_curve, evaluate
+
+    tc = cfg.train
+    out_dir = Path(out_dir) if out_dir else Path(cfg.state_dir) / "drafts" / "head-v1"
+    if out_dir.exists() and not force:
+        _log(f"{out_dir} already exists (use --force to rebuild)")
+        return json.loads((out_dir / "draft.json").read_text())
+    t0 = time.perf_counter()
+    loaded = load_target(cfg.model.target, cfg.model, progress=progress)
+    torch.manual_seed(0)
+    spec = DraftSpec(family="head", feature_layers=feature_layers, draft_vocab=draft_vocab or DraftSpec().draft_vocab)
+    layers = feature_layers_of(spec, loaded.model.config.num_hidden_layers)
+    fs_train, fs_held, n_conv = _features(cfg, loaded, layers, conversations, max_len, progress)
+    train_am = torch.cat(fs_train.argmax)
+    held_am = torch.cat([a[s + 1:] for a, s in zip(fs_held.argmax, fs_held.start)])
+    vocab = loaded.model.config.vocab_size
+    coverage = coverage_curve(train_am, held_am, vocab)
+    _log("coverage of held-out target outputs by V_d: " + ", ".join(f"{k}: {v:.3f}" for k, v in coverage.items()))
+    head = build_head(loaded.model, spec, top_tokens(torch.bincount(train_am, minlength=vocab), spec.draft_vocab))
+    before = evaluate(head, fs_held)
+    losses, train_s = _train(cfg, head, loaded.model, fs_train, epochs or tc.warm_epochs, token_budget)
+    after = evaluate(head, fs_held)
+    _log(f"held-out greedy agreement per depth {[round(a, 3) for a in before['agree_per_depth']]} -> "
+         f"{[round(a, 3) for a in after['agree_per_depth']]}; tokens/step estimate "
+         f"{after['tokens_per_step_est']:.2f}")
+    metrics = {"alpha_est": after["alpha_est"], "alpha_est_before": before["alpha_est"],
+               "agree_per_depth": after["agree_per_depth"], "tokens_per_step_est": after["tokens_per_step_est"],
+               "coverage": after["coverage"], "coverage_curve": {str(k): v for k, v in coverage.items()},
+               "loss_last": losses[-1] if losses else None, "held_out_records": len(fs_held),
+               "train_tokens": fs_train.n_tokens, "train_s": train_s}
+    lineage = {"parent": None, "kind": "warm_start", "family": "head", "conversations": n_conv,
+               "teacher_records": len(fs_train) - n_conv, "epochs": epochs or tc.warm_epochs}
+    save_head(head, out_dir, target_ref=target_ref(loaded), lineage=lineage, metrics=metrics, overwrite=force)
+    _log(f"saved {out_dir} ({time.perf_counter() - t0:.0f} s in all)")
+    return {"path": str(out_dir), **metrics, **lineage}
+
+
+def _features(cfg: OSDConfig, loaded: Any, layers: tuple[int, ...], conversations: int, max_len: int,
+              progress: bool):
+    """(train FeatureSet: teacher train records + conversations, held-out teacher FeatureSet, n conversations)."""
+    from train.warm_start import split_held_out, teacher_records, warm_prompts
+
+    tc = cfg.train
+    prompts = warm_prompts(cfg, tc.warm_prompts)
+    train_recs, held = split_held_out(teacher_records(cfg, loaded, prompts, progress=progress), tc.held_out_every)
+
+    def seqs(recs):
+        return ([[int(t) for t in r.prompt_ids] + [int(t) for t in r.output_ids] for r in recs],
+                [len(r.prompt_ids) for r in recs])
+
+    fs_train = cached_features(cfg, loaded, "teacher-train", *seqs(train_recs), layers, progress)
+    fs_held = cached_features(cfg, loaded, "teacher-held", *seqs(held), layers, progress)
+    convs = conversation_ids(cfg, loaded.tokenizer, conversations, max_len) if conversations else []
+    for i in range(0, len(convs), CONV_CHUNK):  # cached by chunk: more conversations reuse the first ones
+        fs_train.extend(cached_features(cfg, loaded, "sharegpt", convs[i:i + CONV_CHUNK], None, layers, progress))
+    _log(f"training on {fs_train.n_tokens} tokens ({len(train_recs)} teacher records, {len(convs)} ShareGPT "
+         f"conversations); {len(held)} held-out teacher records")
+    return fs_train, fs_held, len(convs)
+
+
+def _train(cfg: OSDConfig, head: Any, target: Any, fs_train: Any, epochs: int,
+           token_budget: int) -> tuple[list[float], float]:
+    """Epochs of the unrolled loss through the DistillEngine. Small batches (`token_budget`):
+    with tens of thousands of tokens, the number of optimizer steps is what limits the head."""
+    from infra.redis_server import free_port
+    from train.ds_engine import DistillEngine, init_distributed
+    from train.head_train import head_loss_fn, train_epochs
+
+    tc = cfg.train
+    init_distributed(0, 1, "127.0.0.1", free_port(), tc.device)
+    engine = DistillEngine(head, tc)
+    t = time.perf_counter()
+    losses = train_epochs(engine, fs_train, head_loss_fn(target.lm_head.weight.detach()), epochs=epochs,
+                          token_budget=token_budget, log=_log)
+    weights = engine.export_weights()
+    with torch.no_grad():
+        params = dict(head.named_parameters())
+        for n, w in weights.items():
+            params[n].copy_(w)
+    return losses, time.perf_counter() - t
