@@ -261,7 +261,7 @@ class _TorchEngine:
 
 
 def test_training_a_few_steps_raises_the_unrolled_estimate():
-    from train.head_train import compute_features, evaluate, head_loss_fn, train_epochs
+    from train.head_train import compute_features, estimate_alpha_head, evaluate, head_loss_fn, train_epochs
 
     target = tiny(7, layers=4, max_positions=128)
     g = torch.Generator().manual_seed(0)
@@ -280,6 +280,17 @@ def test_training_a_few_steps_raises_the_unrolled_estimate():
     losses = train_epochs(_TorchEngine(head), train, head_loss_fn(target.lm_head.weight.detach()), epochs=15,
                           token_budget=256, log=lambda s: None)
     after = evaluate(head, held)
+    # The same estimate straight from served records (prompt + output), as an online trainer has them.
+    import numpy as np
+
+    from infra.records import Record
+
+    recs = [Record(request_id=str(i), draft_version="x", prompt_ids=np.array(s[:6], np.int32),
+                   output_ids=np.array(s[6:], np.int32), topk_ids=np.zeros((len(s) - 6, 1), np.int32),
+                   topk_logprobs=np.zeros((len(s) - 6, 1), np.float16), accepted=np.zeros(len(s) - 6, bool),
+                   draft_tokens=np.full(len(s) - 6, -1, np.int32), draft_probs=np.zeros(len(s) - 6, np.float32))
+            for i, s in enumerate(seqs[20:])]
+    assert estimate_alpha_head(head, target, recs) == pytest.approx(after["alpha_est"], abs=0.02)
     assert losses[-1] < losses[0]
     assert after["alpha_est"] > before["alpha_est"] + 0.1, (before, after)
     assert len(after["agree_per_depth"]) == 3 and after["coverage"] == 1.0

@@ -205,3 +205,19 @@ def train_epochs(engine: Any, fs: FeatureSet, loss_fn: Callable, *, epochs: int,
                 recent = losses[-log_every:]
                 log(f"epoch {epoch + 1}/{epochs} batch {n + 1}/{len(order)} loss {sum(recent) / len(recent):.3f}")
     return losses
+
+
+def records_features(target: Any, records: Sequence[Any], layers: tuple[int, ...]) -> FeatureSet:
+    """Served records (infra.records.Record) -> target features over prompt + output, with
+    evaluation starting at the outputs: what an online trainer of the head steps on."""
+    seqs = [[int(t) for t in r.prompt_ids] + [int(t) for t in r.output_ids] for r in records]
+    return compute_features(target, seqs, layers, starts=[len(r.prompt_ids) for r in records])
+
+
+@torch.no_grad()
+def estimate_alpha_head(head: Any, target: Any, records: Sequence[Any]) -> float | None:
+    """A candidate head's α estimate on held-out records: greedy agreement per depth, the head
+    unrolled on its own state (teacher-forced features would overstate depth >= 2)."""
+    if not records:
+        return None
+    return evaluate(head, records_features(target, records, head.feature_layers))["alpha_est"]
