@@ -226,6 +226,14 @@ class TrainConfig(_Section):
     # records per candidate; replaying them is what the warm start's epochs do offline.
     replay_steps: int = Field(0, ge=0)
     replay_buffer: int = Field(256, ge=1)
+    # Of each replay step's records, this fraction is drawn from the warm-start draft's own
+    # teacher records (when cached): old-domain data that keeps a shift from undoing v1.
+    warm_replay_fraction: float = Field(0.0, ge=0, lt=1)
+    # Where `osd draft init` cached those records; None: <state_dir>/teacher.
+    warm_teacher_dir: str | None = None
+    # Weight of KL(parent || draft) added to the loss, the parent frozen: an anchor to the
+    # draft training started from.
+    anchor_kl: float = Field(0.0, ge=0)
     # Publish a candidate every this many records or seconds, whichever comes first.
     export_every_records: int = Field(2000, ge=1)
     export_every_s: float = Field(600.0, gt=0)

@@ -145,6 +145,14 @@ def _cmd_bench_train(cfg: OSDConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_adapt(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from pipeline.bench_adapt import run_adapt_bench
+
+    run_adapt_bench(cfg, records=args.records, eval_prompts=args.eval_prompts, checkpoints=tuple(args.checkpoints),
+                    arrive=args.arrive, variants=tuple(args.variants), json_path=args.json)
+    return 0
+
+
 def _cmd_demo(cfg: OSDConfig, args: argparse.Namespace) -> int:
     from pipeline.demo import run_demo
 
@@ -388,6 +396,15 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     bt.add_argument("--init-draft", help="starting draft dir (default <state_dir>/drafts/v1 if present)")
     bt.add_argument("--json", default="reports/bench/train.json", metavar="PATH")
     bt.set_defaults(func=_cmd_bench_train)
+    ba = bench_sub.add_parser("adapt", help="after a shift to code: candidates vs v1 (paired) per training variant")
+    ba.add_argument("--records", type=int, default=96, help="code records streamed to the trainer (default 96)")
+    ba.add_argument("--eval-prompts", type=int, default=48, help="held-out code prompts scored (default 48)")
+    ba.add_argument("--checkpoints", type=int, nargs="+", default=[18, 48, 96], help="score after these many records")
+    ba.add_argument("--arrive", type=int, default=2, help="records per new-data step (default 2, demo traffic)")
+    ba.add_argument("--variants", nargs="+", default=["base", "low_lr", "warm_replay", "anchor"],
+                    choices=["base", "low_lr", "warm_replay", "anchor"])
+    ba.add_argument("--json", default="reports/bench/adapt.json", metavar="PATH")
+    ba.set_defaults(func=_cmd_bench_adapt)
     _add_bench_stream_parser(bench_sub)
     _add_bench_load_parser(bench_sub)
 

@@ -231,9 +231,16 @@ def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
     d["registry"].update(uri="")
     # Few records per candidate at demo traffic: replay them (as the warm start's epochs do) at a
     # fine-tuning learning rate, so a trained draft is refined rather than jolted.
-    d["train"].update(num_workers=1, export_every_records=48, export_every_s=150, held_out_every=6,
-                      warm_epochs=cfg.train.warm_epochs, replay_steps=3, lr=3e-4)
-    d["rollout"].update(canary_steps=[0.5, 1.0], min_requests=6, max_requests=20, poll_s=1.0)
+    # One record in 3 held out: at demo traffic (~0.2 requests/s) the gate's 20 records take
+    # ~5 minutes to gather; at 1 in 10 the 14-minute run never gave a candidate enough.
+    d["train"].update(num_workers=1, export_every_records=48, export_every_s=150, held_out_every=3,
+                      warm_epochs=cfg.train.warm_epochs, replay_steps=3, lr=3e-4,
+                      warm_teacher_dir=str(Path(cfg.state_dir) / "teacher"))  # v1's, in the user's state dir
+    # A canary gets a few dozen requests here, not hundreds. Promotion looks at one side of the
+    # interval only, so a two-sided alpha of 0.1 keeps an equal draft's false promotions at 5%
+    # (4.75% in tests/test_canary_rule.py's simulation at this budget), with a budget the run
+    # can reach.
+    d["rollout"].update(canary_steps=[0.5, 1.0], min_requests=6, max_requests=80, alpha=0.1, poll_s=1.0)
     return OSDConfig.model_validate(d)
 
 

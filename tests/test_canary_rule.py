@@ -5,6 +5,7 @@ false-promotion rate for an equal draft and its power for a better one."""
 import math
 import random
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -253,3 +254,24 @@ def test_gate_verdict_admits_only_passing_evidence_against_the_current_stable():
     # a `passed` flag without an interval above 0 is not trusted
     assert not gate_verdict(_gate(lower=0.0, passed=True), "v1")[0]
     assert not gate_verdict({"stable": "v1", "passed": True}, "v1")[0]
+
+
+def _demo_rule() -> CanaryRule:
+    from infra.config import load_config
+    from pipeline.demo import demo_config
+
+    ro = demo_config(load_config(), Path("/nonexistent-demo-state")).rollout
+    return CanaryRule(alpha=ro.alpha, tau=ro.tau, margin=ro.margin, len_margin=ro.len_margin, min_gain=ro.min_gain,
+                      min_requests=ro.min_requests, max_requests=ro.max_requests)
+
+
+def test_the_demos_smaller_budget_still_keeps_equal_draft_promotions_at_5_percent():
+    """`make demo` gives a canary tens of requests, so it runs with a two-sided alpha of 0.1
+    (promotion reads one side): an equal draft must still be promoted at most 5% of the time,
+    looking after every other request, and a clearly better one (+0.1) most of the time."""
+    rule = _demo_rule()
+    assert rule.max_requests <= 100  # a budget the demo's ~14 minutes of traffic can reach
+    equal = simulate(0.0, runs=400, seed=21, rule=rule, base=0.25, look_every=2)
+    assert equal["promote"] <= 0.05
+    better = simulate(0.1, runs=200, seed=22, rule=rule, base=0.25, look_every=2)
+    assert better["promote"] > 0.7 and better["rollback"] < 0.02

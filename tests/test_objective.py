@@ -62,3 +62,30 @@ def test_a_batch_without_records_steps_with_zero_gradients(batch, draft):
     loss.backward()
     assert float(loss.detach()) == 0.0
     assert all(p.grad is None or not p.grad.any() for p in draft.parameters())
+
+
+def test_the_kl_anchor_is_zero_at_the_parent_and_pulls_back_towards_it(batch, draft):
+    """train.anchor_kl: base loss + weight x KL(parent || draft). At the parent itself the KL
+    term is 0; away from it the term is positive, and a step on it alone moves the draft's
+    distribution back towards the parent's."""
+    import copy
+
+    from train.objective import anchored_loss_fn
+
+    tc = TrainConfig(loss="fkl")
+    base = distill_loss_fn(tc, positions="all")
+    parent = copy.deepcopy(draft).eval().requires_grad_(False)
+    with torch.no_grad():
+        assert torch.allclose(anchored_loss_fn(base, parent, 2.0)(draft, batch), base(draft, batch), atol=1e-6)
+    moved = copy.deepcopy(draft)
+    with torch.no_grad():
+        moved.lm_head.weight.add_(0.05 * torch.randn_like(moved.lm_head.weight))
+    kl_only = anchored_loss_fn(lambda m, b: torch.zeros(()), parent, 1.0)
+    before = kl_only(moved, batch)
+    assert before > 0
+    opt = torch.optim.SGD([moved.lm_head.weight], lr=0.02)  # the weights that were moved
+    for _ in range(3):
+        opt.zero_grad()
+        kl_only(moved, batch).backward()
+        opt.step()
+    assert kl_only(moved, batch) < before

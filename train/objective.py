@@ -32,3 +32,22 @@ def distill_loss_fn(train: TrainConfig, positions: WeightMode | None = None,
                             weights=w)
 
     return fn
+
+
+def anchored_loss_fn(base_fn: Callable[[torch.nn.Module, Batch], torch.Tensor], parent: torch.nn.Module,
+                     weight: float) -> Callable[[torch.nn.Module, Batch], torch.Tensor]:
+    """base_fn + weight x KL(parent || draft) at the batch's trained positions, over the full
+    vocabulary, the parent frozen: the draft may learn the new traffic but pays for every
+    move away from the draft it started from (`train.anchor_kl`)."""
+
+    def fn(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+        loss = base_fn(model, batch)
+        if batch.n_records == 0 or weight <= 0:
+            return loss
+        with torch.no_grad():
+            p_log = torch.log_softmax(position_logits(parent, batch), dim=-1)
+        q_log = torch.log_softmax(position_logits(model, batch), dim=-1)
+        kl = (p_log.exp() * (p_log - q_log)).sum(-1).mean()
+        return loss + weight * kl
+
+    return fn

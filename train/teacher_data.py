@@ -387,6 +387,10 @@ class TeacherCache:
             path.unlink(missing_ok=True)
             return None
 
+    def get(self, key_parts: dict[str, Any]) -> list[Record] | None:
+        """The cached records for `key_parts`, or None when they were never built (no build)."""
+        return self._try_read(self.root / f"{self.key(key_parts)}.arrow", self.key(key_parts))
+
     # -- the entry point -------------------------------------------------------
 
     def get_or_build(

@@ -18,6 +18,7 @@ A live worker touches the records it holds (keep_alive) so they are never taken 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -100,6 +101,9 @@ class TrainerWorker:
         else:
             draft = build_draft(self.target, self.spec_info)
             self.parent_version = None
+        # The anchor is the draft as training starts (before DeepSpeed may partition it).
+        self.anchor = copy.deepcopy(draft).eval().requires_grad_(False) if tc.anchor_kl > 0 else None
+        self.warm_records = self._warm_records(loaded) if tc.warm_replay_fraction > 0 else []
         self.engine = DistillEngine(draft, tc)
         from infra.draft_model import target_ref_of
 
@@ -126,6 +130,15 @@ class TrainerWorker:
             _log(self.rank, f"resumed from {resumed['tag']} ({resumed['resumed']}), {self.records_total} records so far")
         self.resumed = resumed
         return resumed
+
+    def _warm_records(self, loaded: Any) -> list:
+        from train.warm_start import cached_warm_records
+
+        recs = cached_warm_records(self.cfg, loaded)
+        _log(self.rank, f"replay mixes in {len(recs)} warm-start records" if recs else
+             "train.warm_replay_fraction is set but no warm-start teacher records are cached "
+             "(run `osd draft init` or set train.warm_teacher_dir); replaying live records only")
+        return recs
 
     @property
     def ckpt_dir(self) -> Path:
@@ -157,11 +170,13 @@ class TrainerWorker:
         import torch.distributed as dist
 
         from train.batching import record_tokens, take_budget
-        from train.objective import distill_loss_fn
+        from train.objective import anchored_loss_fn, distill_loss_fn
 
         tc = self.cfg.train
         stats = RunStats(self.rank, resumed=self.resumed)
         loss_fn = distill_loss_fn(tc)
+        if self.anchor is not None:
+            loss_fn = anchored_loss_fn(loss_fn, self.anchor, tc.anchor_kl)
         buffer: list = []
         unacked: list = []  # trained since the last checkpoint
         since_export, last_export = 0, time.monotonic()
@@ -236,10 +251,11 @@ class TrainerWorker:
         """train.replay_steps more steps on records drawn again from this rank's recent ones. Every
         rank runs the same number (a null batch if it has none) so the collectives stay in step."""
         from train.batching import take_budget
+        from train.replay import replay_pool
 
         tc = self.cfg.train
         for _ in range(tc.replay_steps):
-            pool = self._rng.sample(self.replay, len(self.replay))
+            pool = replay_pool(self.replay, self.warm_records, tc.warm_replay_fraction, self._rng)
             take = take_budget(pool, tc.token_budget, tc.max_seq_len)
             if not take:
                 self.engine.train_batch(null_batch(), loss_fn)

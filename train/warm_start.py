@@ -41,18 +41,23 @@ def warm_prompts(cfg: OSDConfig, n: int, max_chars: int = 600, split: str = "tra
             and (domain is None or p.domain == domain)][:n]
 
 
+def _teacher_key(cfg: OSDConfig, loaded: Any, prompts: list) -> dict[str, Any]:
+    from infra.draft_model import target_ref
+
+    return {
+        "target": target_ref(loaded),
+        "prompts": hashlib.sha256(json.dumps([p.id for p in prompts]).encode()).hexdigest(),
+        "max_new_tokens": cfg.train.warm_max_new_tokens,
+        "top_k": cfg.serve.capture_top_k,
+    }
+
+
 def teacher_records(cfg: OSDConfig, loaded: Any, prompts: list, *, progress: bool = True) -> list:
     """The target's records for `prompts`, from the on-disk cache when present."""
-    from infra.draft_model import target_ref
     from train.teacher_data import TeacherCache, generate_teacher_records
 
     tc = cfg.train
-    key = {
-        "target": target_ref(loaded),
-        "prompts": hashlib.sha256(json.dumps([p.id for p in prompts]).encode()).hexdigest(),
-        "max_new_tokens": tc.warm_max_new_tokens,
-        "top_k": cfg.serve.capture_top_k,
-    }
+    key = _teacher_key(cfg, loaded, prompts)
     cache = TeacherCache(Path(cfg.state_dir) / "teacher", progress=progress)
 
     def build(chunk):
@@ -61,6 +66,19 @@ def teacher_records(cfg: OSDConfig, loaded: Any, prompts: list, *, progress: boo
                                         progress=progress)
 
     return cache.get_or_build(key, build, items=prompts)
+
+
+def cached_warm_records(cfg: OSDConfig, loaded: Any) -> list:
+    """The warm start's teacher train records if `osd draft init` left them in this state dir's
+    cache, else []: the trainer replays them (`train.warm_replay_fraction`) but never spends
+    minutes of target generation on them. All of them: v1's held-out split measured v1 once,
+    and the online gate scores on live held-out records, never on these."""
+    from train.teacher_data import TeacherCache
+
+    root = Path(cfg.train.warm_teacher_dir or Path(cfg.state_dir) / "teacher")
+    records = TeacherCache(root, progress=False).get(
+        _teacher_key(cfg, loaded, warm_prompts(cfg, cfg.train.warm_prompts)))
+    return records or []
 
 
 def split_held_out(records: list, every: int) -> tuple[list, list]:

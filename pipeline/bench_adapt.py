@@ -1,0 +1,177 @@
+"""`osd bench adapt`: what keeps the first candidates after a domain shift from scoring below
+their parent (issue 17, part 4).
+
+The online trainer's situation after the demo's shift, replayed offline and without Ray: the
+warm-start draft v1 (trained on general ShareGPT) meets a stream of code records, a few at a
+time, and each step is followed by `train.replay_steps` steps on records drawn again. After
+`checkpoints` records the candidate is scored against v1 on the *same* held-out records, the
+paired statistic of the offline gate (train/gate.py), on two sets:
+- held-out code prompts: did the candidate learn the new domain?
+- held-out general prompts (v1's own held-out split): did it forget the old one?
+
+Variants (each starts from v1 with the same seeded record order):
+- `base`: the demo's settings (replay of recent records, lr warm-up);
+- `low_lr`: a third of the learning rate;
+- `warm_replay`: replay steps draw half their records from v1's warm-start data;
+- `anchor`: the loss adds `train.anchor_kl` x KL(parent || draft), the parent frozen.
+
+Records are teacher records (the target's own greedy answers) so every position counts, as in
+the warm start; the served records' weighting by draft rejections is not replayed here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from infra.config import OSDConfig
+
+VARIANTS = ("base", "low_lr", "warm_replay", "anchor")
+
+
+def _log(msg: str) -> None:
+    print(f"[osd bench adapt] {msg}", flush=True)
+
+
+def variant_config(cfg: OSDConfig, name: str) -> OSDConfig:
+    """The train settings of one variant on top of `cfg` (the demo's online settings)."""
+    upd: dict[str, Any] = {}
+    if name == "low_lr":
+        upd["lr"] = cfg.train.lr / 3
+    elif name == "warm_replay":
+        upd["warm_replay_fraction"] = 0.5
+    elif name == "anchor":
+        upd["anchor_kl"] = cfg.train.anchor_kl or 0.5
+    elif name != "base":
+        raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+    base = {"warm_replay_fraction": 0.0, "anchor_kl": 0.0}
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={**base, **upd})})
+
+
+def adapt_sets(cfg: OSDConfig, loaded: Any, records: int, eval_prompts: int) -> dict[str, list]:
+    """Teacher records (cached): the code stream, held-out code, v1's warm-start train and held-out sets."""
+    from infra.prompts import load_sharegpt
+    from pipeline.demo import unique_texts
+    from train.warm_start import split_held_out, teacher_records, warm_prompts
+
+    sharegpt = load_sharegpt(cfg.data)
+    warm = warm_prompts(cfg, cfg.train.warm_prompts, prompts=sharegpt)
+    warm_ids = {p.id for p in warm}
+    stream = unique_texts([p for p in sharegpt if p.split == "train" and p.domain == "code"
+                           and len(p.text) <= 600 and p.id not in warm_ids])[:records]
+    held_code = unique_texts([p for p in sharegpt if p.split == "held_out" and p.domain == "code"
+                              and len(p.text) <= 600])[:eval_prompts]
+    _log(f"teacher records: {len(stream)} code stream, {len(held_code)} held-out code, {len(warm)} warm-start")
+    warm_train, warm_held = split_held_out(teacher_records(cfg, loaded, warm), cfg.train.held_out_every)
+    return {"stream": teacher_records(cfg, loaded, stream), "held_code": teacher_records(cfg, loaded, held_code),
+            "warm_train": warm_train, "held_general": warm_held}
+
+
+def paired(candidate: Any, parent_scores: list, records: list, max_seq_len: int) -> dict[str, float]:
+    """Candidate minus parent, per position, on the same records, with the gate's interval."""
+    from train.evaluator import per_record_acceptance
+    from train.gate import paired_interval
+
+    cand = per_record_acceptance(candidate, records, max_seq_len)
+    diffs = [c - s for (c, _), (s, _) in zip(cand, parent_scores)]
+    pos = [n for _, n in cand]
+    d, lo, hi = paired_interval(diffs, pos, resamples=1000)
+    return {"alpha": sum(c for c, _ in cand) / sum(pos), "diff": d, "lower": lo, "upper": hi}
+
+
+def run_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets: dict[str, list],
+                parent_scores: dict[str, list], checkpoints: Sequence[int], arrive: int, seed: int) -> list[dict]:
+    """Train one variant from v1 over the stream; score at each checkpoint."""
+    from infra.draft_model import load_draft
+    from train.batching import pack, take_budget
+    from train.ds_engine import DistillEngine
+    from train.objective import anchored_loss_fn, distill_loss_fn
+    from train.replay import replay_pool
+
+    vcfg = variant_config(cfg, name)
+    tc = vcfg.train
+    draft, _ = load_draft(str(v1_dir), loaded.model)
+    loss_fn = distill_loss_fn(tc, positions="all")
+    if tc.anchor_kl > 0:
+        parent, _ = load_draft(str(v1_dir), loaded.model)
+        parent.eval().requires_grad_(False)
+        loss_fn = anchored_loss_fn(loss_fn, parent, tc.anchor_kl)
+    engine = DistillEngine(draft, tc)
+    rng = random.Random(seed)
+    stream, recent, out = list(sets["stream"]), [], []
+    t0 = time.perf_counter()
+    for i in range(0, max(checkpoints), arrive):
+        chunk = stream[i:i + arrive]
+        engine.train_batch(pack(chunk, tc.max_seq_len), loss_fn)
+        recent = (recent + chunk)[-tc.replay_buffer:]
+        for _ in range(tc.replay_steps):
+            pool = replay_pool(recent, sets["warm_train"], tc.warm_replay_fraction, rng)
+            engine.train_batch(pack(take_budget(pool, tc.token_budget, tc.max_seq_len), tc.max_seq_len), loss_fn)
+        seen = i + len(chunk)
+        if seen in checkpoints:
+            cand = copy.deepcopy(engine.module).eval()
+            row = {"variant": name, "records": seen, "train_s": time.perf_counter() - t0}
+            for key in ("held_code", "held_general"):
+                row[key] = paired(cand, parent_scores[key], sets[key], tc.max_seq_len)
+            _log(f"{name:12s} after {seen:4d} records: code {row['held_code']['diff']:+.4f} "
+                 f"[{row['held_code']['lower']:+.4f}, {row['held_code']['upper']:+.4f}], general "
+                 f"{row['held_general']['diff']:+.4f}")
+            out.append(row)
+    return out
+
+
+def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48,
+                    checkpoints: Sequence[int] = (18, 48, 96), arrive: int = 2,
+                    variants: Sequence[str] = VARIANTS, seed: int = 0,
+                    json_path: str | Path | None = "reports/bench/adapt.json") -> dict[str, Any]:
+    from infra.draft_model import load_draft
+    from infra.redis_server import free_port
+    from infra.target import load_target
+    from train.ds_engine import init_distributed
+    from train.evaluator import per_record_acceptance
+    from train.warm_start import run_warm_start
+
+    from pipeline.demo import demo_config
+
+    # The demo's online training settings (lr, replay, warm-up), the run this bench stands for;
+    # v1's held-out split stays the warm start's own.
+    online = demo_config(cfg, Path(cfg.state_dir)).train.model_copy(update={"held_out_every": cfg.train.held_out_every})
+    cfg = cfg.model_copy(update={"train": online})
+    if any(c % arrive for c in checkpoints):
+        raise ValueError(f"checkpoints {list(checkpoints)} must be multiples of --arrive {arrive}")
+    for v in variants:
+        variant_config(cfg, v)  # unknown names fail before any work
+    loaded = load_target(cfg.model.target, cfg.model, progress=True)
+    v1_dir = Path(cfg.state_dir) / "drafts" / "v1"
+    if not v1_dir.is_dir():
+        run_warm_start(cfg)
+    sets = adapt_sets(cfg, loaded, max(records, max(checkpoints)), eval_prompts)
+    v1, _ = load_draft(str(v1_dir), loaded.model)
+    parent_scores = {k: per_record_acceptance(v1, sets[k], cfg.train.max_seq_len) for k in ("held_code", "held_general")}
+    v1_alpha = {k: sum(s for s, _ in v) / sum(n for _, n in v) for k, v in parent_scores.items()}
+    _log(f"v1: code {v1_alpha['held_code']:.4f}, general {v1_alpha['held_general']:.4f}")
+    init_distributed(0, 1, "127.0.0.1", free_port(), cfg.train.device)
+    rows = []
+    for v in variants:
+        rows += run_variant(cfg, v, loaded, v1_dir, sets, parent_scores, checkpoints, arrive, seed)
+    out = {"v1_alpha": v1_alpha, "rows": rows, "records": len(sets["stream"]), "checkpoints": list(checkpoints),
+           "arrive": arrive, "lr": cfg.train.lr, "replay_steps": cfg.train.replay_steps,
+           "warmup_steps": cfg.train.warmup_steps, "eval_records": {k: len(sets[k]) for k in parent_scores}}
+    _print(out)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(out, indent=2) + "\n")
+        _log(f"wrote {json_path}")
+    return out
+
+
+def _print(out: dict[str, Any]) -> None:
+    print(f"\n{'variant':12s} {'records':>7s} {'code - v1 [95% interval]':>30s} {'general - v1':>30s}")
+    for r in out["rows"]:
+        c, g = r["held_code"], r["held_general"]
+        print(f"{r['variant']:12s} {r['records']:7d} {c['diff']:+9.4f} [{c['lower']:+.4f}, {c['upper']:+.4f}]"
+              f" {g['diff']:+9.4f} [{g['lower']:+.4f}, {g['upper']:+.4f}]")
