@@ -90,7 +90,8 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
     out_dir = Path(out_dir) if out_dir else Path(cfg.state_dir) / "drafts" / "head-v1"
     if out_dir.exists() and not force:
         _log(f"{out_dir} already exists (use --force to rebuild)")
-        return json.loads((out_dir / "draft.json").read_text())
+        info = json.loads((out_dir / "draft.json").read_text())
+        return {"path": str(out_dir), **info.get("metrics", {}), **info.get("lineage", {})}
     t0 = time.perf_counter()
     loaded = load_target(cfg.model.target, cfg.model, progress=progress)
     torch.manual_seed(0)
