@@ -178,13 +178,9 @@ def _head_config(tcfg: Any) -> Any:
     cfg.num_hidden_layers = 1
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = cfg.layer_types[:1]
-    for key in ("_name_or_path", "_model_name_or_path"):
-        if hasattr(cfg, key):
-            try:
-                delattr(cfg, key)
-            except AttributeError:
-                pass
-    return cfg
+    from infra.draft_model import forget_source_path
+
+    return forget_source_path(cfg)
 
 
 def _rope_tables(target_model: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,6 +97,12 @@ def _draft_config(target_config: Any, spec: DraftSpec, indices: list[int]) -> An
         cfg.intermediate_size = spec.intermediate_size
     if spec.independent_head:
         cfg.tie_word_embeddings = False
+    return forget_source_path(cfg)
+
+
+def forget_source_path(cfg: Any) -> Any:
+    """Drop the path the target was loaded from out of a draft's config, in place: a saved
+    draft must not name a file on the machine that built it."""
     for key in ("_name_or_path", "_model_name_or_path"):
         if hasattr(cfg, key):
             try:

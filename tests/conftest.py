@@ -10,6 +10,17 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
+def draft_dir(tiny, tmp_path_factory):
+    """A saved one-layer draft of the tiny target (test_registry.py keeps its own, with lineage)."""
+    from infra.draft_model import DraftSpec, build_draft, save_draft
+
+    spec = DraftSpec(num_layers=1)
+    out = tmp_path_factory.mktemp("drafts") / "d"
+    save_draft(build_draft(tiny.model, spec), spec, out, target_ref={"spec": "tiny-random"})
+    return out
+
+
+@pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: per-op thread hand-off costs more than the math (5x on 2 cores)."""
     import torch

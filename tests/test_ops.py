@@ -54,16 +54,6 @@ def test_percentile_and_weight_steps():
     assert st.weight_series(audit[:2], 100.0, 200.0, (float("inf"), 0.0))[-2:] == [[200.0, 0.0], [200.0, 0.0]]
 
 
-@pytest.fixture(scope="module")
-def draft_dir(tiny, tmp_path_factory):
-    from infra.draft_model import DraftSpec, build_draft, save_draft
-
-    spec = DraftSpec(num_layers=1)
-    out = tmp_path_factory.mktemp("drafts") / "d"
-    save_draft(build_draft(tiny.model, spec), spec, out, target_ref={"spec": "tiny-random"})
-    return out
-
-
 def _cfg(tmp_path, redis_url):
     from infra.config import load_config
 

@@ -15,16 +15,6 @@ pytestmark = [pytest.mark.usefixtures("one_thread")]
 redis = pytest.mark.redis  # every test but the metrics one reads a real stream
 
 
-@pytest.fixture(scope="module")
-def draft_dir(tiny, tmp_path_factory):
-    from infra.draft_model import DraftSpec, build_draft, save_draft
-
-    spec = DraftSpec(num_layers=1)
-    out = tmp_path_factory.mktemp("drafts") / "d"
-    save_draft(build_draft(tiny.model, spec), spec, out, target_ref={"spec": "tiny-random"})
-    return out
-
-
 def _cfg(tmp_path, redis_url, **rollout):
     from infra.config import load_config
 
