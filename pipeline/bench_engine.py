@@ -8,6 +8,7 @@ interleaved order per prompt so slow drift of the machine hits all of them alike
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import statistics
@@ -27,12 +28,19 @@ from serve.drafts import build_draft
 from serve.engine import EngineOptions, GenerationParams, SpecEngine, SpecStats
 
 METHODS = ("hf_ar", "hf_assisted", "ar", "sd", "sd_nocapture")
+# With --compile on (CUDA graphs), the eager engine runs in the same process for comparison.
+EAGER_METHODS = ("ar_eager", "sd_eager")
+# With --tree, chains of the same draft run in the same process for comparison.
+CHAIN_METHODS = ("sd_chain",)
 LABELS = {
     "hf_ar": "HF generate (AR)",
     "hf_assisted": "HF assisted (same draft)",
     "ar": "own AR",
     "sd": "own speculative",
     "sd_nocapture": "own speculative, capture off",
+    "ar_eager": "own AR, eager",
+    "sd_eager": "own speculative, eager",
+    "sd_chain": "own speculative, chain",
 }
 
 
@@ -80,8 +88,9 @@ def _top2_gap(model, prefix: list[int]) -> float:
 def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = None, limit: int | None = None,
               max_new_tokens: int = 96, k: int = 4, draft_spec: str = "truncate:4", device: str = "cpu",
               max_prompt_chars: int = 1000, json_path: str | None = None, target: str | None = None,
+              compile: str = "auto", dtype: str | None = None, hf: bool = True, tree: str = "",
               log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
-    mcfg = cfg.model.model_copy(update={"device": device})
+    mcfg = cfg.model.model_copy(update={"device": device, **({"dtype": dtype} if dtype else {})})
     loaded = load_target(target or mcfg.target, mcfg, progress=True)
     if draft_spec == "head:init":  # the warm-started head: built once, then taken from disk
         from train.head_warm_start import run_head_warm_start
@@ -96,17 +105,30 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     prompts = prompts[:limit] if limit else prompts
     if not prompts:
         raise ValueError("no prompts selected")
-    engine = SpecEngine(loaded.model, draft, loaded.tokenizer,
-                        EngineOptions.from_config(cfg.serve.model_copy(update={"k": k})))
+    graphs = "on" if compile == "on" else "off" if compile == "off" else "auto"
+    options = EngineOptions.from_config(cfg.serve.model_copy(update={"k": k, "cuda_graphs": graphs, "tree": tree}))
+    engine = SpecEngine(loaded.model, draft, loaded.tokenizer, options)
+    eager = chain = None
+    if engine.gpu and graphs != "off":
+        eager = SpecEngine(loaded.model, draft, loaded.tokenizer, dataclasses.replace(options, cuda_graphs="off"))
+    if tree:
+        chain = SpecEngine(loaded.model, draft, loaded.tokenizer, dataclasses.replace(options, tree=""))
     ids_list = [chat_ids(loaded.tokenizer, p.text) for p in prompts]
     log(f"== osd bench engine: target {loaded.spec}, draft {draft_spec}, k={k}, {len(prompts)} prompts, "
-        f"max_new_tokens={max_new_tokens}, device={device}, threads={torch.get_num_threads()}")
-    runs, sd_stats, capture_ratios = time_methods(method_runners(engine, loaded, draft), ids_list,
-                                                  max_new_tokens, log)
-    result = summarize(runs, sd_stats, capture_ratios, greedy_mismatches(loaded.model, runs, ids_list),
+        f"max_new_tokens={max_new_tokens}, device={device}, dtype={mcfg.dtype}, cuda graphs "
+        f"{'on' if eager else 'off'}, tree {tree or 'none (chains)'}, threads={torch.get_num_threads()}")
+    runners = method_runners(engine, loaded, draft, eager, chain)
+    if not hf:
+        runners = {m: fn for m, fn in runners.items() if not m.startswith("hf_")}
+    runs, stats, capture_ratios = time_methods(runners, ids_list, max_new_tokens, log)
+    sd_stats = stats["sd"]
+    result = summarize(runs, stats, capture_ratios, greedy_mismatches(loaded.model, runs, ids_list),
                        engine.options)
     result.update(draft_figures(sd_stats, runs, draft))
     result.update({
+        "cuda_graphs": eager is not None,
+        "tree": tree or None,
+        "dtype": mcfg.dtype,
         "target": loaded.spec,
         "draft": draft_spec,
         "k": k,
@@ -130,13 +152,14 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
 MethodFn = Callable[[list[int], int], tuple[list[int], "SpecStats | None"]]
 
 
-def method_runners(engine: SpecEngine, loaded: Any, draft: Any) -> dict[str, MethodFn]:
+def method_runners(engine: SpecEngine, loaded: Any, draft: Any, eager: SpecEngine | None = None,
+                   chain: SpecEngine | None = None) -> dict[str, MethodFn]:
     """Each method as (prompt ids, token budget) -> (output ids, speculative stats or None)."""
     model, tok = loaded.model, loaded.tokenizer
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
-    def own(ids, n, speculate: bool, capture: bool):
-        r = engine.generate(ids, GenerationParams(max_new_tokens=n, speculate=speculate, capture=capture))
+    def own(ids, n, speculate: bool, capture: bool, eng: SpecEngine = engine):
+        r = eng.generate(ids, GenerationParams(max_new_tokens=n, speculate=speculate, capture=capture))
         return r.output_ids, r.stats
 
     def assisted(ids, n):
@@ -145,49 +168,60 @@ def method_runners(engine: SpecEngine, loaded: Any, draft: Any) -> dict[str, Met
             return [], None
         return _hf_generate(model, ids, n, eos, pad, assistant=draft), None
 
-    return {
+    runners: dict[str, MethodFn] = {
         "hf_ar": lambda ids, n: (_hf_generate(model, ids, n, eos, pad), None),
         "hf_assisted": assisted,
         "ar": lambda ids, n: own(ids, n, False, True),
         "sd": lambda ids, n: own(ids, n, True, True),
         "sd_nocapture": lambda ids, n: own(ids, n, True, False),
     }
+    if eager is not None:
+        runners["ar_eager"] = lambda ids, n: own(ids, n, False, True, eager)
+        runners["sd_eager"] = lambda ids, n: own(ids, n, True, True, eager)
+    if chain is not None:
+        runners["sd_chain"] = lambda ids, n: own(ids, n, True, True, chain)
+    return runners
 
 
 def time_methods(runners: dict[str, MethodFn], ids_list: list[list[int]], max_new_tokens: int,
-                 log: Callable[[str], None]) -> tuple[dict[str, MethodRun], SpecStats, list[float]]:
-    """Every method on every prompt; returns the runs, the merged stats of "sd" and, per prompt,
-    (time with capture / time without) - 1."""
+                 log: Callable[[str], None]) -> tuple[dict[str, MethodRun], dict[str, SpecStats], list[float]]:
+    """Every method on every prompt; returns the runs, the merged speculative stats per method
+    and, per prompt, (time with capture / time without) - 1."""
     # Warm-up: one short call per method (allocator, MKL/oneDNN kernels, HF caches).
     for fn in runners.values():
         fn(ids_list[0], 8)
-    runs = {m: MethodRun() for m in METHODS}
-    sd_stats = SpecStats()
+    methods = tuple(runners)
+    runs = {m: MethodRun() for m in methods}
+    stats: dict[str, SpecStats] = {}
     capture_ratios: list[float] = []
     for i, ids in enumerate(ids_list):
         # Rotate the order per prompt so no method always runs first or last.
-        order = METHODS[i % len(METHODS):] + METHODS[: i % len(METHODS)]
+        order = methods[i % len(methods):] + methods[: i % len(methods)]
         for m in order:
             t0 = time.perf_counter()
-            out, stats = runners[m](ids, max_new_tokens)
+            out, st = runners[m](ids, max_new_tokens)
             dt = time.perf_counter() - t0
             runs[m].tokens.append(len(out))
             runs[m].seconds.append(dt)
             runs[m].outputs.append(out)
-            if m == "sd" and stats is not None:
-                sd_stats.merge(stats)
+            if st is not None and m in ("sd", "sd_eager", "sd_chain"):
+                stats.setdefault(m, SpecStats()).merge(st)
         capture_ratios.append(runs["sd"].seconds[-1] / runs["sd_nocapture"].seconds[-1] - 1.0)
         log(f"  [{i + 1}/{len(ids_list)}] {len(ids)} prompt tokens, "
-            + ", ".join(f"{m} {runs[m].tokens[-1] / runs[m].seconds[-1]:.1f}" for m in METHODS) + " tok/s")
-    return runs, sd_stats, capture_ratios
+            + ", ".join(f"{m} {runs[m].tokens[-1] / runs[m].seconds[-1]:.1f}" for m in methods) + " tok/s")
+    return runs, stats, capture_ratios
 
 
 def greedy_mismatches(model: Any, runs: dict[str, MethodRun], ids_list: list[list[int]]) -> list[dict[str, Any]]:
-    """Where an own method's output first differs from HF generate's, with the target's top-2
-    logit gap there (a near tie explains a difference by float rounding)."""
+    """Where an own method's output first differs from HF generate's (own eager AR's without
+    --no-hf), with the target's top-2 logit gap there (a near tie explains a difference by
+    float rounding)."""
     mismatches = []
-    for m in ("ar", "sd", "sd_nocapture"):
-        for i, (ref, got) in enumerate(zip(runs["hf_ar"].outputs, runs[m].outputs)):
+    reference = "hf_ar" if "hf_ar" in runs else "ar_eager" if "ar_eager" in runs else "ar"
+    for m in ("ar", "sd", "sd_nocapture", "ar_eager", "sd_eager", "sd_chain"):
+        if m == reference or m not in runs:
+            continue
+        for i, (ref, got) in enumerate(zip(runs[reference].outputs, runs[m].outputs)):
             pos = _first_diff(ref, got)
             if pos is not None:
                 gap = _top2_gap(model, ids_list[i] + ref[:pos]) if pos < len(ref) else None
@@ -195,14 +229,22 @@ def greedy_mismatches(model: Any, runs: dict[str, MethodRun], ids_list: list[lis
     return mismatches
 
 
-def summarize(runs: dict[str, MethodRun], sd_stats: SpecStats, capture_ratios: list[float],
+def summarize(runs: dict[str, MethodRun], stats: dict[str, SpecStats], capture_ratios: list[float],
               mismatches: list[dict[str, Any]], options: EngineOptions) -> dict[str, Any]:
+    """The JSON figures; methods not run (HF under --no-hf, eager without graphs) give None."""
+    sd_stats = stats["sd"]
+
+    def tok(m: str) -> float | None:
+        return runs[m].tok_s if m in runs and runs[m].tok_s else None
+
+    def ratio(a: str, b: str) -> float | None:
+        return tok(a) / tok(b) if tok(a) and tok(b) else None
+
+    def stage_ms(st: SpecStats) -> dict[str, float]:
+        return {n: 1e3 * t / max(st.num_steps, 1) for n, t in st.stage_s.items()}
+
     return {
-        "hf_ar_tok_s": runs["hf_ar"].tok_s,
-        "hf_assisted_tok_s": runs["hf_assisted"].tok_s,
-        "ar_tok_s": runs["ar"].tok_s,
-        "sd_tok_s": runs["sd"].tok_s,
-        "sd_nocapture_tok_s": runs["sd_nocapture"].tok_s,
+        **{f"{m}_tok_s": tok(m) for m in METHODS + EAGER_METHODS + CHAIN_METHODS},
         "acceptance_rate": sd_stats.acceptance_rate,
         "mean_accepted_len": sd_stats.mean_accepted_len,
         "accepted_per_pos": sd_stats.accepted_per_pos,
@@ -211,17 +253,23 @@ def summarize(runs: dict[str, MethodRun], sd_stats: SpecStats, capture_ratios: l
         "mismatches": mismatches,
         # Median over prompts of (time with capture / time without) - 1.
         "capture_overhead_pct": 100.0 * statistics.median(capture_ratios),
-        "ar_vs_hf_ar": runs["ar"].tok_s / runs["hf_ar"].tok_s,
-        "sd_vs_hf_assisted": runs["sd"].tok_s / runs["hf_assisted"].tok_s if runs["hf_assisted"].tok_s else None,
-        "sd_vs_ar": runs["sd"].tok_s / runs["ar"].tok_s,
-        "median_tok_s": {m: runs[m].median_tok_s for m in METHODS},
+        "ar_vs_hf_ar": ratio("ar", "hf_ar"),
+        "sd_vs_hf_assisted": ratio("sd", "hf_assisted"),
+        "sd_vs_ar": ratio("sd", "ar"),
+        "sd_eager_vs_ar_eager": ratio("sd_eager", "ar_eager"),
+        "ar_vs_ar_eager": ratio("ar", "ar_eager"),
+        "median_tok_s": {m: r.median_tok_s for m, r in runs.items()},
         # Where a speculative step's time goes, in ms per step (prefill excluded).
-        "sd_stage_ms_per_step": {n: 1e3 * t / max(sd_stats.num_steps, 1) for n, t in sd_stats.stage_s.items()},
+        "sd_stage_ms_per_step": stage_ms(sd_stats),
+        "sd_eager_stage_ms_per_step": stage_ms(stats["sd_eager"]) if "sd_eager" in stats else None,
+        "sd_chain_stage_ms_per_step": stage_ms(stats["sd_chain"]) if "sd_chain" in stats else None,
+        "chain_tokens_per_target_step": stats["sd_chain"].mean_accepted_len if "sd_chain" in stats else None,
+        "sd_vs_sd_chain": ratio("sd", "sd_chain"),
         "sd_steps": sd_stats.num_steps,
         "adaptive_k": options.adaptive_k,
         "draft_confidence": options.draft_confidence,
-        "tokens": {m: sum(runs[m].tokens) for m in METHODS},
-        "seconds": {m: sum(runs[m].seconds) for m in METHODS},
+        "tokens": {m: sum(r.tokens) for m, r in runs.items()},
+        "seconds": {m: sum(r.seconds) for m, r in runs.items()},
     }
 
 
@@ -253,28 +301,43 @@ def self_draft_cost(runs: dict[str, MethodRun], k: int) -> dict[str, float]:
             "self_vs_ideal": per_tok / ideal}
 
 
+def _fmt(x: float | None, spec: str = ".2f", suffix: str = "x") -> str:
+    return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+
 def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callable[[str], None]) -> None:
-    base = runs["hf_ar"].tok_s
+    ref = "hf_ar" if "hf_ar" in runs else "ar_eager" if "ar_eager" in runs else "ar"
+    base = runs[ref].tok_s
     log("")
-    log(f"{'method':<32}{'tokens':>8}{'seconds':>9}{'tok/s':>8}{'median':>8}{'vs HF AR':>10}")
-    for m in METHODS:
-        r = runs[m]
+    log(f"{'method':<32}{'tokens':>8}{'seconds':>9}{'tok/s':>8}{'median':>8}{'vs ' + ref:>12}")
+    for m, r in runs.items():
+        if not r.tokens or not sum(r.tokens):
+            continue  # HF assisted with a head draft: not run
         log(f"{LABELS[m]:<32}{sum(r.tokens):>8}{sum(r.seconds):>9.1f}{r.tok_s:>8.1f}{r.median_tok_s:>8.1f}"
-            f"{r.tok_s / base:>9.2f}x")
+            f"{r.tok_s / base:>11.2f}x")
     log("")
     log(f"acceptance rate {result['acceptance_rate']:.3f}, mean accepted length {result['mean_accepted_len']:.2f} "
-        f"tokens/step, own AR / HF AR {result['ar_vs_hf_ar']:.2f}x, own SD / HF assisted "
-        f"{result['sd_vs_hf_assisted'] or 0:.2f}x, own SD / own AR {result['sd_vs_ar']:.2f}x")
+        f"tokens/step, own AR / HF AR {_fmt(result['ar_vs_hf_ar'])}, own SD / HF assisted "
+        f"{_fmt(result['sd_vs_hf_assisted'])}, own SD / own AR {_fmt(result['sd_vs_ar'])}")
+    if result.get("ar_vs_ar_eager"):
+        log(f"CUDA graphs: own AR graphs / eager {_fmt(result['ar_vs_ar_eager'])}, eager own SD / own AR "
+            f"{_fmt(result['sd_eager_vs_ar_eager'])}")
     log("acceptance per draft position: " + ", ".join(f"{a:.3f}" for a in result["acceptance_per_pos"])
-        + f"; draft cost per token {result['draft_cost_per_token']:.3f} of a target step"
+        + f"; draft cost per token {_fmt(result['draft_cost_per_token'], '.3f', '')} of a target step"
         + (f"; draft vocab coverage {result['draft_vocab_coverage']:.3f}" if result["draft_vocab_coverage"] else ""))
     log(f"capture overhead (median per prompt) {result['capture_overhead_pct']:+.2f}%")
-    log("speculative step, ms per step: " + ", ".join(f"{n} {v:.1f}" for n, v in result["sd_stage_ms_per_step"].items()))
+    if result.get("chain_tokens_per_target_step") is not None:
+        log(f"tree {result['tree']}: {result['mean_accepted_len']:.2f} tokens/step vs chain "
+            f"{result['chain_tokens_per_target_step']:.2f}; tree SD / chain SD {_fmt(result['sd_vs_sd_chain'])}")
+    for key, label in (("sd_stage_ms_per_step", "speculative step"), ("sd_eager_stage_ms_per_step", "eager step"),
+                       ("sd_chain_stage_ms_per_step", "chain step")):
+        if result.get(key):
+            log(f"{label}, ms per step: " + ", ".join(f"{n} {v:.2f}" for n, v in result[key].items()))
     if "self_vs_ideal" in result:
         log(f"draft=self: {result['self_ms_per_token']:.1f} ms/token vs ideal "
             f"{result['self_ideal_ms_per_token']:.1f} ms/token ({result['self_vs_ideal']:.2f}x)")
     if result["greedy_identical"]:
-        log("greedy_identical: true (own AR and SD outputs equal HF generate's on every prompt)")
+        log(f"greedy_identical: true (every own method's outputs equal {LABELS[ref]}'s on every prompt)")
     else:
         log(f"greedy_identical: false, {len(result['mismatches'])} outputs differ:")
         for mm in result["mismatches"]:

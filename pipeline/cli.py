@@ -172,7 +172,23 @@ def _cmd_bench_engine(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
     run_bench(cfg, n_prompts=args.prompts, prompts_file=args.prompts_file, limit=args.limit,
               max_new_tokens=args.max_new_tokens, k=args.k, draft_spec=args.draft, device=args.device,
-              max_prompt_chars=args.max_prompt_chars, json_path=args.json, target=args.target)
+              max_prompt_chars=args.max_prompt_chars, json_path=args.json, target=args.target,
+              compile=args.compile, dtype=args.dtype, hf=not args.no_hf, tree=args.tree or "")
+    return 0
+
+
+def _cmd_bench_forward(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from pipeline.bench_forward import run_forward_bench
+
+    try:
+        tokens = tuple(int(t) for t in args.tokens.split(",") if t.strip())
+    except ValueError:
+        tokens = ()
+    if not tokens or min(tokens) < 1:
+        print(f"osd: error: --tokens must be comma-separated positive integers, got {args.tokens!r}", file=sys.stderr)
+        return 2
+    run_forward_bench(device=args.device, dtype=args.dtype, tokens=tokens, context=args.context,
+                      repeats=args.repeats, json_path=args.json)
     return 0
 
 
@@ -300,6 +316,18 @@ def _add_registry_parser(sub: argparse._SubParsersAction) -> None:
     rg.set_defaults(func=_cmd_registry)
 
 
+def _add_bench_forward_parser(bench_sub: argparse._SubParsersAction) -> None:
+    bf = bench_sub.add_parser("forward", help="one target forward of T tokens, eager and CUDA graph (random "
+                                              "weights of SmolLM2-135M's shape)")
+    bf.add_argument("--device", default="cpu", help="cpu or cuda")
+    bf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    bf.add_argument("--tokens", default="1,2,3,5,9,17,33", help="comma-separated token counts T")
+    bf.add_argument("--context", type=int, default=256, help="tokens already in the cache")
+    bf.add_argument("--repeats", type=int, default=30)
+    bf.add_argument("--json", metavar="PATH", default="reports/bench/forward.json")
+    bf.set_defaults(func=_cmd_bench_forward)
+
+
 def _add_bench_stream_parser(bench_sub: argparse._SubParsersAction) -> None:
     bs = bench_sub.add_parser("stream", help="records through a private loopback redis-server: encode, XADD, read, ack")
     bs.add_argument("--records", type=int, default=2000, metavar="N", help="records to produce and consume (default 2000)")
@@ -384,6 +412,14 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--draft", default="truncate:4", metavar="SPEC", help="self, truncate:L, head:init (the warm-started head) or a published draft directory "
                          "(default truncate:4)")
     be.add_argument("--device", default="cpu", help="cpu or cuda")
+    be.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                    help="CUDA graphs for decode/verify/draft steps (auto: on with --device cuda); when on, "
+                         "the eager engine is timed in the same run")
+    be.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model dtype (default: model.dtype)")
+    be.add_argument("--tree", metavar="TOTAL,DEPTH,TOPK", help="verify EAGLE-2 draft trees (greedy, layer draft); "
+                                                                 "chains of the same draft are timed in the same run")
+    be.add_argument("--no-hf", action="store_true", help="skip the Hugging Face methods (greedy identity is then "
+                                                         "checked against own eager AR)")
     be.add_argument("--target", help="target spec (default: model.target)")
     be.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer ShareGPT prompts")
     be.add_argument("--json", metavar="PATH", default="reports/bench/engine.json", help="where to write JSON")
@@ -406,6 +442,7 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     ba.add_argument("--json", default="reports/bench/adapt.json", metavar="PATH")
     ba.set_defaults(func=_cmd_bench_adapt)
     _add_bench_stream_parser(bench_sub)
+    _add_bench_forward_parser(bench_sub)
     _add_bench_load_parser(bench_sub)
 
 

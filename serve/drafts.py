@@ -5,6 +5,9 @@
 - `truncate:L`: the draft family (infra/draft_model.py) with share_layers: the target's
   first L decoder layers with its embedding, final norm and head, sharing the target's
   tensors (no copy).
+- `head:untrained`: a head draft (infra/draft_head.py) as built before training, its
+  vocabulary the first 8192 token ids: its acceptance means nothing, its cost per draft
+  token is a trained head's (`osd bench engine` on a GPU with no trained head at hand).
 - a directory: a draft published by `osd draft init` or the trainer (infra/draft_model.py).
 Registry versions come with the registry.
 """
@@ -35,6 +38,14 @@ def build_draft(spec: str | None, target: Any, *, target_sha256: str | None = No
         from infra.draft_model import build_draft as build_family
 
         return build_family(target, DraftSpec(num_layers=n, share_layers=True))
+    if spec == "head:untrained":
+        import torch
+
+        from infra.draft_head import build_head
+
+        v_d = min(8192, target.config.vocab_size)
+        d2t = torch.arange(v_d, device=target.lm_head.weight.device)
+        return build_head(target, DraftSpec(family="head"), d2t)
     if Path(spec).expanduser().is_dir():
         from infra.draft_model import load_draft  # a published draft directory (digests checked)
 

@@ -41,9 +41,12 @@ from infra.tokens import eos_token_ids
 from serve.admission import SlotPool
 from serve.capture import Capture, CaptureBuffer
 from serve.detokenize import StopScanner
+from serve import gpu_stages
 from serve.head_runner import commit_head, is_head, propose_head
 from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
-from serve.runner import KVCache, Runner, make_runner
+from serve.runner import KVCache, LlamaRunner, Runner, make_runner
+from serve.graphs import GraphLlamaRunner, StagingRing
+from serve.tree_stages import TreeShape, tree_step
 from serve.verify import SamplingParams, verify_greedy, verify_sampling, warp_probs
 
 
@@ -63,13 +66,18 @@ class EngineOptions:
     max_concurrency: int = 2
     max_queue: int = 16
     queue_timeout_s: float = 30.0
+    # CUDA graphs for Llama forwards of up to k+1 tokens (serve/graphs.py): "auto" = on CUDA.
+    cuda_graphs: str = "auto"
+    # "TOTAL,DEPTH,TOPK": greedy steps of a layer draft verify an EAGLE-2 tree (serve/tree_stages.py)
+    # instead of a chain; "" = chains.
+    tree: str = ""
 
     @classmethod
     def from_config(cls, serve: "ServeConfig") -> "EngineOptions":
         return cls(k=serve.k, draft_confidence=serve.draft_confidence, adaptive_k=serve.adaptive_k,
                    capture_top_k=serve.capture_top_k, max_seq_len=serve.max_seq_len,
                    max_concurrency=serve.max_concurrency, max_queue=serve.max_queue,
-                   queue_timeout_s=serve.queue_timeout_s)
+                   queue_timeout_s=serve.queue_timeout_s, cuda_graphs=serve.cuda_graphs, tree=serve.tree)
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -80,6 +88,13 @@ class EngineOptions:
             raise EngineError("capture_top_k, max_concurrency must be >= 1 and max_seq_len >= 2")
         if self.max_queue < 0 or self.queue_timeout_s <= 0:
             raise EngineError("max_queue must be >= 0 and queue_timeout_s > 0")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise EngineError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
+        if self.tree:
+            try:
+                TreeShape.parse(self.tree)
+            except ValueError as e:
+                raise EngineError(str(e)) from None
 
 
 @dataclass(frozen=True)
@@ -181,8 +196,11 @@ class _Seq:
     """Mutable state of one request; nothing here is shared between requests."""
 
     def __init__(self, prompt: list[int], params: GenerationParams, slot: _Slot, k: int, eos: frozenset[int],
-                 capture: CaptureBuffer | None, device: torch.device, draft: Runner | None = None):
+                 capture: CaptureBuffer | None, device: torch.device, draft: Runner | None = None,
+                 ring: StagingRing | None = None):
         self.tokens = list(prompt)
+        self.ring = ring  # CUDA path: host ints reach the device without a sync
+        self.stamps: list[list[Any]] = []  # CUDA path: each step's stage events, read at the end
         self.n_prompt = len(prompt)
         self.params = params
         self.slot = slot
@@ -213,7 +231,12 @@ class _Seq:
 
     def pending(self, cache: KVCache) -> torch.Tensor:
         """Committed tokens the cache has not seen yet (1, or 2 after a full acceptance)."""
-        return torch.tensor(self.tokens[cache.length:], dtype=torch.long, device=self.device)
+        return self.to_device(self.tokens[cache.length:])
+
+    def to_device(self, values: list[int]) -> torch.Tensor:
+        if self.ring is not None:
+            return self.ring.to_device(values)
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
 
 # ---------------------------------------------------------------- stages
@@ -286,13 +309,13 @@ def verify(seq: _Seq, drafts: torch.Tensor, q: torch.Tensor | None, logits: torc
                            warp_probs(logits, params), seq.gen)
 
 
-def commit(seq: _Seq, drafts: torch.Tensor, own: list[float], logits: torch.Tensor, n: int,
+def commit(seq: _Seq, drafts: list[int], own: list[float], logits: torch.Tensor, n: int,
            nxt: int) -> list[int]:
-    """Accept n drafts plus `nxt`, roll both caches back to the committed prefix, record
-    capture rows, apply stop rules. Returns the tokens this step emitted."""
-    k = drafts.shape[0]
+    """Accept n drafts (host ints) plus `nxt`, roll both caches back to the committed prefix,
+    record capture rows, apply stop rules. Returns the tokens this step emitted."""
+    k = len(drafts)
     base = len(seq.tokens)
-    new = drafts[:n].tolist() + [nxt]
+    new = drafts[:n] + [nxt]
     # score() fed the target [last committed, drafts...] on top of base - 1 cached tokens. Keep
     # all committed tokens plus the n accepted drafts; `nxt` is the next forward's first input.
     seq.slot.target.truncate(base + n)
@@ -308,6 +331,8 @@ def commit(seq: _Seq, drafts: torch.Tensor, own: list[float], logits: torch.Tens
         st.num_drafts += 1
         st.num_draft_tokens += k
         st.num_accepted_tokens += n
+        for per_pos in (st.accepted_per_pos, st.drafted_per_pos):  # a tree can go deeper than k
+            per_pos.extend([0] * (k - len(per_pos)))
         for i in range(n):
             st.accepted_per_pos[i] += 1
         for i in range(k):
@@ -315,7 +340,7 @@ def commit(seq: _Seq, drafts: torch.Tensor, own: list[float], logits: torch.Tens
     if seq.capture is not None:
         seq.capture.add(logits[: n + 1])
         seq.cap_accepted += [True] * n + [False]
-        seq.cap_draft_tokens += new[:n] + ([int(drafts[n])] if n < k else [-1])
+        seq.cap_draft_tokens += new[:n] + ([drafts[n]] if n < k else [-1])
         seq.cap_draft_probs += own[:n] + ([own[n]] if n < k else [float("nan")])
     emitted = []
     for tok in new:
@@ -331,6 +356,30 @@ def commit(seq: _Seq, drafts: torch.Tensor, own: list[float], logits: torch.Tens
     if seq.stops is not None:
         _apply_stop_strings(seq, seq.stops, emitted)
     return emitted
+
+
+def _event() -> Any:
+    """A stage boundary: a recorded CUDA event, or the clock where there is no GPU (tests run
+    the device-path stages on CPU)."""
+    if not torch.cuda.is_available():
+        return time.perf_counter()
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def _settle_stamps(seq: _Seq) -> None:
+    """Add the CUDA path's stage times (events recorded per step) to the stats."""
+    if not seq.stamps:
+        return
+    last = seq.stamps[-1][-1]
+    if not isinstance(last, float):
+        last.synchronize()
+    clock = seq.stats.stage_s
+    for stamps in seq.stamps:
+        for name, a, b in zip(STAGES, stamps, stamps[1:]):
+            clock[name] += b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
+    seq.stamps.clear()
 
 
 def _apply_stop_strings(seq: _Seq, stops: StopScanner, emitted: list[int]) -> None:
@@ -354,8 +403,16 @@ class SpecEngine:
                  options: EngineOptions | None = None):
         self.options = options or EngineOptions()
         self.tokenizer = tokenizer
-        self.target = make_runner(target_model, self.options.max_seq_len)
+        self.target = self._runner(target_model)
         self.draft = self._draft_runner(draft_model) if draft_model is not None else None
+        # The CUDA path (serve/gpu_stages.py): device-resident stages, one host read per step.
+        self.gpu = self.target.device.type == "cuda"
+        self.ring = StagingRing(self.target.device) if self.gpu else None
+        self.tree = TreeShape.parse(self.options.tree) if self.options.tree else None
+        if self.tree is not None:  # every tree block size is captured once, as k+1 is for chains
+            for runner in (self.target, self.draft):
+                if isinstance(runner, GraphLlamaRunner):
+                    runner.max_graph_tokens = max(runner.max_graph_tokens, self.tree.total)
         if tokenizer is not None and len(tokenizer) > self.target.vocab_size:
             raise EngineError(f"tokenizer has {len(tokenizer)} tokens, more than the model's {self.target.vocab_size}")
         self.max_seq_len = min(self.target.max_seq_len, self.draft.max_seq_len if self.draft else 10**9)
@@ -375,8 +432,23 @@ class SpecEngine:
         self._ids = itertools.count()
         self._progress: dict[int, float] = {}  # request -> monotonic time of its last step
 
+    def _runner(self, model: Any) -> Runner:
+        """The model's runner; on CUDA a Llama gets CUDA graphs for its forwards of up to k+1
+        tokens (decode, verify, draft steps) unless cuda_graphs is off."""
+        runner = make_runner(model, self.options.max_seq_len)
+        want = self.options.cuda_graphs
+        on_cuda = runner.device.type == "cuda"
+        if want == "on" and not on_cuda:
+            raise EngineError("cuda_graphs=on needs a CUDA model; use auto or off on CPU")
+        if want != "off" and on_cuda and type(runner) is LlamaRunner:
+            runner = GraphLlamaRunner(model, self.options.max_seq_len)
+            runner.max_graph_tokens = self.options.k + 1
+        elif want != "off" and on_cuda and is_head(runner):
+            runner.enable_graphs(self.options.k + 1)
+        return runner
+
     def _draft_runner(self, draft_model: Any) -> Runner:
-        runner = make_runner(draft_model, self.options.max_seq_len)
+        runner = self._runner(draft_model)
         if runner.vocab_size != self.target.vocab_size:
             raise EngineError(
                 f"draft vocab ({runner.vocab_size}) differs from the target's ({self.target.vocab_size}); "
@@ -421,7 +493,7 @@ class SpecEngine:
         if params.capture and self.options.capture:
             cap = CaptureBuffer(params.max_new_tokens, min(self.options.capture_top_k, self.target.vocab_size),
                                 self.device)
-        seq = _Seq(prompt, params, slot, k, self.eos, cap, self.device, draft if use_draft else None)
+        seq = _Seq(prompt, params, slot, k, self.eos, cap, self.device, draft if use_draft else None, self.ring)
         if params.stop and self.tokenizer is not None:
             seq.stops = StopScanner(self.tokenizer, params.stop)
         prefill(self.target, seq.draft, seq)
@@ -430,6 +502,35 @@ class SpecEngine:
     def _step(self, seq: _Seq) -> list[int]:
         remaining = seq.params.max_new_tokens - len(seq.out)
         k = min(seq.k, remaining - 1, self.max_seq_len - len(seq.tokens) - 1)
+        if self._use_tree(seq, remaining):
+            return self._stages_tree(seq)
+        run = self._stages_gpu if self.gpu else self._stages_cpu
+        n, k_drafted, emitted = run(seq, k)
+        if self.options.adaptive_k and k_drafted:
+            budget = self.options.k
+            seq.k = min(seq.k + 2, budget) if n == k_drafted else max(seq.k - 1, 1)
+        return emitted
+
+    def _use_tree(self, seq: _Seq, remaining: int) -> bool:
+        """Trees for greedy steps of a layer draft while the whole tree fits the context and
+        its deepest path fits the token budget; chains otherwise (sampling, head drafts)."""
+        t = self.tree
+        return (t is not None and seq.draft is not None and seq.params.sampling.greedy and not is_head(seq.draft)
+                and hasattr(seq.draft, "forward_masked") and remaining > t.depth
+                and len(seq.tokens) - 1 + t.total <= self.max_seq_len)
+
+    def _stages_tree(self, seq: _Seq) -> list[int]:
+        if self.ring is not None:
+            self.ring.reset()
+        stamps = [_event()]
+        drafts, rows, n, nxt = tree_step(self.target, seq, self.tree, lambda: stamps.append(_event()))
+        own = [float("nan")] * len(drafts)  # a tree has no single proposal probability per position
+        emitted = commit(seq, drafts, own, rows, n, nxt)
+        stamps.append(_event())
+        seq.stamps.append(stamps)
+        return emitted
+
+    def _stages_cpu(self, seq: _Seq, k: int) -> tuple[int, int, list[int]]:
         clock = seq.stats.stage_s
         t0 = time.perf_counter()
         if k > 0:
@@ -442,18 +543,37 @@ class SpecEngine:
         t2 = time.perf_counter()
         n, nxt = verify(seq, drafts, q, logits)
         t3 = time.perf_counter()
-        emitted = commit(seq, drafts, own, logits, n, nxt)
+        emitted = commit(seq, drafts.tolist(), own, logits, n, nxt)
         t4 = time.perf_counter()
-        clock["propose"] += t1 - t0
-        clock["score"] += t2 - t1
-        clock["verify"] += t3 - t2
-        clock["commit"] += t4 - t3
-        if self.options.adaptive_k and drafts.numel():
-            budget = self.options.k
-            seq.k = min(seq.k + 2, budget) if n == drafts.numel() else max(seq.k - 1, 1)
-        return emitted
+        for name, a, b in zip(STAGES, (t0, t1, t2, t3), (t1, t2, t3, t4)):
+            clock[name] += b - a
+        return n, drafts.numel(), emitted
+
+    def _stages_gpu(self, seq: _Seq, k: int) -> tuple[int, int, list[int]]:
+        """The same stages on the device: no host sync but the one read in verify. Stage
+        times come from CUDA events (read when the request ends), so work queued by one
+        stage and run later is still charged to it."""
+        if self.ring is not None:
+            self.ring.reset()  # the previous step's read has landed every earlier copy
+        stamps = [_event()]
+        if k > 0:
+            stage = gpu_stages.propose_head if is_head(seq.draft) else gpu_stages.propose_layers
+            drafts, q, own = stage(seq.draft, seq, k)
+        else:
+            drafts, q, own = torch.empty(0, dtype=torch.long, device=self.device), None, None
+        stamps.append(_event())
+        logits = score(self.target, seq, drafts)
+        stamps.append(_event())
+        n, nxt, draft_ids = gpu_stages.verify(seq, drafts, q, logits)
+        stamps.append(_event())
+        own_h = own.tolist() if own is not None and seq.capture is not None else [float("nan")] * len(draft_ids)
+        emitted = commit(seq, draft_ids, own_h, logits, n, nxt)
+        stamps.append(_event())
+        seq.stamps.append(stamps)
+        return n, len(draft_ids), emitted
 
     def _result(self, seq: _Seq, prefill_s: float, decode_s: float) -> GenerationResult:
+        _settle_stamps(seq)
         capture = None
         if seq.capture is not None:
             n = len(seq.out)

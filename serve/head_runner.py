@@ -35,6 +35,16 @@ class HeadRunner:
         limit = head.cos.shape[0]
         self.max_seq_len = min(max_seq_len or limit, limit)
         self.causal = torch.ones(self.max_seq_len, self.max_seq_len, dtype=torch.bool, device=self.device).tril()
+        self.arange = torch.arange(self.max_seq_len, device=self.device)
+        self.graphs = None  # a serve.graphs.GraphSet once enable_graphs() is called (CUDA)
+        self.max_graph_tokens = 0
+
+    def enable_graphs(self, max_tokens: int) -> None:
+        """Replay row blocks of up to max_tokens (draft steps, catch-up after verify) as CUDA graphs."""
+        from serve.graphs import GraphSet
+
+        self.graphs = GraphSet(self.new_cache)
+        self.max_graph_tokens = max_tokens
 
     def new_cache(self) -> StaticKVCache:
         h = self.head
@@ -57,6 +67,11 @@ class HeadRunner:
         end = start + t
         if end > cache.max_len:
             raise ValueError(f"sequence of {end} rows exceeds the head cache's {cache.max_len}")
+        if self.graphs is not None and t <= self.max_graph_tokens:
+            logits, state = self.graphs.run((id(cache), t), self.rows_static, cache,
+                                            (g, next_ids, self.arange[start:start + 1]))
+            cache.length = end
+            return logits.clone(), state.clone()
         x = h.mix(g.unsqueeze(0), next_ids.unsqueeze(0))
         q, k, v = h.qkv(x, torch.arange(start, end, device=self.device))
         cache.k[0, :, start:end] = k[0]
@@ -64,6 +79,21 @@ class HeadRunner:
         mask = None if t == 1 else self.causal[start:end, :end]
         o = h.attend(x, q, cache.k[:, :, :end], cache.v[:, :, :end], mask)[0]
         cache.length = end
+        return h.logits(o[-1]), o[-1:]
+
+    @torch.inference_mode()
+    def rows_static(self, cache: StaticKVCache, g: torch.Tensor, next_ids: torch.Tensor,
+                    start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows() with shapes fixed by T alone (start a [1] tensor; full-cache attention under
+        a mask), for CUDA graphs; leaves cache.length to the caller."""
+        h = self.head
+        slots = start + self.arange[: next_ids.shape[0]]
+        x = h.mix(g.unsqueeze(0), next_ids.unsqueeze(0))
+        q, k, v = h.qkv(x, slots)
+        cache.k[0].index_copy_(1, slots, k[0])
+        cache.v[0].index_copy_(1, slots, v[0])
+        mask = self.arange.unsqueeze(0) <= slots.unsqueeze(1)
+        o = h.attend(x, q, cache.k, cache.v, mask)[0]
         return h.logits(o[-1]), o[-1:]
 
     @torch.inference_mode()

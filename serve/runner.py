@@ -125,6 +125,8 @@ class LlamaRunner:
         self.cos = cos[0]  # [max_seq_len, head_dim]
         self.sin = sin[0]
         self.causal = torch.ones(self.max_seq_len, self.max_seq_len, dtype=torch.bool, device=self.device).tril()
+        self.arange = torch.arange(self.max_seq_len, device=self.device)
+        self._fused: list[tuple[torch.Tensor, ...]] | None = None
 
     def new_cache(self) -> StaticKVCache:
         return StaticKVCache(len(self.layers), self.n_kv, self.max_seq_len, self.head_dim, self.dtype, self.device)
@@ -166,11 +168,97 @@ class LlamaRunner:
         end = start + t
         if end > cache.max_len:
             raise ValueError(f"sequence of {end} tokens exceeds the cache's {cache.max_len}")
-        h = F.embedding(tokens, self.embed)  # [T, D]
-        cos = self.cos[start:end]
-        sin = self.sin[start:end]
         # One query block attends to everything cached plus itself, causally.
         mask = None if t == 1 else self.causal[start:end, :end]
+
+        def attend(i: int, q, k, v):
+            cache.k[i, :, start:end] = k
+            cache.v[i, :, start:end] = v
+            return F.scaled_dot_product_attention(
+                q, cache.k[i, :, :end], cache.v[i, :, :end], attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+
+        out = self._layers(tokens, self.cos[start:end], self.sin[start:end], attend, layers)
+        cache.length = end
+        return out
+
+    @torch.inference_mode()
+    def forward_static(self, tokens: torch.Tensor, start: torch.Tensor, cache: StaticKVCache,
+                       layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The same forward with every shape fixed by T alone, for CUDA graphs: `start` is a
+        [1] tensor (the cache position of tokens[0]), K/V rows are written with index_copy_,
+        and attention runs over the whole cache under an additive mask. Does not move
+        cache.length (the caller knows it on the host). Slots past the sequence hold stale
+        rows, which the mask hides.
+
+        Written for few kernels, since a replayed graph still pays a few microseconds per
+        kernel: q/k/v and gate/up are one GEMM each (fused weights, built on first use),
+        RoPE runs once over q and k together, the residual adds ride on the GEMMs (addmm),
+        and grouped-query attention is baddbmm + softmax + bmm with the mask built once per
+        forward instead of once per layer. Same math as the eager path, not the same
+        rounding: its logits agree to float tolerance."""
+        t = tokens.shape[0]
+        slots = start + self.arange[:t]
+        visible = self.arange.unsqueeze(0) <= slots.unsqueeze(1)  # [T, max_len]
+        return self._static_layers(tokens, slots, slots, visible, cache, layers)
+
+    @torch.inference_mode()
+    def forward_masked(self, tokens: torch.Tensor, start: torch.Tensor, pos: torch.Tensor, visible: torch.Tensor,
+                       cache: StaticKVCache, layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A block of tokens that is not a chain (a draft tree): row i is written at cache slot
+        start+i, rotated to position pos[i], and attends to the cache slots visible[i] [max_len]
+        marks. As forward_static, leaves cache.length to the caller."""
+        slots = start + self.arange[: tokens.shape[0]]
+        return self._static_layers(tokens, slots, pos, visible, cache, layers)
+
+    def _static_layers(self, tokens: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, visible: torch.Tensor,
+                       cache: StaticKVCache, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The fused decoder stack: rows at cache slots `slots` [T] and positions `pos` [T],
+        attending where `visible` [T, max_len] is True."""
+        t = tokens.shape[0]
+        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        group = nh // nkv
+        fused = self.fused_layers
+        cos = self.cos.index_select(0, pos).unsqueeze(1)  # [T, 1, hd]
+        sin = self.sin_signed.index_select(0, pos).unsqueeze(1)
+        # Rows ordered (group, token), matching q's layout below.
+        bias = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(
+            ~visible, float("-inf")).repeat(group, 1)
+        h = F.embedding(tokens, self.embed)
+        kept: dict[int, torch.Tensor] = {}
+        for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(fused):
+            qkv = F.linear(F.rms_norm(h, (h.shape[-1],), ln1, self.eps), wqkv).view(t, nh + 2 * nkv, hd)
+            qk = qkv[:, : nh + nkv]
+            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # rotate-half RoPE
+            q = qk[:, :nh].reshape(t, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, group * t, hd)
+            cache.k[i].index_copy_(1, slots, qk[:, nh:].transpose(0, 1))
+            cache.v[i].index_copy_(1, slots, qkv[:, nh + nkv:].transpose(0, 1))
+            att = torch.baddbmm(bias, q, cache.k[i].transpose(1, 2), alpha=hd ** -0.5).softmax(-1)
+            o = torch.bmm(att, cache.v[i]).view(nkv, group, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
+            h = torch.addmm(h, o, wo.t())
+            gu = F.linear(F.rms_norm(h, (h.shape[-1],), ln2, self.eps), wgu)
+            g, u = gu.chunk(2, dim=-1)
+            h = torch.addmm(h, F.silu(g) * u, wd.t())
+            if i in layers:
+                kept[i] = h
+        feats = torch.cat([kept[i] for i in layers], dim=-1) if layers else None
+        return (F.rms_norm(h, (h.shape[-1],), self.norm, self.eps) @ self.lm_head_t).float(), feats
+
+    @property
+    def fused_layers(self) -> list[tuple[torch.Tensor, ...]]:
+        """Per layer (ln1, Wqkv, Wo, ln2, W_gate_up, W_down): the static path's fused weights,
+        concatenated copies made on first use (the eager path never pays for them)."""
+        if self._fused is None:
+            self._fused = [(ln1, torch.cat([wq, wk, wv]), wo, ln2, torch.cat([wg, wu]), wd)
+                           for ln1, wq, wk, wv, wo, ln2, wg, wu, wd in self.layers]
+            half = self.head_dim // 2
+            self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
+        return self._fused
+
+    def _layers(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend,
+                layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder stack; `attend(i, q, k, v)` stores layer i's new K/V and attends."""
+        t = tokens.shape[0]
+        h = F.embedding(tokens, self.embed)  # [T, D]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
         kept: dict[int, torch.Tensor] = {}
         for i, (ln1, wq, wk, wv, wo, ln2, wg, wu, wd) in enumerate(self.layers):
@@ -178,19 +266,12 @@ class LlamaRunner:
             q = F.linear(x, wq).view(t, nh, hd).transpose(0, 1)  # [H, T, hd]
             k = F.linear(x, wk).view(t, nkv, hd).transpose(0, 1)
             v = F.linear(x, wv).view(t, nkv, hd).transpose(0, 1)
-            q = self._rope(q, cos, sin)
-            k = self._rope(k, cos, sin)
-            cache.k[i, :, start:end] = k
-            cache.v[i, :, start:end] = v
-            attn = F.scaled_dot_product_attention(
-                q, cache.k[i, :, :end], cache.v[i, :, :end], attn_mask=mask, enable_gqa=nkv != nh
-            )
+            attn = attend(i, self._rope(q, cos, sin), self._rope(k, cos, sin), v)
             h = h + F.linear(attn.transpose(0, 1).reshape(t, nh * hd), wo)
             x = self._rms(h, ln2)
             h = h + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
             if i in layers:
                 kept[i] = h
-        cache.length = end
         feats = torch.cat([kept[i] for i in layers], dim=-1) if layers else None
         return (self._rms(h, self.norm) @ self.lm_head_t).float(), feats
 

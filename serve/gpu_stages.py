@@ -1,0 +1,89 @@
+"""The propose and verify stages without host syncs, for the CUDA path.
+
+The CPU stages (serve/engine.py) read each draft token back to the host with int()/float()
+as they go; on a GPU each of those waits for the whole queue to drain, which is most of a
+launch-bound step. Here draft tokens, their probabilities and the target's argmax stay on
+the device, and a step reads the host values it needs (accepted length, the tokens) in one
+transfer at the end of verify.
+
+Differences from the CPU stages, chosen because they need a sync per draft token:
+- the confidence stop is not applied (adaptive k, decided on the host from the accepted
+  length the step reads anyway, still is);
+- greedy verification runs on the device; sampling uses the exact CPU rule
+  (serve/verify.py), which reads its accept/reject outcome back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from serve.verify import verify_sampling, warp_probs
+
+
+def _choose(logits: torch.Tensor, params: Any, gen: torch.Generator | None):
+    """(token index [1], its probability [1], probs [V] or None for greedy), all on device."""
+    if params.greedy:
+        probs = torch.softmax(logits, dim=-1)
+        j = torch.argmax(probs).view(1)
+        return j, probs.gather(0, j), None
+    probs = warp_probs(logits, params)
+    j = torch.multinomial(probs, 1, generator=gen)
+    return j, probs.gather(0, j), probs
+
+
+def propose_layers(draft: Any, seq: Any, k: int):
+    """Draft k tokens with a layer draft. Returns (tokens [k], q [k, V] or None, own probs [k]),
+    every one a device tensor."""
+    params = seq.params.sampling
+    cache = seq.dcache
+    inp = seq.pending(cache)
+    toks, owns, qs = [], [], []
+    for _ in range(k):
+        j, p, probs = _choose(draft.forward(inp, cache)[-1], params, seq.gen)
+        toks.append(j)
+        owns.append(p)
+        if probs is not None:
+            qs.append(probs)
+        inp = j
+    return torch.cat(toks), (torch.stack(qs) if qs else None), torch.cat(owns)
+
+
+def propose_head(runner: Any, seq: Any, k: int):
+    """As propose_layers for a head draft (serve/head_runner.py has the row bookkeeping)."""
+    params = seq.params.sampling
+    cache = seq.dcache
+    start = cache.length
+    if len(seq.tokens) - 1 <= start:  # a one-token prompt: no target features yet
+        empty = torch.empty(0, dtype=torch.long, device=seq.device)
+        return empty, None, empty.float()
+    g = runner.fuse(seq.feats[start - seq.feat_start:])
+    nxt = seq.to_device(seq.tokens[start + 1:])
+    d2t = runner.head.d2t
+    toks, owns, qs = [], [], []
+    for _ in range(k):
+        logits, g = runner.rows(g, nxt, cache)
+        j, p, probs = _choose(logits, params, seq.gen)
+        nxt = d2t[j]
+        toks.append(nxt)
+        owns.append(p)
+        if probs is not None:
+            qs.append(torch.zeros(runner.vocab_size, dtype=probs.dtype, device=probs.device).index_copy_(0, d2t, probs))
+    return torch.cat(toks), (torch.stack(qs) if qs else None), torch.cat(owns)
+
+
+def verify(seq: Any, drafts: torch.Tensor, q: torch.Tensor | None,
+           logits: torch.Tensor) -> tuple[int, int, list[int]]:
+    """(accepted count, next token, the drafts as host ints), with one read from the device."""
+    k = drafts.shape[0]
+    params = seq.params.sampling
+    if params.greedy:
+        am = torch.argmax(logits, dim=-1)
+        n = (drafts == am[:k]).long().cumprod(0).sum().view(1)
+        host = torch.cat([n, am, drafts]).tolist()
+        n = host[0]
+        return n, host[1 + n], host[k + 2:]
+    p = warp_probs(logits, params)
+    n, nxt = verify_sampling(drafts, q if q is not None else logits.new_zeros(0, logits.shape[-1]), p, seq.gen)
+    return n, nxt, drafts.tolist()
