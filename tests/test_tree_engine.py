@@ -94,3 +94,15 @@ def test_bad_tree_shapes_are_refused(bad):
         EngineOptions(tree=bad)
     with pytest.raises(ValueError):
         TreeShape.parse(bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("graphs", ["off", "on"])
+def test_tree_greedy_on_cuda_equals_the_targets(graphs):
+    target = tiny(**SMALL).cuda()
+    draft = build_draft("truncate:2", target)
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    eng = engine(target, draft, "16,4,4", cuda_graphs=graphs)
+    want = SpecEngine(target, options=EngineOptions(k=0, max_seq_len=96, cuda_graphs="off")).generate(
+        prompt, GenerationParams(max_new_tokens=30)).output_ids
+    assert eng.generate(prompt, GenerationParams(max_new_tokens=30)).output_ids == want
