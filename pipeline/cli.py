@@ -416,7 +416,7 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                     help="CUDA graphs for decode/verify/draft steps (auto: on with --device cuda); when on, "
                          "the eager engine is timed in the same run")
     be.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model dtype (default: model.dtype)")
-    be.add_argument("--tree", metavar="TOTAL,DEPTH,TOPK", help="verify EAGLE-2 draft trees (greedy, layer draft); "
+    be.add_argument("--tree", metavar="TOTAL,DEPTH,TOPK", help="verify EAGLE-2 draft trees (greedy); "
                                                                  "chains of the same draft are timed in the same run")
     be.add_argument("--no-hf", action="store_true", help="skip the Hugging Face methods (greedy identity is then "
                                                          "checked against own eager AR)")

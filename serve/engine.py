@@ -46,7 +46,7 @@ from serve.head_runner import commit_head, is_head, propose_head
 from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
 from serve.runner import KVCache, LlamaRunner, Runner, make_runner
 from serve.graphs import GraphLlamaRunner, StagingRing
-from serve.tree_stages import TreeShape, tree_step
+from serve.tree_stages import TreeShape, can_expand, tree_step
 from serve.verify import SamplingParams, verify_greedy, verify_sampling, warp_probs
 
 
@@ -68,8 +68,8 @@ class EngineOptions:
     queue_timeout_s: float = 30.0
     # CUDA graphs for Llama forwards of up to k+1 tokens (serve/graphs.py): "auto" = on CUDA.
     cuda_graphs: str = "auto"
-    # "TOTAL,DEPTH,TOPK": greedy steps of a layer draft verify an EAGLE-2 tree (serve/tree_stages.py)
-    # instead of a chain; "" = chains.
+    # "TOTAL,DEPTH,TOPK": greedy steps verify an EAGLE-2 tree (serve/tree_stages.py) instead of
+    # a chain; "" = chains.
     tree: str = ""
 
     @classmethod
@@ -411,7 +411,7 @@ class SpecEngine:
         self.tree = TreeShape.parse(self.options.tree) if self.options.tree else None
         if self.tree is not None:  # every tree block size is captured once, as k+1 is for chains
             for runner in (self.target, self.draft):
-                if isinstance(runner, GraphLlamaRunner):
+                if isinstance(runner, GraphLlamaRunner) or (is_head(runner) and runner.graphs is not None):
                     runner.max_graph_tokens = max(runner.max_graph_tokens, self.tree.total)
         if tokenizer is not None and len(tokenizer) > self.target.vocab_size:
             raise EngineError(f"tokenizer has {len(tokenizer)} tokens, more than the model's {self.target.vocab_size}")
@@ -512,12 +512,12 @@ class SpecEngine:
         return emitted
 
     def _use_tree(self, seq: _Seq, remaining: int) -> bool:
-        """Trees for greedy steps of a layer draft while the whole tree fits the context and
-        its deepest path fits the token budget; chains otherwise (sampling, head drafts)."""
+        """Trees for greedy steps while the whole tree fits the context and its deepest path
+        fits the token budget; chains otherwise (sampling, a runner without masked blocks)."""
         t = self.tree
-        return (t is not None and seq.draft is not None and seq.params.sampling.greedy and not is_head(seq.draft)
-                and hasattr(seq.draft, "forward_masked") and remaining > t.depth
-                and len(seq.tokens) - 1 + t.total <= self.max_seq_len)
+        return (t is not None and seq.draft is not None and seq.params.sampling.greedy
+                and (hasattr(seq.draft, "forward_masked") or is_head(seq.draft)) and can_expand(seq)
+                and remaining > t.depth and len(seq.tokens) - 1 + t.total <= self.max_seq_len)
 
     def _stages_tree(self, seq: _Seq) -> list[int]:
         if self.ring is not None:

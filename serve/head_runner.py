@@ -86,15 +86,38 @@ class HeadRunner:
                     start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows() with shapes fixed by T alone (start a [1] tensor; full-cache attention under
         a mask), for CUDA graphs; leaves cache.length to the caller."""
-        h = self.head
         slots = start + self.arange[: next_ids.shape[0]]
+        visible = self.arange.unsqueeze(0) <= slots.unsqueeze(1)
+        logits, states = self._rows_at(cache, g, next_ids, slots, slots, visible, last_only=True)
+        return logits[-1], states
+
+    @torch.inference_mode()
+    def rows_masked(self, g: torch.Tensor, next_ids: torch.Tensor, start: torch.Tensor, pos: torch.Tensor,
+                    visible: torch.Tensor, cache: StaticKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows that are not a chain (draft-tree nodes): row i at cache slot start+i, position
+        pos[i], attending to the rows visible[i] marks. Returns every row's draft-vocab logits
+        [T, V_d] and output states [T, h]; leaves cache.length to the caller."""
+        t = next_ids.shape[0]
+        if self.graphs is not None and t <= self.max_graph_tokens:
+            def block(c, g_, ids, at, p, vis):
+                return self._rows_at(c, g_, ids, at + self.arange[:t], p, vis, last_only=False)
+
+            logits, states = self.graphs.run((id(cache), t, "masked"), block, cache,
+                                             (g, next_ids, start, pos, visible))
+            return logits.clone(), states.clone()
+        return self._rows_at(cache, g, next_ids, start + self.arange[:t], pos, visible, last_only=False)
+
+    def _rows_at(self, cache: StaticKVCache, g: torch.Tensor, next_ids: torch.Tensor, slots: torch.Tensor,
+                 pos: torch.Tensor, visible: torch.Tensor, last_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.head
         x = h.mix(g.unsqueeze(0), next_ids.unsqueeze(0))
-        q, k, v = h.qkv(x, slots)
+        q, k, v = h.qkv(x, pos)
         cache.k[0].index_copy_(1, slots, k[0])
         cache.v[0].index_copy_(1, slots, v[0])
-        mask = self.arange.unsqueeze(0) <= slots.unsqueeze(1)
-        o = h.attend(x, q, cache.k, cache.v, mask)[0]
-        return h.logits(o[-1]), o[-1:]
+        o = h.attend(x, q, cache.k, cache.v, visible)[0]
+        if last_only:
+            return h.logits(o[-1:]), o[-1:]
+        return h.logits(o), o
 
     @torch.inference_mode()
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""One speculative step with a draft tree (EAGLE-2 style), for a layer draft under greedy decoding.
+"""One speculative step with a draft tree (EAGLE-2 style) under greedy decoding.
 
     expand (draft, one block forward per depth) -> score (target, one forward over the whole
     tree under an ancestor mask) -> verify (walk the target's argmax down the tree) ->
@@ -6,10 +6,17 @@
 
 Slots and positions. With `base` committed tokens the target cache holds base-1 of them and
 the root of the tree is the last committed token: tree node i goes to target slot base-1+i
-at position base-1+depth(i) (serve/tree.py tree_attention). The draft has seen every
-committed token (its cache holds base rows after catch-up); the nodes it expands go after
-them, at slots recorded per node, and are dropped after the step: the accepted tokens come
-back as the next step's pending input, as with chains.
+at position base-1+depth(i) (serve/tree.py tree_attention). The draft's rows for expanded
+nodes go after its committed rows, at slots recorded per node on the device, and are dropped
+after the step: the accepted tokens come back as the next step's input, as with chains.
+
+Both draft families expand the same way:
+- a layer draft has seen every committed token; node rows are its forward over the node's
+  token at position base-1+depth;
+- a head draft (serve/head_runner.py) holds target rows up to base-2; a node's row reads the
+  state of the row that proposed it (its parent's row; the root's is the catch-up's last row)
+  and the node's token, at position base-2+depth. Its vocabulary is the draft vocabulary,
+  mapped to target ids (d2t); other tokens get log-prob -inf.
 
 Sampling falls back to chains in the engine: the exact multi-draft rule
 (serve/tree.py verify_tree_sampling) needs children drawn from q, which EAGLE-2's top-k
@@ -23,7 +30,9 @@ from typing import Any, Callable
 
 import torch
 
-from serve.tree import DraftTree, compact_kv_, compaction_indices, expand_tree, tree_attention, verify_tree_greedy
+from serve.head_runner import is_head
+from serve.tree import (DraftTree, ancestor_matrix, compact_kv_, compaction_indices, expand_tree, tree_attention,
+                        verify_tree_greedy)
 
 
 @dataclass(frozen=True)
@@ -48,64 +57,119 @@ class TreeShape:
             raise ValueError(f"a tree shape is TOTAL,DEPTH,TOPK (three integers), got {text!r}") from None
         return cls(total, depth, top_k)
 
+    @property
+    def max_candidates(self) -> int:
+        """Nodes expand_tree can create before its final cut: the root's top_k children, then
+        top_k children for each of the top_k frontier nodes per level."""
+        return 1 + self.top_k + (self.depth - 1) * self.top_k * self.top_k
 
-def _expander(draft: Any, seq: Any, base: int, root_logits: torch.Tensor):
-    """step_fn for expand_tree: log-probs of each frontier node's children. Frontier nodes
-    are run through the draft as one block, each seeing the committed prefix and its own
-    expanded ancestors."""
+
+class _Rows:
+    """Where each expanded node's draft row went, kept on the device (no host sync): the
+    block for a frontier sees the draft's committed rows [0, prefix) and its own expanded
+    ancestors, itself included. Unexpanded nodes (the root among them: it is in the prefix)
+    point at a spare column past the cache, which is cut off."""
+
+    def __init__(self, cache: Any, prefix: int, shape: TreeShape, device: torch.device):
+        self.cache, self.prefix = cache, prefix
+        self.cols = torch.arange(cache.max_len, device=device)
+        self.slot = torch.full((shape.max_candidates,), cache.max_len, dtype=torch.long, device=device)
+
+    def block(self, frontier: torch.Tensor, tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+        """(start [1], visible [F, max_len]) for writing the frontier's rows; moves cache.length."""
+        start, f, n, L = self.cache.length, frontier.shape[0], tree.size, self.cache.max_len
+        self.slot.index_copy_(0, frontier, start + self.cols[:f])
+        anc = ancestor_matrix(tree.parents).index_select(0, frontier)  # [F, N]
+        seen = torch.zeros(f, L + 1, dtype=torch.bool, device=anc.device)
+        seen.scatter_(1, self.slot[:n].unsqueeze(0).expand(f, n), anc)
+        self.cache.length = start + f
+        return self.cols[start:start + 1], seen[:, :L] | (self.cols < self.prefix)
+
+
+def _layer_expander(draft: Any, seq: Any, base: int, shape: TreeShape) -> Callable:
     cache = seq.dcache
-    slot_of: dict[int, int] = {}
-    cols = torch.arange(cache.max_len, device=seq.device)
+    root_logp = torch.log_softmax(draft.forward(seq.pending(cache), cache)[-1].float(), -1)
+    rows = _Rows(cache, base, shape, seq.device)
 
     def step(frontier: torch.Tensor, tree: DraftTree) -> torch.Tensor:
-        if tree.size == 1:  # the root's children: the catch-up forward already gave them
-            return torch.log_softmax(root_logits.float(), -1).unsqueeze(0)
-        start = cache.length
-        nodes = frontier.tolist()
-        parents = tree.parents.tolist()
-        visible = (cols < base).unsqueeze(0).repeat(len(nodes), 1)
-        for j, node in enumerate(nodes):
-            slot_of[node] = start + j
-            a = node
-            while a > 0:  # the node itself and its expanded ancestors (the root is in the prefix)
-                visible[j, slot_of[a]] = True
-                a = parents[a]
+        if tree.size == 1:  # the root's children: the catch-up forward gave them
+            return root_logp.unsqueeze(0)
+        start, visible = rows.block(frontier, tree)
         pos = (base - 1) + tree.depth[frontier]
-        logits, _ = draft.forward_masked(tree.tokens[frontier], cols[start:start + 1], pos, visible, cache)
-        cache.length = start + len(nodes)
+        logits, _ = draft.forward_masked(tree.tokens[frontier], start, pos, visible, cache)
         return torch.log_softmax(logits.float(), -1)
 
     return step
 
 
+def _head_expander(runner: Any, seq: Any, base: int, shape: TreeShape) -> Callable:
+    cache, head = seq.dcache, runner.head
+    start = cache.length
+    g = runner.fuse(seq.feats[start - seq.feat_start:])
+    root_logits, root_state = runner.rows(g, seq.to_device(seq.tokens[start + 1:]), cache)
+    states = root_state.new_zeros(shape.max_candidates, root_state.shape[-1])
+    states[0] = root_state[0]
+    rows = _Rows(cache, cache.length, shape, seq.device)
+
+    def to_target(logits: torch.Tensor) -> torch.Tensor:
+        full = logits.new_full((logits.shape[0], runner.vocab_size), float("-inf"))
+        return full.index_copy_(1, head.d2t, torch.log_softmax(logits.float(), -1))
+
+    def step(frontier: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+        if tree.size == 1:
+            return to_target(root_logits.view(1, -1))
+        begin, visible = rows.block(frontier, tree)
+        pos = (base - 2) + tree.depth[frontier]
+        g_in = states.index_select(0, tree.parents[frontier])
+        logits, out = runner.rows_masked(g_in, tree.tokens[frontier], begin, pos, visible, cache)
+        states.index_copy_(0, frontier, out)
+        return to_target(logits)
+
+    return step
+
+
+def can_expand(seq: Any) -> bool:
+    """A head needs target features of at least one row (a prompt of one token has none)."""
+    return not is_head(seq.draft) or len(seq.tokens) - 1 > seq.dcache.length
+
+
 def tree_step(target: Any, seq: Any, shape: TreeShape,
               mark: Callable[[], None] = lambda: None) -> tuple[list[int], torch.Tensor, int, int]:
-    """Expand, score and verify one tree; compact the target cache. Returns (the draft's
-    tokens for commit: the accepted path plus the best child at the first rejected position,
-    the target's logits at the committed positions [n+1, V], n accepted, the next token).
-    `mark()` is called after each of expand, score and verify (the engine's stage clock)."""
-    draft, cache, dcache = seq.draft, seq.slot.target, seq.dcache
+    """Expand, score and verify one tree; compact the target cache (and, for a head, keep its
+    target rows). Returns (the draft's tokens for commit: the accepted path plus the best child
+    at the first rejected position, the target's logits at the committed positions [n+1, V],
+    n accepted, the next token). `mark()` is called after each of expand, score and verify."""
+    draft, cache = seq.draft, seq.slot.target
     base = len(seq.tokens)
-    root_logits = draft.forward(seq.pending(dcache), dcache)[-1]
+    head = is_head(draft)
+    expander = (_head_expander if head else _layer_expander)(draft, seq, base, shape)
     root = seq.to_device([seq.tokens[-1]])[0]
-    tree = expand_tree(_expander(draft, seq, base, root_logits), root, shape.depth, shape.top_k, shape.total)
+    tree = expand_tree(expander, root, shape.depth, shape.top_k, shape.total)
     mark()
     mask, pos, _ = tree_attention(tree, base - 1, cache.max_len)
-    dev = seq.device
-    start = torch.arange(cache.max_len, device=dev)[base - 1: base]
-    logits, _ = target.forward_masked(tree.tokens, start, pos, mask, cache)
+    start = torch.arange(cache.max_len, device=seq.device)[base - 1: base]
+    layers = draft.feature_layers if head else ()
+    logits, feats = target.forward_masked(tree.tokens, start, pos, mask, cache, layers)
     mark()
     path, nxt = verify_tree_greedy(tree, torch.argmax(logits, dim=-1))
     mark()
-    src, dst = compaction_indices(base - 1, path, dev)
+    rows = torch.tensor([0] + path, device=seq.device)
+    src, dst = compaction_indices(base - 1, path, seq.device)
     compact_kv_(cache.k, cache.v, src, dst)
     cache.length = base + len(path)
-    dcache.truncate(base)  # drop expanded nodes; accepted tokens return as pending input
+    if head:
+        seq.step_feats = feats.index_select(0, rows)  # commit() keeps the head's target rows (commit_head)
+    else:
+        seq.dcache.truncate(base)  # drop expanded nodes; accepted tokens return as pending input
+    return _draft_tokens(tree, path), logits.index_select(0, rows), len(path), nxt
+
+
+def _draft_tokens(tree: DraftTree, path: list[int]) -> list[int]:
+    """The accepted path plus the draft's guess at the first rejected position: the best-
+    scored child of the last accepted node, if it has one (capture records it)."""
     tokens = tree.tokens.tolist()
-    accepted = [tokens[i] for i in path]
-    # The draft's guess at the first rejected position: the best-scored child there (if any).
     last = path[-1] if path else 0
     children = [i for i, p in enumerate(tree.parents.tolist()) if p == last]
-    guess = [tokens[max(children, key=lambda i: float(tree.logp[i]))]] if children else []
-    rows = torch.tensor([0] + path, device=dev)
-    return accepted + guess, logits.index_select(0, rows), len(path), nxt
+    logp = tree.logp.tolist()
+    guess = [tokens[max(children, key=lambda i: logp[i])]] if children else []
+    return [tokens[i] for i in path] + guess

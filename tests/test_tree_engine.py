@@ -98,11 +98,44 @@ def test_bad_tree_shapes_are_refused(bad):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("graphs", ["off", "on"])
-def test_tree_greedy_on_cuda_equals_the_targets(graphs):
+@pytest.mark.parametrize("family", ["layer", "head"])
+def test_tree_greedy_on_cuda_equals_the_targets(graphs, family):
+    from infra.draft_head import build_head
+    from infra.draft_spec import DraftSpec
+
     target = tiny(**SMALL).cuda()
-    draft = build_draft("truncate:2", target)
+    if family == "head":
+        draft = build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 2)),
+                           torch.tensor([0, 2, 3, 5, 6, 8, 9], device="cuda"))
+    else:
+        draft = build_draft("truncate:2", target)
     prompt = [1, 2, 3, 4, 5, 6, 7]
     eng = engine(target, draft, "16,4,4", cuda_graphs=graphs)
     want = SpecEngine(target, options=EngineOptions(k=0, max_seq_len=96, cuda_graphs="off")).generate(
         prompt, GenerationParams(max_new_tokens=30)).output_ids
     assert eng.generate(prompt, GenerationParams(max_new_tokens=30)).output_ids == want
+
+
+@pytest.mark.parametrize("tree", ["5,4,1", "8,3,2", "16,4,4"])
+def test_head_tree_greedy_output_equals_the_targets(tree):
+    from infra.draft_head import build_head
+    from infra.draft_spec import DraftSpec
+
+    target = tiny(**SMALL)
+    head = build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 2)), torch.tensor([0, 2, 3, 5, 6, 8, 9]))
+    prompt = [1, 2, 3, 4, 5, 6, 7]
+    got = engine(target, head, tree).generate(prompt, GenerationParams(max_new_tokens=30))
+    assert got.output_ids == ar(target, prompt, 30)
+
+
+def test_a_width_one_head_tree_is_the_head_chain():
+    from infra.draft_head import build_head
+    from infra.draft_spec import DraftSpec
+
+    target = tiny(**SMALL)
+    head = build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 2)), torch.arange(12))
+    prompt = [1, 2, 3, 4, 5]
+    chain = engine(target, head, "", k=3, adaptive_k=False).generate(prompt, GenerationParams(max_new_tokens=24))
+    tree = engine(target, head, "4,3,1", k=3).generate(prompt, GenerationParams(max_new_tokens=24))
+    assert tree.output_ids == chain.output_ids
+    assert (tree.stats.num_steps, tree.stats.num_emitted_tokens) == (chain.stats.num_steps, chain.stats.num_emitted_tokens)
