@@ -235,6 +235,21 @@ def build_head(target_model: Any, spec: DraftSpec, d2t: torch.Tensor | None = No
     return head.to(embed.device).eval()
 
 
+def head_with_weights(target_model: Any, spec: DraftSpec, d2t: torch.Tensor,
+                      weights: dict[str, torch.Tensor]) -> HeadDraft:
+    """A fresh head of `spec` and draft vocab `d2t` whose trainable tensors are `weights` (as
+    the online trainer exports them): every parameter, nothing else."""
+    head = build_head(target_model, spec, d2t)
+    params = dict(head.named_parameters())
+    if set(weights) != set(params):
+        odd = sorted(set(weights) ^ set(params))
+        raise DraftSpecError(f"exported weights do not fit the head: {odd[:3]} missing or extra")
+    with torch.no_grad():
+        for n, w in weights.items():
+            params[n].copy_(w)
+    return head
+
+
 def head_shapes(config: Any, spec: DraftSpec, draft_vocab: int) -> dict[str, list[int]]:
     """State-dict shapes of a head of `spec` on a target of `config` (registry checks)."""
     with torch.device("meta"):

@@ -48,17 +48,23 @@ def take_budget(buffer: list, token_budget: int, max_seq_len: int, key=lambda d:
     return out
 
 
+def trim(rec: Record, max_seq_len: int) -> tuple[np.ndarray, int, int]:
+    """(sequence [keep_prompt + n_out] int64, keep_prompt, n_out): the record cut to max_seq_len
+    as the module doc says. Both draft families train on these tokens."""
+    prompt = np.asarray(rec.prompt_ids, dtype=np.int64)
+    out = np.asarray(rec.output_ids, dtype=np.int64)
+    n_out = min(len(out), max_seq_len - 1)
+    keep_prompt = min(len(prompt), max_seq_len - n_out)
+    if keep_prompt == 0:  # need at least one context token before the first output
+        n_out -= 1
+        keep_prompt = 1
+    return np.concatenate([prompt[len(prompt) - keep_prompt:], out[:n_out]]), keep_prompt, n_out
+
+
 def pack(records: Sequence[Record], max_seq_len: int) -> Batch:
     seqs, spans = [], []
     for rec in records:
-        prompt = np.asarray(rec.prompt_ids, dtype=np.int64)
-        out = np.asarray(rec.output_ids, dtype=np.int64)
-        n_out = min(len(out), max_seq_len - 1)
-        keep_prompt = min(len(prompt), max_seq_len - n_out)
-        if keep_prompt == 0:  # need at least one context token before the first output
-            n_out -= 1
-            keep_prompt = 1
-        seq = np.concatenate([prompt[len(prompt) - keep_prompt:], out[:n_out]])
+        seq, keep_prompt, n_out = trim(rec, max_seq_len)
         seqs.append(seq)
         spans.append((keep_prompt, n_out))
     T = max(len(s) for s in seqs)

@@ -17,11 +17,16 @@ weighted decay^(j-1); depth j reads the head's own state of depth j-1, as drafti
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from train.batching import trim
+from train.losses import expected_acceptance
 
 DEPTH = 3
 DECAY = 0.8
@@ -122,13 +127,24 @@ def collate(fs: FeatureSet, idx: Sequence[int]) -> HeadBatch:
         valid=_pad([torch.ones(r, dtype=torch.bool) for r in rows], False),
         start=torch.tensor([fs.start[i] for i in idx]),
         n_tokens=sum(rows),
+        n_records=len(rows),
     )
+
+
+def null_head_batch(feat_dim: int, hidden: int) -> HeadBatch:
+    """One padding row and no records: an online trainer's step that takes part in the
+    collectives (and ZeRO-3's gathers) but contributes nothing: zero loss, zero gradients."""
+    return HeadBatch(feats=torch.zeros(1, 1, feat_dim), next_ids=torch.zeros(1, 1, dtype=torch.long),
+                     final=torch.zeros(1, 1, hidden), target_argmax=torch.full((1, 1), -1, dtype=torch.long),
+                     valid=torch.zeros(1, 1, dtype=torch.bool), start=torch.zeros(1, dtype=torch.long),
+                     n_tokens=0, n_records=0)
 
 
 def head_loss_fn(w_target: torch.Tensor, depth: int = DEPTH, decay: float = DECAY):
     """loss_fn(model, batch) for DistillEngine.train_batch: soft cross-entropy of each depth's
     draft logits against the target over the draft vocab, depth j weighted decay^(j-1).
-    w_target: the target's LM head [V, h] (frozen)."""
+    w_target: the target's LM head [V, h] (frozen). A batch with no records or no in-vocab row
+    gives exactly 0, still attached to the graph (every rank of a step must call backward)."""
 
     def fn(model: torch.nn.Module, batch: HeadBatch) -> torch.Tensor:
         inner = model.module if hasattr(model, "module") else model
@@ -207,17 +223,66 @@ def train_epochs(engine: Any, fs: FeatureSet, loss_fn: Callable, *, epochs: int,
     return losses
 
 
-def records_features(target: Any, records: Sequence[Any], layers: tuple[int, ...]) -> FeatureSet:
+def records_features(target: Any, records: Sequence[Any], layers: tuple[int, ...],
+                     max_seq_len: int | None = None) -> FeatureSet:
     """Served records (infra.records.Record) -> target features over prompt + output, with
-    evaluation starting at the outputs: what an online trainer of the head steps on."""
-    seqs = [[int(t) for t in r.prompt_ids] + [int(t) for t in r.output_ids] for r in records]
-    return compute_features(target, seqs, layers, starts=[len(r.prompt_ids) for r in records])
+    evaluation starting at the outputs: what an online trainer of the head steps on.
+    max_seq_len: cut each record as train/batching.py cuts it for a layer draft."""
+    cut = [trim(r, max_seq_len or sys.maxsize) for r in records]
+    return compute_features(target, [seq.tolist() for seq, _, _ in cut], layers, starts=[p for _, p, _ in cut])
 
 
 @torch.no_grad()
-def estimate_alpha_head(head: Any, target: Any, records: Sequence[Any]) -> float | None:
+def estimate_alpha_head(head: Any, target: Any, records: Sequence[Any], max_seq_len: int | None = None
+                        ) -> float | None:
     """A candidate head's α estimate on held-out records: greedy agreement per depth, the head
     unrolled on its own state (teacher-forced features would overstate depth >= 2)."""
     if not records:
         return None
-    return evaluate(head, records_features(target, records, head.feature_layers))["alpha_est"]
+    return evaluate(head, records_features(target, records, head.feature_layers, max_seq_len))["alpha_est"]
+
+
+@torch.no_grad()
+def per_record_acceptance_head(head: Any, target: Any, records: Sequence[Any], max_seq_len: int,
+                               depth: int = DEPTH) -> list[tuple[float, int]]:
+    """(sum over its positions of the head's expected acceptance, positions) per record, in
+    order: what the paired gate needs, on the terms train/evaluator.py's per_record_acceptance
+    scores a layer draft, so a head and a layer version pair up. The same positions (the
+    outputs `trim` keeps) and the same measure (min(p, q) summed over the record's target
+    top-k, the lower bound); per position, the mean over the depths 1..depth whose chain
+    starts at a real row, the head unrolled on its own state, as drafting runs it."""
+    head.eval()
+    fs = records_features(target, records, head.feature_layers, max_seq_len)
+    dev = head.d2t.device
+    inv = torch.full((head.vocab_size,), head.draft_vocab, dtype=torch.long, device=dev)  # V_d: not in vocab
+    inv[head.d2t] = torch.arange(head.draft_vocab, device=dev)
+    out: list[tuple[float, int]] = [(0.0, 0)] * len(records)
+    for group in _batches([x.numel() for x in fs.ids], 4096):
+        b = collate(fs, group)
+        outs = head.unroll(b.feats, b.next_ids, depth)
+        for row, i in enumerate(group):
+            out[i] = _record_acceptance([o[row] for o in outs], inv, records[i], max_seq_len)
+    return out
+
+
+def _record_acceptance(logits: list[torch.Tensor], inv: torch.Tensor, rec: Any, max_seq_len: int
+                       ) -> tuple[float, int]:
+    """One record's (sum, positions) from its rows' draft logits per depth ([T, V_d] each).
+    Output k sits at sequence index p+k, so row p+k-2 drafts it; a position with no row
+    (a one-token prompt's first output) the head cannot draft: acceptance 0."""
+    _, p, n = trim(rec, max_seq_len)
+    dev = logits[0].device
+    ids = inv[torch.as_tensor(np.asarray(rec.topk_ids[:n], dtype=np.int64), device=dev)]  # [n, K] draft index
+    lp = torch.as_tensor(np.asarray(rec.topk_logprobs[:n], dtype=np.float32), device=dev)
+    rows = torch.arange(n, device=dev) + p - 2
+    total = torch.zeros(n, dtype=torch.float64, device=dev)
+    depths = torch.zeros(n, device=dev)
+    for j, lg in enumerate(logits, start=1):
+        ok = rows >= j - 1  # the depth-j chain through this row starts at row >= 0
+        if not bool(ok.any()):
+            continue
+        z = lg[rows[ok]]
+        z = torch.cat([z, z.new_full((z.shape[0], 1), float("-inf"))], -1)  # the out-of-vocab column
+        total[ok] += expected_acceptance(z, ids[ok], lp[ok]).lower.double()
+        depths[ok] += 1
+    return float((total / depths.clamp(min=1)).sum()), n

@@ -18,7 +18,6 @@ A live worker touches the records it holds (keep_alive) so they are never taken 
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import random
@@ -32,8 +31,8 @@ import ray
 import torch
 
 from infra.config import OSDConfig
-# pipeline/ (demo, bench_train) also imports these two from here.
-from train.evaluator import estimate_alpha, gate_candidate, gate_records, is_held_out, per_record_acceptance
+# pipeline/ (demo, bench_train) imports estimate_alpha and is_held_out from here.
+from train.evaluator import estimate_alpha, gate_records, is_held_out  # noqa: F401
 
 # Prompts trained on, remembered so the gate skips held-out records that repeat one (bounded).
 TRAINED_PROMPTS_KEPT = 50_000
@@ -62,11 +61,13 @@ class TrainerWorker:
     """One rank: a consumer in the group, a DistillEngine, and (rank 0) the exporter."""
 
     def __init__(self, cfg_dict: dict[str, Any], rank: int, world_size: int, run_dir: str,
-                 init_draft: str | None = None, consumer_name: str | None = None):
+                 init_draft: str | None = None, consumer_name: str | None = None, family: str | None = None):
         self.cfg = OSDConfig.model_validate(cfg_dict)
         self.rank, self.world_size = rank, world_size
         self.run_dir = Path(run_dir)
         self.init_draft = init_draft
+        # The family to train ("layer" or "head"); None: the init draft's (layer without one).
+        self.family = family
         self.consumer_name = consumer_name or f"trainer-{rank}"
         # Deliveries of held-out records: never trained on, acked with the next checkpoint.
         self._held_acks: list = []
@@ -80,29 +81,22 @@ class TrainerWorker:
     def setup(self, master_addr: str, master_port: int) -> dict[str, Any] | None:
         from infra.streams import RecordConsumer
         from infra.target import load_target
-        from infra.draft_model import build_draft, load_draft
-        from infra.draft_spec import draft_spec_from_train
         from train.ds_engine import DistillEngine, init_distributed
+        from train.family import NO_HEAD_INIT, family_for
 
         tc = self.cfg.train
-        init_distributed(self.rank, self.world_size, master_addr, master_port, tc.device, tc.collective_timeout_s)
+        if self.family == "head" and not self.init_draft:
+            raise ValueError(NO_HEAD_INIT)
         loaded = load_target(self.cfg.model.target, self.cfg.model, progress=False)
         self.target = loaded.model
-        # Exports are rebuilt to the configured spec, also when training starts from a saved draft.
-        self.spec_info = draft_spec_from_train(tc)
-        if self.init_draft and self.init_draft.startswith("registry:"):  # registry:<version id>
-            from infra.registry import Registry
-
-            draft, info = Registry.from_config(self.cfg).load_draft(self.init_draft.split(":", 1)[1], self.target)
-            self.parent_version = info["version"]
-        elif self.init_draft:
-            draft, info = load_draft(self.init_draft, self.target)
-            self.parent_version = info.get("version") or Path(self.init_draft).name
-        else:
-            draft = build_draft(self.target, self.spec_info)
-            self.parent_version = None
-        # The anchor is the draft as training starts (before DeepSpeed may partition it).
-        self.anchor = copy.deepcopy(draft).eval().requires_grad_(False) if tc.anchor_kl > 0 else None
+        draft = self._init_draft()
+        # Before the rendezvous: a draft of the wrong family, or a setting it cannot train with,
+        # fails every rank here, not in a collective.
+        self.fam = family_for(draft, self.target, tc, self.spec_info)
+        if self.family and self.family != self.fam.name:
+            raise ValueError(f"asked to train a {self.family} draft; the init draft {self.init_draft} "
+                             f"is a {self.fam.name} draft")
+        init_distributed(self.rank, self.world_size, master_addr, master_port, tc.device, tc.collective_timeout_s)
         self.warm_records = self._warm_records(loaded) if tc.warm_replay_fraction > 0 else []
         self.engine = DistillEngine(draft, tc)
         from infra.draft_model import target_ref_of
@@ -131,11 +125,34 @@ class TrainerWorker:
         self.resumed = resumed
         return resumed
 
+    def _init_draft(self) -> torch.nn.Module:
+        """The draft training starts from: init_draft (a directory or registry:<version id>),
+        else a fresh layer draft. Sets spec_info and parent_version."""
+        from infra.draft_model import build_draft, load_draft
+        from infra.draft_spec import draft_spec_from_train
+
+        # Layer exports are rebuilt to the configured spec, also when training starts from a saved draft.
+        self.spec_info = draft_spec_from_train(self.cfg.train)
+        if self.init_draft and self.init_draft.startswith("registry:"):  # registry:<version id>
+            from infra.registry import Registry
+
+            draft, info = Registry.from_config(self.cfg).load_draft(self.init_draft.split(":", 1)[1], self.target)
+            self.parent_version = info["version"]
+        elif self.init_draft:
+            draft, info = load_draft(self.init_draft, self.target)
+            self.parent_version = info.get("version") or Path(self.init_draft).name
+        else:
+            draft = build_draft(self.target, self.spec_info)
+            self.parent_version = None
+        return draft
+
     def _warm_records(self, loaded: Any) -> list:
         from train.warm_start import cached_warm_records
 
         recs = cached_warm_records(self.cfg, loaded)
-        _log(self.rank, f"replay mixes in {len(recs)} warm-start records" if recs else
+        # Teacher records are records: a head replays them through the same feature path.
+        how = " (their target features recomputed, as for live records)" if self.fam.name == "head" else ""
+        _log(self.rank, f"replay mixes in {len(recs)} warm-start records{how}" if recs else
              "train.warm_replay_fraction is set but no warm-start teacher records are cached "
              "(run `osd draft init` or set train.warm_teacher_dir); replaying live records only")
         return recs
@@ -170,13 +187,10 @@ class TrainerWorker:
         import torch.distributed as dist
 
         from train.batching import record_tokens, take_budget
-        from train.objective import anchored_loss_fn, distill_loss_fn
 
         tc = self.cfg.train
         stats = RunStats(self.rank, resumed=self.resumed)
-        loss_fn = distill_loss_fn(tc)
-        if self.anchor is not None:
-            loss_fn = anchored_loss_fn(loss_fn, self.anchor, tc.anchor_kl)
+        loss_fn = self.fam.loss_fn()
         buffer: list = []
         unacked: list = []  # trained since the last checkpoint
         since_export, last_export = 0, time.monotonic()
@@ -204,7 +218,7 @@ class TrainerWorker:
             n_local = 0
             if any_data and not take:
                 # Another rank has data: step with a zero-weight batch so the collectives stay in step.
-                self.engine.train_batch(null_batch(), loss_fn)
+                self.engine.train_batch(self.fam.null_batch(), loss_fn)
             elif any_data:
                 self._step([d.record for d in take], loss_fn, stats, loss_acc)
                 unacked += take
@@ -235,9 +249,7 @@ class TrainerWorker:
 
     def _step(self, records: list, loss_fn, stats: RunStats, loss_acc: list[float]) -> None:
         """One optimizer step on these records, counted in stats and the export's loss."""
-        from train.batching import pack
-
-        batch = pack(records, self.cfg.train.max_seq_len)
+        batch = self.fam.batch(records)
         t0 = time.perf_counter()
         loss = self.engine.train_batch(batch, loss_fn)
         stats.train_s += time.perf_counter() - t0
@@ -258,7 +270,7 @@ class TrainerWorker:
             pool = replay_pool(self.replay, self.warm_records, tc.warm_replay_fraction, self._rng)
             take = take_budget(pool, tc.token_budget, tc.max_seq_len)
             if not take:
-                self.engine.train_batch(null_batch(), loss_fn)
+                self.engine.train_batch(self.fam.null_batch(), loss_fn)
                 continue
             self._step(take, loss_fn, stats, loss_acc)
             stats.replay_steps += 1
@@ -278,19 +290,19 @@ class TrainerWorker:
         return out
 
     def _publish(self, weights: dict[str, torch.Tensor], losses: list[float], n_records: int) -> dict[str, Any]:
-        from infra.draft_model import draft_with_weights, save_draft, target_ref_of
+        from infra.draft_model import target_ref_of
 
-        draft = draft_with_weights(self.target, self.spec_info, weights)
-        alpha = estimate_alpha(draft, self.held_out, self.cfg.train.max_seq_len)
+        draft = self.fam.rebuild(weights)
+        alpha = self.fam.alpha(draft, self.held_out)
         version = f"{self.run_dir.name}-v{self.versions:04d}"
         metrics = {"loss": sum(losses) / len(losses) if losses else None, "alpha_est": alpha,
                    "held_out_records": len(self.held_out), "gate": self._gate(draft)}
         lineage = {"parent": self.parent_version, "records_consumed": self.records_total,
                    "records_since_parent": n_records, "world_size": self.world_size,
-                   "zero_stage": self.cfg.train.zero_stage}
+                   "zero_stage": self.cfg.train.zero_stage, "family": self.fam.name}
         out_dir = self.run_dir / "candidates" / version
-        save_draft(draft, self.spec_info, out_dir, target_ref=target_ref_of(self.cfg.model, self.target),
-                   lineage=lineage, metrics=metrics)
+        self.fam.save(draft, out_dir, target_ref=target_ref_of(self.cfg.model, self.target),
+                      lineage=lineage, metrics=metrics)
         path = str(out_dir)
         # Into the registry, where the rollout controller picks it up. A registry that cannot
         # take it costs nothing: the checkpoint is COMPLETE and the candidate stays on disk.
@@ -312,8 +324,11 @@ class TrainerWorker:
     def _gate(self, draft: torch.nn.Module) -> dict[str, Any]:
         """Paired evidence that `draft` beats the *current* stable version (not its parent, which
         may have been gated or rolled back) on the newest held-out records; see train/gate.py.
-        The controller canaries only a candidate whose evidence passes against its stable."""
+        The controller canaries only a candidate whose evidence passes against its stable.
+        Either may be a layer draft or a head: each is scored by its own family's function."""
         from infra.registry import Registry, RegistryError
+        from train.family import per_record
+        from train.gate import gate
 
         tc = self.cfg.train
         kw = dict(confidence=tc.gate_confidence, resamples=tc.gate_resamples, min_records=tc.gate_min_records,
@@ -323,15 +338,16 @@ class TrainerWorker:
             reg = Registry.from_config(self.cfg)
             stable = (reg.alias("stable") or {}).get("version")
             if stable is None:
-                return gate_candidate(draft, None, None, records, tc.max_seq_len, **kw)
+                return gate([], [], [], stable_version=None, **kw)
             if self._stable_cache is None or self._stable_cache[0] != stable:
                 model, _ = reg.load_draft(stable, self.target)
                 self._stable_cache = (stable, model, {})  # stable's scores per record id, reused
             _, model, scores = self._stable_cache
             todo = [r for r in records if r.record_id not in scores]
-            scores.update(zip((r.record_id for r in todo), per_record_acceptance(model, todo, tc.max_seq_len)))
-            base = [scores[r.record_id] for r in records]
-            return gate_candidate(draft, None, stable, records, tc.max_seq_len, stable_scores=base, **kw)
+            scores.update(zip((r.record_id for r in todo), per_record(model, self.target, todo, tc.max_seq_len)))
+            base = [scores[r.record_id][0] for r in records]
+            cand = per_record(draft, self.target, records, tc.max_seq_len)
+            return gate([c for c, _ in cand], base, [n for _, n in cand], stable_version=stable, **kw)
         except (RegistryError, OSError) as e:
             # No evidence means gated: the candidate is still published, for a person to look at.
             return {"passed": False, "stable": None, "records": len(records),
@@ -341,35 +357,26 @@ class TrainerWorker:
         self.consumer.close()
 
 
-def null_batch():
-    """One dummy position with no records: a step that contributes nothing but takes part."""
-    from train.batching import Batch
-
-    z = torch.zeros(1, dtype=torch.long)
-    return Batch(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), z, z,
-                 torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1), torch.zeros(1, dtype=torch.bool),
-                 torch.full((1,), -1, dtype=torch.long), n_records=0, n_tokens=0)
-
-
 class TrainerGroup:
     """N TrainerWorker actors in one placement group; rank 0 starts first for the rendezvous."""
 
     def __init__(self, cfg: OSDConfig, run_dir: str | os.PathLike, init_draft: str | None = None,
-                 num_workers: int | None = None):
+                 num_workers: int | None = None, family: str | None = None):
         from ray.util.placement_group import placement_group
 
         self.n = num_workers or cfg.train.num_workers
         self.pg = placement_group([{"CPU": 1, **cfg.train.resources}] * self.n, strategy="PACK")
         self.workers: list = []
         try:
-            self._start(cfg, run_dir, init_draft)
+            self._start(cfg, run_dir, init_draft, family)
         except BaseException:
             # A start that fails (Redis away during setup) must give its CPUs back, or every
             # restart after it waits for a placement group that can never be placed.
             self.shutdown()
             raise
 
-    def _start(self, cfg: OSDConfig, run_dir: str | os.PathLike, init_draft: str | None) -> None:
+    def _start(self, cfg: OSDConfig, run_dir: str | os.PathLike, init_draft: str | None,
+               family: str | None) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as strategy
 
         ray.get(self.pg.ready(), timeout=120)
@@ -384,7 +391,7 @@ class TrainerGroup:
                 name=f"osd-trainer-{group_id}-rank{rank}",  # findable for ops (and the kill test)
                 scheduling_strategy=strategy(placement_group=self.pg, placement_group_bundle_index=rank),
                 runtime_env=env, max_restarts=0,
-            ).remote(cfg_dict, rank, self.n, str(run_dir), init_draft)
+            ).remote(cfg_dict, rank, self.n, str(run_dir), init_draft, family=family)
 
         self.workers = [start(0)]
         addr, port = ray.get(self.workers[0].address.remote(), timeout=120)
@@ -414,12 +421,12 @@ class TrainerGroup:
 
 
 def run_with_restarts(cfg: OSDConfig, run_dir: str | os.PathLike, *, restarts: int = 2, init_draft: str | None = None,
-                      **run_kw) -> list[RunStats]:
+                      family: str | None = None, **run_kw) -> list[RunStats]:
     """Run a group; if a worker dies, tear the group down and start a new one that resumes
     from the newest COMPLETE checkpoint (its unacked records are reclaimed from the stream)."""
     last_err: Exception | None = None
     for attempt in range(restarts + 1):
-        group = TrainerGroup(cfg, run_dir, init_draft=init_draft)
+        group = TrainerGroup(cfg, run_dir, init_draft=init_draft, family=family)
         try:
             return group.run(**run_kw)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:

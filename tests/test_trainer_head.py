@@ -1,0 +1,242 @@
+"""Online training of a head draft (train/family.py's HeadFamily in the trainer actors).
+
+The pieces (batch from records, null batch, per-record acceptance, the α it raises) on tiny
+random Llamas with no services; then a TrainerGroup on a real local Ray and redis-server that
+starts from a saved head, trains on streamed records and publishes head versions.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from infra.draft_head import build_head, save_head
+from infra.draft_spec import DraftSpec
+from infra.records import Record
+from infra.target import build_tiny_llama
+from test_draft_head import _TorchEngine  # DistillEngine's contract over AdamW
+from test_trainer import group_state, produce, ray_local, records, stream  # noqa: F401 (fixtures)
+
+LAYERS = (0, 1, 2)
+
+
+def tiny(seed=7, layers=4):
+    m = build_tiny_llama(seed=seed, num_layers=layers, max_positions=128)
+    m.config.eos_token_id = m.generation_config.eos_token_id = None
+    return m
+
+
+def train_cfg(**kw):
+    from infra.config import load_config
+
+    return load_config(environ={}, overrides={"train": kw}).train
+
+
+def greedy_records(target, n, prompt_len=6, new=24, k=8, seed=0):
+    """The target's greedy continuations of random prompts, with its top-k per output position."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        p = torch.randint(0, 259, (prompt_len,), generator=g)
+        with torch.no_grad():
+            seq = target.generate(p.view(1, -1), do_sample=False, max_new_tokens=new)[0]
+            lp = torch.log_softmax(target(seq.view(1, -1)).logits[0, prompt_len - 1:-1].float(), -1)
+        top = lp.topk(k, dim=-1)
+        out.append(Record(request_id=f"r{seed}-{i}", draft_version="x", prompt_ids=p.numpy().astype(np.int32),
+                          output_ids=seq[prompt_len:].numpy().astype(np.int32),
+                          topk_ids=top.indices.numpy().astype(np.int32),
+                          topk_logprobs=top.values.numpy().astype(np.float16), accepted=np.zeros(new, bool),
+                          draft_tokens=np.full(new, -1, np.int32), draft_probs=np.zeros(new, np.float32)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny()
+
+
+@pytest.fixture(scope="module")
+def recs(target):
+    return greedy_records(target, 24)
+
+
+def fresh_head(target, vocab=None):
+    d2t = None if vocab is None else torch.randperm(259, generator=torch.Generator().manual_seed(1))[:vocab]
+    return build_head(target, DraftSpec(family="head", feature_layers=LAYERS, draft_vocab=259), d2t)
+
+
+@pytest.mark.pure
+@pytest.mark.usefixtures("one_thread")
+def test_head_batch_from_records_has_the_features_compute_features_gives(target, recs):
+    from train.batching import pack
+    from train.family import HeadFamily
+    from train.head_train import collate, compute_features
+
+    max_seq_len = 20  # cuts the 30-token records: the head sees the tokens a layer draft would
+    fam = HeadFamily(target, train_cfg(max_seq_len=max_seq_len), fresh_head(target, 150))
+    b = fam.batch(recs[:5])
+    packed = pack(recs[:5], max_seq_len)
+    seqs = [packed.input_ids[i][packed.attention_mask[i].bool()].tolist() for i in range(5)]
+    assert all(len(s) == max_seq_len for s in seqs)
+    ref = collate(compute_features(target, seqs, LAYERS, starts=[1] * 5), range(5))  # 19 outputs: 1 prompt token
+    assert b.feats.shape == ref.feats.shape == (5, max_seq_len - 1, len(LAYERS) * 64)
+    for name in ("feats", "next_ids", "final", "target_argmax", "valid", "start"):
+        assert torch.equal(getattr(b, name), getattr(ref, name)), name
+    assert b.n_records == 5 and b.n_tokens == 5 * (max_seq_len - 1)
+    # The features are the target's own layer outputs at those tokens.
+    with torch.no_grad():
+        hs = target(torch.tensor([seqs[2]]), output_hidden_states=True).hidden_states
+    direct = torch.cat([hs[i + 1][0] for i in LAYERS], -1)[:-1]
+    assert torch.allclose(b.feats[2], direct, atol=0.05, rtol=0.02)  # bf16 storage
+
+
+@pytest.mark.pure
+@pytest.mark.usefixtures("one_thread")
+def test_null_head_batch_gives_zero_loss_and_zero_gradients_connected_to_the_graph(target):
+    from train.family import HeadFamily
+
+    head = fresh_head(target, 150)
+    fam = HeadFamily(target, train_cfg(), head)
+    loss = fam.loss_fn()(head, fam.null_batch())
+    assert loss.item() == 0.0 and loss.requires_grad
+    loss.backward()
+    grads = [p.grad for p in head.parameters()]
+    assert all(g is not None and not g.abs().any() for g in grads)
+
+
+@pytest.mark.pure
+@pytest.mark.usefixtures("one_thread")
+def test_per_record_acceptance_of_a_head_matches_a_direct_computation(target, recs):
+    """Depth 1: the head's draft at row p+k-2 (features of position p+k-2, token p+k-1) for
+    output k, as full-vocab logits (-inf outside d2t), through the layer family's measure."""
+    from train.head_train import compute_features, per_record_acceptance_head
+    from train.losses import expected_acceptance
+
+    head = fresh_head(target, 150)
+    got = per_record_acceptance_head(head, target, recs[:4], 1024, depth=1)
+    for rec, (s, n) in zip(recs[:4], got):
+        seq = rec.prompt_ids.tolist() + rec.output_ids.tolist()
+        fs = compute_features(target, [seq], LAYERS)
+        with torch.no_grad():
+            z = head.unroll(fs.feats[0][None, :-1].float(), fs.ids[0][None, 1:], 1)[0][0]
+        p = len(rec.prompt_ids)
+        full = torch.full((len(rec.output_ids), 259), float("-inf"))
+        full[:, head.d2t] = z[p - 2: p - 2 + len(rec.output_ids)]
+        lower = expected_acceptance(full, torch.as_tensor(rec.topk_ids).long(),
+                                    torch.as_tensor(rec.topk_logprobs).float()).lower
+        assert n == len(rec.output_ids) and s == pytest.approx(float(lower.sum()), abs=1e-4)
+
+
+@pytest.mark.pure
+@pytest.mark.usefixtures("one_thread")
+def test_a_few_steps_on_a_fixed_pattern_raise_the_heads_alpha_and_pass_the_paired_gate(target, recs):
+    """The trainer's head pieces (batch, loss, rebuild) over records of the target's greedy
+    pattern: α rises, and the paired gate (each draft scored by its family) sees it."""
+    from infra.draft_model import build_draft
+    from train.family import HeadFamily, per_record
+    from train.gate import gate
+
+    head = fresh_head(target)
+    fam = HeadFamily(target, train_cfg(max_seq_len=1024), head)
+    train, held = recs[:18], recs[18:]
+    before = fam.alpha(head, held)
+    start = per_record(head, target, held, 1024)
+    engine, loss_fn = _TorchEngine(head), fam.loss_fn()
+    losses = [engine.train_batch(fam.batch(train[i:i + 6]), loss_fn) for _ in range(15) for i in (0, 6, 12)]
+    trained = fam.rebuild({n: p.detach() for n, p in head.named_parameters()})  # as an export rebuilds it
+    after = fam.alpha(trained, held)
+    assert losses[-1] < losses[0] and after > before + 0.1, (before, after)
+    end = per_record(trained, target, held, 1024)
+    assert [n for _, n in end] == [n for _, n in start] == [24] * len(held)
+    ev = gate([s for s, _ in end], [s for s, _ in start], [n for _, n in end], stable_version="v0",
+              min_records=len(held), resamples=300)
+    assert ev["passed"] and ev["candidate_alpha"] > ev["stable_alpha"], ev["reason"]
+    # A layer draft is scored on the same positions, so the families pair up in the gate.
+    layer = per_record(build_draft(target, DraftSpec(num_layers=1)), target, held, 1024)
+    assert [n for _, n in layer] == [n for _, n in end]
+
+
+@pytest.mark.pure
+def test_a_head_trainer_without_an_init_draft_fails_clearly(tmp_path):
+    from infra.config import load_config
+    from train.trainer import TrainerWorker
+
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"}})
+    w = TrainerWorker(cfg.model_dump(mode="json"), 0, 1, str(tmp_path / "run"), family="head")
+    with pytest.raises(ValueError, match="run `osd draft init --family head` and pass it as the init draft"):
+        w.setup("127.0.0.1", 0)
+
+
+@pytest.mark.pure
+@pytest.mark.usefixtures("one_thread")
+def test_anchor_kl_with_a_head_and_a_family_mismatch_are_refused_at_setup(tmp_path):
+    """Refused before the rendezvous (no process group is ever joined here)."""
+    from infra.config import load_config
+    from infra.target import load_target
+    from train.trainer import TrainerWorker
+
+    d = save_head(build_head(load_target("tiny-random", progress=False).model, DraftSpec(family="head")),
+                  tmp_path / "head", target_ref={"spec": "tiny-random"})
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
+                                             "train": {"anchor_kl": 0.1}})
+    w = TrainerWorker(cfg.model_dump(mode="json"), 0, 1, str(tmp_path / "run"), init_draft=str(d))
+    with pytest.raises(ValueError, match="anchor_kl .* layer drafts only"):
+        w.setup("127.0.0.1", 0)
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"anchor_kl": 0.0})})
+    w = TrainerWorker(cfg.model_dump(mode="json"), 0, 1, str(tmp_path / "run"), init_draft=str(d), family="layer")
+    with pytest.raises(ValueError, match="asked to train a layer draft; .* is a head draft"):
+        w.setup("127.0.0.1", 0)
+
+
+@pytest.mark.ray
+@pytest.mark.redis
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_group_started_from_a_head_trains_and_publishes_head_versions(ray_local, stream, records, tmp_path,  # noqa: F811
+                                                                        stage):
+    """Two ranks (one may step on a null batch while the other has data), a layer version as
+    stable: the head candidates are gated against it, each scored by its family."""
+    from infra.draft_head import HeadDraft, top_tokens
+    from infra.draft_model import build_draft, load_draft, save_draft
+    from infra.registry import Registry
+    from infra.target import load_target
+    from train.trainer import TrainerGroup
+
+    cfg = stream(zero_stage=stage, held_out_every=4, gate_min_records=1, gate_resamples=200, replay_steps=1)
+    target = load_target("tiny-random", progress=False).model
+    counts = torch.bincount(torch.cat([torch.as_tensor(r.output_ids).long() for r in records]), minlength=259)
+    init = save_head(build_head(target, DraftSpec(family="head", draft_vocab=200), top_tokens(counts, 200)),
+                     tmp_path / "head-v1", target_ref={"spec": "tiny-random"})
+    reg = Registry.from_config(cfg)
+    save_draft(build_draft(target, DraftSpec(num_layers=1)), DraftSpec(num_layers=1), tmp_path / "layer",
+               target_ref={"spec": "tiny-random"})
+    reg.publish(tmp_path / "layer", "layer-v1")
+    reg.promote("layer-v1")
+    produce(cfg, records)
+    group = TrainerGroup(cfg, tmp_path / "run", init_draft=str(init))
+    try:
+        stats = group.run(idle_stop_s=3, timeout=300)
+    finally:
+        group.shutdown()
+    assert group_state(cfg) == (0, 0)  # every record delivered and acked
+    assert sum(s.steps for s in stats) > 0 and all(s.replay_steps for s in stats if s.steps)
+    exports = stats[0].exports
+    assert exports and exports[0]["parent"] == "head-v1" and all(e["family"] == "head" for e in exports)
+    published = reg.get(exports[-1]["version"])
+    path = reg.payload_dir(published)
+    assert json.loads((path / "draft.json").read_text())["spec"]["family"] == "head"
+    head, info = load_draft(path, target)
+    assert isinstance(head, HeadDraft) and torch.equal(head.d2t, top_tokens(counts, 200).to(head.d2t.device))
+    m = published.metrics
+    assert m["alpha_est"] is not None and 0 <= m["alpha_est"] <= 1
+    ev = m["gate"]
+    assert ev["stable"] == "layer-v1" and "passed" in ev and ev["reason"] and "diff" in ev, ev
+    assert ev["records"] == len(ev["per_record"]) > 0
+    # The published head is the final checkpoint's consolidated weights.
+    from safetensors.torch import load_file
+
+    ckpt = sorted((tmp_path / "run" / "checkpoints").glob("step-*"))[-1]
+    params = dict(head.named_parameters())
+    for name, w in load_file(str(ckpt / "consolidated.safetensors")).items():
+        assert torch.equal(params[name].detach(), w), name
