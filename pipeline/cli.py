@@ -119,8 +119,11 @@ def _cmd_train(cfg: OSDConfig, args: argparse.Namespace) -> int:
     import ray
 
     from infra.redis_server import resolve_redis_url
+    from train.family import NO_HEAD_INIT
     from train.trainer import run_with_restarts, save_stats
 
+    if args.family == "head" and not args.init_draft:
+        raise DraftSpecError(NO_HEAD_INIT)  # before Ray starts: every worker would refuse it
     overrides: dict = {"stream": {"redis_url": resolve_redis_url(cfg)}}
     if args.workers:
         overrides["train"] = {"num_workers": args.workers}
@@ -128,7 +131,8 @@ def _cmd_train(cfg: OSDConfig, args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or Path(cfg.state_dir) / "train" / "run")
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True,
              ignore_reinit_error=True)
-    stats = run_with_restarts(cfg, run_dir, init_draft=args.init_draft, max_records=args.max_records,
+    stats = run_with_restarts(cfg, run_dir, init_draft=args.init_draft, family=args.family,
+                              max_records=args.max_records,
                               max_seconds=args.max_seconds, idle_stop_s=args.idle_stop)
     save_stats(stats, run_dir / "stats.json")
     for s in stats:
@@ -466,7 +470,10 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
 
     tr = sub.add_parser("train", help="run the trainer group on the record stream")
     tr.add_argument("--workers", type=int, help="trainer actors (default train.num_workers)")
-    tr.add_argument("--init-draft", help="published draft directory to start from (default: a fresh draft)")
+    tr.add_argument("--init-draft", help="published draft directory to start from (default: a fresh layer "
+                    "draft); a head draft's directory trains a head")
+    tr.add_argument("--family", choices=("layer", "head"),
+                    help="refuse to start unless the init draft is of this family (default: the init draft's)")
     tr.add_argument("--run-dir", help="checkpoints and candidates (default <state_dir>/train/run)")
     tr.add_argument("--max-records", type=int)
     tr.add_argument("--max-seconds", type=float)

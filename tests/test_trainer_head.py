@@ -240,3 +240,49 @@ def test_a_group_started_from_a_head_trains_and_publishes_head_versions(ray_loca
     params = dict(head.named_parameters())
     for name, w in load_file(str(ckpt / "consolidated.safetensors")).items():
         assert torch.equal(params[name].detach(), w), name
+
+
+@pytest.mark.pure
+def test_osd_train_with_the_head_family_and_no_init_draft_exits_before_starting_ray(capsys, monkeypatch):
+    import ray
+
+    from pipeline.cli import main
+
+    monkeypatch.setattr(ray, "init", lambda *a, **k: pytest.fail("ray.init called"))
+    assert main(["train", "--family", "head", "--max-records", "1"]) == 2
+    assert "osd draft init --family head" in capsys.readouterr().err
+
+
+@pytest.mark.pure
+def test_a_refusal_at_setup_is_raised_once_not_restarted(monkeypatch, tmp_path):
+    """A ValueError from the workers (a setting or a draft they refuse) would be the same after a
+    restart; a worker that died is restarted."""
+    import ray.exceptions as rex
+
+    import train.trainer as trainer
+    from infra.config import load_config
+
+    starts = []
+
+    class Group:
+        def __init__(self, *a, **k):
+            starts.append(k)
+
+        def run(self, **kw):
+            raise failure.as_instanceof_cause()
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(trainer, "TrainerGroup", Group)
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
+    failure = rex.RayTaskError("setup", "tb", ValueError("anchor_kl is for layer drafts only"))
+    with pytest.raises(ValueError, match="anchor_kl") as info:
+        trainer.run_with_restarts(cfg, tmp_path / "run", restarts=2, family="head")
+    assert not isinstance(info.value, rex.RayTaskError)
+    assert len(starts) == 1 and starts[0]["family"] == "head"
+    failure = rex.RayTaskError("run", "tb", RuntimeError("worker lost"))
+    starts.clear()
+    with pytest.raises(RuntimeError, match="training failed after 2 restarts"):
+        trainer.run_with_restarts(cfg, tmp_path / "run", restarts=2)
+    assert len(starts) == 3

@@ -430,6 +430,9 @@ def run_with_restarts(cfg: OSDConfig, run_dir: str | os.PathLike, *, restarts: i
         try:
             return group.run(**run_kw)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, ValueError):  # a setting or draft the workers refuse: the same next time
+                raise cause from None
             last_err = e
             print(f"[osd train] a worker failed ({type(e).__name__}); restarting the group "
                   f"({attempt + 1}/{restarts})", flush=True)
