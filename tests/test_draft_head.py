@@ -333,3 +333,38 @@ def test_registry_version_of_a_head_swaps_in_beside_a_layer_draft(tmp_path, targ
     a = eng.generate(prompt, GenerationParams(max_new_tokens=20), draft=runner)
     b = eng.generate(prompt, GenerationParams(max_new_tokens=20))
     assert a.output_ids == b.output_ids and a.stats.num_draft_tokens > 0
+
+
+def test_each_steps_drafts_are_the_unroll_of_the_committed_sequence(monkeypatch):
+    """Across steps that accept 1..k-1 drafts, every draft the engine proposes equals the
+    training unroll over the sequence as committed at that step: depth j at row N-3+j, the
+    earlier drafts as next tokens (N committed tokens). A stale or misplaced feature or cache
+    row after a partial acceptance would change later drafts without breaking greedy output."""
+    import serve.engine as engine_mod
+
+    target = tiny(5, layers=3, **dict(V8, max_positions=128))
+    layers = (0, 1)  # HF's last hidden state is after the final norm; the runner's is before it
+    head = randomised(build_head(target, DraftSpec(family="head", feature_layers=layers),
+                                 torch.tensor([0, 1, 2, 3, 5, 6, 7])), seed=4, scale=0.3)
+    steps = []
+
+    def recording(runner, seq, k, confidence):
+        out = engine_mod_propose(runner, seq, k, confidence)
+        steps.append((list(seq.tokens), out[0].tolist()))
+        return out
+
+    engine_mod_propose = engine_mod.propose_head
+    monkeypatch.setattr(engine_mod, "propose_head", recording)
+    eng = SpecEngine(target, head, options=EngineOptions(k=3, max_seq_len=128, adaptive_k=False))
+    eng.generate([1, 2, 3, 4], GenerationParams(max_new_tokens=40))
+    assert len(steps) > 5 and any(0 < len(d) for _, d in steps)
+    for committed, drafts in steps:
+        ids = committed + drafts
+        with torch.no_grad():
+            out = target(torch.tensor([committed]), output_hidden_states=True)
+            feats = torch.cat([out.hidden_states[i + 1][0] for i in layers], dim=-1)
+            feats = torch.cat([feats, feats.new_zeros(len(drafts), feats.shape[1])])  # unread rows
+            unrolled = head.unroll(feats[:-1].unsqueeze(0), torch.tensor([ids[1:]]), len(drafts))
+        n = len(committed)
+        got = [int(head.d2t[unrolled[j][0, n - 2 + j].argmax()]) for j in range(len(drafts))]
+        assert got == drafts, (n, drafts, got)
