@@ -286,6 +286,9 @@ def draft_figures(st: SpecStats, runs: dict[str, MethodRun], draft: Any) -> dict
         coverage = float(t2d[outs].float().mean()) if outs.numel() else None
     return {"tokens_per_target_step": st.mean_accepted_len,
             "acceptance_per_pos": [a / d if d else 0.0 for a, d in zip(st.accepted_per_pos, st.drafted_per_pos)],
+            # Given every earlier draft accepted: comparable with a draft's offline agreement per depth.
+            "acceptance_per_pos_given_prefix": [a / r if r else 0.0
+                                                for a, r in zip(st.accepted_per_pos, st.reached_per_pos)],
             "draft_cost_per_token": t_draft / t_step if t_step else None,
             "draft_vocab_coverage": coverage,
             "draft_vocab": int(draft.d2t.numel()) if coverage is not None else None}
@@ -323,6 +326,8 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
         log(f"CUDA graphs: own AR graphs / eager {_fmt(result['ar_vs_ar_eager'])}, eager own SD / own AR "
             f"{_fmt(result['sd_eager_vs_ar_eager'])}")
     log("acceptance per draft position: " + ", ".join(f"{a:.3f}" for a in result["acceptance_per_pos"])
+        + "; given the earlier drafts accepted: "
+        + ", ".join(f"{a:.3f}" for a in result["acceptance_per_pos_given_prefix"])
         + f"; draft cost per token {_fmt(result['draft_cost_per_token'], '.3f', '')} of a target step"
         + (f"; draft vocab coverage {result['draft_vocab_coverage']:.3f}" if result["draft_vocab_coverage"] else ""))
     log(f"capture overhead (median per prompt) {result['capture_overhead_pct']:+.2f}%")

@@ -121,6 +121,10 @@ class SpecStats:
     num_emitted_tokens: int = 0  # tokens emitted by steps (accepted + one per step)
     accepted_per_pos: list[int] = field(default_factory=list)
     drafted_per_pos: list[int] = field(default_factory=list)  # steps that proposed a token at i
+    # Steps that proposed a token at i after accepting every earlier one: accepted / reached is
+    # the acceptance at i given the prefix (what a draft's offline per-depth agreement measures);
+    # accepted / drafted also counts steps that had already stopped before i.
+    reached_per_pos: list[int] = field(default_factory=list)
     # Wall seconds spent in each stage, summed over steps (prefill excluded).
     stage_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
 
@@ -139,16 +143,16 @@ class SpecStats:
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
         self.num_emitted_tokens += other.num_emitted_tokens
-        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
-        a = self.accepted_per_pos + [0] * (n - len(self.accepted_per_pos))
-        b = other.accepted_per_pos + [0] * (n - len(other.accepted_per_pos))
-        self.accepted_per_pos = [x + y for x, y in zip(a, b)]
-        n = max(len(self.drafted_per_pos), len(other.drafted_per_pos))
-        a = self.drafted_per_pos + [0] * (n - len(self.drafted_per_pos))
-        b = other.drafted_per_pos + [0] * (n - len(other.drafted_per_pos))
-        self.drafted_per_pos = [x + y for x, y in zip(a, b)]
+        self.accepted_per_pos = _add_counts(self.accepted_per_pos, other.accepted_per_pos)
+        self.drafted_per_pos = _add_counts(self.drafted_per_pos, other.drafted_per_pos)
+        self.reached_per_pos = _add_counts(self.reached_per_pos, other.reached_per_pos)
         for name in STAGES:
             self.stage_s[name] += other.stage_s[name]
+
+
+def _add_counts(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
 
 
 @dataclass
@@ -212,7 +216,7 @@ class _Seq:
         self.finish: str | None = None
         self.text: str | None = None  # set when a stop string cut the output
         self.stops: StopScanner | None = None  # set by the engine when stop strings apply
-        self.stats = SpecStats(accepted_per_pos=[0] * k, drafted_per_pos=[0] * k)
+        self.stats = SpecStats(accepted_per_pos=[0] * k, drafted_per_pos=[0] * k, reached_per_pos=[0] * k)
         self.capture = capture
         self.cap_accepted: list[bool] = []
         self.cap_draft_tokens: list[int] = []
@@ -331,12 +335,12 @@ def commit(seq: _Seq, drafts: list[int], own: list[float], logits: torch.Tensor,
         st.num_drafts += 1
         st.num_draft_tokens += k
         st.num_accepted_tokens += n
-        for per_pos in (st.accepted_per_pos, st.drafted_per_pos):  # a tree can go deeper than k
+        for per_pos in (st.accepted_per_pos, st.drafted_per_pos, st.reached_per_pos):  # a tree can go deeper than k
             per_pos.extend([0] * (k - len(per_pos)))
-        for i in range(n):
-            st.accepted_per_pos[i] += 1
         for i in range(k):
+            st.accepted_per_pos[i] += i < n
             st.drafted_per_pos[i] += 1
+            st.reached_per_pos[i] += i <= n
     if seq.capture is not None:
         seq.capture.add(logits[: n + 1])
         seq.cap_accepted += [True] * n + [False]

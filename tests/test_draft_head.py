@@ -242,6 +242,11 @@ def test_greedy_stays_exact_through_partial_acceptances():
     # Per-position acceptance for the bench: drafted counts every step that proposed there.
     assert st.drafted_per_pos[0] == st.num_drafts and sum(st.drafted_per_pos) == st.num_draft_tokens
     assert all(a <= d for a, d in zip(st.accepted_per_pos, st.drafted_per_pos))
+    # Reached at i: drafted at i with 0..i-1 accepted, so reached[i] = accepted[i-1] without a
+    # confidence stop (every step drafts k), and rejections = reached - accepted, one per step at most.
+    assert st.reached_per_pos[0] == st.drafted_per_pos[0]
+    assert st.reached_per_pos[1:] == st.accepted_per_pos[:-1]
+    assert sum(r - a for r, a in zip(st.reached_per_pos, st.accepted_per_pos)) <= st.num_drafts
 
 
 class _TorchEngine:
