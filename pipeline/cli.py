@@ -161,7 +161,7 @@ def _cmd_demo(cfg: OSDConfig, args: argparse.Namespace) -> int:
     from pipeline.demo import run_demo
 
     run_demo(cfg, general_s=args.general_seconds, code_s=args.code_seconds, speed_prompts=args.speed_prompts,
-             max_tokens=args.max_tokens, out_dir=args.out)
+             max_tokens=args.max_tokens, out_dir=args.out, family=args.family)
     return 0
 
 
@@ -501,6 +501,9 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--speed-prompts", type=int, default=12, help="post-shift prompts for the AR comparison")
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--out", default="reports/demo", help="report directory (default reports/demo)")
+    demo.add_argument("--family", choices=("layer", "head"), default="layer",
+                      help="v1's draft family: layer (`osd draft init`) or head (`osd draft init --family head`, "
+                           "a longer warm start); built once and cached (default layer)")
     demo.set_defaults(func=_cmd_demo)
 
 

@@ -152,7 +152,8 @@ def paired_alpha(cfg: OSDConfig, records: list, shift_time: float, target: Any, 
     trainer held out, whose prompt it never trained on either, so no version saw them. Served α per version comes from different
     requests, and acceptance varies far more between prompts than between drafts; on identical
     positions the versions are compared paired, and the trainer's lineage shows whether it learns."""
-    from train.trainer import estimate_alpha, is_held_out
+    from train.family import family_name, per_record
+    from train.trainer import is_held_out
 
     every = cfg.train.held_out_every
     # A held-out record whose prompt was also served in a record the trainer took is not unseen.
@@ -168,9 +169,14 @@ def paired_alpha(cfg: OSDConfig, records: list, shift_time: float, target: Any, 
         except Exception as e:  # a version gc'd or unreadable: say so, keep the others
             _log(f"paired estimate: cannot load {v.id} ({type(e).__name__}: {e})")
             continue
+        # Each version by its own family (a head reads the target's features), on the same
+        # positions and measure, as the gate scores them: a ratio of sums over positions.
+        scores = per_record(draft, target, held, cfg.train.max_seq_len)
+        n = sum(p for _, p in scores)
         out["versions"].append({"version": v.id, "parent": v.lineage.get("parent"),
                                 "records_consumed": v.lineage.get("records_consumed"),
-                                "alpha_est": estimate_alpha(draft, held, cfg.train.max_seq_len)})
+                                "family": family_name(draft),
+                                "alpha_est": sum(a for a, _ in scores) / n if n else None})
         del draft
     return out
 
@@ -245,13 +251,14 @@ def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
 
 
 def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 660, speed_prompts: int = 12,
-             max_tokens: int = 64, concurrency: int = 2, out_dir: str | Path = "reports/demo") -> dict[str, Any]:
+             max_tokens: int = 64, concurrency: int = 2, out_dir: str | Path = "reports/demo",
+             family: str = "layer") -> dict[str, Any]:
     from infra.registry import Registry
     from pipeline.up import ClosedLoop, ensure_stable
     from serve.ops_page import fetch_summary
 
     t_start = time.time()
-    loaded, v1 = prepare(cfg)
+    loaded, v1 = prepare(cfg, family)
     setup_s = time.time() - t_start
     state = Path(cfg.state_dir) / "demo" / time.strftime("%Y%m%d-%H%M%S")
     dcfg = demo_config(cfg, state)
@@ -275,7 +282,7 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 660, spe
     paired = paired_alpha(dcfg, run.records, run.shift, loaded.model, reg)
     report = build_report(run, work.results, versions, paired, general_s=general_s, code_s=code_s)
     report.update({"setup_s": setup_s, "loop_s": time.time() - run.t0, "total_s": time.time() - t_start,
-                   "state_dir": str(state), "target": cfg.model.target})
+                   "state_dir": str(state), "target": cfg.model.target, "family": family})
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report["ops"] = save_ops_snapshot(ops_summary, loop.url, out_dir)
@@ -287,17 +294,34 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 660, spe
     return report
 
 
-def prepare(cfg: OSDConfig) -> tuple[Any, Path]:
+DEMO_FAMILIES = ("layer", "head")
+
+
+def warm_start_dir(cfg: OSDConfig, family: str) -> Path:
+    """Where `osd draft init [--family head]` publishes the warm-started draft of `family`."""
+    if family not in DEMO_FAMILIES:
+        raise ValueError(f"unknown draft family {family!r}; known: {', '.join(DEMO_FAMILIES)}")
+    return Path(cfg.state_dir) / "drafts" / ("v1" if family == "layer" else "head-v1")
+
+
+def prepare(cfg: OSDConfig, family: str = "layer") -> tuple[Any, Path]:
     """The target (converted and cached on the first run) and the warm-start draft v1's directory."""
     from infra.target import load_target
-    from train.warm_start import run_warm_start
 
+    v1 = warm_start_dir(cfg, family)
     _log(f"target {cfg.model.target}: preparing (cached after the first run)")
     loaded = load_target(cfg.model.target, cfg.model, progress=True)
-    v1 = Path(cfg.state_dir) / "drafts" / "v1"
     if not v1.is_dir():
-        _log("no warm-start draft yet: running `osd draft init` once (cached for later runs)")
-        run_warm_start(cfg)
+        if family == "head":
+            from train.head_warm_start import run_head_warm_start
+
+            _log("no warm-started head yet: running `osd draft init --family head` once (cached for later runs)")
+            run_head_warm_start(cfg)
+        else:
+            from train.warm_start import run_warm_start
+
+            _log("no warm-start draft yet: running `osd draft init` once (cached for later runs)")
+            run_warm_start(cfg)
     return loaded, v1
 
 

@@ -76,6 +76,49 @@ def test_every_version_is_scored_on_the_same_held_out_post_shift_code_records(ti
 
 
 @pure
+def test_a_head_version_is_scored_by_its_own_family_beside_a_layer_version(tiny, tmp_path, one_thread):
+    """`osd demo --family head`: v1 is a head, later versions may be heads; each is scored as the
+    gate scores it (a head on the target's features), on the same positions as a layer version."""
+    from pipeline.demo import paired_alpha
+    from infra.draft_head import build_head, save_head
+    from infra.draft_model import DraftSpec, build_draft, save_draft
+    from train.head_train import per_record_acceptance_head
+
+    torch.manual_seed(0)
+    cfg = OSDConfig.model_validate({"train": {"held_out_every": 2}})
+    layer = build_draft(tiny.model, DraftSpec(num_layers=1))
+    head = build_head(tiny.model, DraftSpec(family="head", feature_layers=(0, 1), draft_vocab=128))
+    reg = Registry((tmp_path / "reg").as_uri(), cache_dir=tmp_path / "cache")
+    save_head(head, tmp_path / "h", target_ref={"spec": "tiny-random"}, lineage={"parent": None})
+    save_draft(layer, DraftSpec(num_layers=1), tmp_path / "l", target_ref={"spec": "tiny-random"},
+               lineage={"parent": "h1"})
+    reg.publish(tmp_path / "h", "h1")
+    reg.publish(tmp_path / "l", "l2")
+
+    recs = records_from(layer, 8, domain="code", created_at=10.0)
+    held = [r for r in recs if is_held_out(r.record_id, 2)]
+    out = paired_alpha(cfg, recs, 0.0, tiny.model, reg)
+    got = {v["version"]: v for v in out["versions"]}
+    assert got["h1"]["family"] == "head" and got["l2"]["family"] == "layer"
+    scores = per_record_acceptance_head(head, tiny.model, held, cfg.train.max_seq_len)
+    assert sum(p for _, p in scores) == out["positions"]  # the same positions as the layer version
+    assert got["h1"]["alpha_est"] == pytest.approx(sum(a for a, _ in scores) / out["positions"], rel=1e-5)
+    # The records are the layer draft's own distribution: it matches their top-k, the head does not.
+    assert got["l2"]["alpha_est"] > 0.85 > got["h1"]["alpha_est"]
+
+
+@pure
+def test_the_demo_names_an_unknown_draft_family():
+    from pipeline.demo import warm_start_dir
+
+    cfg = OSDConfig.model_validate({"state_dir": "/x"})
+    assert str(warm_start_dir(cfg, "layer")) == "/x/drafts/v1"
+    assert str(warm_start_dir(cfg, "head")) == "/x/drafts/head-v1"
+    with pytest.raises(ValueError, match="unknown draft family 'eagle'; known: layer, head"):
+        warm_start_dir(cfg, "eagle")
+
+
+@pure
 def test_no_held_out_post_shift_records_means_no_scores(tiny, tmp_path):
     from pipeline.demo import paired_alpha
 
