@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -89,7 +89,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
               max_new_tokens: int = 96, k: int = 4, draft_spec: str = "truncate:4", device: str = "cpu",
               max_prompt_chars: int = 1000, json_path: str | None = None, target: str | None = None,
               compile: str = "auto", dtype: str | None = None, hf: bool = True, tree: str = "",
-              log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
+              k_sweep: Sequence[int] = (), log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
     mcfg = cfg.model.model_copy(update={"device": device, **({"dtype": dtype} if dtype else {})})
     loaded = load_target(target or mcfg.target, mcfg, progress=True)
     if draft_spec == "head:init":  # the warm-started head: built once, then taken from disk
@@ -113,11 +113,15 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
         eager = SpecEngine(loaded.model, draft, loaded.tokenizer, dataclasses.replace(options, cuda_graphs="off"))
     if tree:
         chain = SpecEngine(loaded.model, draft, loaded.tokenizer, dataclasses.replace(options, tree=""))
+    # Other draft budgets in the same run, interleaved per prompt with own AR: the machine's
+    # speed drifts between runs, a ratio measured in one run does not.
+    sweep = {kk: SpecEngine(loaded.model, draft, loaded.tokenizer, dataclasses.replace(options, k=kk))
+             for kk in sorted(set(k_sweep)) if kk != k}
     ids_list = [chat_ids(loaded.tokenizer, p.text) for p in prompts]
     log(f"== osd bench engine: target {loaded.spec}, draft {draft_spec}, k={k}, {len(prompts)} prompts, "
         f"max_new_tokens={max_new_tokens}, device={device}, dtype={mcfg.dtype}, cuda graphs "
         f"{'on' if eager else 'off'}, tree {tree or 'none (chains)'}, threads={torch.get_num_threads()}")
-    runners = method_runners(engine, loaded, draft, eager, chain)
+    runners = method_runners(engine, loaded, draft, eager, chain, sweep)
     if not hf:
         runners = {m: fn for m, fn in runners.items() if not m.startswith("hf_")}
     runs, stats, capture_ratios = time_methods(runners, ids_list, max_new_tokens, log)
@@ -125,6 +129,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     result = summarize(runs, stats, capture_ratios, greedy_mismatches(loaded.model, runs, ids_list),
                        engine.options)
     result.update(draft_figures(sd_stats, runs, draft))
+    result["k_sweep"] = k_sweep_rows(runs, stats, k) if sweep else None
     result.update({
         "cuda_graphs": eager is not None,
         "tree": tree or None,
@@ -153,7 +158,8 @@ MethodFn = Callable[[list[int], int], tuple[list[int], "SpecStats | None"]]
 
 
 def method_runners(engine: SpecEngine, loaded: Any, draft: Any, eager: SpecEngine | None = None,
-                   chain: SpecEngine | None = None) -> dict[str, MethodFn]:
+                   chain: SpecEngine | None = None, sweep: dict[int, SpecEngine] | None = None
+                   ) -> dict[str, MethodFn]:
     """Each method as (prompt ids, token budget) -> (output ids, speculative stats or None)."""
     model, tok = loaded.model, loaded.tokenizer
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -180,7 +186,31 @@ def method_runners(engine: SpecEngine, loaded: Any, draft: Any, eager: SpecEngin
         runners["sd_eager"] = lambda ids, n: own(ids, n, True, True, eager)
     if chain is not None:
         runners["sd_chain"] = lambda ids, n: own(ids, n, True, True, chain)
+    for kk, eng in (sweep or {}).items():
+        runners[f"sd_k{kk}"] = lambda ids, n, eng=eng: own(ids, n, True, True, eng)
     return runners
+
+
+def _is_spec(method: str) -> bool:
+    """Methods whose speculative stats are kept (capture off only times capture)."""
+    return method in ("sd", "sd_eager", "sd_chain") or method.startswith("sd_k")
+
+
+def k_sweep_rows(runs: dict[str, MethodRun], stats: dict[str, SpecStats], k: int) -> list[dict[str, Any]]:
+    """Per draft budget k (the run's own `sd` and each `sd_k<K>`): speed against own AR in the
+    same run (total tokens over total time, and the median of per-prompt ratios), tokens per
+    target step and acceptance."""
+    names = {k: "sd", **{int(m[4:]): m for m in runs if m.startswith("sd_k")}}
+    ar = runs["ar"]
+    rows = []
+    for kk in sorted(names):
+        r, st = runs[names[kk]], stats[names[kk]]
+        per_prompt = [(t / s) / (ta / sa) for t, s, ta, sa in zip(r.tokens, r.seconds, ar.tokens, ar.seconds)
+                      if s and sa and ta]
+        rows.append({"k": kk, "sd_vs_ar": r.tok_s / ar.tok_s if ar.tok_s else None,
+                     "sd_vs_ar_median_per_prompt": statistics.median(per_prompt) if per_prompt else None,
+                     "tokens_per_target_step": st.mean_accepted_len, "acceptance_rate": st.acceptance_rate})
+    return rows
 
 
 def time_methods(runners: dict[str, MethodFn], ids_list: list[list[int]], max_new_tokens: int,
@@ -204,7 +234,7 @@ def time_methods(runners: dict[str, MethodFn], ids_list: list[list[int]], max_ne
             runs[m].tokens.append(len(out))
             runs[m].seconds.append(dt)
             runs[m].outputs.append(out)
-            if st is not None and m in ("sd", "sd_eager", "sd_chain"):
+            if st is not None and _is_spec(m):
                 stats.setdefault(m, SpecStats()).merge(st)
         capture_ratios.append(runs["sd"].seconds[-1] / runs["sd_nocapture"].seconds[-1] - 1.0)
         log(f"  [{i + 1}/{len(ids_list)}] {len(ids)} prompt tokens, "
@@ -218,7 +248,8 @@ def greedy_mismatches(model: Any, runs: dict[str, MethodRun], ids_list: list[lis
     float rounding)."""
     mismatches = []
     reference = "hf_ar" if "hf_ar" in runs else "ar_eager" if "ar_eager" in runs else "ar"
-    for m in ("ar", "sd", "sd_nocapture", "ar_eager", "sd_eager", "sd_chain"):
+    for m in ("ar", "sd", "sd_nocapture", "ar_eager", "sd_eager", "sd_chain",
+              *sorted(r for r in runs if r.startswith("sd_k"))):
         if m == reference or m not in runs:
             continue
         for i, (ref, got) in enumerate(zip(runs[reference].outputs, runs[m].outputs)):
@@ -316,7 +347,7 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
     for m, r in runs.items():
         if not r.tokens or not sum(r.tokens):
             continue  # HF assisted with a head draft: not run
-        log(f"{LABELS[m]:<32}{sum(r.tokens):>8}{sum(r.seconds):>9.1f}{r.tok_s:>8.1f}{r.median_tok_s:>8.1f}"
+        log(f"{LABELS.get(m, f'own speculative, k={m[4:]}'):<32}{sum(r.tokens):>8}{sum(r.seconds):>9.1f}{r.tok_s:>8.1f}{r.median_tok_s:>8.1f}"
             f"{r.tok_s / base:>11.2f}x")
     log("")
     log(f"acceptance rate {result['acceptance_rate']:.3f}, mean accepted length {result['mean_accepted_len']:.2f} "
@@ -338,6 +369,10 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
                        ("sd_chain_stage_ms_per_step", "chain step")):
         if result.get(key):
             log(f"{label}, ms per step: " + ", ".join(f"{n} {v:.2f}" for n, v in result[key].items()))
+    for row in result.get("k_sweep") or []:
+        log(f"k={row['k']}: own SD / own AR {_fmt(row['sd_vs_ar'])} (median per prompt "
+            f"{_fmt(row['sd_vs_ar_median_per_prompt'])}), {row['tokens_per_target_step']:.2f} tokens/step, "
+            f"acceptance {row['acceptance_rate']:.3f}")
     if "self_vs_ideal" in result:
         log(f"draft=self: {result['self_ms_per_token']:.1f} ms/token vs ideal "
             f"{result['self_ideal_ms_per_token']:.1f} ms/token ({result['self_vs_ideal']:.2f}x)")

@@ -27,6 +27,16 @@ USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, TargetError, PromptData
                                             LaunchError, UpError)
 
 
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be 1 or more, got {n}")
+    return n
+
+
 def _cmd_config_show(cfg: OSDConfig, args: argparse.Namespace) -> int:
     import yaml
 
@@ -177,7 +187,8 @@ def _cmd_bench_engine(cfg: OSDConfig, args: argparse.Namespace) -> int:
     run_bench(cfg, n_prompts=args.prompts, prompts_file=args.prompts_file, limit=args.limit,
               max_new_tokens=args.max_new_tokens, k=args.k, draft_spec=args.draft, device=args.device,
               max_prompt_chars=args.max_prompt_chars, json_path=args.json, target=args.target,
-              compile=args.compile, dtype=args.dtype, hf=not args.no_hf, tree=args.tree or "")
+              compile=args.compile, dtype=args.dtype, hf=not args.no_hf, tree=args.tree or "",
+              k_sweep=args.k_sweep)
     return 0
 
 
@@ -420,6 +431,8 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                     help="CUDA graphs for decode/verify/draft steps (auto: on with --device cuda); when on, "
                          "the eager engine is timed in the same run")
     be.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model dtype (default: model.dtype)")
+    be.add_argument("--k-sweep", nargs="+", type=_positive_int, default=[], metavar="K",
+                    help="also time these draft budgets in the same run, interleaved with own AR (e.g. 1 2 3)")
     be.add_argument("--tree", metavar="TOTAL,DEPTH,TOPK", help="verify EAGLE-2 draft trees (greedy); "
                                                                  "chains of the same draft are timed in the same run")
     be.add_argument("--no-hf", action="store_true", help="skip the Hugging Face methods (greedy identity is then "

@@ -1,0 +1,32 @@
+"""`osd bench engine --k-sweep`: other draft budgets timed in the same run as own AR."""
+
+import json
+
+import pytest
+
+from pipeline.cli import main
+
+
+def test_each_swept_k_gets_its_row_and_the_same_greedy_output(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("hello there", "write a loop")))
+    out = tmp_path / "b.json"
+    rc = main(["bench", "engine", "--target", "tiny-random", "--draft", "truncate:1", "--prompts-file", str(prompts),
+               "--max-new-tokens", "12", "--k", "3", "--k-sweep", "1", "2", "3", "--no-hf", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert [row["k"] for row in r["k_sweep"]] == [1, 2, 3]  # the run's own k once, from its `sd` method
+    assert r["k_sweep"][2]["tokens_per_target_step"] == r["tokens_per_target_step"]
+    for row in r["k_sweep"]:
+        assert row["sd_vs_ar"] > 0 and 1.0 <= row["tokens_per_target_step"] <= row["k"] + 1
+    assert r["greedy_identical"] and {"sd_k1", "sd_k2"} <= set(r["median_tok_s"])
+    printed = capsys.readouterr().out
+    assert "own speculative, k=1" in printed and "k=2: own SD / own AR" in printed
+
+
+@pytest.mark.parametrize("bad", ["0", "two"])
+def test_a_bad_k_in_the_sweep_is_refused_by_name(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "engine", "--k-sweep", "1", bad])
+    assert e.value.code == 2
+    assert "--k-sweep" in capsys.readouterr().err
