@@ -514,9 +514,9 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--speed-prompts", type=int, default=12, help="post-shift prompts for the AR comparison")
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--out", default="reports/demo", help="report directory (default reports/demo)")
-    demo.add_argument("--family", choices=("layer", "head"), default="layer",
-                      help="v1's draft family: layer (`osd draft init`) or head (`osd draft init --family head`, "
-                           "a longer warm start); built once and cached (default layer)")
+    demo.add_argument("--family", choices=("layer", "head"), default="head",
+                      help="v1's draft family: head (`osd draft init --family head`, about half an hour once on "
+                           "2 cores) or layer (`osd draft init`); built once and cached (default head)")
     demo.set_defaults(func=_cmd_demo)
 
 
