@@ -14,6 +14,10 @@ from infra.config import TrainConfig
 from infra.target import TargetError
 
 
+# The draft families a DraftSpec can name: the one list the CLI's choices and path helpers use.
+DRAFT_FAMILIES = ("layer", "head")
+
+
 class DraftSpecError(ValueError):
     """A DraftSpec does not fit the target (too many layers, bad sizes)."""
 
@@ -42,7 +46,7 @@ class DraftSpec(BaseModel):
     # "layer": decoder layers copied from the target (above). "head": one decoder layer over
     # the target's own hidden states at `feature_layers` (EAGLE-3 form, infra/draft_head.py),
     # with its own LM head over the `draft_vocab` most frequent target tokens.
-    family: Literal["layer", "head"] = "layer"
+    family: Literal[DRAFT_FAMILIES] = "layer"
     # head only: target layer outputs (0-based) fused by its fc; None = EAGLE-3's low/mid/high.
     feature_layers: tuple[int, ...] | None = None
     draft_vocab: int = Field(8192, ge=2)

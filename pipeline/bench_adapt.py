@@ -133,7 +133,7 @@ def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48
     from infra.target import load_target
     from train.ds_engine import init_distributed
     from train.evaluator import per_record_acceptance
-    from train.warm_start import run_warm_start
+    from train.warm_start import run_warm_start, warm_start_path
 
     from pipeline.demo import demo_config
 
@@ -146,7 +146,7 @@ def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48
     for v in variants:
         variant_config(cfg, v)  # unknown names fail before any work
     loaded = load_target(cfg.model.target, cfg.model, progress=True)
-    v1_dir = Path(cfg.state_dir) / "drafts" / "v1"
+    v1_dir = warm_start_path(cfg)
     if not v1_dir.is_dir():
         run_warm_start(cfg)
     sets = adapt_sets(cfg, loaded, max(records, max(checkpoints)), eval_prompts)

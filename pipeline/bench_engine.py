@@ -89,7 +89,8 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
               max_new_tokens: int = 96, k: int = 4, draft_spec: str = "truncate:4", device: str = "cpu",
               max_prompt_chars: int = 1000, json_path: str | None = None, target: str | None = None,
               compile: str = "auto", dtype: str | None = None, hf: bool = True, tree: str = "",
-              k_sweep: Sequence[int] = (), log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
+              k_sweep: Sequence[int] = (),
+              log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
     mcfg = cfg.model.model_copy(update={"device": device, **({"dtype": dtype} if dtype else {})})
     loaded = load_target(target or mcfg.target, mcfg, progress=True)
     if draft_spec == "head:init":  # the warm-started head: built once, then taken from disk
@@ -347,7 +348,8 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
     for m, r in runs.items():
         if not r.tokens or not sum(r.tokens):
             continue  # HF assisted with a head draft: not run
-        log(f"{LABELS.get(m, f'own speculative, k={m[4:]}'):<32}{sum(r.tokens):>8}{sum(r.seconds):>9.1f}{r.tok_s:>8.1f}{r.median_tok_s:>8.1f}"
+        label = LABELS.get(m, f"own speculative, k={m[4:]}")  # sd_k<K>: a swept draft budget
+        log(f"{label:<32}{sum(r.tokens):>8}{sum(r.seconds):>9.1f}{r.tok_s:>8.1f}{r.median_tok_s:>8.1f}"
             f"{r.tok_s / base:>11.2f}x")
     log("")
     log(f"acceptance rate {result['acceptance_rate']:.3f}, mean accepted length {result['mean_accepted_len']:.2f} "

@@ -30,10 +30,11 @@ def run_train_bench(cfg: OSDConfig, *, records: int = 2000, domain: str = "code"
     from infra.redis_server import RedisServer
     from infra.target import load_target
     from train.trainer import estimate_alpha
+    from train.warm_start import warm_start_path
 
     tc = cfg.train
     loaded = load_target(cfg.model.target, cfg.model, progress=True)
-    default_v1 = Path(cfg.state_dir) / "drafts" / "v1"
+    default_v1 = warm_start_path(cfg)
     init_draft = init_draft or (str(default_v1) if default_v1.is_dir() else None)
     train_recs, eval_recs = teacher_sets(cfg, loaded, records, eval_prompts, domain)
     alpha_before = estimate_alpha(starting_draft(cfg, loaded, init_draft), eval_recs, tc.max_seq_len)

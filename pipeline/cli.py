@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from infra.config import ConfigError, OSDConfig, load_config
-from infra.draft_spec import DraftSpecError
+from infra.draft_spec import DRAFT_FAMILIES, DraftSpecError
 from infra.prompts import PromptDataError
 from infra.redis_server import RedisServerError
 from infra.registry import RegistryError
@@ -473,7 +473,7 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
     di.add_argument("--max-new-tokens", type=int, help="teacher tokens per prompt (default train.warm_max_new_tokens)")
     di.add_argument("--out", help="where to publish (default <state_dir>/drafts/v1)")
     di.add_argument("--force", action="store_true", help="rebuild even if published; ignore checkpoints")
-    di.add_argument("--family", choices=["layer", "head"], default="layer",
+    di.add_argument("--family", choices=DRAFT_FAMILIES, default="layer",
                     help="layer: copied target layers; head: one layer over the target's hidden states "
                          "(default out <state_dir>/drafts/head-v1)")
     di.add_argument("--conversations", type=int, default=600,
@@ -485,7 +485,7 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--workers", type=int, help="trainer actors (default train.num_workers)")
     tr.add_argument("--init-draft", help="published draft directory to start from (default: a fresh layer "
                     "draft); a head draft's directory trains a head")
-    tr.add_argument("--family", choices=("layer", "head"),
+    tr.add_argument("--family", choices=DRAFT_FAMILIES,
                     help="refuse to start unless the init draft is of this family (default: the init draft's)")
     tr.add_argument("--run-dir", help="checkpoints and candidates (default <state_dir>/train/run)")
     tr.add_argument("--max-records", type=int)
@@ -514,7 +514,7 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--speed-prompts", type=int, default=12, help="post-shift prompts for the AR comparison")
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--out", default="reports/demo", help="report directory (default reports/demo)")
-    demo.add_argument("--family", choices=("layer", "head"), default="head",
+    demo.add_argument("--family", choices=DRAFT_FAMILIES, default="head",
                       help="v1's draft family: head (`osd draft init --family head`, about half an hour once on "
                            "2 cores) or layer (`osd draft init`); built once and cached (default head)")
     demo.set_defaults(func=_cmd_demo)

@@ -295,25 +295,18 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 660, spe
     return report
 
 
-DEMO_FAMILIES = ("layer", "head")
 # The head warm start the demo builds when none is cached: what `osd draft init --family head
 # --conversations 400 --epochs 2` measured (220,644 tokens, 27-34 minutes on 2 cores, held-out
 # agreement 0.37 / 0.33 / 0.32 per depth); the CLI's defaults train about 2.5 times longer.
 DEMO_HEAD_WARM_START = {"conversations": 400, "epochs": 2}
 
 
-def warm_start_dir(cfg: OSDConfig, family: str) -> Path:
-    """Where `osd draft init [--family head]` publishes the warm-started draft of `family`."""
-    if family not in DEMO_FAMILIES:
-        raise ValueError(f"unknown draft family {family!r}; known: {', '.join(DEMO_FAMILIES)}")
-    return Path(cfg.state_dir) / "drafts" / ("v1" if family == "layer" else "head-v1")
-
-
 def prepare(cfg: OSDConfig, family: str = "head") -> tuple[Any, Path]:
     """The target (converted and cached on the first run) and the warm-start draft v1's directory."""
     from infra.target import load_target
+    from train.warm_start import warm_start_path
 
-    v1 = warm_start_dir(cfg, family)
+    v1 = warm_start_path(cfg, family)
     _log(f"target {cfg.model.target}: preparing (cached after the first run)")
     loaded = load_target(cfg.model.target, cfg.model, progress=True)
     if not v1.is_dir():

@@ -77,12 +77,13 @@ def supervise(run_once: Callable[[], Any], stopping: threading.Event, *, base_s:
 def ensure_stable(cfg: OSDConfig, warm_start_dir: str | Path | None = None) -> str:
     """The stable version id, publishing and promoting the warm-start draft if the registry has none."""
     from infra.registry import Registry
+    from train.warm_start import warm_start_path
 
     reg = Registry.from_config(cfg)
     stable = reg.alias("stable")
     if stable:
         return stable["version"]
-    src = Path(warm_start_dir or Path(cfg.state_dir) / "drafts" / "v1")
+    src = Path(warm_start_dir or warm_start_path(cfg))
     if not src.is_dir():
         raise UpError(f"the registry {reg.uri} has no stable draft and {src} does not exist; "
                       f"run `osd draft init` first (or `osd registry publish DIR` + `osd registry promote ID`)")

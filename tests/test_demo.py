@@ -109,13 +109,13 @@ def test_a_head_version_is_scored_by_its_own_family_beside_a_layer_version(tiny,
 
 @pure
 def test_the_demo_names_an_unknown_draft_family():
-    from pipeline.demo import warm_start_dir
+    from train.warm_start import warm_start_path
 
     cfg = OSDConfig.model_validate({"state_dir": "/x"})
-    assert str(warm_start_dir(cfg, "layer")) == "/x/drafts/v1"
-    assert str(warm_start_dir(cfg, "head")) == "/x/drafts/head-v1"
+    assert str(warm_start_path(cfg, "layer")) == "/x/drafts/v1"
+    assert str(warm_start_path(cfg, "head")) == "/x/drafts/head-v1"
     with pytest.raises(ValueError, match="unknown draft family 'eagle'; known: layer, head"):
-        warm_start_dir(cfg, "eagle")
+        warm_start_path(cfg, "eagle")
 
 
 @pure

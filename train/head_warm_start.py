@@ -85,9 +85,10 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
     from infra.draft_spec import DraftSpec
     from infra.target import load_target
     from train.head_train import coverage_curve, evaluate
+    from train.warm_start import warm_start_path
 
     tc = cfg.train
-    out_dir = Path(out_dir) if out_dir else Path(cfg.state_dir) / "drafts" / "head-v1"
+    out_dir = Path(out_dir) if out_dir else warm_start_path(cfg, "head")
     if out_dir.exists() and not force:
         _log(f"{out_dir} already exists (use --force to rebuild)")
         info = json.loads((out_dir / "draft.json").read_text())

@@ -25,6 +25,16 @@ import torch
 from infra.config import OSDConfig
 
 
+def warm_start_path(cfg: OSDConfig, family: str = "layer") -> Path:
+    """Where `osd draft init [--family head]` publishes the warm-started draft of `family` by
+    default (`osd up`, the demo and the benches look there)."""
+    from infra.draft_spec import DRAFT_FAMILIES
+
+    if family not in DRAFT_FAMILIES:
+        raise ValueError(f"unknown draft family {family!r}; known: {', '.join(DRAFT_FAMILIES)}")
+    return Path(cfg.state_dir) / "drafts" / ("v1" if family == "layer" else "head-v1")
+
+
 def _log(msg: str) -> None:
     print(f"[osd draft init] {msg}", flush=True)
 
@@ -107,7 +117,7 @@ def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progres
     from train.evaluator import estimate_alpha
 
     tc = cfg.train
-    out_dir = Path(out_dir) if out_dir else Path(cfg.state_dir) / "drafts" / "v1"
+    out_dir = Path(out_dir) if out_dir else warm_start_path(cfg)
     if out_dir.exists() and not force:
         _log(f"{out_dir} already exists (use --force to rebuild)")
         return json.loads((out_dir / "draft.json").read_text())
