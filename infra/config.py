@@ -68,9 +68,10 @@ class DataConfig(_Section):
 class ServeConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    # Draft served beside the target: none, self, truncate:L, a draft directory, or
-    # "registry": follow the registry's stable/canary aliases, hot-swapping as they move.
-    draft: str = "truncate:4"
+    # Draft served beside the target: none, self, truncate:L, a draft directory, "registry"
+    # (follow the registry's stable/canary aliases, hot-swapping as they move), or "auto": the
+    # warm-started head, else the warm-started layer draft, else truncate:4 (serve/drafts.py).
+    draft: str = "auto"
     # With draft: registry, how often each replica re-reads the aliases.
     alias_poll_s: float = Field(2.0, gt=0)
     # Write a training record for each finished request (a request may override it).

@@ -87,6 +87,7 @@ def run_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets: dict
                 parent_scores: dict[str, list], checkpoints: Sequence[int], arrive: int, seed: int) -> list[dict]:
     """Train one variant from v1 over the stream; score at each checkpoint."""
     from infra.draft_model import load_draft
+    from infra.draft_spec import warm_start_path
     from train.batching import pack, take_budget
     from train.ds_engine import DistillEngine
     from train.objective import anchored_loss_fn, distill_loss_fn
@@ -133,7 +134,7 @@ def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48
     from infra.target import load_target
     from train.ds_engine import init_distributed
     from train.evaluator import per_record_acceptance
-    from train.warm_start import run_warm_start, warm_start_path
+    from train.warm_start import run_warm_start
 
     from pipeline.demo import demo_config
 

@@ -30,7 +30,7 @@ def run_train_bench(cfg: OSDConfig, *, records: int = 2000, domain: str = "code"
     from infra.redis_server import RedisServer
     from infra.target import load_target
     from train.trainer import estimate_alpha
-    from train.warm_start import warm_start_path
+    from infra.draft_spec import warm_start_path
 
     tc = cfg.train
     loaded = load_target(cfg.model.target, cfg.model, progress=True)

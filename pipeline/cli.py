@@ -471,11 +471,12 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
     di.add_argument("--prompts", type=int, help="ShareGPT train prompts (default train.warm_prompts)")
     di.add_argument("--epochs", type=int, help="passes over the teacher records (default train.warm_epochs)")
     di.add_argument("--max-new-tokens", type=int, help="teacher tokens per prompt (default train.warm_max_new_tokens)")
-    di.add_argument("--out", help="where to publish (default <state_dir>/drafts/v1)")
+    di.add_argument("--out", help="where to publish (default <state_dir>/drafts/head-v1, or v1 for layer)")
     di.add_argument("--force", action="store_true", help="rebuild even if published; ignore checkpoints")
-    di.add_argument("--family", choices=DRAFT_FAMILIES, default="layer",
-                    help="layer: copied target layers; head: one layer over the target's hidden states "
-                         "(default out <state_dir>/drafts/head-v1)")
+    di.add_argument("--family", choices=DRAFT_FAMILIES, default="head",
+                    help="head: one layer over the target's hidden states (out <state_dir>/drafts/head-v1; "
+                         "about half an hour on 2 cores); layer: copied target layers (out <state_dir>/drafts/v1) "
+                         "(default head)")
     di.add_argument("--conversations", type=int, default=600,
                     help="head: ShareGPT train conversations as fixed text (default 600)")
     di.add_argument("--draft-vocab", type=int, help="head: draft vocabulary size V_d (default 8192)")
@@ -500,7 +501,8 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--host", help="bind address (default serve.host)")
     sv.add_argument("--port", type=int, help="HTTP port (default serve.port)")
     sv.add_argument("--replicas", type=int, help="target replicas (default serve.num_replicas)")
-    sv.add_argument("--draft", help="none, self, truncate:L or a draft directory (default serve.draft)")
+    sv.add_argument("--draft", help="auto (the warm-started head, else the layer draft, else truncate:4), none, "
+                    "self, truncate:L or a draft directory (default serve.draft: auto)")
     sv.set_defaults(func=_cmd_serve)
 
 

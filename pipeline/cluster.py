@@ -112,7 +112,8 @@ def loop_app(args: dict[str, Any]) -> Any:
 def _warm_start_and_promote(cfg_dict: dict[str, Any]) -> str:
     """On a trainer node: make v1 (skipped when a retry finds it made) and make it stable."""
     from pipeline.up import ensure_stable
-    from train.warm_start import run_warm_start, warm_start_path
+    from infra.draft_spec import warm_start_path
+    from train.warm_start import run_warm_start
 
     cfg = OSDConfig.model_validate(cfg_dict)
     out = warm_start_path(cfg)

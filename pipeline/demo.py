@@ -304,7 +304,7 @@ DEMO_HEAD_WARM_START = {"conversations": 400, "epochs": 2}
 def prepare(cfg: OSDConfig, family: str = "head") -> tuple[Any, Path]:
     """The target (converted and cached on the first run) and the warm-start draft v1's directory."""
     from infra.target import load_target
-    from train.warm_start import warm_start_path
+    from infra.draft_spec import warm_start_path
 
     v1 = warm_start_path(cfg, family)
     _log(f"target {cfg.model.target}: preparing (cached after the first run)")

@@ -43,6 +43,18 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def with_draft_resolved(cfg: OSDConfig) -> OSDConfig:
+    """cfg with serve.draft: auto replaced by the draft it stands for, said once here, so every
+    replica serves the same draft even if a warm start finishes while they start."""
+    from serve.drafts import resolve_auto
+
+    spec, why = resolve_auto(cfg)
+    if spec == cfg.serve.draft:
+        return cfg
+    _log(why)
+    return cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"draft": spec})})
+
+
 def preflight(cfg: OSDConfig) -> None:
     """Check in this process what the replicas would otherwise fail on inside Ray."""
     from infra.draft_spec import DraftLoadError
@@ -106,7 +118,7 @@ class LocalStack:
 
         from infra.reaper import Reaper
 
-        cfg = self.cfg
+        cfg = self.cfg = with_draft_resolved(self.cfg)
         warn_if_exposed(cfg, self.api_key)
         preflight(cfg)
         self.reaper = Reaper().start()  # from here on, whatever starts dies with this process

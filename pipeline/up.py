@@ -6,8 +6,8 @@
          └─ rollout controller        <─ stream group "rollout"  ─> canary/stable aliases
 
 The registry must have a stable version, or a warm-start draft to publish as the first one:
-`osd draft init` writes <state_dir>/drafts/v1, which `up` publishes and promotes when the
-registry is empty. The trainer starts from the stable version and keeps its own lineage;
+`osd draft init` writes <state_dir>/drafts/head-v1 (`--family layer`: drafts/v1), which `up`
+publishes as v1 and promotes when the registry is empty (the head when both exist). The trainer starts from the stable version and keeps its own lineage;
 its candidates go through the canary. A trainer that fails (a worker dies, Redis is away for
 a while) is restarted from its last COMPLETE checkpoint after a capped exponential back-off,
 for as long as `up` runs: an outage delays training, it never ends it. Everything stops in
@@ -76,17 +76,19 @@ def supervise(run_once: Callable[[], Any], stopping: threading.Event, *, base_s:
 
 def ensure_stable(cfg: OSDConfig, warm_start_dir: str | Path | None = None) -> str:
     """The stable version id, publishing and promoting the warm-start draft if the registry has none."""
+    from infra.draft_spec import warm_start_path, warm_started_draft
     from infra.registry import Registry
-    from train.warm_start import warm_start_path
 
     reg = Registry.from_config(cfg)
     stable = reg.alias("stable")
     if stable:
         return stable["version"]
-    src = Path(warm_start_dir or warm_start_path(cfg))
-    if not src.is_dir():
-        raise UpError(f"the registry {reg.uri} has no stable draft and {src} does not exist; "
-                      f"run `osd draft init` first (or `osd registry publish DIR` + `osd registry promote ID`)")
+    src = Path(warm_start_dir) if warm_start_dir else warm_started_draft(cfg)
+    if src is None or not src.is_dir():
+        looked = src or " nor ".join(str(warm_start_path(cfg, f)) for f in ("head", "layer"))
+        raise UpError(f"the registry {reg.uri} has no stable draft and {looked} does not exist; "
+                      f"run `osd draft init` first (the head; `--family layer` for the layer draft), "
+                      f"or `osd registry publish DIR` + `osd registry promote ID`")
     existing = [v.id for v in reg.list()]
     version = reg.publish(src, "v1") if "v1" not in existing else reg.get("v1")
     reg.promote(version.id, reason="warm start")

@@ -86,6 +86,7 @@ class TargetReplica:
     def _make_router(self, cfg: OSDConfig, build_draft: Any) -> Any:
         from infra.registry import Registry
         from infra.target import identify_target
+        from serve.drafts import resolve_auto
         from serve.hot_swap import DraftRouter, Routing
 
         self.registry = Registry.from_config(cfg)
@@ -93,8 +94,11 @@ class TargetReplica:
         self.target_sha256 = identify_target(cfg.model.target, cfg.model, self.target)
         log = lambda msg: print(f"[osd replica] {msg}", flush=True)  # noqa: E731
         if cfg.serve.draft != "registry":
-            model = build_draft(cfg.serve.draft, self.target, target_sha256=self.target_sha256)
-            initial = Routing(cfg.serve.draft if model is not None else "none",
+            spec, why = resolve_auto(cfg)  # `osd serve` resolved it already; a cluster app may not have
+            if spec != cfg.serve.draft:
+                log(why)
+            model = build_draft(spec, self.target, target_sha256=self.target_sha256)
+            initial = Routing(spec if model is not None else "none",
                               self.engine.make_draft(model) if model is not None else None)
             return DraftRouter(self._load_version, initial, log)
         router = DraftRouter(self._load_version, Routing("none", None), log)

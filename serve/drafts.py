@@ -9,6 +9,7 @@
   vocabulary the first 8192 token ids: its acceptance means nothing, its cost per draft
   token is a trained head's (`osd bench engine` on a GPU with no trained head at hand).
 - a directory: a draft published by `osd draft init` or the trainer (infra/draft_model.py).
+- `auto` (serve.draft's default): resolved once by `resolve_auto` before anything is built.
 Registry versions come with the registry.
 """
 
@@ -17,7 +18,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from infra.draft_spec import DraftSpec, DraftSpecError
+from infra.config import OSDConfig
+from infra.draft_spec import DraftSpec, DraftSpecError, warm_start_path, warm_started_draft
+
+AUTO = "auto"
+# What `auto` serves when no warm start has finished: no training needed, so `osd serve` works
+# on a new machine at once; it pays less than a trained draft (README, the bench tables).
+AUTO_FALLBACK = "truncate:4"
 
 
 def build_draft(spec: str | None, target: Any, *, target_sha256: str | None = None) -> Any | None:
@@ -50,4 +57,18 @@ def build_draft(spec: str | None, target: Any, *, target_sha256: str | None = No
         from infra.draft_model import load_draft  # a published draft directory (digests checked)
 
         return load_draft(Path(spec).expanduser(), target, expect_target_sha256=target_sha256)[0]
-    raise DraftSpecError(f"unknown draft spec {spec!r}: expected none, self, truncate:L or a draft directory")
+    raise DraftSpecError(f"unknown draft spec {spec!r}: expected auto, none, self, truncate:L or a draft directory")
+
+
+def resolve_auto(cfg: OSDConfig) -> tuple[str, str]:
+    """(the spec serve.draft: auto stands for, a line saying why). The warm-started head if
+    `osd draft init --family head` has finished, else the warm-started layer draft, else
+    truncate:4. Any other spec is returned as it is."""
+    if cfg.serve.draft != AUTO:
+        return cfg.serve.draft, f"serve.draft {cfg.serve.draft}"
+    found = warm_started_draft(cfg)
+    if found is None:
+        return AUTO_FALLBACK, (f"serve.draft auto: no warm-started draft in {warm_start_path(cfg, 'head').parent}, "
+                               f"so {AUTO_FALLBACK} (untrained); `osd draft init --family head` makes the head "
+                               f"that auto prefers")
+    return str(found), f"serve.draft auto: the warm-started draft {found}"

@@ -109,7 +109,7 @@ def test_a_head_version_is_scored_by_its_own_family_beside_a_layer_version(tiny,
 
 @pure
 def test_the_demo_names_an_unknown_draft_family():
-    from train.warm_start import warm_start_path
+    from infra.draft_spec import warm_start_path
 
     cfg = OSDConfig.model_validate({"state_dir": "/x"})
     assert str(warm_start_path(cfg, "layer")) == "/x/drafts/v1"

@@ -19,8 +19,10 @@ pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
 
 def serve_env(tmp_path, **extra) -> dict:
-    return {"OSD_MODEL__TARGET": "tiny-random", "OSD_SERVE__DRAFT": "none", "OSD_STATE_DIR": str(tmp_path),
-            "PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1", **extra}
+    """The environment of `osd serve`; a variable given as None is left out."""
+    env = {"OSD_MODEL__TARGET": "tiny-random", "OSD_SERVE__DRAFT": "none", "OSD_STATE_DIR": str(tmp_path),
+           "PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1", **extra}
+    return {k: v for k, v in env.items() if v is not None}
 
 
 def start_serve(tmp_path, *args, **env):
@@ -42,7 +44,16 @@ def start_serve(tmp_path, *args, **env):
     if url != f"http://127.0.0.1:{port}":
         proc.kill()
         pytest.fail("osd serve did not start:\n" + "".join(lines[-20:]))
+    proc.startup_lines = lines
     return proc, url, psutil.Process(proc.pid).children(recursive=True)
+
+
+def stop_serve(proc) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def assert_all_gone(procs, within_s: float = 60) -> None:
@@ -88,6 +99,25 @@ def test_kill_9_of_osd_serve_leaves_no_process(tmp_path):
     assert requests.get(url + "/healthz", timeout=30).status_code == 200
     proc.kill()
     proc.wait(timeout=30)
+    assert_all_gone(started)
+
+
+def test_osd_serve_serves_the_warm_started_head_by_default(tmp_path, tiny):
+    """Issue 12, item 5: with no --draft and no serve.draft, `osd serve` serves what
+    `osd draft init --family head` published, and says so."""
+    from infra.draft_head import build_head, save_head
+    from infra.draft_spec import DraftSpec
+
+    head = save_head(build_head(tiny.model, DraftSpec(family="head")), tmp_path / "drafts" / "head-v1",
+                     target_ref={"spec": "tiny-random"})
+    proc, url, started = start_serve(tmp_path, OSD_SERVE__DRAFT=None)
+    try:
+        assert any(f"serve.draft auto: the warm-started draft {head}" in ln for ln in proc.startup_lines)
+        r = requests.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 8}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["osd"]["draft_version"] == str(head)
+    finally:
+        stop_serve(proc)
     assert_all_gone(started)
 
 

@@ -12,11 +12,11 @@ pytestmark = pytest.mark.deepspeed
 
 
 def draft_init(state, *args) -> dict:
-    """Runs `osd draft init`; returns the JSON summary it prints last."""
+    """Runs `osd draft init --family layer`; returns the JSON summary it prints last."""
     env = {**os.environ, "OSD_MODEL__TARGET": "tiny-random", "OSD_STATE_DIR": str(state),
            "OSD_TRAIN__DRAFT_LAYERS": "1", "OSD_TRAIN__LR": "0.001", "OSD_TRAIN__TOKEN_BUDGET": "200",
            "OSD_DATA__MAX_PROMPT_CHARS": "200"}
-    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "draft", "init", "--prompts", "40",
+    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "draft", "init", "--family", "layer", "--prompts", "40",
                         "--max-new-tokens", "12", *args], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     lines = p.stdout.splitlines()

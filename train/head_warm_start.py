@@ -82,10 +82,9 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
     """Teacher records + ShareGPT fixed text -> target features -> a trained head (module doc)."""
     from infra.draft_head import build_head, feature_layers_of, save_head, top_tokens
     from infra.draft_model import target_ref
-    from infra.draft_spec import DraftSpec
+    from infra.draft_spec import DraftSpec, warm_start_path
     from infra.target import load_target
     from train.head_train import coverage_curve, evaluate
-    from train.warm_start import warm_start_path
 
     tc = cfg.train
     out_dir = Path(out_dir) if out_dir else warm_start_path(cfg, "head")

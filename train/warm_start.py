@@ -23,16 +23,7 @@ from typing import Any
 import torch
 
 from infra.config import OSDConfig
-
-
-def warm_start_path(cfg: OSDConfig, family: str = "layer") -> Path:
-    """Where `osd draft init [--family head]` publishes the warm-started draft of `family` by
-    default (`osd up`, the demo and the benches look there)."""
-    from infra.draft_spec import DRAFT_FAMILIES
-
-    if family not in DRAFT_FAMILIES:
-        raise ValueError(f"unknown draft family {family!r}; known: {', '.join(DRAFT_FAMILIES)}")
-    return Path(cfg.state_dir) / "drafts" / ("v1" if family == "layer" else "head-v1")
+from infra.draft_spec import warm_start_path
 
 
 def _log(msg: str) -> None:
