@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from infra.config import ConfigError, OSDConfig, load_config
+from infra.draft_spec import DRAFT_FAMILIES
 
 LOOP_RUN_NAME = "cluster"
 
@@ -48,8 +49,10 @@ class LoopArgs(AppArgs):
     # the same name resumes from the last COMPLETE one.
     run_name: str = Field(LOOP_RUN_NAME, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
     train: bool = True
-    # With no stable draft in the registry, make v1 in the cluster (`osd draft init`) first.
+    # With no stable draft in the registry, make v1 in the cluster (`osd draft init`) first,
+    # of this family: the head by default, as `osd draft init` (infra.draft_spec.PREFERRED_FAMILIES).
     warm_start: bool = True
+    warm_start_family: Literal[DRAFT_FAMILIES] = "head"
 
 
 def _parse(model: type[AppArgs], args: Mapping[str, Any] | None, environ: Mapping[str, str] | None,
@@ -109,15 +112,22 @@ def loop_app(args: dict[str, Any]) -> Any:
     return deployment.bind(parsed.model_dump(), cfg.model_dump(mode="json"))
 
 
-def _warm_start_and_promote(cfg_dict: dict[str, Any]) -> str:
-    """On a trainer node: make v1 (skipped when a retry finds it made) and make it stable."""
+def _warm_start_and_promote(cfg_dict: dict[str, Any], family: str = "head") -> str:
+    """On a trainer node: make v1 of `family` (skipped when a retry finds it made) and make it
+    stable. The head takes `osd draft init --family head`'s defaults."""
     from pipeline.up import ensure_stable
     from infra.draft_spec import warm_start_path
-    from train.warm_start import run_warm_start
 
     cfg = OSDConfig.model_validate(cfg_dict)
-    out = warm_start_path(cfg)
-    run_warm_start(cfg, out_dir=out, progress=False)
+    out = warm_start_path(cfg, family)
+    if family == "head":
+        from train.head_warm_start import run_head_warm_start
+
+        run_head_warm_start(cfg, out_dir=out, progress=False)
+    else:
+        from train.warm_start import run_warm_start
+
+        run_warm_start(cfg, out_dir=out, progress=False)
     return ensure_stable(cfg, out)
 
 
@@ -183,7 +193,8 @@ class LoopSupervisor:
         env = {"env_vars": {"DS_ACCELERATOR": "cpu"}} if self.cfg.train.device == "cpu" else {}
         task = ray.remote(num_cpus=1, resources=dict(self.cfg.train.resources), max_retries=0)(
             _warm_start_and_promote)
-        return ray.get(task.options(runtime_env=env).remote(self.cfg.model_dump(mode="json")))
+        return ray.get(task.options(runtime_env=env).remote(self.cfg.model_dump(mode="json"),
+                                                            self.args.warm_start_family))
 
     def _train_once(self) -> None:
         from pipeline.up import _reason

@@ -311,6 +311,8 @@ def test_serve_config_args_validate_into_the_config_model(rendered, tmp_path):
         result = builder[app["import_path"]](app["args"], environ)
         cfg = result[1] if isinstance(result, tuple) else result
         assert cfg.serve.draft == "registry" and cfg.registry.uri
+        if isinstance(result, tuple):  # the loop: its warm start builds the chart's family
+            assert result[0].warm_start_family == app["args"]["warm_start_family"] == "head"
 
 
 def test_the_configmap_config_loads(rendered, tmp_path):
@@ -451,6 +453,10 @@ def test_cluster_args_refuse_unknown_keys_and_bad_values():
         serving_config({}, {"OSD_STREAM__REDIS_URL": "redis://redis:6379/0"})
     args, cfg = loop_config({"config": {"rollout": {"margin": 0.05}}, "train": False}, env)
     assert cfg.rollout.margin == 0.05 and args.train is False and cfg.serve.draft == "registry"
+    assert args.warm_start_family == "head"  # the default draft, as `osd draft init`
+    assert loop_config({"warm_start_family": "layer"}, env)[0].warm_start_family == "layer"
+    with pytest.raises(ClusterArgsError, match="warm_start_family"):
+        loop_config({"warm_start_family": "eagle"}, env)
 
 
 def test_builders_bind_applications_without_a_cluster(chart, tmp_path, monkeypatch):

@@ -11,13 +11,14 @@ import pytest
 pytestmark = pytest.mark.deepspeed
 
 
-def draft_init(state, *args) -> dict:
-    """Runs `osd draft init --family layer`; returns the JSON summary it prints last."""
+def draft_init(state, *args, family: tuple[str, ...] = ("--family", "layer")) -> dict:
+    """Runs `osd draft init --family layer` (family=(): the default family); returns the JSON
+    summary it prints last."""
     env = {**os.environ, "OSD_MODEL__TARGET": "tiny-random", "OSD_STATE_DIR": str(state),
            "OSD_TRAIN__DRAFT_LAYERS": "1", "OSD_TRAIN__LR": "0.001", "OSD_TRAIN__TOKEN_BUDGET": "200",
-           "OSD_DATA__MAX_PROMPT_CHARS": "200"}
-    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "draft", "init", "--family", "layer", "--prompts", "40",
-                        "--max-new-tokens", "12", *args], env=env, capture_output=True, text=True, timeout=300)
+           "OSD_TRAIN__WARM_MAX_NEW_TOKENS": "12", "OSD_DATA__MAX_PROMPT_CHARS": "200"}
+    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "draft", "init", *family, "--prompts", "40",
+                        *args], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     lines = p.stdout.splitlines()
     start = max(i for i, line in enumerate(lines) if line == "{")
@@ -72,3 +73,24 @@ def test_warm_start_publishes_v1_and_resumes(tmp_path):
     p = GenerationParams(max_new_tokens=16)
     assert eng.generate([5, 6, 7], p).output_ids == ref.generate([5, 6, 7], p).output_ids
     assert torch.is_tensor(next(draft.parameters()))
+
+
+def test_the_default_warm_start_is_the_head_that_osd_up_and_osd_serve_then_take(tmp_path):
+    """Issue 12, item 5, end to end on the tiny target: `osd draft init` with no --family
+    publishes the head at <state_dir>/drafts/head-v1; `osd up` publishes it as v1 and
+    `osd serve`'s auto picks it."""
+    from infra.config import load_config
+    from infra.registry import Registry
+    from pipeline.up import ensure_stable
+    from serve.drafts import resolve_auto
+
+    out = draft_init(tmp_path, "--epochs", "1", "--conversations", "8", family=())
+    head = tmp_path / "drafts" / "head-v1"
+    assert out["path"] == str(head) and out["alpha_est"] > 0
+    assert json.loads((head / "draft.json").read_text())["spec"]["family"] == "head"
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"}})
+    assert resolve_auto(cfg)[0] == str(head)
+    assert ensure_stable(cfg) == "v1"
+    v1 = Registry.from_config(cfg).local_path("v1")
+    assert json.loads((v1 / "draft.json").read_text())["spec"]["family"] == "head"
+
