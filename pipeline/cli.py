@@ -109,11 +109,11 @@ def _cmd_draft_init(cfg: OSDConfig, args: argparse.Namespace) -> int:
     if args.family == "head":
         from train.head_warm_start import run_head_warm_start
 
-        if args.epochs is not None or args.prompts is not None:
-            cfg = load_config(args.config, overrides={"train": {k: v for k, v in (
-                ("warm_epochs", args.epochs), ("warm_prompts", args.prompts)) if v is not None}})
-        result = run_head_warm_start(cfg, out_dir=args.out, force=args.force, conversations=args.conversations,
-                                     draft_vocab=args.draft_vocab)
+        updates = {k: v for k, v in (("head_warm_epochs", args.epochs), ("warm_prompts", args.prompts),
+                                     ("head_warm_conversations", args.conversations)) if v is not None}
+        if updates:
+            cfg = load_config(args.config, overrides={"train": updates})
+        result = run_head_warm_start(cfg, out_dir=args.out, force=args.force, draft_vocab=args.draft_vocab)
         print(json.dumps({k: result.get(k) for k in ("path", "alpha_est_before", "alpha_est", "coverage")}, indent=2))
         return 0
     updates = {k: v for k, v in (("warm_prompts", args.prompts), ("warm_epochs", args.epochs),
@@ -469,7 +469,8 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
     dr_sub = dr_p.add_subparsers(dest="action", required=True, metavar="ACTION")
     di = dr_sub.add_parser("init", help="warm start: distill the first draft offline from the target's outputs")
     di.add_argument("--prompts", type=int, help="ShareGPT train prompts (default train.warm_prompts)")
-    di.add_argument("--epochs", type=int, help="passes over the teacher records (default train.warm_epochs)")
+    di.add_argument("--epochs", type=int, help="passes over the training data (default train.head_warm_epochs, "
+                                               "train.warm_epochs for layer)")
     di.add_argument("--max-new-tokens", type=int, help="teacher tokens per prompt (default train.warm_max_new_tokens)")
     di.add_argument("--out", help="where to publish (default <state_dir>/drafts/head-v1, or v1 for layer)")
     di.add_argument("--force", action="store_true", help="rebuild even if published; ignore checkpoints")
@@ -477,8 +478,8 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
                     help="head: one layer over the target's hidden states (out <state_dir>/drafts/head-v1; "
                          "about half an hour on 2 cores); layer: copied target layers (out <state_dir>/drafts/v1) "
                          "(default head)")
-    di.add_argument("--conversations", type=int, default=600,
-                    help="head: ShareGPT train conversations as fixed text (default 600)")
+    di.add_argument("--conversations", type=int,
+                    help="head: ShareGPT train conversations as fixed text (default train.head_warm_conversations)")
     di.add_argument("--draft-vocab", type=int, help="head: draft vocabulary size V_d (default 8192)")
     di.set_defaults(func=_cmd_draft_init)
 

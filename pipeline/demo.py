@@ -295,12 +295,6 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 660, spe
     return report
 
 
-# The head warm start the demo builds when none is cached: what `osd draft init --family head
-# --conversations 400 --epochs 2` measured (220,644 tokens, 27-34 minutes on 2 cores, held-out
-# agreement 0.37 / 0.33 / 0.32 per depth); the CLI's defaults train about 2.5 times longer.
-DEMO_HEAD_WARM_START = {"conversations": 400, "epochs": 2}
-
-
 def prepare(cfg: OSDConfig, family: str = "head") -> tuple[Any, Path]:
     """The target (converted and cached on the first run) and the warm-start draft v1's directory."""
     from infra.target import load_target
@@ -313,9 +307,9 @@ def prepare(cfg: OSDConfig, family: str = "head") -> tuple[Any, Path]:
         if family == "head":
             from train.head_warm_start import run_head_warm_start
 
-            _log("no warm-started head yet: running `osd draft init --family head --conversations 400 --epochs 2` "
-                 "once (about half an hour on 2 cores; cached for later runs)")
-            run_head_warm_start(cfg, **DEMO_HEAD_WARM_START)
+            _log("no warm-started head yet: running `osd draft init` once (about half an hour on 2 cores; "
+                 "cached for later runs)")
+            run_head_warm_start(cfg)
         else:
             from train.warm_start import run_warm_start
 

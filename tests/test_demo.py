@@ -119,14 +119,14 @@ def test_the_demo_names_an_unknown_draft_family():
 
 
 @pure
-def test_the_demo_builds_a_missing_head_once_with_its_measured_settings(tmp_path, monkeypatch):
+def test_the_demo_builds_a_missing_head_once_with_the_configured_settings(tmp_path, monkeypatch):
     import train.head_warm_start as hws
     from pipeline.demo import prepare
 
     calls = []
 
     def fake(cfg, **kw):  # the real warm start takes half an hour: only its arguments are checked
-        calls.append(kw)
+        calls.append((cfg.train.head_warm_conversations, cfg.train.head_warm_epochs, kw))
         (tmp_path / "drafts" / "head-v1").mkdir(parents=True)
 
     monkeypatch.setattr(hws, "run_head_warm_start", fake)
@@ -134,7 +134,7 @@ def test_the_demo_builds_a_missing_head_once_with_its_measured_settings(tmp_path
     for _ in range(2):
         _, v1 = prepare(cfg)
     assert v1 == tmp_path / "drafts" / "head-v1"
-    assert calls == [{"conversations": 400, "epochs": 2}]  # built once, then taken from disk
+    assert calls == [(400, 2, {})]  # the measured defaults, built once, then taken from disk
 
 
 @pure

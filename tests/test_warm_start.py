@@ -87,6 +87,8 @@ def test_the_default_warm_start_is_the_head_that_osd_up_and_osd_serve_then_take(
     out = draft_init(tmp_path, "--epochs", "1", "--conversations", "8", family=())
     head = tmp_path / "drafts" / "head-v1"
     assert out["path"] == str(head) and out["alpha_est"] > 0
+    info = json.loads((head / "draft.json").read_text())
+    assert info["lineage"]["conversations"] == 8 and info["lineage"]["epochs"] == 1  # the flags reached it
     assert json.loads((head / "draft.json").read_text())["spec"]["family"] == "head"
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"}})
     assert resolve_auto(cfg)[0] == str(head)

@@ -76,10 +76,11 @@ def cached_features(cfg: OSDConfig, loaded: Any, name: str, seqs: list[list[int]
 
 
 def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progress: bool = True,
-                        force: bool = False, conversations: int = 600, max_len: int = 512,
+                        force: bool = False, conversations: int | None = None, max_len: int = 512,
                         draft_vocab: int | None = None, feature_layers: tuple[int, ...] | None = None,
                         epochs: int | None = None, token_budget: int = 512) -> dict[str, Any]:
-    """Teacher records + ShareGPT fixed text -> target features -> a trained head (module doc)."""
+    """Teacher records + ShareGPT fixed text -> target features -> a trained head (module doc).
+    conversations and epochs default to train.head_warm_conversations and head_warm_epochs."""
     from infra.draft_head import build_head, feature_layers_of, save_head, top_tokens
     from infra.draft_model import target_ref
     from infra.draft_spec import DraftSpec, warm_start_path
@@ -97,6 +98,8 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
     torch.manual_seed(0)
     spec = DraftSpec(family="head", feature_layers=feature_layers, draft_vocab=draft_vocab or DraftSpec().draft_vocab)
     layers = feature_layers_of(spec, loaded.model.config.num_hidden_layers)
+    conversations = tc.head_warm_conversations if conversations is None else conversations
+    epochs = epochs or tc.head_warm_epochs
     fs_train, fs_held, n_conv = _features(cfg, loaded, layers, conversations, max_len, progress)
     train_am = torch.cat(fs_train.argmax)
     held_am = torch.cat([a[s + 1:] for a, s in zip(fs_held.argmax, fs_held.start)])
@@ -105,7 +108,7 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
     _log("coverage of held-out target outputs by V_d: " + ", ".join(f"{k}: {v:.3f}" for k, v in coverage.items()))
     head = build_head(loaded.model, spec, top_tokens(torch.bincount(train_am, minlength=vocab), spec.draft_vocab))
     before = evaluate(head, fs_held)
-    losses, train_s = _train(cfg, head, loaded.model, fs_train, epochs or tc.warm_epochs, token_budget)
+    losses, train_s = _train(cfg, head, loaded.model, fs_train, epochs, token_budget)
     after = evaluate(head, fs_held)
     _log(f"held-out greedy agreement per depth {[round(a, 3) for a in before['agree_per_depth']]} -> "
          f"{[round(a, 3) for a in after['agree_per_depth']]}; tokens/step estimate "
@@ -116,7 +119,7 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
                "loss_last": losses[-1] if losses else None, "held_out_records": len(fs_held),
                "train_tokens": fs_train.n_tokens, "train_s": train_s}
     lineage = {"parent": None, "kind": "warm_start", "family": "head", "conversations": n_conv,
-               "teacher_records": len(fs_train) - n_conv, "epochs": epochs or tc.warm_epochs}
+               "teacher_records": len(fs_train) - n_conv, "epochs": epochs}
     save_head(head, out_dir, target_ref=target_ref(loaded), lineage=lineage, metrics=metrics, overwrite=force)
     _log(f"saved {out_dir} ({time.perf_counter() - t0:.0f} s in all)")
     return {"path": str(out_dir), **metrics, **lineage}
