@@ -89,7 +89,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
               max_new_tokens: int = 96, k: int = 4, draft_spec: str = "truncate:4", device: str = "cpu",
               max_prompt_chars: int = 1000, json_path: str | None = None, target: str | None = None,
               compile: str = "auto", dtype: str | None = None, hf: bool = True, tree: str = "",
-              k_sweep: Sequence[int] = (),
+              k_sweep: Sequence[int] = (), confidence_sweep: Sequence[float] = (),
               log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
     mcfg = cfg.model.model_copy(update={"device": device, **({"dtype": dtype} if dtype else {})})
     loaded = load_target(target or mcfg.target, mcfg, progress=True)
@@ -114,10 +114,10 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
         eager = SpecEngine(loaded.model, draft, loaded.tokenizer, dataclasses.replace(options, cuda_graphs="off"))
     if tree:
         chain = SpecEngine(loaded.model, draft, loaded.tokenizer, dataclasses.replace(options, tree=""))
-    # Other draft budgets in the same run, interleaved per prompt with own AR: the machine's
-    # speed drifts between runs, a ratio measured in one run does not.
-    sweep = {kk: SpecEngine(loaded.model, draft, loaded.tokenizer, dataclasses.replace(options, k=kk))
-             for kk in sorted(set(k_sweep)) if kk != k}
+    # Other draft budgets and confidence stops in the same run, interleaved per prompt with own
+    # AR: the machine's speed drifts between runs, a ratio measured in one run does not.
+    sweep = {m: SpecEngine(loaded.model, draft, loaded.tokenizer, o)
+             for m, o in sweep_options(options, k_sweep, confidence_sweep).items()}
     ids_list = [chat_ids(loaded.tokenizer, p.text) for p in prompts]
     log(f"== osd bench engine: target {loaded.spec}, draft {draft_spec}, k={k}, {len(prompts)} prompts, "
         f"max_new_tokens={max_new_tokens}, device={device}, dtype={mcfg.dtype}, cuda graphs "
@@ -130,7 +130,9 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     result = summarize(runs, stats, capture_ratios, greedy_mismatches(loaded.model, runs, ids_list),
                        engine.options)
     result.update(draft_figures(sd_stats, runs, draft))
-    result["k_sweep"] = k_sweep_rows(runs, stats, k) if sweep else None
+    result["k_sweep"] = sweep_rows(runs, stats, "k", k) if k_sweep else None
+    result["confidence_sweep"] = (sweep_rows(runs, stats, "draft_confidence", options.draft_confidence)
+                                  if confidence_sweep else None)
     result.update({
         "cuda_graphs": eager is not None,
         "tree": tree or None,
@@ -159,7 +161,7 @@ MethodFn = Callable[[list[int], int], tuple[list[int], "SpecStats | None"]]
 
 
 def method_runners(engine: SpecEngine, loaded: Any, draft: Any, eager: SpecEngine | None = None,
-                   chain: SpecEngine | None = None, sweep: dict[int, SpecEngine] | None = None
+                   chain: SpecEngine | None = None, sweep: dict[str, SpecEngine] | None = None
                    ) -> dict[str, MethodFn]:
     """Each method as (prompt ids, token budget) -> (output ids, speculative stats or None)."""
     model, tok = loaded.model, loaded.tokenizer
@@ -187,28 +189,52 @@ def method_runners(engine: SpecEngine, loaded: Any, draft: Any, eager: SpecEngin
         runners["sd_eager"] = lambda ids, n: own(ids, n, True, True, eager)
     if chain is not None:
         runners["sd_chain"] = lambda ids, n: own(ids, n, True, True, chain)
-    for kk, eng in (sweep or {}).items():
-        runners[f"sd_k{kk}"] = lambda ids, n, eng=eng: own(ids, n, True, True, eng)
+    for m, eng in (sweep or {}).items():
+        runners[m] = lambda ids, n, eng=eng: own(ids, n, True, True, eng)
     return runners
+
+
+# Swept settings: method name prefix -> the EngineOptions field it sets (sd_k2, sd_conf0.3).
+SWEPT = {"sd_k": "k", "sd_conf": "draft_confidence"}
+
+
+def sweep_options(options: EngineOptions, k_sweep: Sequence[int] = (),
+                  confidence_sweep: Sequence[float] = ()) -> dict[str, EngineOptions]:
+    """Method name -> the run's options with one setting changed; the run's own value is its `sd`."""
+    out = {f"sd_k{kk}": dataclasses.replace(options, k=kk) for kk in sorted(set(k_sweep)) if kk != options.k}
+    out.update({f"sd_conf{c:g}": dataclasses.replace(options, draft_confidence=c)
+                for c in sorted(set(confidence_sweep)) if c != options.draft_confidence})
+    return out
+
+
+def _swept(method: str) -> tuple[str, float] | None:
+    """(setting, value) of a swept method, None for the others (sd_chain is not sd_conf)."""
+    for prefix, field in SWEPT.items():
+        rest = method[len(prefix):]
+        if method.startswith(prefix) and rest[:1].isdigit():
+            return field, float(rest)
+    return None
 
 
 def _is_spec(method: str) -> bool:
     """Methods whose speculative stats are kept (capture off only times capture)."""
-    return method in ("sd", "sd_eager", "sd_chain") or method.startswith("sd_k")
+    return method in ("sd", "sd_eager", "sd_chain") or _swept(method) is not None
 
 
-def k_sweep_rows(runs: dict[str, MethodRun], stats: dict[str, SpecStats], k: int) -> list[dict[str, Any]]:
-    """Per draft budget k (the run's own `sd` and each `sd_k<K>`): speed against own AR in the
-    same run (total tokens over total time, and the median of per-prompt ratios), tokens per
-    target step and acceptance."""
-    names = {k: "sd", **{int(m[4:]): m for m in runs if m.startswith("sd_k")}}
+def sweep_rows(runs: dict[str, MethodRun], stats: dict[str, SpecStats], field: str,
+               own: float) -> list[dict[str, Any]]:
+    """Per value of the swept `field` (the run's own `sd` at `own`, and each swept method):
+    speed against own AR in the same run (total tokens over total time, and the median of
+    per-prompt ratios), tokens per target step and acceptance."""
+    names = {own: "sd", **{v: m for m in runs if (sw := _swept(m)) and sw[0] == field for v in (sw[1],)}}
     ar = runs["ar"]
     rows = []
-    for kk in sorted(names):
-        r, st = runs[names[kk]], stats[names[kk]]
+    for value in sorted(names):
+        r, st = runs[names[value]], stats[names[value]]
         per_prompt = [(t / s) / (ta / sa) for t, s, ta, sa in zip(r.tokens, r.seconds, ar.tokens, ar.seconds)
                       if s and sa and ta]
-        rows.append({"k": kk, "sd_vs_ar": r.tok_s / ar.tok_s if ar.tok_s else None,
+        rows.append({field: int(value) if field == "k" else value,
+                     "sd_vs_ar": r.tok_s / ar.tok_s if ar.tok_s else None,
                      "sd_vs_ar_median_per_prompt": statistics.median(per_prompt) if per_prompt else None,
                      "tokens_per_target_step": st.mean_accepted_len, "acceptance_rate": st.acceptance_rate})
     return rows
@@ -250,7 +276,7 @@ def greedy_mismatches(model: Any, runs: dict[str, MethodRun], ids_list: list[lis
     mismatches = []
     reference = "hf_ar" if "hf_ar" in runs else "ar_eager" if "ar_eager" in runs else "ar"
     for m in ("ar", "sd", "sd_nocapture", "ar_eager", "sd_eager", "sd_chain",
-              *sorted(r for r in runs if r.startswith("sd_k"))):
+              *sorted(r for r in runs if _swept(r))):
         if m == reference or m not in runs:
             continue
         for i, (ref, got) in enumerate(zip(runs[reference].outputs, runs[m].outputs)):
@@ -340,6 +366,11 @@ def _fmt(x: float | None, spec: str = ".2f", suffix: str = "x") -> str:
     return "n/a" if x is None else f"{x:{spec}}{suffix}"
 
 
+def _swept_label(method: str) -> str:
+    field, value = _swept(method) or ("method", method)
+    return f"own speculative, {'k' if field == 'k' else 'conf'}={value:g}"
+
+
 def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callable[[str], None]) -> None:
     ref = "hf_ar" if "hf_ar" in runs else "ar_eager" if "ar_eager" in runs else "ar"
     base = runs[ref].tok_s
@@ -348,7 +379,7 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
     for m, r in runs.items():
         if not r.tokens or not sum(r.tokens):
             continue  # HF assisted with a head draft: not run
-        label = LABELS.get(m, f"own speculative, k={m[4:]}")  # sd_k<K>: a swept draft budget
+        label = LABELS.get(m) or _swept_label(m)
         log(f"{label:<32}{sum(r.tokens):>8}{sum(r.seconds):>9.1f}{r.tok_s:>8.1f}{r.median_tok_s:>8.1f}"
             f"{r.tok_s / base:>11.2f}x")
     log("")
@@ -371,10 +402,11 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
                        ("sd_chain_stage_ms_per_step", "chain step")):
         if result.get(key):
             log(f"{label}, ms per step: " + ", ".join(f"{n} {v:.2f}" for n, v in result[key].items()))
-    for row in result.get("k_sweep") or []:
-        log(f"k={row['k']}: own SD / own AR {_fmt(row['sd_vs_ar'])} (median per prompt "
-            f"{_fmt(row['sd_vs_ar_median_per_prompt'])}), {row['tokens_per_target_step']:.2f} tokens/step, "
-            f"acceptance {row['acceptance_rate']:.3f}")
+    for key, field in (("k_sweep", "k"), ("confidence_sweep", "draft_confidence")):
+        for row in result.get(key) or []:
+            log(f"{field}={row[field]:g}: own SD / own AR {_fmt(row['sd_vs_ar'])} (median per prompt "
+                f"{_fmt(row['sd_vs_ar_median_per_prompt'])}), {row['tokens_per_target_step']:.2f} tokens/step, "
+                f"acceptance {row['acceptance_rate']:.3f}")
     if "self_vs_ideal" in result:
         log(f"draft=self: {result['self_ms_per_token']:.1f} ms/token vs ideal "
             f"{result['self_ideal_ms_per_token']:.1f} ms/token ({result['self_vs_ideal']:.2f}x)")

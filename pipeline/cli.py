@@ -37,6 +37,16 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _probability_below_1(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not 0.0 <= x < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {x:g}")
+    return x
+
+
 def _cmd_config_show(cfg: OSDConfig, args: argparse.Namespace) -> int:
     import yaml
 
@@ -188,7 +198,7 @@ def _cmd_bench_engine(cfg: OSDConfig, args: argparse.Namespace) -> int:
               max_new_tokens=args.max_new_tokens, k=args.k, draft_spec=args.draft, device=args.device,
               max_prompt_chars=args.max_prompt_chars, json_path=args.json, target=args.target,
               compile=args.compile, dtype=args.dtype, hf=not args.no_hf, tree=args.tree or "",
-              k_sweep=args.k_sweep)
+              k_sweep=args.k_sweep, confidence_sweep=args.confidence_sweep)
     return 0
 
 
@@ -433,6 +443,9 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model dtype (default: model.dtype)")
     be.add_argument("--k-sweep", nargs="+", type=_positive_int, default=[], metavar="K",
                     help="also time these draft budgets in the same run, interleaved with own AR (e.g. 1 2 3)")
+    be.add_argument("--confidence-sweep", nargs="+", type=_probability_below_1, default=[], metavar="C",
+                    help="also time these draft confidence stops (serve.draft_confidence) in the same run, "
+                         "interleaved with own AR (e.g. 0.2 0.4)")
     be.add_argument("--tree", metavar="TOTAL,DEPTH,TOPK", help="verify EAGLE-2 draft trees (greedy); "
                                                                  "chains of the same draft are timed in the same run")
     be.add_argument("--no-hf", action="store_true", help="skip the Hugging Face methods (greedy identity is then "

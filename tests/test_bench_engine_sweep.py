@@ -1,4 +1,5 @@
-"""`osd bench engine --k-sweep`: other draft budgets timed in the same run as own AR."""
+"""`osd bench engine --k-sweep` and `--confidence-sweep`: other draft budgets and confidence
+stops timed in the same run as own AR."""
 
 import json
 
@@ -30,3 +31,32 @@ def test_a_bad_k_in_the_sweep_is_refused_by_name(bad, capsys):
         main(["bench", "engine", "--k-sweep", "1", bad])
     assert e.value.code == 2
     assert "--k-sweep" in capsys.readouterr().err
+
+
+def test_each_swept_confidence_stop_gets_its_row_and_the_same_greedy_output(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("hello there", "write a loop")))
+    out = tmp_path / "b.json"
+    rc = main(["bench", "engine", "--target", "tiny-random", "--draft", "truncate:1", "--prompts-file", str(prompts),
+               "--max-new-tokens", "12", "--k", "3", "--confidence-sweep", "0.5", "0.999", "--no-hf",
+               "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    rows = r["confidence_sweep"]
+    assert [row["draft_confidence"] for row in rows] == [0.0, 0.5, 0.999]  # the run's own (0) from `sd`
+    assert rows[0]["tokens_per_target_step"] == r["tokens_per_target_step"] and r["k_sweep"] is None
+    # A stop at 0.999 ends nearly every draft at its first token: fewer drafted per step.
+    drafted = {m: r["median_tok_s"][m] for m in ("sd_conf0.5", "sd_conf0.999")}
+    assert all(v > 0 for v in drafted.values())
+    assert rows[2]["tokens_per_target_step"] <= rows[0]["tokens_per_target_step"]
+    assert r["greedy_identical"] and "sd_chain" not in r["median_tok_s"]
+    printed = capsys.readouterr().out
+    assert "own speculative, conf=0.5" in printed and "draft_confidence=0.999: own SD / own AR" in printed
+
+
+@pytest.mark.parametrize("bad", ["1", "-0.1", "high"])
+def test_a_bad_confidence_in_the_sweep_is_refused_by_name(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "engine", "--confidence-sweep", bad])
+    assert e.value.code == 2
+    assert "--confidence-sweep" in capsys.readouterr().err
