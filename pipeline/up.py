@@ -7,8 +7,9 @@
 
 The registry must have a stable version, or a warm-start draft to publish as the first one:
 `osd draft init` writes <state_dir>/drafts/head-v1 (`--family layer`: drafts/v1), which `up`
-publishes as v1 and promotes when the registry is empty (the head when both exist). The trainer starts from the stable version and keeps its own lineage;
-its candidates go through the canary. A trainer that fails (a worker dies, Redis is away for
+publishes as v1 and promotes when the registry is empty (the head when both exist). The
+trainer starts from the stable version and keeps its own lineage; its candidates go through
+the canary. A trainer that fails (a worker dies, Redis is away for
 a while) is restarted from its last COMPLETE checkpoint after a capped exponential back-off,
 for as long as `up` runs: an outage delays training, it never ends it. Everything stops in
 reverse order.
@@ -85,10 +86,11 @@ def ensure_stable(cfg: OSDConfig, warm_start_dir: str | Path | None = None) -> s
         return stable["version"]
     src = Path(warm_start_dir) if warm_start_dir else warm_started_draft(cfg)
     if src is None or not src.is_dir():
-        looked = src or " nor ".join(str(warm_start_path(cfg, f)) for f in ("head", "layer"))
-        raise UpError(f"the registry {reg.uri} has no stable draft and {looked} does not exist; "
-                      f"run `osd draft init` first (the head; `--family layer` for the layer draft), "
-                      f"or `osd registry publish DIR` + `osd registry promote ID`")
+        missing = (f"{src} does not exist" if src else f"neither {warm_start_path(cfg, 'head')} nor "
+                   f"{warm_start_path(cfg, 'layer')} holds a finished warm start")
+        raise UpError(f"the registry {reg.uri} has no stable draft and {missing}; run `osd draft init` first "
+                      f"(the head; `--family layer` for the layer draft), or `osd registry publish DIR` + "
+                      f"`osd registry promote ID`")
     existing = [v.id for v in reg.list()]
     version = reg.publish(src, "v1") if "v1" not in existing else reg.get("v1")
     reg.promote(version.id, reason="warm start")

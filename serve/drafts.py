@@ -57,7 +57,7 @@ def build_draft(spec: str | None, target: Any, *, target_sha256: str | None = No
         from infra.draft_model import load_draft  # a published draft directory (digests checked)
 
         return load_draft(Path(spec).expanduser(), target, expect_target_sha256=target_sha256)[0]
-    raise DraftSpecError(f"unknown draft spec {spec!r}: expected auto, none, self, truncate:L or a draft directory")
+    raise DraftSpecError(f"unknown draft spec {spec!r}: expected none, self, truncate:L or a draft directory")
 
 
 def resolve_auto(cfg: OSDConfig) -> tuple[str, str]:
