@@ -89,8 +89,8 @@ class ServeConfig(_Section):
     # CUDA graphs for Llama forwards of up to k+1 tokens (serve/graphs.py): auto = on a CUDA
     # device; on = required (an error on CPU); off = eager everywhere.
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
-    # "TOTAL,DEPTH,TOPK" (e.g. "16,4,4"): greedy steps verify an EAGLE-2 draft tree of TOTAL
-    # nodes in one target forward; "" = chains of k tokens.
+    # "TOTAL,DEPTH,TOPK" (e.g. "16,4,4"): each step verifies an EAGLE-2 draft tree of up to
+    # TOTAL nodes in one target forward (sampled requests too); "" = chains of k tokens.
     tree: str = ""
     # Context: prompt + max_new_tokens must fit; KV caches are preallocated to this length.
     max_seq_len: int = Field(2048, ge=2)

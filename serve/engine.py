@@ -68,8 +68,8 @@ class EngineOptions:
     queue_timeout_s: float = 30.0
     # CUDA graphs for Llama forwards of up to k+1 tokens (serve/graphs.py): "auto" = on CUDA.
     cuda_graphs: str = "auto"
-    # "TOTAL,DEPTH,TOPK": greedy steps verify an EAGLE-2 tree (serve/tree_stages.py) instead of
-    # a chain; "" = chains.
+    # "TOTAL,DEPTH,TOPK": steps verify an EAGLE-2 tree (serve/tree_stages.py; sampled requests
+    # draw the tree from q and verify it by recursive rejection) instead of a chain; "" = chains.
     tree: str = ""
 
     @classmethod
@@ -516,10 +516,10 @@ class SpecEngine:
         return emitted
 
     def _use_tree(self, seq: _Seq, remaining: int) -> bool:
-        """Trees for greedy steps while the whole tree fits the context and its deepest path
-        fits the token budget; chains otherwise (sampling, a runner without masked blocks)."""
+        """Trees while the whole tree fits the context and its deepest path fits the token
+        budget; chains otherwise (and for a runner without masked blocks)."""
         t = self.tree
-        return (t is not None and seq.draft is not None and seq.params.sampling.greedy
+        return (t is not None and seq.draft is not None
                 and (hasattr(seq.draft, "forward_masked") or is_head(seq.draft)) and can_expand(seq)
                 and remaining > t.depth and len(seq.tokens) - 1 + t.total <= self.max_seq_len)
 

@@ -1,8 +1,8 @@
-"""One speculative step with a draft tree (EAGLE-2 style) under greedy decoding.
+"""One speculative step with a draft tree (EAGLE-2 style), greedy or sampled.
 
     expand (draft, one block forward per depth) -> score (target, one forward over the whole
-    tree under an ancestor mask) -> verify (walk the target's argmax down the tree) ->
-    commit (compact the accepted path's K/V rows into the prefix)
+    tree under an ancestor mask) -> verify (walk the target's argmax down the tree, or
+    rejection-sample down it) -> commit (compact the accepted path's K/V rows into the prefix)
 
 Slots and positions. With `base` committed tokens the target cache holds base-1 of them and
 the root of the tree is the last committed token: tree node i goes to target slot base-1+i
@@ -18,9 +18,11 @@ Both draft families expand the same way:
   and the node's token, at position base-2+depth. Its vocabulary is the draft vocabulary,
   mapped to target ids (d2t); other tokens get log-prob -inf.
 
-Sampling falls back to chains in the engine: the exact multi-draft rule
-(serve/tree.py verify_tree_sampling) needs children drawn from q, which EAGLE-2's top-k
-expansion does not do.
+Greedy expands EAGLE-2's top-k children. Sampling draws each node's children from the
+draft's warped distribution q without replacement (expand_tree with the request's generator)
+and verifies with the exact multi-draft rule (serve/tree.py verify_tree_sampling): EAGLE-2's
+top-k children are not a sample of q, and verifying them by rejection would bias the output.
+q and the target's p are warped by the request's temperature, top-k and top-p, as chains do.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import torch
 
 from serve.head_runner import is_head
 from serve.tree import (DraftTree, ancestor_matrix, compact_kv_, compaction_indices, expand_tree, tree_attention,
-                        verify_tree_greedy)
+                        verify_tree_greedy, verify_tree_sampling)
+from serve.verify import SamplingParams, warp_probs
 
 
 @dataclass(frozen=True)
@@ -86,9 +89,18 @@ class _Rows:
         return self.cols[start:start + 1], seen[:, :L] | (self.cols < self.prefix)
 
 
+def _log_q(params: SamplingParams) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The draft's log-probabilities the tree is expanded from: plain under greedy (EAGLE-2
+    ranks by them), warped like the target's p under sampling (children are drawn from them)."""
+    if params.greedy:
+        return lambda logits: torch.log_softmax(logits.float(), -1)
+    return lambda logits: warp_probs(logits, params).log()
+
+
 def _layer_expander(draft: Any, seq: Any, base: int, shape: TreeShape) -> Callable:
     cache = seq.dcache
-    root_logp = torch.log_softmax(draft.forward(seq.pending(cache), cache)[-1].float(), -1)
+    log_q = _log_q(seq.params.sampling)
+    root_logp = log_q(draft.forward(seq.pending(cache), cache)[-1])
     rows = _Rows(cache, base, shape, seq.device)
 
     def step(frontier: torch.Tensor, tree: DraftTree) -> torch.Tensor:
@@ -97,7 +109,7 @@ def _layer_expander(draft: Any, seq: Any, base: int, shape: TreeShape) -> Callab
         start, visible = rows.block(frontier, tree)
         pos = (base - 1) + tree.depth[frontier]
         logits, _ = draft.forward_masked(tree.tokens[frontier], start, pos, visible, cache)
-        return torch.log_softmax(logits.float(), -1)
+        return log_q(logits)
 
     return step
 
@@ -110,10 +122,11 @@ def _head_expander(runner: Any, seq: Any, base: int, shape: TreeShape) -> Callab
     states = root_state.new_zeros(shape.max_candidates, root_state.shape[-1])
     states[0] = root_state[0]
     rows = _Rows(cache, cache.length, shape, seq.device)
+    log_q = _log_q(seq.params.sampling)
 
     def to_target(logits: torch.Tensor) -> torch.Tensor:
-        full = logits.new_full((logits.shape[0], runner.vocab_size), float("-inf"))
-        return full.index_copy_(1, head.d2t, torch.log_softmax(logits.float(), -1))
+        full = logits.new_full((logits.shape[0], runner.vocab_size), float("-inf"), dtype=torch.float32)
+        return full.index_copy_(1, head.d2t, log_q(logits))
 
     def step(frontier: torch.Tensor, tree: DraftTree) -> torch.Tensor:
         if tree.size == 1:
@@ -144,14 +157,19 @@ def tree_step(target: Any, seq: Any, shape: TreeShape,
     head = is_head(draft)
     expander = (_head_expander if head else _layer_expander)(draft, seq, base, shape)
     root = seq.to_device([seq.tokens[-1]])[0]
-    tree = expand_tree(expander, root, shape.depth, shape.top_k, shape.total)
+    params = seq.params.sampling
+    gen = None if params.greedy else seq.gen
+    tree = expand_tree(expander, root, shape.depth, shape.top_k, shape.total, gen)
     mark()
     mask, pos, _ = tree_attention(tree, base - 1, cache.max_len)
     start = torch.arange(cache.max_len, device=seq.device)[base - 1: base]
     layers = draft.feature_layers if head else ()
     logits, feats = target.forward_masked(tree.tokens, start, pos, mask, cache, layers)
     mark()
-    path, nxt = verify_tree_greedy(tree, torch.argmax(logits, dim=-1))
+    if params.greedy:
+        path, nxt = verify_tree_greedy(tree, torch.argmax(logits, dim=-1))
+    else:
+        path, nxt = verify_tree_sampling(tree, warp_probs(logits, params), gen)
     mark()
     rows = torch.tensor([0] + path, device=seq.device)
     src, dst = compaction_indices(base - 1, path, seq.device)

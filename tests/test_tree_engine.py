@@ -1,15 +1,16 @@
 """Tree steps in the engine (serve/tree_stages.py) on tiny random Llamas: greedy output equals
-the target's, a width-1 tree is the chain, and the compacted cache is the cache of decoding
-the accepted tokens directly."""
+the target's, sampled output follows the target's distribution (chi-square), a width-1 tree is
+the chain, and the compacted cache is the cache of decoding the accepted tokens directly."""
 
 import pytest
 import torch
+from chi2 import chi2_pvalue
 
 from infra.target import build_tiny_llama
 from serve.drafts import build_draft
 from serve.engine import EngineError, EngineOptions, GenerationParams, SpecEngine
-from serve.tree_stages import TreeShape
-from serve.verify import SamplingParams
+from serve.tree_stages import TreeShape, tree_step
+from serve.verify import SamplingParams, warp_probs
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -81,11 +82,87 @@ def test_trees_accept_more_per_step_than_the_chain_of_their_depth():
     assert wide.stats.mean_accepted_len >= chain.stats.mean_accepted_len
 
 
-def test_sampling_requests_fall_back_to_chains():
+# ---------------------------------------------------------------- sampled trees
+
+V8 = dict(vocab_size=8, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64)
+N_SAMPLES = 1500
+
+
+def _v8_draft(kind, target):
+    from infra.draft_head import build_head
+    from infra.draft_spec import DraftSpec
+
+    if kind == "head":  # target tokens 1, 4 and 7 are outside its vocabulary: q = 0 there
+        return build_head(target, DraftSpec(family="head", feature_layers=(0, 1)), torch.tensor([0, 2, 3, 5, 6]))
+    draft = tiny(seed=3, layers=2, **V8)
+    if kind == "bad":
+        with torch.no_grad():  # q is proportional to p ** -0.5: most siblings are rejected
+            draft.lm_head.weight.mul_(-0.5)
+        return draft
+    return build_draft("truncate:1", target)
+
+
+def _exact_first_two(target, prompt, sp):
+    with torch.no_grad():
+        p1 = warp_probs(target(torch.tensor([prompt])).logits[0, -1], sp)
+        p2 = warp_probs(target(torch.tensor([prompt + [t] for t in range(8)])).logits[:, -1], sp)
+    return p1[:, None] * p2
+
+
+@pytest.mark.parametrize("kind, tree, sampling", [
+    ("normal", "6,2,2", SamplingParams(temperature=1.0)),
+    ("bad", "7,2,3", SamplingParams(temperature=1.0)),
+    ("head", "6,2,2", SamplingParams(temperature=1.0)),
+    ("normal", "5,2,3", SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
+])
+def test_sampled_tree_output_follows_the_targets_distribution(kind, tree, sampling, monkeypatch):
+    """The first two tokens of a sampled tree decode, over many seeds, against p(t1) p(t2 | t1)
+    (chi-square). max_new_tokens 3 makes the first step a depth-2 tree that covers both."""
+    import serve.engine
+    import serve.tree
+
+    steps, tries = [], []  # tries: per visited node, how many siblings were tried, and whether one was taken
+    monkeypatch.setattr(serve.engine, "tree_step", lambda *a: steps.append(1) or tree_step(*a))
+    real_try = serve.tree._try_siblings
+
+    def counted_try(children, *a):
+        child, r = real_try(children, *a)
+        tries.append((len(children) if child is None else children.index(child) + 1, child is not None))
+        return child, r
+
+    monkeypatch.setattr(serve.tree, "_try_siblings", counted_try)
+    target = tiny(seed=5, layers=2, **V8)
+    eng = engine(target, _v8_draft(kind, target), tree, k=2)
+    prompt = [1, 2, 3]
+    counts = torch.zeros(8, 8, dtype=torch.long)
+    for i in range(N_SAMPLES):
+        sp = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=i)
+        r = eng.generate(prompt, GenerationParams(max_new_tokens=3, sampling=sp, capture=False))
+        counts[r.output_ids[0], r.output_ids[1]] += 1
+    assert len(steps) >= N_SAMPLES  # every request decoded its first step as a tree
+    # Each path of the rule ran many times: the first sibling taken, a later sibling taken
+    # after a rejection, and every sibling rejected (the next token drawn from the residual).
+    first = sum(1 for n, took in tries if took and n == 1)
+    later = sum(1 for n, took in tries if took and n > 1)
+    residual = sum(1 for _, took in tries if not took)
+    assert min(first, later, residual) >= 10, (first, later, residual)
+    assert chi2_pvalue(counts, _exact_first_two(target, prompt, sampling)) > 1e-3
+
+
+def test_sampled_trees_are_reproducible_and_accept_more_than_a_chain_of_their_depth():
     target = tiny(**SMALL)
-    eng = engine(target, build_draft("truncate:2", target), "8,3,2")
-    r = eng.generate([1, 2, 3], GenerationParams(max_new_tokens=10, sampling=SamplingParams(temperature=1.0, seed=0)))
-    assert len(r.output_ids) == 10 and r.stats.num_draft_tokens > 0
+    draft = build_draft("truncate:2", target)
+    prompt = [1, 2, 3, 4, 5, 6]
+
+    def run(tree, seed):
+        sp = SamplingParams(temperature=0.7, seed=seed)
+        return engine(target, draft, tree).generate(prompt, GenerationParams(max_new_tokens=40, sampling=sp))
+
+    assert run("8,3,3", 1).output_ids == run("8,3,3", 1).output_ids
+    wide = [run("16,3,4", s).stats for s in range(6)]
+    chain = [run("4,3,1", s).stats for s in range(6)]
+    per_step = [sum(st.num_emitted_tokens for st in x) / sum(st.num_steps for st in x) for x in (wide, chain)]
+    assert per_step[0] > per_step[1], per_step
 
 
 @pytest.mark.parametrize("bad", ["1,1,1", "4,0,2", "a,b,c", "4,2"])
