@@ -526,7 +526,7 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
 
     demo = sub.add_parser("demo", help="closed loop on ShareGPT traffic that shifts to code; writes reports/demo")
     demo.add_argument("--general-seconds", type=float, default=180, help="general traffic first (default 180)")
-    demo.add_argument("--code-seconds", type=float, default=660, help="then code traffic (default 660)")
+    demo.add_argument("--code-seconds", type=float, default=2100, help="then code traffic (default 2100)")
     demo.add_argument("--speed-prompts", type=int, default=12, help="post-shift prompts for the AR comparison")
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--out", default="reports/demo", help="report directory (default reports/demo)")

@@ -251,7 +251,10 @@ def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
     return OSDConfig.model_validate(d)
 
 
-def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 660, speed_prompts: int = 12,
+# 35 minutes of code traffic: on 2 cores the head's candidates reach the gate's 20 held-out
+# records about 10 minutes after the shift, and a first canary can spend its 80-request budget
+# (about 20 minutes) before a better one is tried; the 11-minute phase never promoted.
+def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 2100, speed_prompts: int = 12,
              max_tokens: int = 64, concurrency: int = 2, out_dir: str | Path = "reports/demo",
              family: str = "head") -> dict[str, Any]:
     from infra.registry import Registry
