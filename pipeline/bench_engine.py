@@ -226,7 +226,11 @@ def sweep_rows(runs: dict[str, MethodRun], stats: dict[str, SpecStats], field: s
     """Per value of the swept `field` (the run's own `sd` at `own`, and each swept method):
     speed against own AR in the same run (total tokens over total time, and the median of
     per-prompt ratios), tokens per target step and acceptance."""
-    names = {own: "sd", **{v: m for m in runs if (sw := _swept(m)) and sw[0] == field for v in (sw[1],)}}
+    names = {own: "sd"}
+    for m in runs:
+        swept = _swept(m)
+        if swept is not None and swept[0] == field:
+            names[swept[1]] = m
     ar = runs["ar"]
     rows = []
     for value in sorted(names):

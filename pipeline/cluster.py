@@ -117,17 +117,11 @@ def _warm_start_and_promote(cfg_dict: dict[str, Any], family: str = "head") -> s
     stable. The head takes `osd draft init --family head`'s defaults."""
     from pipeline.up import ensure_stable
     from infra.draft_spec import warm_start_path
+    from train.warm_start import warm_start_family
 
     cfg = OSDConfig.model_validate(cfg_dict)
     out = warm_start_path(cfg, family)
-    if family == "head":
-        from train.head_warm_start import run_head_warm_start
-
-        run_head_warm_start(cfg, out_dir=out, progress=False)
-    else:
-        from train.warm_start import run_warm_start
-
-        run_warm_start(cfg, out_dir=out, progress=False)
+    warm_start_family(cfg, family, out_dir=out, progress=False)
     return ensure_stable(cfg, out)
 
 

@@ -459,6 +459,25 @@ def test_cluster_args_refuse_unknown_keys_and_bad_values():
         loop_config({"warm_start_family": "eagle"}, env)
 
 
+@pytest.mark.parametrize("family, out", [("head", "head-v1"), ("layer", "v1")])
+def test_the_cluster_warm_start_builds_the_family_it_is_given(family, out, tmp_path, monkeypatch):
+    import pipeline.cluster
+    import pipeline.up
+    import train.head_warm_start
+    import train.warm_start
+    from infra.config import OSDConfig
+
+    built = []
+    for module, name, fam in ((train.head_warm_start, "run_head_warm_start", "head"),
+                              (train.warm_start, "run_warm_start", "layer")):
+        monkeypatch.setattr(module, name, lambda cfg, fam=fam, **kw: built.append((fam, kw)))
+    monkeypatch.setattr(pipeline.up, "ensure_stable", lambda cfg, src: f"stable from {Path(src).name}")
+    cfg = OSDConfig.model_validate({"state_dir": str(tmp_path)})
+    got = pipeline.cluster._warm_start_and_promote(cfg.model_dump(mode="json"), family)
+    assert built == [(family, {"out_dir": tmp_path / "drafts" / out, "progress": False})]
+    assert got == f"stable from {out}"
+
+
 def test_builders_bind_applications_without_a_cluster(chart, tmp_path, monkeypatch):
     from ray.serve import Application
 

@@ -99,6 +99,17 @@ class _Epochs:
     train_s: float
 
 
+def warm_start_family(cfg: OSDConfig, family: str, **kw: Any) -> dict[str, Any]:
+    """`osd draft init --family <family>` with the config's settings: the head (train/
+    head_warm_start.py) or the layer draft (run_warm_start); `kw` (out_dir, progress, force)
+    goes to either."""
+    if family == "head":
+        from train.head_warm_start import run_head_warm_start
+
+        return run_head_warm_start(cfg, **kw)
+    return run_warm_start(cfg, **kw)
+
+
 def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progress: bool = True,
                    force: bool = False) -> dict[str, Any]:
     """Teacher records -> a draft of target layers -> distilled -> published as v1 (module doc)."""
