@@ -41,6 +41,9 @@ class ModelConfig(_Section):
     # Where converted targets are cached (safetensors + tokenizer), keyed by source digest.
     cache_dir: Path = Path("~/.cache/osd/models")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # The target's decoder linears: "none" in `dtype`; "int4" as group-wise 4-bit weights
+    # (the GGUF target's own Q4_1 codes; CPU only, activations in bfloat16).
+    quant: Literal["none", "int4"] = "none"
     device: str = "cpu"
     # Torch intra-op threads; 0 leaves torch's default.
     num_threads: int = Field(0, ge=0)
@@ -49,6 +52,19 @@ class ModelConfig(_Section):
     @classmethod
     def _expand(cls, v: Path) -> Path:
         return v.expanduser()
+
+    def for_training(self) -> "ModelConfig":
+        """The target as training processes load it: float32, unquantized. Drafts train with
+        float32 master weights and the records' distributions are float32 anyway; a served
+        bfloat16 or int4 target takes the trained draft in its own dtype (load_draft casts)."""
+        return self.model_copy(update={"dtype": "float32", "quant": "none"})
+
+    @model_validator(mode="after")
+    def _quant_fits(self) -> "ModelConfig":
+        if self.quant == "int4" and (self.dtype != "bfloat16" or not self.device.startswith("cpu")):
+            raise ValueError(f"model.quant int4 is the CPU bfloat16 path (dtype {self.dtype}, device "
+                             f"{self.device}): set model.dtype bfloat16 and device cpu, or model.quant none")
+        return self
 
 
 class DataConfig(_Section):
@@ -83,9 +99,10 @@ class ServeConfig(_Section):
     # next position falls below draft_confidence (0 disables that).
     k: int = Field(4, ge=0, le=64)
     draft_confidence: float = Field(0.0, ge=0.0, lt=1.0)
-    # Per request, grow the draft budget by 2 after a fully accepted step, shrink it by 1
-    # otherwise (within [1, k]).
-    adaptive_k: bool = True
+    # The draft length per step (serve/engine.py): "cost" picks 0..k for the most expected
+    # tokens per second from measured forward costs and the request's acceptance; "schedule"
+    # grows it by 2 after a fully accepted step and shrinks it by 1 otherwise; "fixed": k.
+    k_policy: Literal["cost", "schedule", "fixed"] = "cost"
     # CUDA graphs for Llama forwards of up to k+1 tokens (serve/graphs.py): auto = on a CUDA
     # device; on = required (an error on CPU); off = eager everywhere.
     cuda_graphs: Literal["auto", "on", "off"] = "auto"

@@ -365,12 +365,13 @@ def _dir_identity(path: Path) -> str:
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
-def _described_identity(spec: str, model: Any) -> str:
+def _described_identity(spec: str) -> str:
     """An in-process target has no files: its identity is its canonical spec (the seed decides
-    the weights, build_tiny_llama the architecture) and its dtype, so tiny-random and
-    tiny-random:0 match and seeds differ. Not its live config: transformers and tests set
-    attributes on a config after loading, and the identity must not move with them."""
-    body = {"spec": f"{TINY_RANDOM}:{_parse_tiny_seed(spec)}", "dtype": str(model.dtype).removeprefix("torch.")}
+    the weights, build_tiny_llama the architecture), so tiny-random and tiny-random:0 match and
+    seeds differ. Not the dtype it was loaded in, as for a directory: a float32 trainer and a
+    bfloat16 server of the same weights serve and train one target. Not its live config
+    either: transformers and tests set attributes on a config after loading."""
+    body = {"spec": f"{TINY_RANDOM}:{_parse_tiny_seed(spec)}"}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -382,20 +383,19 @@ def target_identity(loaded: LoadedModel) -> str:
     """The sha256 (hex) that names this target in every draft made for it and every registry
     manifest: equal for the same weights and tokenizer, different otherwise."""
     if loaded.path is None:
-        return _described_identity(loaded.spec, loaded.model)
+        return _described_identity(loaded.spec)
     return _dir_identity(loaded.path)
 
 
 def identify_target(spec: str | None = None, cfg: ModelConfig | None = None, model: Any = None,
                     progress: bool = False) -> str:
     """target_identity of the target `spec` names, without loading its weights where a cache
-    manifest gives it. `model`: that target, already loaded (spares rebuilding a tiny one)."""
+    manifest gives it. `model` (that target, loaded) is accepted for callers that have it; no
+    identity needs it."""
     cfg = cfg or ModelConfig()
     spec = spec or cfg.target
     if _is_tiny(spec):
-        if model is None:  # built in a fraction of a second; its config and dtype are part of the identity
-            model = build_tiny_llama(_parse_tiny_seed(spec), dtype=cfg.dtype)
-        return _described_identity(spec, model)
+        return _described_identity(spec)
     if spec == SMOLLM2:
         return _dir_identity(prepare_smollm2(cfg.cache_dir, progress=progress))
     path = Path(spec).expanduser()

@@ -146,7 +146,7 @@ def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48
         raise ValueError(f"checkpoints {list(checkpoints)} must be multiples of --arrive {arrive}")
     for v in variants:
         variant_config(cfg, v)  # unknown names fail before any work
-    loaded = load_target(cfg.model.target, cfg.model, progress=True)
+    loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=True)
     v1_dir = warm_start_path(cfg)
     if not v1_dir.is_dir():
         run_warm_start(cfg)

@@ -27,13 +27,14 @@ from pipeline.replay import select_prompts
 from serve.drafts import build_draft
 from serve.engine import EngineOptions, GenerationParams, SpecEngine, SpecStats
 
-METHODS = ("hf_ar", "hf_assisted", "ar", "sd", "sd_nocapture")
+METHODS = ("hf_ar", "hf_assisted", "ar", "sd", "sd_nocapture", "llamacpp")
 # With --compile on (CUDA graphs), the eager engine runs in the same process for comparison.
 EAGER_METHODS = ("ar_eager", "sd_eager")
 # With --tree, chains of the same draft run in the same process for comparison.
 CHAIN_METHODS = ("sd_chain",)
 LABELS = {
     "hf_ar": "HF generate (AR)",
+    "llamacpp": "llama.cpp (same GGUF, AR)",
     "hf_assisted": "HF assisted (same draft)",
     "ar": "own AR",
     "sd": "own speculative",
@@ -49,6 +50,15 @@ class MethodRun:
     tokens: list[int] = field(default_factory=list)  # tokens generated per prompt
     seconds: list[float] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list)
+    decode_seconds: list[float] = field(default_factory=list)  # own methods: after prefill
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        """Tokens per second after the prompt: the decode loop alone (own methods only)."""
+        if len(self.decode_seconds) != len(self.tokens) or not sum(self.decode_seconds):
+            return None
+        # The first token comes out of the prefill's last forward, not the decode loop.
+        return sum(t - 1 for t in self.tokens) / sum(self.decode_seconds)
 
     @property
     def tok_s(self) -> float:
@@ -77,21 +87,35 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _top2_gap(model, prefix: list[int]) -> float:
-    """Gap between the target's two largest logits after `prefix` (HF forward, fp32)."""
-    with torch.inference_mode():
-        logits = model(torch.tensor([prefix], device=model.device)).logits[0, -1].float()
+def _top2_gap(runner, prefix: list[int]) -> float:
+    """Gap between the target's two largest logits after `prefix`, from the engine's own
+    one-token-at-a-time decoding forward (the runner AR uses), in its dtype."""
+    cache = runner.new_cache()
+    logits = runner.forward(torch.tensor(prefix, device=runner.device), cache)[-1]
     top = torch.topk(logits, 2).values
     return float(top[0] - top[1])
+
+
+def _llamacpp(loaded: Any, spec: str, n_ctx: int):
+    from infra.target import SMOLLM2, smollm2_gguf_path
+    from pipeline.bench_llamacpp import llamacpp_method
+
+    if spec != SMOLLM2:
+        raise ValueError(f"--vs-llamacpp runs the GGUF the target {SMOLLM2} comes from; the target here is {spec!r}")
+    return llamacpp_method(smollm2_gguf_path(), torch.get_num_threads(), n_ctx, loaded.tokenizer.eos_token_id)
 
 
 def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = None, limit: int | None = None,
               max_new_tokens: int = 96, k: int = 4, draft_spec: str = "truncate:4", device: str = "cpu",
               max_prompt_chars: int = 1000, json_path: str | None = None, target: str | None = None,
               compile: str = "auto", dtype: str | None = None, hf: bool = True, tree: str = "",
-              k_sweep: Sequence[int] = (), confidence_sweep: Sequence[float] = (),
+              k_sweep: Sequence[int] = (), confidence_sweep: Sequence[float] = (), quant: str | None = None,
+              vs_llamacpp: bool = False, k_policy: str | None = None,
               log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
-    mcfg = cfg.model.model_copy(update={"device": device, **({"dtype": dtype} if dtype else {})})
+    update: dict[str, Any] = {"device": device, **({"dtype": dtype} if dtype else {}), **({"quant": quant} if quant else {})}
+    if update.get("quant", cfg.model.quant) == "int4" and not dtype:
+        update["dtype"] = "bfloat16"  # int4's activation dtype
+    mcfg = type(cfg.model).model_validate({**cfg.model.model_dump(), **update})  # validated: int4 needs CPU bf16
     loaded = load_target(target or mcfg.target, mcfg, progress=True)
     if draft_spec == "head:init":  # the warm-started head: built once, then taken from disk
         from train.head_warm_start import run_head_warm_start
@@ -107,7 +131,8 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     if not prompts:
         raise ValueError("no prompts selected")
     graphs = "on" if compile == "on" else "off" if compile == "off" else "auto"
-    options = EngineOptions.from_config(cfg.serve.model_copy(update={"k": k, "cuda_graphs": graphs, "tree": tree}))
+    serve_update = {"k": k, "cuda_graphs": graphs, "tree": tree, **({"k_policy": k_policy} if k_policy else {})}
+    options = EngineOptions.from_config(cfg.serve.model_copy(update=serve_update), mcfg)
     engine = SpecEngine(loaded.model, draft, loaded.tokenizer, options)
     eager = chain = None
     if engine.gpu and graphs != "off":
@@ -120,16 +145,23 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
              for m, o in sweep_options(options, k_sweep, confidence_sweep).items()}
     ids_list = [chat_ids(loaded.tokenizer, p.text) for p in prompts]
     log(f"== osd bench engine: target {loaded.spec}, draft {draft_spec}, k={k}, {len(prompts)} prompts, "
-        f"max_new_tokens={max_new_tokens}, device={device}, dtype={mcfg.dtype}, cuda graphs "
+        f"max_new_tokens={max_new_tokens}, device={device}, dtype={mcfg.dtype}, quant={mcfg.quant}, "
+        f"k_policy={options.k_policy}, cuda graphs "
         f"{'on' if eager else 'off'}, tree {tree or 'none (chains)'}, threads={torch.get_num_threads()}")
     runners = method_runners(engine, loaded, draft, eager, chain, sweep)
     if not hf:
         runners = {m: fn for m, fn in runners.items() if not m.startswith("hf_")}
+    if vs_llamacpp:
+        runners["llamacpp"] = _llamacpp(loaded, target or mcfg.target, engine.max_seq_len)
     runs, stats, capture_ratios = time_methods(runners, ids_list, max_new_tokens, log)
     sd_stats = stats["sd"]
-    result = summarize(runs, stats, capture_ratios, greedy_mismatches(loaded.model, runs, ids_list),
-                       engine.options)
+    # An int4 target is not the model HF runs (its bf16 weights): greedy outputs are checked
+    # against own AR, which runs the same int4 weights.
+    reference = "ar" if mcfg.quant != "none" else None
+    result = summarize(runs, stats, capture_ratios,
+                       greedy_mismatches(engine.target, runs, ids_list, reference), engine.options)
     result.update(draft_figures(sd_stats, runs, draft))
+    result.update(step_cost_figures(stats, runs))
     result["k_sweep"] = sweep_rows(runs, stats, "k", k) if k_sweep else None
     result["confidence_sweep"] = (sweep_rows(runs, stats, "draft_confidence", options.draft_confidence)
                                   if confidence_sweep else None)
@@ -137,6 +169,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
         "cuda_graphs": eager is not None,
         "tree": tree or None,
         "dtype": mcfg.dtype,
+        "quant": mcfg.quant,
         "target": loaded.spec,
         "draft": draft_spec,
         "k": k,
@@ -157,7 +190,8 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     return result
 
 
-MethodFn = Callable[[list[int], int], tuple[list[int], "SpecStats | None"]]
+# (prompt ids, token budget) -> (output ids, speculative stats or None, decode seconds or None)
+MethodFn = Callable[[list[int], int], tuple[list[int], "SpecStats | None", "float | None"]]
 
 
 def method_runners(engine: SpecEngine, loaded: Any, draft: Any, eager: SpecEngine | None = None,
@@ -169,16 +203,16 @@ def method_runners(engine: SpecEngine, loaded: Any, draft: Any, eager: SpecEngin
 
     def own(ids, n, speculate: bool, capture: bool, eng: SpecEngine = engine):
         r = eng.generate(ids, GenerationParams(max_new_tokens=n, speculate=speculate, capture=capture))
-        return r.output_ids, r.stats
+        return r.output_ids, r.stats, r.decode_s
 
     def assisted(ids, n):
         # HF cannot drive a head draft (its inputs are the target's features): not timed then.
         if getattr(draft, "osd_family", None) == "head":
-            return [], None
-        return _hf_generate(model, ids, n, eos, pad, assistant=draft), None
+            return [], None, None
+        return _hf_generate(model, ids, n, eos, pad, assistant=draft), None, None
 
     runners: dict[str, MethodFn] = {
-        "hf_ar": lambda ids, n: (_hf_generate(model, ids, n, eos, pad), None),
+        "hf_ar": lambda ids, n: (_hf_generate(model, ids, n, eos, pad), None, None),
         "hf_assisted": assisted,
         "ar": lambda ids, n: own(ids, n, False, True),
         "sd": lambda ids, n: own(ids, n, True, True),
@@ -217,8 +251,9 @@ def _swept(method: str) -> tuple[str, float] | None:
 
 
 def _is_spec(method: str) -> bool:
-    """Methods whose speculative stats are kept (capture off only times capture)."""
-    return method in ("sd", "sd_eager", "sd_chain") or _swept(method) is not None
+    """Methods whose stats are kept (capture off only times capture; own AR's give the
+    one-token forward the verify cost is measured against)."""
+    return method in ("ar", "sd", "sd_eager", "sd_chain") or _swept(method) is not None
 
 
 def sweep_rows(runs: dict[str, MethodRun], stats: dict[str, SpecStats], field: str,
@@ -260,11 +295,13 @@ def time_methods(runners: dict[str, MethodFn], ids_list: list[list[int]], max_ne
         order = methods[i % len(methods):] + methods[: i % len(methods)]
         for m in order:
             t0 = time.perf_counter()
-            out, st = runners[m](ids, max_new_tokens)
+            out, st, decode_s = runners[m](ids, max_new_tokens)
             dt = time.perf_counter() - t0
             runs[m].tokens.append(len(out))
             runs[m].seconds.append(dt)
             runs[m].outputs.append(out)
+            if decode_s is not None:
+                runs[m].decode_seconds.append(decode_s)
             if st is not None and _is_spec(m):
                 stats.setdefault(m, SpecStats()).merge(st)
         capture_ratios.append(runs["sd"].seconds[-1] / runs["sd_nocapture"].seconds[-1] - 1.0)
@@ -273,12 +310,13 @@ def time_methods(runners: dict[str, MethodFn], ids_list: list[list[int]], max_ne
     return runs, stats, capture_ratios
 
 
-def greedy_mismatches(model: Any, runs: dict[str, MethodRun], ids_list: list[list[int]]) -> list[dict[str, Any]]:
+def greedy_mismatches(runner: Any, runs: dict[str, MethodRun], ids_list: list[list[int]],
+                      reference: str | None = None) -> list[dict[str, Any]]:
     """Where an own method's output first differs from HF generate's (own eager AR's without
-    --no-hf), with the target's top-2 logit gap there (a near tie explains a difference by
-    float rounding)."""
+    --no-hf; `reference` when given), with the target's top-2 logit gap there (a near tie
+    explains a difference by float rounding)."""
     mismatches = []
-    reference = "hf_ar" if "hf_ar" in runs else "ar_eager" if "ar_eager" in runs else "ar"
+    reference = reference or ("hf_ar" if "hf_ar" in runs else "ar_eager" if "ar_eager" in runs else "ar")
     for m in ("ar", "sd", "sd_nocapture", "ar_eager", "sd_eager", "sd_chain",
               *sorted(r for r in runs if _swept(r))):
         if m == reference or m not in runs:
@@ -286,8 +324,9 @@ def greedy_mismatches(model: Any, runs: dict[str, MethodRun], ids_list: list[lis
         for i, (ref, got) in enumerate(zip(runs[reference].outputs, runs[m].outputs)):
             pos = _first_diff(ref, got)
             if pos is not None:
-                gap = _top2_gap(model, ids_list[i] + ref[:pos]) if pos < len(ref) else None
-                mismatches.append({"method": m, "prompt": i, "position": pos, "top2_logit_gap": gap})
+                gap = _top2_gap(runner, ids_list[i] + ref[:pos]) if pos < len(ref) else None
+                mismatches.append({"method": m, "prompt": i, "position": pos, "top2_logit_gap": gap,
+                                   "reference": reference})
     return mismatches
 
 
@@ -316,6 +355,11 @@ def summarize(runs: dict[str, MethodRun], stats: dict[str, SpecStats], capture_r
         # Median over prompts of (time with capture / time without) - 1.
         "capture_overhead_pct": 100.0 * statistics.median(capture_ratios),
         "ar_vs_hf_ar": ratio("ar", "hf_ar"),
+        "ar_vs_llamacpp": ratio("ar", "llamacpp"),
+        "sd_vs_llamacpp": ratio("sd", "llamacpp"),
+        # Information, not a check: llama.cpp computes with its own kernels (8-bit activations).
+        "llamacpp_outputs_equal_own_ar": (sum(a == b for a, b in zip(runs["llamacpp"].outputs, runs["ar"].outputs))
+                                          if "llamacpp" in runs else None),
         "sd_vs_hf_assisted": ratio("sd", "hf_assisted"),
         "sd_vs_ar": ratio("sd", "ar"),
         "sd_eager_vs_ar_eager": ratio("sd_eager", "ar_eager"),
@@ -328,7 +372,7 @@ def summarize(runs: dict[str, MethodRun], stats: dict[str, SpecStats], capture_r
         "chain_tokens_per_target_step": stats["sd_chain"].mean_accepted_len if "sd_chain" in stats else None,
         "sd_vs_sd_chain": ratio("sd", "sd_chain"),
         "sd_steps": sd_stats.num_steps,
-        "adaptive_k": options.adaptive_k,
+        "k_policy": options.k_policy,
         "draft_confidence": options.draft_confidence,
         "tokens": {m: sum(r.tokens) for m, r in runs.items()},
         "seconds": {m: sum(r.seconds) for m, r in runs.items()},
@@ -337,10 +381,12 @@ def summarize(runs: dict[str, MethodRun], stats: dict[str, SpecStats], capture_r
 
 def draft_figures(st: SpecStats, runs: dict[str, MethodRun], draft: Any) -> dict[str, Any]:
     """Tokens per target step, acceptance per draft position (accepted / drafted there), one
-    drafted token's time as a fraction of a target step (own AR's time per token: the step a
-    draft must beat), and for a head the share of the target's outputs inside its vocabulary."""
+    drafted token's time as a fraction of own AR's decode time per token (prefill excluded:
+    the step a draft must beat), and for a head the share of the target's outputs inside its
+    vocabulary."""
     t_draft = st.stage_s["propose"] / max(st.num_draft_tokens, 1)
-    t_step = sum(runs["ar"].seconds) / max(sum(runs["ar"].tokens), 1)
+    ar_decode = runs["ar"].decode_tok_s
+    t_step = 1.0 / ar_decode if ar_decode else None
     coverage = None
     if getattr(draft, "osd_family", None) == "head":
         t2d = draft.t2d().cpu()
@@ -351,9 +397,27 @@ def draft_figures(st: SpecStats, runs: dict[str, MethodRun], draft: Any) -> dict
             # Given every earlier draft accepted: comparable with a draft's offline agreement per depth.
             "acceptance_per_pos_given_prefix": [a / r if r else 0.0
                                                 for a, r in zip(st.accepted_per_pos, st.reached_per_pos)],
-            "draft_cost_per_token": t_draft / t_step if t_step else None,
+            "draft_cost_per_token": t_draft / t_step if t_step and st.num_draft_tokens else None,
             "draft_vocab_coverage": coverage,
             "draft_vocab": int(draft.d2t.numel()) if coverage is not None else None}
+
+
+def step_cost_figures(stats: dict[str, SpecStats], runs: dict[str, MethodRun]) -> dict[str, Any]:
+    """The speculation arithmetic's inputs, measured in this run: own AR's decode speed and
+    time per token without prefill, its one-token target forward, and the speculative run's
+    verify forward by its actual token count T as a multiple of that one-token forward, V(T)."""
+    ar, sd = stats.get("ar"), stats.get("sd")
+    one = ar.score_by_tokens.get(1) if ar else None
+    t1 = one[1] / one[0] if one and one[0] else None
+    ar_decode = runs["ar"].decode_tok_s
+    verify = {}
+    if sd is not None and t1:
+        verify = {str(t): {"steps": int(n), "ms": 1e3 * sec / n, "vs_one_token_forward": sec / n / t1}
+                  for t, (n, sec) in sorted(sd.score_by_tokens.items()) if n}
+    return {"ar_decode_tok_s": ar_decode,
+            "ar_decode_ms_per_token": 1e3 / ar_decode if ar_decode else None,
+            "one_token_forward_ms": 1e3 * t1 if t1 else None,
+            "verify_cost_by_tokens": verify or None}
 
 
 def self_draft_cost(runs: dict[str, MethodRun], k: int) -> dict[str, float]:
@@ -390,6 +454,10 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
     log(f"acceptance rate {result['acceptance_rate']:.3f}, mean accepted length {result['mean_accepted_len']:.2f} "
         f"tokens/step, own AR / HF AR {_fmt(result['ar_vs_hf_ar'])}, own SD / HF assisted "
         f"{_fmt(result['sd_vs_hf_assisted'])}, own SD / own AR {_fmt(result['sd_vs_ar'])}")
+    if result.get("sd_vs_llamacpp"):
+        log(f"vs llama.cpp on the same GGUF: own SD {_fmt(result['sd_vs_llamacpp'])}, own AR "
+            f"{_fmt(result['ar_vs_llamacpp'])}; its greedy output equals own AR's on "
+            f"{result['llamacpp_outputs_equal_own_ar']} of {result['prompts']} prompts")
     if result.get("ar_vs_ar_eager"):
         log(f"CUDA graphs: own AR graphs / eager {_fmt(result['ar_vs_ar_eager'])}, eager own SD / own AR "
             f"{_fmt(result['sd_eager_vs_ar_eager'])}")
@@ -399,6 +467,14 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
         + f"; draft cost per token {_fmt(result['draft_cost_per_token'], '.3f', '')} of a target step"
         + (f"; draft vocab coverage {result['draft_vocab_coverage']:.3f}" if result["draft_vocab_coverage"] else ""))
     log(f"capture overhead (median per prompt) {result['capture_overhead_pct']:+.2f}%")
+    if result.get("ar_decode_tok_s"):
+        log(f"own AR decode without prefill: {result['ar_decode_tok_s']:.1f} tok/s "
+            f"({result['ar_decode_ms_per_token']:.1f} ms/token; one-token target forward "
+            f"{_fmt(result['one_token_forward_ms'], '.1f', ' ms')})")
+    if result.get("verify_cost_by_tokens"):
+        log("verify forward by T, vs a one-token forward: " + ", ".join(
+            f"V({t}) {v['vs_one_token_forward']:.2f} ({v['steps']} steps)"
+            for t, v in result["verify_cost_by_tokens"].items()))
     if result.get("chain_tokens_per_target_step") is not None:
         log(f"tree {result['tree']}: {result['mean_accepted_len']:.2f} tokens/step vs chain "
             f"{result['chain_tokens_per_target_step']:.2f}; tree SD / chain SD {_fmt(result['sd_vs_sd_chain'])}")

@@ -1,19 +1,24 @@
-"""`osd bench forward`: what one target forward of T tokens costs, eager and as a CUDA graph.
+"""`osd bench forward`: what one target forward of T tokens costs, by weight format, in one run.
 
-The question it answers is the one trees and k depend on: how the verify forward's time
-grows with the number of tokens it scores. It needs no weights: a random Llama of
-SmolLM2-135M's shape (30 layers, hidden 576, 9 heads over 3 KV heads, vocab 49,152) costs
-what the real one does. Each T is timed as the median of `repeats` forwards over a cache
-holding `context` tokens, in milliseconds; the ratio column is against T=1.
+The question it answers is the one k and trees depend on: how the verify forward's time
+grows with the number of tokens it scores, V(T) = time(T) / time(1). Every variant (a
+dtype, or int4 weights with bfloat16 activations; eager, and on CUDA also as a graph) runs
+in the same process, interleaved repeat by repeat, so the machine's drift hits them alike.
+Without --real it needs no weights: a random Llama of SmolLM2-135M's shape (30 layers,
+hidden 576, 9 heads over 3 KV heads, vocab 49,152) costs what the real one does; with
+--real it times the real target. Each cell is the median of `repeats` forwards over a
+cache holding `context` tokens, in milliseconds.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -22,6 +27,8 @@ from serve.runner import LlamaRunner
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                      intermediate_size=1536)
+# A variant: "float32", "bfloat16", "float16", or "int4" (int4 weights, bfloat16 activations).
+VARIANTS = ("float32", "bfloat16", "float16", "int4")
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
@@ -37,42 +44,87 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
     return once
 
 
-def run_forward_bench(*, device: str = "cpu", dtype: str = "float32", tokens: tuple[int, ...] = (1, 2, 3, 5, 9, 17, 33),
-                      context: int = 256, max_seq_len: int = 2048, repeats: int = 30, json_path: str | None = None,
+def _model(variant: str, device: str, max_seq_len: int, real: Any, cache: dict[str, Any]) -> Any:
+    """The model a variant runs: one per dtype, shared by eager/graph/int4 runners."""
+    dtype = "bfloat16" if variant == "int4" else variant
+    if dtype not in cache:
+        if real is not None:  # Module.to converts in place: each dtype gets its own copy
+            cache[dtype] = copy.deepcopy(real).to(getattr(torch, dtype))
+        else:
+            cache[dtype] = build_tiny_llama(seed=0, max_positions=max_seq_len, dtype=dtype, **SMOLLM2_SHAPE)
+        cache[dtype] = cache[dtype].to(device).eval()
+    return cache[dtype]
+
+
+def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_tokens: int,
+                  real: Any = None) -> dict[str, Any]:
+    """name -> runner: each variant eagerly, and on CUDA each non-int4 variant as graphs too."""
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise ValueError(f"unknown variant(s) {bad}: expected some of {', '.join(VARIANTS)}")
+    if "int4" in variants and device != "cpu":
+        raise ValueError("the int4 variant is the CPU path; drop it with --device cuda")
+    models: dict[str, Any] = {}
+    runners: dict[str, Any] = {}
+    for v in variants:
+        model = _model(v, device, max_seq_len, real, models)
+        runners[v] = LlamaRunner(model, max_seq_len, quant="int4" if v == "int4" else "none")
+        if device == "cuda" and v != "int4":
+            from serve.graphs import GraphLlamaRunner
+
+            runners[f"{v}-graph"] = GraphLlamaRunner(model, max_seq_len)
+            runners[f"{v}-graph"].max_graph_tokens = max_tokens
+    return runners
+
+
+def run_forward_bench(*, device: str = "cpu", variants: Sequence[str] = ("float32", "bfloat16", "int4"),
+                      tokens: tuple[int, ...] = (1, 2, 3, 5, 9, 17, 33), context: int = 256,
+                      max_seq_len: int = 2048, repeats: int = 30, real: Any = None, json_path: str | None = None,
                       log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
-    model = build_tiny_llama(seed=0, max_positions=max_seq_len, dtype=dtype, **SMOLLM2_SHAPE).to(device).eval()
+    """Times every (runner, T) in one run, interleaved per repeat; `real`: the target model to
+    time instead of a random one of its shape."""
     dev = torch.device(device)
-    runners: dict[str, Any] = {"eager": LlamaRunner(model, max_seq_len)}
-    if dev.type == "cuda":
-        from serve.graphs import GraphLlamaRunner
-
-        runners["graph"] = GraphLlamaRunner(model, max_seq_len)
-        runners["graph"].max_graph_tokens = max(tokens)
+    runners = build_runners(variants, device, max_seq_len, max(tokens), real)
+    vocab = next(iter(runners.values())).vocab_size
     once = _timer(dev)
-    rows: dict[str, dict[int, float]] = {name: {} for name in runners}
+    gen = torch.Generator().manual_seed(0)
+    caches = {}
     for name, runner in runners.items():
-        cache = runner.new_cache()
-        runner.forward(torch.randint(0, 49152, (context,), device=dev), cache)
+        caches[name] = runner.new_cache()
+        runner.forward(torch.randint(0, vocab, (context,), generator=gen).to(dev), caches[name])
+    times: dict[str, dict[int, list[float]]] = {name: {t: [] for t in tokens} for name in runners}
+    blocks = {t: torch.randint(0, vocab, (t,), generator=gen).to(dev) for t in tokens}
+    for rep in range(repeats + 3):  # 3 warm-ups (and graph captures)
         for t in tokens:
-            block = torch.randint(0, 49152, (t,), device=dev)
-
-            def step() -> None:
-                runner.forward(block, cache)
+            for name, runner in runners.items():
+                cache = caches[name]
+                ms = once(lambda: runner.forward(blocks[t], cache))
                 cache.truncate(context)
-
-            for _ in range(3):  # capture and warm-up
-                step()
-            rows[name][t] = statistics.median(once(step) for _ in range(repeats))
-    log(f"== osd bench forward: SmolLM2-135M shape (random weights), {device}, {dtype}, context {context}, "
-        f"median of {repeats}")
-    log(f"{'T':>4}" + "".join(f"{name + ' ms':>12}{'vs T=1':>8}" for name in rows))
-    for t in tokens:
-        log(f"{t:>4}" + "".join(f"{r[t]:>12.3f}{r[t] / r[tokens[0]]:>7.2f}x" for r in rows.values()))
-    result = {"device": device, "dtype": dtype, "context": context, "repeats": repeats,
+                if rep >= 3:
+                    times[name][t].append(ms)
+    rows = {name: {t: statistics.median(v) for t, v in r.items()} for name, r in times.items()}
+    result = {"device": device, "variants": list(variants), "context": context, "repeats": repeats,
+              "weights": "real" if real is not None else "random (SmolLM2-135M shape)",
               "ms": {name: {str(t): v for t, v in r.items()} for name, r in rows.items()},
-              "torch": torch.__version__}
+              "vs_t1": {name: {str(t): v / r[tokens[0]] for t, v in r.items()} for name, r in rows.items()},
+              "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "machine": platform.processor() or platform.machine()}
+    print_forward_table(result, rows, tokens, log)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=2))
         log(f"wrote {json_path}")
     return result
+
+
+def print_forward_table(result: dict[str, Any], rows: dict[str, dict[int, float]], tokens: Sequence[int],
+                        log: Callable[[str], None]) -> None:
+    log(f"== osd bench forward: {result['weights']}, {result['device']}, context {result['context']}, "
+        f"median of {result['repeats']}, {result['threads']} threads; ms per forward (x: vs T=1)")
+    log(f"{'T':>4}" + "".join(f"{name:>22}" for name in rows))
+    for t in tokens:
+        log(f"{t:>4}" + "".join(f"{r[t]:>13.2f} ms {r[t] / r[tokens[0]]:>5.2f}x" for r in rows.values()))
+    base = rows.get("float32")
+    if base:
+        log("one-token forward vs float32: " + ", ".join(
+            f"{name} {base[tokens[0]] / r[tokens[0]]:.2f}x" for name, r in rows.items() if name != "float32"))

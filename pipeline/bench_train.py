@@ -33,7 +33,7 @@ def run_train_bench(cfg: OSDConfig, *, records: int = 2000, domain: str = "code"
     from infra.draft_spec import warm_start_path
 
     tc = cfg.train
-    loaded = load_target(cfg.model.target, cfg.model, progress=True)
+    loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=True)
     default_v1 = warm_start_path(cfg)
     init_draft = init_draft or (str(default_v1) if default_v1.is_dir() else None)
     train_recs, eval_recs = teacher_sets(cfg, loaded, records, eval_prompts, domain)

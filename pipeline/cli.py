@@ -192,14 +192,23 @@ def _cmd_up(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_engine(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    try:
+        _run_bench_engine(cfg, args)
+    except ValueError as e:
+        print(f"osd: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _run_bench_engine(cfg: OSDConfig, args: argparse.Namespace) -> None:
     from pipeline.bench_engine import run_bench
 
     run_bench(cfg, n_prompts=args.prompts, prompts_file=args.prompts_file, limit=args.limit,
               max_new_tokens=args.max_new_tokens, k=args.k, draft_spec=args.draft, device=args.device,
               max_prompt_chars=args.max_prompt_chars, json_path=args.json, target=args.target,
               compile=args.compile, dtype=args.dtype, hf=not args.no_hf, tree=args.tree or "",
-              k_sweep=args.k_sweep, confidence_sweep=args.confidence_sweep)
-    return 0
+              k_sweep=args.k_sweep, confidence_sweep=args.confidence_sweep, quant=args.quant,
+              vs_llamacpp=args.vs_llamacpp, k_policy=args.k_policy)
 
 
 def _cmd_bench_forward(cfg: OSDConfig, args: argparse.Namespace) -> int:
@@ -212,8 +221,18 @@ def _cmd_bench_forward(cfg: OSDConfig, args: argparse.Namespace) -> int:
     if not tokens or min(tokens) < 1:
         print(f"osd: error: --tokens must be comma-separated positive integers, got {args.tokens!r}", file=sys.stderr)
         return 2
-    run_forward_bench(device=args.device, dtype=args.dtype, tokens=tokens, context=args.context,
-                      repeats=args.repeats, json_path=args.json)
+    variants = args.variants or (["float32", "bfloat16", "int4"] if args.device == "cpu" else ["bfloat16"])
+    real = None
+    if args.real:
+        from infra.target import load_target
+
+        real = load_target(cfg.model.target, cfg.model.for_training(), progress=True).model
+    try:
+        run_forward_bench(device=args.device, variants=variants, tokens=tokens, context=args.context,
+                          repeats=args.repeats, real=real, json_path=args.json)
+    except ValueError as e:
+        print(f"osd: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -341,11 +360,18 @@ def _add_registry_parser(sub: argparse._SubParsersAction) -> None:
     rg.set_defaults(func=_cmd_registry)
 
 
+VARIANT_CHOICES = ("float32", "bfloat16", "float16", "int4")
+
+
 def _add_bench_forward_parser(bench_sub: argparse._SubParsersAction) -> None:
-    bf = bench_sub.add_parser("forward", help="one target forward of T tokens, eager and CUDA graph (random "
-                                              "weights of SmolLM2-135M's shape)")
+    bf = bench_sub.add_parser("forward", help="one target forward of T tokens by weight format, interleaved in one "
+                                              "run (eager; on CUDA also graphs)")
     bf.add_argument("--device", default="cpu", help="cpu or cuda")
-    bf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    bf.add_argument("--variants", nargs="+", choices=VARIANT_CHOICES, metavar="V",
+                    help="float32, bfloat16, float16 and/or int4 (int4 weights, bfloat16 activations; CPU); "
+                         "default: float32 bfloat16 int4 on CPU, bfloat16 on CUDA")
+    bf.add_argument("--real", action="store_true", help="time the real target (model.target) instead of random "
+                                                        "weights of SmolLM2-135M's shape")
     bf.add_argument("--tokens", default="1,2,3,5,9,17,33", help="comma-separated token counts T")
     bf.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     bf.add_argument("--repeats", type=int, default=30)
@@ -441,6 +467,12 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                     help="CUDA graphs for decode/verify/draft steps (auto: on with --device cuda); when on, "
                          "the eager engine is timed in the same run")
     be.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model dtype (default: model.dtype)")
+    be.add_argument("--quant", choices=("none", "int4"), help="target weights (default: model.quant); int4 "
+                                                             "implies --dtype bfloat16")
+    be.add_argument("--k-policy", choices=("cost", "schedule", "fixed"), help="draft length per step "
+                    "(default: serve.k_policy)")
+    be.add_argument("--vs-llamacpp", action="store_true", help="time llama.cpp on the GGUF the target comes from "
+                    "in the same run (needs the optional llama-cpp-python)")
     be.add_argument("--k-sweep", nargs="+", type=_positive_int, default=[], metavar="K",
                     help="also time these draft budgets in the same run, interleaved with own AR (e.g. 1 2 3)")
     be.add_argument("--confidence-sweep", nargs="+", type=_probability_below_1, default=[], metavar="C",

@@ -305,7 +305,7 @@ def prepare(cfg: OSDConfig, family: str = "head") -> tuple[Any, Path]:
 
     v1 = warm_start_path(cfg, family)
     _log(f"target {cfg.model.target}: preparing (cached after the first run)")
-    loaded = load_target(cfg.model.target, cfg.model, progress=True)
+    loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=True)
     if not v1.is_dir():
         from train.warm_start import warm_start_family
 

@@ -13,14 +13,18 @@ KV convention: a sequence's cache holds every committed token except the last on
 is the first input of the next forward. After verify, each cache is truncated to the
 committed prefix, so rollback is a length change (see runner.StaticKVCache).
 
-Draft length: at most k tokens per step (config `serve.k`). Two rules shorten it:
-- confidence: drafting stops when the draft's top probability at the next position falls
-  below `draft_confidence` (0 disables it). Decided before drawing, so sampled drafts still
-  follow q and verification stays exact.
-- adaptive k (`adaptive_k`, on by default): per request, the step's draft budget grows by 2
-  after a step whose drafts were all accepted and shrinks by 1 (not below 1) otherwise, the
-  rule of Hugging Face's default assistant schedule. A poor draft then costs one draft
-  forward per step instead of k; a good one climbs back to k.
+Draft length: at most k tokens per step (config `serve.k`), chosen per step by `k_policy`:
+- cost (the serving default, serve/k_policy.py): the length in 0..k with the most expected
+  tokens per second, from the target's forward cost by token count (profiled at the first
+  speculative step, then measured from every step), the draft's measured cost per token,
+  and the request's running acceptance. A draft that cannot pay for its verify drafts
+  nothing (one probe token every 16 steps), so speculation never costs much more than AR.
+- schedule: the budget grows by 2 after a step whose drafts were all accepted and shrinks
+  by 1 (not below 1) otherwise, the rule of Hugging Face's default assistant schedule.
+- fixed: k every step.
+And a confidence stop: drafting stops when the draft's top probability at the next position
+falls below `draft_confidence` (0 disables it). Decided before drawing, so sampled drafts
+still follow q and verification stays exact.
 Neither can change the output, only the cost. Never past the token budget or the context.
 """
 
@@ -36,7 +40,7 @@ from typing import Any, AsyncIterator, Sequence
 
 import torch
 
-from infra.config import ServeConfig
+from infra.config import ModelConfig, ServeConfig
 from infra.tokens import eos_token_ids
 from serve.admission import SlotPool
 from serve.capture import Capture, CaptureBuffer
@@ -44,12 +48,15 @@ from serve.detokenize import StopScanner
 from serve import gpu_stages
 from serve.head_runner import commit_head, is_head, propose_head
 from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
+from serve.k_policy import KPolicy, RequestK, StepCosts, profile_forward
+from serve.linear import QUANT_MODES
 from serve.runner import KVCache, LlamaRunner, Runner, make_runner
 from serve.graphs import GraphLlamaRunner, StagingRing
 from serve.tree_stages import TreeShape, can_expand, tree_step
 from serve.verify import SamplingParams, verify_greedy, verify_sampling, warp_probs
 
 
+K_POLICIES = ("cost", "schedule", "fixed")
 DEFAULT: Any = object()  # "the engine's own draft" for the per-request draft= argument
 
 
@@ -57,7 +64,7 @@ DEFAULT: Any = object()  # "the engine's own draft" for the per-request draft= a
 class EngineOptions:
     k: int = 4
     draft_confidence: float = 0.0
-    adaptive_k: bool = True
+    k_policy: str = "schedule"  # cost, schedule or fixed (module doc)
     capture: bool = True
     capture_top_k: int = 32
     max_seq_len: int = 2048
@@ -71,13 +78,17 @@ class EngineOptions:
     # "TOTAL,DEPTH,TOPK": steps verify an EAGLE-2 tree (serve/tree_stages.py; sampled requests
     # draw the tree from q and verify it by recursive rejection) instead of a chain; "" = chains.
     tree: str = ""
+    # How the target's decoder weights are multiplied (serve/linear.py): "none" as loaded,
+    # "int4" group-wise 4-bit (the GGUF target's own Q4_1 codes). Drafts keep their weights.
+    quant: str = "none"
 
     @classmethod
-    def from_config(cls, serve: "ServeConfig") -> "EngineOptions":
-        return cls(k=serve.k, draft_confidence=serve.draft_confidence, adaptive_k=serve.adaptive_k,
+    def from_config(cls, serve: "ServeConfig", model: "ModelConfig | None" = None) -> "EngineOptions":
+        return cls(k=serve.k, draft_confidence=serve.draft_confidence, k_policy=serve.k_policy,
                    capture_top_k=serve.capture_top_k, max_seq_len=serve.max_seq_len,
                    max_concurrency=serve.max_concurrency, max_queue=serve.max_queue,
-                   queue_timeout_s=serve.queue_timeout_s, cuda_graphs=serve.cuda_graphs, tree=serve.tree)
+                   queue_timeout_s=serve.queue_timeout_s, cuda_graphs=serve.cuda_graphs, tree=serve.tree,
+                   quant=model.quant if model is not None else "none")
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -90,6 +101,10 @@ class EngineOptions:
             raise EngineError("max_queue must be >= 0 and queue_timeout_s > 0")
         if self.cuda_graphs not in ("auto", "on", "off"):
             raise EngineError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
+        if self.k_policy not in K_POLICIES:
+            raise EngineError(f"k_policy must be one of {', '.join(K_POLICIES)}, got {self.k_policy!r}")
+        if self.quant not in QUANT_MODES:
+            raise EngineError(f"quant must be one of {', '.join(QUANT_MODES)}, got {self.quant!r}")
         if self.tree:
             try:
                 TreeShape.parse(self.tree)
@@ -127,6 +142,9 @@ class SpecStats:
     reached_per_pos: list[int] = field(default_factory=list)
     # Wall seconds spent in each stage, summed over steps (prefill excluded).
     stage_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    # The score stage by the target forward's token count T: T -> [steps, seconds] (CPU path;
+    # the GPU path's stage times arrive as events, per stage only).
+    score_by_tokens: dict[int, list[float]] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -148,6 +166,10 @@ class SpecStats:
         self.reached_per_pos = _add_counts(self.reached_per_pos, other.reached_per_pos)
         for name in STAGES:
             self.stage_s[name] += other.stage_s[name]
+        for t, (n, sec) in other.score_by_tokens.items():
+            mine = self.score_by_tokens.setdefault(t, [0, 0.0])
+            mine[0] += n
+            mine[1] += sec
 
 
 def _add_counts(a: list[int], b: list[int]) -> list[int]:
@@ -210,7 +232,8 @@ class _Seq:
         self.slot = slot
         self.draft = draft  # this request's draft (None: autoregressive)
         self.dcache = slot.draft_cache(draft) if draft is not None else None
-        self.k = k  # this request's current draft budget (adaptive_k moves it within [1, k])
+        self.k = k  # this request's current draft budget (k_policy schedule moves it within [1, k])
+        self.kreq: RequestK | None = None  # k_policy cost: this request's choice of k
         self.eos = eos
         self.out: list[int] = []
         self.finish: str | None = None
@@ -407,7 +430,7 @@ class SpecEngine:
                  options: EngineOptions | None = None):
         self.options = options or EngineOptions()
         self.tokenizer = tokenizer
-        self.target = self._runner(target_model)
+        self.target = self._runner(target_model, self.options.quant)
         self.draft = self._draft_runner(draft_model) if draft_model is not None else None
         # The CUDA path (serve/gpu_stages.py): device-resident stages, one host read per step.
         self.gpu = self.target.device.type == "cuda"
@@ -435,11 +458,15 @@ class SpecEngine:
         self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osd-engine")
         self._ids = itertools.count()
         self._progress: dict[int, float] = {}  # request -> monotonic time of its last step
+        self._kpolicy: KPolicy | None = None  # k_policy cost: made at the first speculative request
 
-    def _runner(self, model: Any) -> Runner:
+    def _runner(self, model: Any, quant: str = "none") -> Runner:
         """The model's runner; on CUDA a Llama gets CUDA graphs for its forwards of up to k+1
         tokens (decode, verify, draft steps) unless cuda_graphs is off."""
-        runner = make_runner(model, self.options.max_seq_len)
+        try:
+            runner = make_runner(model, self.options.max_seq_len, quant)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
         want = self.options.cuda_graphs
         on_cuda = runner.device.type == "cuda"
         if want == "on" and not on_cuda:
@@ -500,17 +527,50 @@ class SpecEngine:
         seq = _Seq(prompt, params, slot, k, self.eos, cap, self.device, draft if use_draft else None, self.ring)
         if params.stop and self.tokenizer is not None:
             seq.stops = StopScanner(self.tokenizer, params.stop)
+        if seq.draft is not None and self.options.k_policy == "cost":
+            seq.kreq = self.k_policy().new_request(id(seq.draft))
         prefill(self.target, seq.draft, seq)
         return seq
 
+    def k_policy(self) -> KPolicy:
+        """The cost rule's state, profiling the target's forward by token count on first use
+        (a few forwards of 1..k+1 tokens over a scratch cache: well under a second)."""
+        if self._kpolicy is None:
+            self._kpolicy = KPolicy(StepCosts(self._profile_forward()), self.options.k)
+        return self._kpolicy
+
+    def _profile_forward(self) -> list[float]:
+        cache = self.target.new_cache()
+        context = min(64, self.max_seq_len - self.options.k - 2)
+        gen = torch.Generator().manual_seed(0)
+        self.target.forward(torch.randint(0, self.target.vocab_size, (max(context, 1),), generator=gen
+                                          ).to(self.device), cache)
+        base = cache.length
+
+        def forward(t: int) -> float:
+            toks = torch.randint(0, self.target.vocab_size, (t,), generator=gen).to(self.device)
+            if self.gpu:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            self.target.forward(toks, cache)
+            if self.gpu:
+                torch.cuda.synchronize()
+            cache.truncate(base)
+            return time.perf_counter() - t0
+
+        return profile_forward(forward, min(self.options.k, self.max_seq_len - base - 1))
+
     def _step(self, seq: _Seq) -> list[int]:
         remaining = seq.params.max_new_tokens - len(seq.out)
-        k = min(seq.k, remaining - 1, self.max_seq_len - len(seq.tokens) - 1)
+        limit = min(remaining - 1, self.max_seq_len - len(seq.tokens) - 1)
         if self._use_tree(seq, remaining):
             return self._stages_tree(seq)
+        k = seq.kreq.choose(limit) if seq.kreq is not None else min(seq.k, limit)
         run = self._stages_gpu if self.gpu else self._stages_cpu
         n, k_drafted, emitted = run(seq, k)
-        if self.options.adaptive_k and k_drafted:
+        if seq.kreq is not None:
+            seq.kreq.observe(k_drafted, n)
+        elif self.options.k_policy == "schedule" and k_drafted:
             budget = self.options.k
             seq.k = min(seq.k + 2, budget) if n == k_drafted else max(seq.k - 1, 1)
         return emitted
@@ -551,6 +611,14 @@ class SpecEngine:
         t4 = time.perf_counter()
         for name, a, b in zip(STAGES, (t0, t1, t2, t3), (t1, t2, t3, t4)):
             clock[name] += b - a
+        by_t = seq.stats.score_by_tokens.setdefault(logits.shape[0], [0, 0.0])
+        by_t[0] += 1
+        by_t[1] += t2 - t1
+        if seq.kreq is not None:  # the cost rule learns from every step it did not profile
+            costs = seq.kreq.policy.costs
+            costs.observe_verify(logits.shape[0], t2 - t1)
+            costs.observe_draft(seq.kreq.draft_key, drafts.numel(), t1 - t0)
+            costs.observe_step(t4 - t2)
         return n, drafts.numel(), emitted
 
     def _stages_gpu(self, seq: _Seq, k: int) -> tuple[int, int, list[int]]:

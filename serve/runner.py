@@ -1,10 +1,10 @@
 """Model runners: one forward over new tokens against a preallocated KV cache.
 
 `LlamaRunner` is a lean re-implementation of the Llama forward over a Hugging Face
-LlamaForCausalLM's own weight tensors (no copies). It exists because the per-token Python
-and allocation work inside HF's generic forward is a large share of a 135M model's
-step on CPU. It mirrors HF's op order (fp32 RMSNorm, rotate-half RoPE, SDPA) so logits
-match HF to float rounding.
+LlamaForCausalLM's weights (q|k|v and gate|up fused into one GEMM each). It exists
+because the per-op Python and allocation work inside HF's generic forward is a large
+share of a 135M model's step on CPU. Same math as HF (RMSNorm, rotate-half RoPE, SDPA),
+so logits match HF to float rounding.
 
 `HFRunner` wraps any other causal LM through its own forward and DynamicCache, so the
 engine accepts any pair of causal LMs that share a vocab; it is slower.
@@ -15,10 +15,12 @@ positions to the cache), cache.truncate(n) for rollback, and cache_key.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.nn.functional as F
+
+from serve.linear import QUANT_MODES, Dense, Int4, Int8, make_linear
 
 
 class KVCache(Protocol):
@@ -67,13 +69,19 @@ class StaticKVCache:
 HF_CONTEXT_WITHOUT_LIMIT = 4096
 
 _HEAD_T: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_FUSED: dict[tuple, tuple[tuple[torch.Tensor, ...], Any]] = {}
+_FUSED_MAX = 512  # entries (one per weight group of a layer): a target and a few drafts
+
+
+def _tensor_key(w: torch.Tensor) -> tuple:
+    return (w.data_ptr(), tuple(w.shape), w.dtype, str(w.device), w._version)
 
 
 def _transposed_head(weight: torch.Tensor) -> torch.Tensor:
     """The [D, V] head copy, shared by every runner over the same head tensor: drafts that
     share the target's frozen head (every registry version) would otherwise copy 113 MB each."""
     w = weight.detach()
-    key = (w.data_ptr(), tuple(w.shape), w.dtype, str(w.device), w._version)
+    key = _tensor_key(w)
     if key not in _HEAD_T:
         while len(_HEAD_T) >= 4:
             _HEAD_T.pop(next(iter(_HEAD_T)))
@@ -82,71 +90,112 @@ def _transposed_head(weight: torch.Tensor) -> torch.Tensor:
     return _HEAD_T[key][1]
 
 
+def _shared_linear(sources: tuple[torch.Tensor, ...], quant: str, dtype: torch.dtype) -> Dense | Int4:
+    """One linear over the concatenated `sources` (q|k|v, gate|up, or a single weight), made
+    once per set of tensors: a `truncate:L` draft shares the target's layers, and the bench's
+    several engines over one model would otherwise each hold a copy."""
+    srcs = tuple(w.detach() for w in sources)
+    key = (quant, dtype) + tuple(_tensor_key(w) for w in srcs)
+    hit = _FUSED.pop(key, None)
+    if hit is None:
+        while len(_FUSED) >= _FUSED_MAX:
+            _FUSED.pop(next(iter(_FUSED)))
+        w = srcs[0] if len(srcs) == 1 else torch.cat(srcs)
+        hit = (srcs, make_linear(w, quant, dtype))
+    _FUSED[key] = hit  # most recently used last
+    return hit[1]
+
+
+def _shared_head(weight: torch.Tensor, quant: str, dtype: torch.dtype) -> Dense | Int8:
+    key = ("head", quant, dtype, _tensor_key(weight.detach()))
+    hit = _FUSED.pop(key, None)
+    if hit is None:
+        w = weight.detach()
+        hit = ((w,), Dense(w) if quant == "none" else Int8.from_weight(w, dtype))
+    _FUSED[key] = hit
+    return hit[1]
+
+
 class LlamaRunner:
-    def __init__(self, model: Any, max_seq_len: int | None = None):
+    """The lean Llama forward: per layer one GEMM for q|k|v and one for gate|up, fused
+    RMSNorm, RoPE on q and k together without concatenation, one attention call, the
+    residual adds on the GEMMs. The eager path (CPU, prefill on GPU) attends over the
+    cache's filled prefix; forward_static/forward_masked (CUDA graphs, draft trees) over
+    the whole cache under a mask. Both run the same decoder stack (`_decoder`).
+
+    quant: "none" keeps the model's weights (fused copies of q|k|v and gate|up);
+    "int4" multiplies every decoder linear by group-wise int4 weights (serve/linear.py),
+    the GGUF target's own Q4_1 weights. The head and embedding stay in the model's dtype."""
+
+    def __init__(self, model: Any, max_seq_len: int | None = None, quant: str = "none"):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in ("llama",):
             raise TypeError(f"LlamaRunner needs a Llama model, got {cfg.model_type!r}")
+        if quant not in QUANT_MODES:
+            raise ValueError(f"unknown quant {quant!r}: expected one of {', '.join(QUANT_MODES)}")
+        if quant == "int4" and (model.lm_head.weight.dtype != torch.bfloat16 or model.lm_head.weight.device.type != "cpu"):
+            raise ValueError("quant int4 needs a bfloat16 model on the CPU (its kernel's activation dtype)")
         inner = model.model
+        self.quant = quant
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.vocab_size = cfg.vocab_size
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.hidden = (cfg.hidden_size,)
         self.eps = cfg.rms_norm_eps
         self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        # [D, V] copy of the head: MKL's small-M GEMM reads it ~25% faster in this layout,
-        # and the head is a fifth of a 135M model's bytes per step.
-        self.lm_head_t = _transposed_head(model.lm_head.weight)
-        self.layers = [
-            (
-                layer.input_layernorm.weight,
-                layer.self_attn.q_proj.weight,
-                layer.self_attn.k_proj.weight,
-                layer.self_attn.v_proj.weight,
-                layer.self_attn.o_proj.weight,
-                layer.post_attention_layernorm.weight,
-                layer.mlp.gate_proj.weight,
-                layer.mlp.up_proj.weight,
-                layer.mlp.down_proj.weight,
-            )
-            for layer in inner.layers
-        ]
+        self.head = self._make_head(model.lm_head.weight, quant)
         if any(getattr(layer.self_attn.q_proj, "bias", None) is not None for layer in inner.layers):
             raise TypeError("LlamaRunner does not support attention biases; use HFRunner")
+
+        def linear(*ws: torch.Tensor) -> Dense | Int4:
+            return _shared_linear(ws, quant, self.dtype)
+
+        # Per layer (ln1, q|k|v, o, ln2, gate|up, down).
+        self.blocks = [
+            (layer.input_layernorm.weight,
+             linear(layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight),
+             linear(layer.self_attn.o_proj.weight),
+             layer.post_attention_layernorm.weight,
+             linear(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight),
+             linear(layer.mlp.down_proj.weight))
+            for layer in inner.layers
+        ]
         # RoPE tables from the model's own rotary module, so any rope scaling it applies is kept.
         with torch.no_grad():
             pos = torch.arange(self.max_seq_len, device=self.device).unsqueeze(0)
             probe = torch.zeros(1, dtype=self.dtype, device=self.device)
             cos, sin = inner.rotary_emb(probe, pos)
-        self.cos = cos[0]  # [max_seq_len, head_dim]
-        self.sin = sin[0]
+        half = self.head_dim // 2
+        # [max_seq_len, 1, head_dim]; sin with the first half negated, so rotate-half is a roll.
+        self.cos = cos[0].unsqueeze(1)
+        self.sin_signed = torch.cat([-sin[0][:, :half], sin[0][:, half:]], dim=-1).unsqueeze(1)
         self.causal = torch.ones(self.max_seq_len, self.max_seq_len, dtype=torch.bool, device=self.device).tril()
         self.arange = torch.arange(self.max_seq_len, device=self.device)
-        self._fused: list[tuple[torch.Tensor, ...]] | None = None
+
+    def _make_head(self, weight: torch.Tensor, quant: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The output projection, a fifth of a 135M model's bytes per step. float32: a [D, V]
+        copy, which MKL's small-M GEMM reads ~25% faster; bfloat16: the weight as it is, which
+        oneDNN reads 1.4x faster than that copy (3.2 vs 4.6 ms on 2 cores); int4 targets: int8
+        rows (1.7 ms), as the GGUF keeps the tied head in 8 bits."""
+        if quant == "int4":
+            return _shared_head(weight, "int8", self.dtype)
+        if self.dtype == torch.float32:
+            head_t = _transposed_head(weight)
+            return lambda x: x @ head_t
+        return _shared_head(weight, "none", self.dtype)
 
     def new_cache(self) -> StaticKVCache:
-        return StaticKVCache(len(self.layers), self.n_kv, self.max_seq_len, self.head_dim, self.dtype, self.device)
+        return StaticKVCache(len(self.blocks), self.n_kv, self.max_seq_len, self.head_dim, self.dtype, self.device)
 
     @property
     def cache_key(self) -> tuple:
         """Runners with equal keys can share caches (drafts of one family swap without new memory)."""
-        return ("static", len(self.layers), self.n_kv, self.max_seq_len, self.head_dim, self.dtype, str(self.device))
-
-    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # Same as HF LlamaRMSNorm: normalise in fp32, cast back, then scale.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return w * xf.to(x.dtype)
-
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return ("static", len(self.blocks), self.n_kv, self.max_seq_len, self.head_dim, self.dtype, str(self.device))
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
@@ -168,18 +217,33 @@ class LlamaRunner:
         end = start + t
         if end > cache.max_len:
             raise ValueError(f"sequence of {end} tokens exceeds the cache's {cache.max_len}")
-        # One query block attends to everything cached plus itself, causally.
+        # One query block attends to everything cached plus itself, causally; one mask per forward.
         mask = None if t == 1 else self.causal[start:end, :end]
 
-        def attend(i: int, q, k, v):
-            cache.k[i, :, start:end] = k
-            cache.v[i, :, start:end] = v
-            return F.scaled_dot_product_attention(
-                q, cache.k[i, :, :end], cache.v[i, :, :end], attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.k[i, :, start:end] = k.transpose(0, 1)
+            cache.v[i, :, start:end] = v.transpose(0, 1)
+            return self._attention(q, cache.k[i, :, :end], cache.v[i, :, :end], mask)
 
-        out = self._layers(tokens, self.cos[start:end], self.sin[start:end], attend, layers)
+        out = self._decoder(tokens, self.cos[start:end], self.sin_signed[start:end], attend, layers)
         cache.length = end
         return out
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   mask: torch.Tensor | None) -> torch.Tensor:
+        """q [T, H, hd] against k/v [KV, L, hd] -> [T, H*hd]. Blocks: 4-D SDPA (grouped-query
+        heads without copies), which reaches the fused CPU attention kernel. One row: two
+        small bmm with fp32 scores, 4x faster than that kernel for T=1 in bfloat16 (70 vs
+        280 us a layer at 256 tokens of context, 2 cores)."""
+        t = q.shape[0]
+        if t == 1:
+            hd, group = self.head_dim, self.n_heads // self.n_kv
+            qg = q.reshape(self.n_kv, group, hd).float()
+            att = torch.bmm(qg, k.transpose(1, 2).float()).mul_(hd ** -0.5).softmax(-1)
+            return torch.bmm(att.to(v.dtype), v).reshape(1, self.n_heads * hd)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                           attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
+        return o[0].transpose(0, 1).reshape(t, self.n_heads * self.head_dim)
 
     @torch.inference_mode()
     def forward_static(self, tokens: torch.Tensor, start: torch.Tensor, cache: StaticKVCache,
@@ -188,14 +252,8 @@ class LlamaRunner:
         [1] tensor (the cache position of tokens[0]), K/V rows are written with index_copy_,
         and attention runs over the whole cache under an additive mask. Does not move
         cache.length (the caller knows it on the host). Slots past the sequence hold stale
-        rows, which the mask hides.
-
-        Written for few kernels, since a replayed graph still pays a few microseconds per
-        kernel: q/k/v and gate/up are one GEMM each (fused weights, built on first use),
-        RoPE runs once over q and k together, the residual adds ride on the GEMMs (addmm),
-        and grouped-query attention is baddbmm + softmax + bmm with the mask built once per
-        forward instead of once per layer. Same math as the eager path, not the same
-        rounding: its logits agree to float tolerance."""
+        rows, which the mask hides. Same math as the eager path, not the same rounding:
+        its logits agree to float tolerance."""
         t = tokens.shape[0]
         slots = start + self.arange[:t]
         visible = self.arange.unsqueeze(0) <= slots.unsqueeze(1)  # [T, max_len]
@@ -212,68 +270,45 @@ class LlamaRunner:
 
     def _static_layers(self, tokens: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, visible: torch.Tensor,
                        cache: StaticKVCache, layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The fused decoder stack: rows at cache slots `slots` [T] and positions `pos` [T],
-        attending where `visible` [T, max_len] is True."""
+        """Rows at cache slots `slots` [T] and positions `pos` [T], attending where `visible`
+        [T, max_len] is True: grouped-query attention as baddbmm + softmax + bmm over the
+        whole cache, the additive mask built once per forward instead of once per layer."""
         t = tokens.shape[0]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
         group = nh // nkv
-        fused = self.fused_layers
-        cos = self.cos.index_select(0, pos).unsqueeze(1)  # [T, 1, hd]
-        sin = self.sin_signed.index_select(0, pos).unsqueeze(1)
         # Rows ordered (group, token), matching q's layout below.
         bias = torch.zeros(visible.shape, dtype=self.dtype, device=self.device).masked_fill_(
             ~visible, float("-inf")).repeat(group, 1)
-        h = F.embedding(tokens, self.embed)
-        kept: dict[int, torch.Tensor] = {}
-        for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(fused):
-            qkv = F.linear(F.rms_norm(h, (h.shape[-1],), ln1, self.eps), wqkv).view(t, nh + 2 * nkv, hd)
-            qk = qkv[:, : nh + nkv]
-            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # rotate-half RoPE
-            q = qk[:, :nh].reshape(t, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, group * t, hd)
-            cache.k[i].index_copy_(1, slots, qk[:, nh:].transpose(0, 1))
-            cache.v[i].index_copy_(1, slots, qkv[:, nh + nkv:].transpose(0, 1))
-            att = torch.baddbmm(bias, q, cache.k[i].transpose(1, 2), alpha=hd ** -0.5).softmax(-1)
-            o = torch.bmm(att, cache.v[i]).view(nkv, group, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
-            h = torch.addmm(h, o, wo.t())
-            gu = F.linear(F.rms_norm(h, (h.shape[-1],), ln2, self.eps), wgu)
-            g, u = gu.chunk(2, dim=-1)
-            h = torch.addmm(h, F.silu(g) * u, wd.t())
-            if i in layers:
-                kept[i] = h
-        feats = torch.cat([kept[i] for i in layers], dim=-1) if layers else None
-        return (F.rms_norm(h, (h.shape[-1],), self.norm, self.eps) @ self.lm_head_t).float(), feats
 
-    @property
-    def fused_layers(self) -> list[tuple[torch.Tensor, ...]]:
-        """Per layer (ln1, Wqkv, Wo, ln2, W_gate_up, W_down): the static path's fused weights,
-        concatenated copies made on first use (the eager path never pays for them)."""
-        if self._fused is None:
-            self._fused = [(ln1, torch.cat([wq, wk, wv]), wo, ln2, torch.cat([wg, wu]), wd)
-                           for ln1, wq, wk, wv, wo, ln2, wg, wu, wd in self.layers]
-            half = self.head_dim // 2
-            self.sin_signed = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
-        return self._fused
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            cache.k[i].index_copy_(1, slots, k.transpose(0, 1))
+            cache.v[i].index_copy_(1, slots, v.transpose(0, 1))
+            qg = q.reshape(t, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, group * t, hd)
+            att = torch.baddbmm(bias, qg, cache.k[i].transpose(1, 2), alpha=hd ** -0.5).softmax(-1)
+            return torch.bmm(att, cache.v[i]).view(nkv, group, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
 
-    def _layers(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend,
-                layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decoder stack; `attend(i, q, k, v)` stores layer i's new K/V and attends."""
+        return self._decoder(tokens, self.cos.index_select(0, pos), self.sin_signed.index_select(0, pos),
+                             attend, layers)
+
+    def _decoder(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend,
+                 layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder stack over T rows (cos/sin [T, 1, hd]); `attend(i, q, k, v)` stores layer
+        i's new K/V and returns its attention output [T, H*hd]."""
         t = tokens.shape[0]
-        h = F.embedding(tokens, self.embed)  # [T, D]
         hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
+        h = F.embedding(tokens, self.embed)  # [T, D]
         kept: dict[int, torch.Tensor] = {}
-        for i, (ln1, wq, wk, wv, wo, ln2, wg, wu, wd) in enumerate(self.layers):
-            x = self._rms(h, ln1)
-            q = F.linear(x, wq).view(t, nh, hd).transpose(0, 1)  # [H, T, hd]
-            k = F.linear(x, wk).view(t, nkv, hd).transpose(0, 1)
-            v = F.linear(x, wv).view(t, nkv, hd).transpose(0, 1)
-            attn = attend(i, self._rope(q, cos, sin), self._rope(k, cos, sin), v)
-            h = h + F.linear(attn.transpose(0, 1).reshape(t, nh * hd), wo)
-            x = self._rms(h, ln2)
-            h = h + F.linear(F.silu(F.linear(x, wg)) * F.linear(x, wu), wd)
+        for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(self.blocks):
+            qkv = wqkv(F.rms_norm(h, self.hidden, ln1, self.eps)).view(t, nh + 2 * nkv, hd)
+            qk = qkv[:, : nh + nkv]
+            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # rotate-half RoPE, q and k at once
+            h = wo.add(h, attend(i, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]))
+            g, u = wgu(F.rms_norm(h, self.hidden, ln2, self.eps)).chunk(2, dim=-1)
+            h = wd.add(h, F.silu(g).mul_(u))
             if i in layers:
                 kept[i] = h
         feats = torch.cat([kept[i] for i in layers], dim=-1) if layers else None
-        return (self._rms(h, self.norm) @ self.lm_head_t).float(), feats
+        return self.head(F.rms_norm(h, self.hidden, self.norm, self.eps)).float(), feats
 
 
 class _HFCache:
@@ -332,13 +367,16 @@ class HFRunner:
         return out.logits[0].float(), torch.cat([out.hidden_states[i + 1][0] for i in layers], dim=-1)
 
 
-def make_runner(model: Any, max_seq_len: int | None = None) -> Runner:
+def make_runner(model: Any, max_seq_len: int | None = None, quant: str = "none") -> Runner:
     """The fast runner for Llama models, the generic one for anything else; a head draft
-    (infra/draft_head.py) gets its own runner."""
+    (infra/draft_head.py) gets its own runner. `quant` (serve/linear.py) applies to the
+    Llama runner only: the generic one refuses it."""
     if getattr(model, "osd_family", None) == "head":
         from serve.head_runner import HeadRunner
 
         return HeadRunner(model, max_seq_len)
     if getattr(model.config, "model_type", None) == "llama" and not getattr(model.config, "attention_bias", False):
-        return LlamaRunner(model, max_seq_len)
+        return LlamaRunner(model, max_seq_len, quant)
+    if quant != "none":
+        raise ValueError(f"quant {quant!r} needs a Llama model without attention biases")
     return HFRunner(model, max_seq_len)

@@ -1,5 +1,6 @@
 """`osd bench engine --k-sweep` and `--confidence-sweep`: other draft budgets and confidence
-stops timed in the same run as own AR."""
+stops timed in the same run as own AR, under the HF schedule (the cost rule would make a
+swept setting's drafting depend on the machine's timings)."""
 
 import json
 
@@ -13,7 +14,8 @@ def test_each_swept_k_gets_its_row_and_the_same_greedy_output(tmp_path, capsys):
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("hello there", "write a loop")))
     out = tmp_path / "b.json"
     rc = main(["bench", "engine", "--target", "tiny-random", "--draft", "truncate:1", "--prompts-file", str(prompts),
-               "--max-new-tokens", "12", "--k", "3", "--k-sweep", "1", "2", "3", "--no-hf", "--json", str(out)])
+               "--max-new-tokens", "12", "--k", "3", "--k-sweep", "1", "2", "3", "--no-hf", "--k-policy", "schedule",
+               "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert [row["k"] for row in r["k_sweep"]] == [1, 2, 3]  # the run's own k once, from its `sd` method
@@ -38,7 +40,7 @@ def test_each_swept_confidence_stop_gets_its_row_and_the_same_greedy_output(tmp_
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("hello there", "write a loop")))
     out = tmp_path / "b.json"
     rc = main(["bench", "engine", "--target", "tiny-random", "--draft", "truncate:1", "--prompts-file", str(prompts),
-               "--max-new-tokens", "12", "--k", "3", "--confidence-sweep", "0.5", "0.999", "--no-hf",
+               "--max-new-tokens", "12", "--k", "3", "--confidence-sweep", "0.5", "0.999", "--no-hf", "--k-policy", "schedule",
                "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())

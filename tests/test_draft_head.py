@@ -231,7 +231,7 @@ def test_greedy_stays_exact_through_partial_acceptances():
     target = tiny(5, layers=3, **dict(V8, max_positions=128))
     head = randomised(build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 2)),
                                  torch.tensor([0, 1, 2, 3, 5, 6, 7])), seed=4, scale=0.3)
-    eng = SpecEngine(target, head, options=EngineOptions(k=3, max_seq_len=128, adaptive_k=False))
+    eng = SpecEngine(target, head, options=EngineOptions(k=3, max_seq_len=128, k_policy="fixed"))
     prompt = [1, 2, 3, 4]
     r = eng.generate(prompt, GenerationParams(max_new_tokens=60))
     with torch.no_grad():
@@ -360,7 +360,7 @@ def test_each_steps_drafts_are_the_unroll_of_the_committed_sequence(monkeypatch)
 
     engine_mod_propose = engine_mod.propose_head
     monkeypatch.setattr(engine_mod, "propose_head", recording)
-    eng = SpecEngine(target, head, options=EngineOptions(k=3, max_seq_len=128, adaptive_k=False))
+    eng = SpecEngine(target, head, options=EngineOptions(k=3, max_seq_len=128, k_policy="fixed"))
     eng.generate([1, 2, 3, 4], GenerationParams(max_new_tokens=40))
     assert len(steps) > 5 and any(0 < len(d) for _, d in steps)
     for committed, drafts in steps:

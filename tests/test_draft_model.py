@@ -325,7 +325,7 @@ def test_saved_draft_serves_like_the_in_memory_one(tmp_path):
         for p in trainable_state_dict(draft).values():
             p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
     loaded, _ = load_draft(save_draft(draft, spec, tmp_path / "d", target_ref=REF), target)
-    opts = EngineOptions(k=3, max_seq_len=128, adaptive_k=False)
+    opts = EngineOptions(k=3, max_seq_len=128, k_policy="fixed")
     params = GenerationParams(max_new_tokens=24)
     prompt = [tok.bos_token_id, *tok.encode("speculate on this")]
     mem = SpecEngine(target, draft, None, opts).generate(prompt, params)

@@ -83,7 +83,7 @@ def test_greedy_output_equals_target_greedy(greedy_targets, seed, draft_kind):
     params = GenerationParams(max_new_tokens=N_NEW, capture=False)
     rates = []
     for k, conf, adaptive in itertools.product((1, 2, 4, 7), (0.0, 0.3, 0.9), (True, False)):
-        eng = SpecEngine(target, draft, options=EngineOptions(k=k, draft_confidence=conf, adaptive_k=adaptive,
+        eng = SpecEngine(target, draft, options=EngineOptions(k=k, draft_confidence=conf, k_policy="schedule" if adaptive else "fixed",
                                                               max_seq_len=64))
         for prompt, ref in refs:
             r = eng.generate(prompt, params)
@@ -106,7 +106,7 @@ def test_adaptive_k_shrinks_for_a_bad_draft_and_holds_for_a_perfect_one(greedy_t
     k = 6
 
     def stats(draft, adaptive):
-        eng = SpecEngine(target, draft, options=EngineOptions(k=k, adaptive_k=adaptive, max_seq_len=64))
+        eng = SpecEngine(target, draft, options=EngineOptions(k=k, k_policy="schedule" if adaptive else "fixed", max_seq_len=64))
         return eng.generate(prompt, params).stats
 
     fixed, adaptive = stats(drafts["bad"], False), stats(drafts["bad"], True)

@@ -50,7 +50,7 @@ def test_a_width_one_tree_is_the_chain():
     target = tiny(**SMALL)
     draft = build_draft("truncate:2", target)
     prompt = [1, 2, 3, 4, 5]
-    chain = engine(target, draft, "", k=3, adaptive_k=False).generate(prompt, GenerationParams(max_new_tokens=24))
+    chain = engine(target, draft, "", k=3, k_policy="fixed").generate(prompt, GenerationParams(max_new_tokens=24))
     tree = engine(target, draft, "4,3,1", k=3).generate(prompt, GenerationParams(max_new_tokens=24))
     assert tree.output_ids == chain.output_ids
     assert tree.stats.num_emitted_tokens == chain.stats.num_emitted_tokens
@@ -212,7 +212,7 @@ def test_a_width_one_head_tree_is_the_head_chain():
     target = tiny(**SMALL)
     head = build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 2)), torch.arange(12))
     prompt = [1, 2, 3, 4, 5]
-    chain = engine(target, head, "", k=3, adaptive_k=False).generate(prompt, GenerationParams(max_new_tokens=24))
+    chain = engine(target, head, "", k=3, k_policy="fixed").generate(prompt, GenerationParams(max_new_tokens=24))
     tree = engine(target, head, "4,3,1", k=3).generate(prompt, GenerationParams(max_new_tokens=24))
     assert tree.output_ids == chain.output_ids
     assert (tree.stats.num_steps, tree.stats.num_emitted_tokens) == (chain.stats.num_steps, chain.stats.num_emitted_tokens)

@@ -94,7 +94,7 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
         info = json.loads((out_dir / "draft.json").read_text())
         return {"path": str(out_dir), **info.get("metrics", {}), **info.get("lineage", {})}
     t0 = time.perf_counter()
-    loaded = load_target(cfg.model.target, cfg.model, progress=progress)
+    loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=progress)
     torch.manual_seed(0)
     spec = DraftSpec(family="head", feature_layers=feature_layers, draft_vocab=draft_vocab or DraftSpec().draft_vocab)
     layers = feature_layers_of(spec, loaded.model.config.num_hidden_layers)

@@ -87,7 +87,7 @@ class TrainerWorker:
         tc = self.cfg.train
         if self.family == "head" and not self.init_draft:
             raise ValueError(NO_HEAD_INIT)
-        loaded = load_target(self.cfg.model.target, self.cfg.model, progress=False)
+        loaded = load_target(self.cfg.model.target, self.cfg.model.for_training(), progress=False)
         self.target = loaded.model
         draft = self._init_draft()
         # Before the rendezvous: a draft of the wrong family, or a setting it cannot train with,

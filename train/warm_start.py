@@ -124,7 +124,7 @@ def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progres
         _log(f"{out_dir} already exists (use --force to rebuild)")
         return json.loads((out_dir / "draft.json").read_text())
     t0 = time.perf_counter()
-    loaded = load_target(cfg.model.target, cfg.model, progress=progress)
+    loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=progress)
     prompts = warm_prompts(cfg, tc.warm_prompts)
     train_recs, held, gen_s = _teacher_split(cfg, loaded, prompts, progress)
 

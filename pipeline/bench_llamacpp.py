@@ -1,0 +1,37 @@
+"""llama.cpp as a method of `osd bench engine --vs-llamacpp`: the speed a CPU user gets from
+the very GGUF our target comes from, timed in the same run on the same token ids.
+
+llama-cpp-python is an optional bench dependency (`pip install llama-cpp-python`, which
+compiles llama.cpp: minutes on 2 cores); nothing else in the project needs it. Decoding is
+greedy (top-k 1), prompt evaluation included, as our methods are timed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+INSTALL_HINT = ("osd bench engine --vs-llamacpp needs llama-cpp-python, an optional bench dependency: "
+                "CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python (it compiles llama.cpp)")
+
+
+def llamacpp_method(gguf: Path, threads: int, n_ctx: int, eos: int | None
+                    ) -> Callable[[list[int], int], tuple[list[int], None, None]]:
+    """A bench method over `gguf`: (prompt ids, budget) -> (output ids, None, None)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise ValueError(INSTALL_HINT) from None
+    llm: Any = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                     verbose=False, logits_all=False)
+    stop = {eos, llm.token_eos()} - {None}
+
+    def run(ids: list[int], max_new: int) -> tuple[list[int], None, None]:
+        out: list[int] = []
+        for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(int(tok))
+            if tok in stop or len(out) >= max_new:
+                break
+        return out, None, None
+
+    return run

@@ -1,0 +1,120 @@
+"""The target's linear layers as the lean forward calls them: dense, or weight-only int4.
+
+A decoder layer multiplies by four weights (fused q|k|v, o, fused gate|up, down), each
+through one of these, so the forward does not care how a weight is stored:
+
+- `Dense`: the weight as it is (float32, bfloat16 or float16), through oneDNN/MKL.
+- `Int4`: weights in groups of 32 along the input dimension, each group stored as 4-bit
+  codes with a scale and a zero point, multiplied by `aten._weight_int4pack_mm_for_cpu`
+  on CPU. It reads a quarter of bfloat16's bytes, and a one-row step of a
+  135M model is bound by the bytes it reads.
+
+Why int4 can be exact for the shipped target: its GGUF stores every decoder linear as
+Q4_1, blocks of 32 weights w = d·q + m with q in 0..15, and llama.cpp's Q4_1 quantizer
+sets m to the block's minimum and d to (max - min) / 15, so every block holds both codes 0
+and 15. Group-wise min/max quantization of the dequantized weights therefore gives back
+the same codes, and the same d and m up to the precision the scales are kept in:
+`quantize_int4` recovers the GGUF's own 4-bit weights, it does not add a second rounding.
+The kernel computes w = (q - 8)·s + z, so z = m + 8·d.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+INT4_GROUP = 32  # the GGUF's Q4_0/Q4_1 block size
+QUANT_MODES = ("none", "int4")
+
+
+def int4_codes(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization in groups along the last dim: (codes [N, K] int32 in
+    0..15, scale [N, K/group] fp32, minimum [N, K/group] fp32), w ≈ codes·scale + minimum."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"int4 needs the input dim ({k}) to be a multiple of the group size {group}")
+    wg = w.detach().float().reshape(n, k // group, group)
+    lo = wg.amin(-1)
+    hi = wg.amax(-1)
+    scale = (hi - lo) / 15
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((wg - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).round_().clamp_(0, 15).to(torch.int32)
+    return codes.reshape(n, k), scale, lo
+
+
+def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
+                    group: int = INT4_GROUP) -> torch.Tensor:
+    n, k = codes.shape
+    wg = codes.float().reshape(n, k // group, group) * scale.unsqueeze(-1) + lo.unsqueeze(-1)
+    return wg.reshape(n, k)
+
+
+@dataclass(frozen=True)
+class Dense:
+    weight: torch.Tensor  # [out, in]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def add(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """h + x @ W^T in one GEMM (the residual rides on it)."""
+        return torch.addmm(h, x, self.weight.t())
+
+
+@dataclass(frozen=True)
+class Int4:
+    packed: torch.Tensor  # the kernel's own layout of the codes
+    scales_zeros: torch.Tensor  # [in/group, out, 2] in the activation dtype
+    out_features: int
+    group: int = INT4_GROUP
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP) -> "Int4":
+        codes, scale, lo = int4_codes(w, group)
+        zero = lo + 8 * scale
+        if w.device.type != "cpu":
+            # The CUDA kernel wants another packing and bf16 only; the GPU is not bound by
+            # these bytes the way 2 CPU cores are (graphs make its step launch-bound).
+            raise ValueError("model.quant int4 is the CPU path; use quant none on a GPU")
+        sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
+        return cls(packed, sz, w.shape[0], group)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
+
+    def add(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return h + self(x)
+
+
+@dataclass(frozen=True)
+class Int8:
+    """Weight-only int8, one symmetric scale per output row: the head of an int4 target,
+    which the GGUF keeps in 8 bits (Q8_0) rather than 4."""
+
+    weight: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out] in the activation dtype
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor, dtype: torch.dtype) -> "Int8":
+        if w.device.type != "cpu":
+            raise ValueError("int8 weights are the CPU path; use quant none on a GPU")
+        wf = w.detach().float()
+        scale = wf.abs().amax(dim=1).clamp_min(1e-12) / 127
+        return cls((wf / scale.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8), scale.to(dtype))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+
+    def add(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return h + self(x)
+
+
+def make_linear(w: torch.Tensor, quant: str, dtype: torch.dtype) -> Dense | Int4:
+    if quant == "none":
+        return Dense(w)
+    if quant == "int4":
+        return Int4.from_weight(w, dtype)
+    raise ValueError(f"unknown quant {quant!r}: expected one of {', '.join(QUANT_MODES)}")

@@ -1,0 +1,67 @@
+"""The benches that measure what a step costs: `osd bench forward` (weight formats in one run)
+and the step-cost figures of `osd bench engine` (V by T, decode without prefill, draft cost),
+on the tiny target. They assert what is reported, never how fast anything ran."""
+
+import json
+import sys
+
+import pytest
+
+from infra.target import build_tiny_llama
+from pipeline.bench_forward import build_runners, run_forward_bench
+from pipeline.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_forward_bench_times_every_variant_and_token_count(tmp_path):
+    model = build_tiny_llama(seed=0, hidden_size=64, intermediate_size=128, max_positions=128)
+    out = tmp_path / "f.json"
+    r = run_forward_bench(variants=("float32", "bfloat16", "int4"), tokens=(1, 3), context=16, repeats=2,
+                          max_seq_len=128, real=model, json_path=str(out), log=lambda s: None)
+    assert json.loads(out.read_text()) == r
+    assert set(r["ms"]) == {"float32", "bfloat16", "int4"} and r["weights"] == "real"
+    for name, by_t in r["ms"].items():
+        assert set(by_t) == {"1", "3"} and all(v > 0 for v in by_t.values())
+        assert r["vs_t1"][name]["1"] == 1.0
+
+
+def test_forward_bench_refuses_unknown_or_misplaced_variants():
+    with pytest.raises(ValueError, match="unknown variant"):
+        build_runners(["int3"], "cpu", 64, 3)
+    with pytest.raises(ValueError, match="CPU path"):
+        build_runners(["int4"], "cuda", 64, 3)
+
+
+def _prompts(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("hello there", "write a loop")))
+    return str(p)
+
+
+def test_engine_bench_reports_the_step_costs_of_an_int4_target(tmp_path, capsys):
+    out = tmp_path / "e.json"
+    rc = main(["bench", "engine", "--target", "tiny-random", "--draft", "truncate:1", "--prompts-file",
+               _prompts(tmp_path), "--max-new-tokens", "12", "--k", "3", "--k-policy", "fixed", "--quant", "int4",
+               "--no-hf", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["quant"] == "int4" and r["dtype"] == "bfloat16" and r["k_policy"] == "fixed"
+    assert r["ar_decode_tok_s"] > 0 and r["one_token_forward_ms"] > 0
+    # Fixed k=3 verifies 4 tokens a step (fewer only at the token budget's end).
+    assert "4" in r["verify_cost_by_tokens"] and r["verify_cost_by_tokens"]["4"]["steps"] >= 2
+    assert r["draft_cost_per_token"] > 0
+    assert all(m["reference"] == "ar" for m in r["mismatches"])  # int4 is checked against its own AR
+    assert "verify forward by T" in capsys.readouterr().out
+
+
+def test_engine_bench_vs_llamacpp_needs_the_gguf_target_and_the_package(tmp_path, capsys, monkeypatch):
+    args = ["bench", "engine", "--target", "tiny-random", "--draft", "truncate:1", "--prompts-file",
+            _prompts(tmp_path), "--max-new-tokens", "4", "--no-hf", "--vs-llamacpp", "--json", str(tmp_path / "e.json")]
+    assert main(args) == 2
+    assert "GGUF" in capsys.readouterr().err
+    from pipeline.bench_llamacpp import llamacpp_method
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed
+    with pytest.raises(ValueError, match="pip install llama-cpp-python"):
+        llamacpp_method(tmp_path / "x.gguf", 2, 64, None)

@@ -1,0 +1,141 @@
+"""The cost rule for the draft length (serve/k_policy.py), on given cost profiles: it never
+reads a clock here, so nothing below depends on the machine's speed."""
+
+import pytest
+import torch
+
+from infra.target import build_tiny_llama
+from serve.engine import EngineOptions, GenerationParams, SpecEngine
+from serve.k_policy import Acceptance, KPolicy, StepCosts, best_k, expected_tokens, profile_forward
+
+pytestmark = pytest.mark.pure
+
+# A bfloat16-like CPU profile (seconds by token count 1..5) and an int4-like one, whose verify
+# grows fast with T.
+FLAT = [0.030, 0.030, 0.031, 0.033, 0.034]
+STEEP = [0.013, 0.0135, 0.015, 0.019, 0.0225]
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_no_draft_for_a_draft_that_is_never_accepted():
+    for profile in (FLAT, STEEP):
+        assert best_k(profile, draft_s=0.0, step_s=0.0, alpha=0.0, k_max=4) == 0
+
+
+def test_a_perfect_free_draft_drafts_as_deep_as_the_profile_allows():
+    assert best_k(FLAT, draft_s=0.0, step_s=0.0, alpha=1.0, k_max=4) == 4
+    assert best_k(FLAT, draft_s=0.0, step_s=0.0, alpha=1.0, k_max=2) == 2  # the budget caps it
+    assert best_k(FLAT[:3], draft_s=0.0, step_s=0.0, alpha=1.0, k_max=4) == 2  # and the profile
+
+
+def test_steep_verify_and_costly_drafts_draft_less():
+    flat = best_k(FLAT, draft_s=0.001, step_s=0.0, alpha=0.6, k_max=4)
+    steep = best_k(STEEP, draft_s=0.001, step_s=0.0, alpha=0.6, k_max=4)
+    costly = best_k(FLAT, draft_s=0.03, step_s=0.0, alpha=0.6, k_max=4)
+    assert flat > steep >= 1
+    assert costly == 0  # a draft token as dear as a target step cannot pay at alpha 0.6
+
+
+def test_the_choice_maximises_expected_tokens_per_second():
+    for alpha in (0.1, 0.3, 0.5, 0.7, 0.9):
+        for c in (0.0, 0.002, 0.01):
+            k = best_k(STEEP, c, 0.001, alpha, 4)
+            rates = [expected_tokens(alpha, j) / (STEEP[j] + j * c + 0.001) for j in range(5)]
+            assert rates[k] == max(rates)
+
+
+def test_acceptance_counts_reached_positions():
+    a = Acceptance(prior=0.5, weight=0.0)
+    a.observe(drafted=4, accepted=4, decay=1.0)  # all taken: 4 reached, 4 accepted
+    a.observe(drafted=4, accepted=1, decay=1.0)  # 1 taken, rejected at the 2nd: 2 reached
+    assert a.alpha == pytest.approx(5 / 6)
+    a.observe(drafted=0, accepted=0)  # a step without drafts says nothing
+    assert a.alpha == pytest.approx(5 / 6)
+
+
+def test_frozen_costs_ignore_observations_and_live_ones_follow_them():
+    frozen = StepCosts(list(FLAT), frozen=True)
+    frozen.observe_verify(1, 1.0)
+    frozen.observe_draft("d", 2, 1.0)
+    assert frozen.verify_s == FLAT and frozen.draft_cost("d") == pytest.approx(0.1 * FLAT[0])
+    live = StepCosts(list(FLAT))
+    for _ in range(50):
+        live.observe_verify(2, 0.05)
+        live.observe_draft("d", 2, 0.01)
+    assert live.verify_s[1] == pytest.approx(0.05, rel=1e-3) and live.draft_cost("d") == pytest.approx(0.005, rel=1e-3)
+
+
+def test_a_request_at_zero_probes_its_draft_now_and_then():
+    policy = KPolicy(StepCosts(list(FLAT), frozen=True), k_max=4, probe_every=4)
+    fresh = policy.new_request("new")
+    first = fresh.choose(limit=10)
+    assert first >= 1  # an unseen draft starts from alpha 0.5 and is tried
+    for _ in range(30):
+        fresh.observe(fresh.choose(limit=10), 0)
+    assert fresh.own.alpha < 0.05  # rejected every time: its estimate falls away from the prior
+    policy.by_draft["bad"] = Acceptance(prior=0.0, weight=50.0)  # what earlier requests learned
+    req = policy.new_request("bad")
+    choices = []
+    for _ in range(12):
+        k = req.choose(limit=10)
+        choices.append(k)
+        req.observe(k, 0)
+    assert choices == [0, 0, 0, 1] * 3  # a probe every 4th step, else nothing
+    assert req.choose(limit=0) == 0  # no room left: never drafts
+
+
+def test_profile_forward_takes_medians_by_token_count():
+    calls = []
+
+    def forward(t):
+        calls.append(t)
+        return 0.01 * t
+
+    assert profile_forward(forward, k_max=2, repeats=3) == [0.01, 0.02, 0.03]
+    assert calls.count(1) == 4  # a warm-up and three timed
+
+
+def _engine(target, draft, k=4):
+    eng = SpecEngine(target, draft, options=EngineOptions(k=k, k_policy="cost", max_seq_len=96))
+    eng._kpolicy = KPolicy(StepCosts(list(FLAT), default_draft_fraction=0.05, frozen=True), k)
+    return eng
+
+
+def test_engine_drafts_nothing_but_probes_with_a_useless_draft_and_stays_lossless():
+    target = build_tiny_llama(seed=3, num_layers=2, max_positions=96)
+    target.config.eos_token_id = None
+    bad = build_tiny_llama(seed=77, num_layers=1, max_positions=96)
+    prompt = [5, 17, 200, 3]
+    ref = SpecEngine(target, options=EngineOptions(max_seq_len=96)).generate(
+        prompt, GenerationParams(max_new_tokens=48, capture=False))
+    eng = _engine(target, bad)
+    eng._kpolicy.by_draft[id(eng.draft)] = Acceptance(prior=0.0, weight=100.0)  # known to be useless
+    r = eng.generate(prompt, GenerationParams(max_new_tokens=48, capture=False))
+    assert r.output_ids == ref.output_ids
+    assert r.stats.num_draft_tokens <= 48 // 16 + 1  # probes only
+
+
+def test_engine_drafts_deep_with_the_target_as_its_own_draft():
+    target = build_tiny_llama(seed=3, num_layers=2, max_positions=96)
+    target.config.eos_token_id = None
+    eng = _engine(target, target)
+    r = eng.generate([5, 17, 200, 3], GenerationParams(max_new_tokens=40, capture=False))
+    assert r.stats.acceptance_rate == 1.0
+    assert r.stats.num_draft_tokens / r.stats.num_drafts > 3  # the prior 0.5 climbs to 1 and k to 4
+
+
+def test_engine_profiles_the_target_once_on_first_use():
+    target = build_tiny_llama(seed=3, num_layers=2, max_positions=96)
+    eng = SpecEngine(target, target, options=EngineOptions(k=3, k_policy="cost", max_seq_len=96))
+    assert eng._kpolicy is None
+    eng.generate([5, 17], GenerationParams(max_new_tokens=4, capture=False))
+    policy = eng._kpolicy
+    assert policy is not None and len(policy.costs.verify_s) == 4 and all(v > 0 for v in policy.costs.verify_s)
+    eng.generate([5, 17], GenerationParams(max_new_tokens=4, capture=False))
+    assert eng._kpolicy is policy
+    assert torch.get_num_threads() >= 1

@@ -1,0 +1,242 @@
+"""The lean forward (serve/runner.py LlamaRunner) against Hugging Face's, in float32 and
+bfloat16; its int4 weights (serve/linear.py) against the weights they encode; and sampling
+stays exact in bfloat16, for chains and trees (chi-square)."""
+
+import pytest
+import torch
+from chi2 import chi2_pvalue
+
+from infra.target import build_tiny_llama
+from serve.drafts import build_draft
+from serve.engine import EngineError, EngineOptions, GenerationParams, SpecEngine
+from serve.linear import Int4, Int8, dequantize_int4, int4_codes
+from serve.runner import LlamaRunner, make_runner
+from serve.verify import SamplingParams, warp_probs
+
+pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
+
+# Widths that are multiples of int4's group of 32, a grouped-query attention, and 3 layers.
+SHAPE = dict(vocab_size=300, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)
+
+
+def tiny(seed=0, dtype="float32", layers=3, **kw):
+    m = build_tiny_llama(seed=seed, num_layers=layers, max_positions=128, dtype=dtype, **{**SHAPE, **kw})
+    m.config.eos_token_id = None
+    return m
+
+
+def hf_logits(model, prefix, block):
+    with torch.no_grad():
+        return model(torch.tensor([prefix + block])).logits[0, len(prefix):].float()
+
+
+def lean_logits(runner, prefix, block):
+    cache = runner.new_cache()
+    if prefix:
+        runner.forward(torch.tensor(prefix), cache)
+    return runner.forward(torch.tensor(block), cache)
+
+
+@pytest.mark.parametrize("t", [1, 5, 33])
+@pytest.mark.parametrize("cached", [False, True])
+def test_lean_logits_equal_hf_in_float32(t, cached):
+    model = tiny(seed=1)
+    gen = torch.Generator().manual_seed(t)
+    prefix = torch.randint(0, 300, (9 if cached else 0,), generator=gen).tolist()
+    block = torch.randint(0, 300, (t,), generator=gen).tolist()
+    torch.testing.assert_close(lean_logits(LlamaRunner(model, 128), prefix, block), hf_logits(model, prefix, block),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("t", [1, 5, 33])
+@pytest.mark.parametrize("cached", [False, True])
+def test_lean_logits_equal_hf_in_bfloat16_to_its_rounding(t, cached):
+    """bfloat16 rounds differently op by op, so both are held against float32 logits of the same
+    weights: the lean forward's error is of the size of HF's own bfloat16 error."""
+    model = tiny(seed=2, dtype="bfloat16")
+    ref32 = tiny(seed=2, dtype="bfloat16").float()  # the same bf16 weights, computed in float32
+    gen = torch.Generator().manual_seed(t)
+    prefix = torch.randint(0, 300, (9 if cached else 0,), generator=gen).tolist()
+    block = torch.randint(0, 300, (t,), generator=gen).tolist()
+    exact = hf_logits(ref32, prefix, block)
+    hf_err = (hf_logits(model, prefix, block) - exact).abs().max()
+    lean_err = (lean_logits(LlamaRunner(model, 128), prefix, block) - exact).abs().max()
+    scale = exact.abs().max()
+    assert lean_err <= 2 * hf_err + 0.01 * scale, (float(lean_err), float(hf_err), float(scale))
+
+
+def test_lean_features_are_the_layer_outputs_in_bfloat16():
+    model = tiny(seed=3, dtype="bfloat16")
+    ids = torch.randint(0, 300, (12,), generator=torch.Generator().manual_seed(0))
+    r = LlamaRunner(model, 128)
+    _, feats = r.forward_features(ids, r.new_cache(), (0, 1))  # HF's last entry is after the norm
+    with torch.no_grad():
+        hs = model(ids.unsqueeze(0), output_hidden_states=True).hidden_states
+    want = torch.cat([hs[1][0], hs[2][0]], dim=-1).float()
+    assert (feats.float() - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_greedy_decoding_equals_hf_generate_in_float32():
+    for seed in (0, 4):
+        model = tiny(seed=seed, layers=4)
+        prompt = [5, 17, 200, 3, 99]
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        eng = SpecEngine(model, options=EngineOptions(k=0, max_seq_len=128))
+        assert eng.generate(prompt, GenerationParams(max_new_tokens=32)).output_ids == out[0, len(prompt):].tolist()
+
+
+def test_runners_over_one_model_share_their_fused_weights():
+    model = tiny(seed=5)
+    a, b = LlamaRunner(model, 128), LlamaRunner(model, 128)
+    assert a.blocks[0][1] is b.blocks[0][1]  # q|k|v fused once
+    draft = LlamaRunner(build_draft("truncate:1", model), 128)  # shares the target's layer tensors
+    assert draft.blocks[0][4] is a.blocks[0][4]
+
+
+# ---------------------------------------------------------------- int4
+
+
+def q41_blocks(n, k, seed=0):
+    """Weights as llama.cpp's Q4_1 writes them: per block of 32, fp16 d and m, codes 0..15 with
+    the block's minimum at code 0 and maximum at code 15."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k // 32, 32), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15
+    d = (torch.rand(n, k // 32, generator=g) * 0.01 + 1e-3).half().float()
+    m = (torch.randn(n, k // 32, generator=g) * 0.05).half().float()
+    w = (codes * d.unsqueeze(-1) + m.unsqueeze(-1)).reshape(n, k)
+    return w, codes.reshape(n, k).int(), d, m
+
+
+def test_int4_codes_recover_q4_1_blocks_exactly():
+    w, codes, d, m = q41_blocks(64, 128)
+    got_codes, scale, lo = int4_codes(w)
+    assert torch.equal(got_codes, codes)
+    torch.testing.assert_close(scale, d, rtol=1e-6, atol=0)
+    torch.testing.assert_close(lo, m, rtol=0, atol=0)
+    torch.testing.assert_close(dequantize_int4(got_codes, scale, lo), w, rtol=0, atol=1e-6)
+
+
+def test_int4_linear_multiplies_by_the_weights_it_encodes():
+    w, *_ = q41_blocks(96, 64, seed=1)
+    lin = Int4.from_weight(w, torch.bfloat16)
+    x = torch.randn(5, 64).bfloat16()
+    want = x.float() @ w.t()
+    got = lin(x).float()
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    with pytest.raises(ValueError, match="multiple of the group"):
+        Int4.from_weight(torch.randn(8, 40), torch.bfloat16)
+
+
+def test_int8_head_is_close_to_its_weights():
+    w = torch.randn(300, 64)
+    x = torch.randn(3, 64).bfloat16()
+    want = x.float() @ w.t()
+    assert (Int8.from_weight(w, torch.bfloat16)(x).float() - want).abs().max() <= 0.03 * want.abs().max()
+
+
+def dequantized(model):
+    """A copy of `model` whose decoder linears hold their int4 round trip: the dense model an
+    int4 runner is meant to compute."""
+    out = tiny(seed=0, dtype="bfloat16")
+    out.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            if name.startswith("model.layers.") and p.dim() == 2:
+                p.copy_(dequantize_int4(*int4_codes(p)).to(p.dtype))
+    return out
+
+
+def test_int4_runner_computes_the_dequantized_model():
+    model = tiny(seed=6, dtype="bfloat16")
+    r4 = LlamaRunner(model, 128, quant="int4")
+    dense = LlamaRunner(dequantized(model), 128)
+    ids = torch.randint(0, 300, (14,), generator=torch.Generator().manual_seed(1))
+    for prefix, block in ((ids[:0], ids[:7]), (ids[:7], ids[7:8]), (ids[:8], ids[8:13])):
+        want, got = lean_logits(dense, prefix.tolist(), block.tolist()), lean_logits(r4, prefix.tolist(), block.tolist())
+        # The head is int8 under int4: a few percent of the logits' range at most.
+        assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_int4_speculation_equals_int4_autoregression():
+    model = tiny(seed=7, dtype="bfloat16", layers=4)
+    prompt = [5, 17, 200, 3, 99]
+    ar = SpecEngine(model, options=EngineOptions(k=0, max_seq_len=128, quant="int4"))
+    sd = SpecEngine(model, build_draft("truncate:2", model),
+                    options=EngineOptions(k=3, max_seq_len=128, quant="int4", k_policy="fixed"))
+    want = ar.generate(prompt, GenerationParams(max_new_tokens=40)).output_ids
+    r = sd.generate(prompt, GenerationParams(max_new_tokens=40))
+    assert r.stats.num_draft_tokens > 0
+    assert r.output_ids == want or _near_tie(ar, prompt, want, r.output_ids)
+
+
+def _near_tie(engine, prompt, want, got):
+    """bf16 verify of several rows may round a near tie the other way; anything else is a bug."""
+    i = next(i for i, (a, b) in enumerate(zip(want, got)) if a != b)
+    cache = engine.target.new_cache()
+    logits = engine.target.forward(torch.tensor(prompt + want[:i]), cache)[-1]
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1]) <= 0.25
+
+
+def test_int4_is_refused_where_it_does_not_apply():
+    with pytest.raises(ValueError, match="bfloat16"):
+        LlamaRunner(tiny(seed=0), 128, quant="int4")  # float32
+    with pytest.raises(ValueError, match="unknown quant"):
+        LlamaRunner(tiny(seed=0, dtype="bfloat16"), 128, quant="int3")
+    with pytest.raises(EngineError, match="quant"):
+        EngineOptions(quant="int3")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    with pytest.raises(ValueError, match="Llama"):
+        make_runner(gpt2, 64, quant="int4")
+
+
+def test_config_refuses_int4_outside_cpu_bfloat16():
+    from infra.config import ModelConfig
+
+    assert ModelConfig(dtype="bfloat16", quant="int4").quant == "int4"
+    with pytest.raises(ValueError, match="bfloat16"):
+        ModelConfig(dtype="float32", quant="int4")
+    with pytest.raises(ValueError, match="device cpu"):
+        ModelConfig(dtype="bfloat16", quant="int4", device="cuda")
+
+
+# ---------------------------------------------------------------- bf16 sampling stays exact
+
+V8 = dict(vocab_size=8, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64)
+N_SAMPLES = 2000
+
+
+def _exact_first_two(target, prompt, sp):
+    """P(t1, t2) from the bf16 target's own one-row-at-a-time forwards, warped like the engine."""
+    runner = LlamaRunner(target, 32)
+
+    def last(ids):
+        return runner.forward(torch.tensor(ids), runner.new_cache())[-1]
+
+    p1 = warp_probs(last(prompt), sp)
+    p2 = torch.stack([warp_probs(last(prompt + [t]), sp) for t in range(8)])
+    return p1[:, None] * p2
+
+
+@pytest.mark.parametrize("tree", ["", "6,2,2"])
+def test_sampling_in_bfloat16_follows_the_targets_distribution(tree):
+    target = build_tiny_llama(seed=3, num_layers=2, max_positions=32, dtype="bfloat16", **V8)
+    target.config.eos_token_id = None
+    draft = build_draft("truncate:1", target)
+    eng = SpecEngine(target, draft, options=EngineOptions(k=2, max_seq_len=32, tree=tree, k_policy="fixed"))
+    sampling = SamplingParams(temperature=0.9, top_p=0.95)
+    counts = torch.zeros(8, 8, dtype=torch.long)
+    drafted = accepted = 0
+    for i in range(N_SAMPLES):
+        sp = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=i)
+        r = eng.generate([1, 2, 3], GenerationParams(max_new_tokens=3, sampling=sp, capture=False))
+        counts[r.output_ids[0], r.output_ids[1]] += 1
+        drafted += r.stats.num_draft_tokens
+        accepted += r.stats.num_accepted_tokens
+    assert drafted - accepted > 200 and accepted > 200  # both the accept and the residual paths ran
+    assert chi2_pvalue(counts, _exact_first_two(target, [1, 2, 3], sampling)) > 1e-3
