@@ -78,8 +78,8 @@ class EngineOptions:
     # "TOTAL,DEPTH,TOPK": steps verify an EAGLE-2 tree (serve/tree_stages.py; sampled requests
     # draw the tree from q and verify it by recursive rejection) instead of a chain; "" = chains.
     tree: str = ""
-    # How the target's decoder weights are multiplied (serve/linear.py): "none" as loaded,
-    # "int4" group-wise 4-bit (the GGUF target's own Q4_1 codes). Drafts keep their weights.
+    # How the decoder weights are multiplied (serve/linear.py): "none" as loaded, "int4"
+    # group-wise 4-bit (the GGUF target's own Q4_1 codes), for the target and its drafts.
     quant: str = "none"
 
     @classmethod
@@ -479,7 +479,9 @@ class SpecEngine:
         return runner
 
     def _draft_runner(self, draft_model: Any) -> Runner:
-        runner = self._runner(draft_model)
+        # A draft's weights take the target's format: an int4 target's truncate/self drafts
+        # share its int4 layers, and a head reads a quarter of the bytes (only acceptance moves).
+        runner = self._runner(draft_model, self.options.quant)
         if runner.vocab_size != self.target.vocab_size:
             raise EngineError(
                 f"draft vocab ({runner.vocab_size}) differs from the target's ({self.target.vocab_size}); "

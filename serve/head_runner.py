@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from serve.head_lean import LeanHead
 from serve.runner import StaticKVCache
 from serve.verify import warp_probs
 
@@ -26,8 +27,9 @@ from serve.verify import warp_probs
 class HeadRunner:
     """A head draft behind the engine's runner interface (new_cache, cache_key, vocab_size)."""
 
-    def __init__(self, head: Any, max_seq_len: int | None = None):
+    def __init__(self, head: Any, max_seq_len: int | None = None, quant: str = "none"):
         self.head = head
+        self.lean = LeanHead(head, quant)  # eager rows and the fuse: fused (int4: quantized) weights
         self.device = head.d2t.device
         self.dtype = head.embed.dtype
         self.vocab_size = head.vocab_size
@@ -62,7 +64,6 @@ class HeadRunner:
     def rows(self, g: torch.Tensor, next_ids: torch.Tensor, cache: StaticKVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Append rows (inputs g [T, h], next tokens [T]) to the cache. Returns the last row's
         draft-vocab logits [V_d] and its output state [1, h]."""
-        h = self.head
         t, start = next_ids.shape[0], cache.length
         end = start + t
         if end > cache.max_len:
@@ -72,14 +73,10 @@ class HeadRunner:
                                             (g, next_ids, self.arange[start:start + 1]))
             cache.length = end
             return logits.clone(), state.clone()
-        x = h.mix(g.unsqueeze(0), next_ids.unsqueeze(0))
-        q, k, v = h.qkv(x, torch.arange(start, end, device=self.device))
-        cache.k[0, :, start:end] = k[0]
-        cache.v[0, :, start:end] = v[0]
         mask = None if t == 1 else self.causal[start:end, :end]
-        o = h.attend(x, q, cache.k[:, :, :end], cache.v[:, :, :end], mask)[0]
+        logits, state = self.lean.rows(g, next_ids, cache, start, mask)
         cache.length = end
-        return h.logits(o[-1]), o[-1:]
+        return logits, state
 
     @torch.inference_mode()
     def rows_static(self, cache: StaticKVCache, g: torch.Tensor, next_ids: torch.Tensor,
@@ -121,7 +118,7 @@ class HeadRunner:
 
     @torch.inference_mode()
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
-        return self.head.fuse(feats)
+        return self.lean.fuse(feats)
 
 
 def is_head(runner: Any) -> bool:

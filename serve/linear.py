@@ -74,6 +74,8 @@ class Int4:
     def from_weight(cls, w: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP) -> "Int4":
         codes, scale, lo = int4_codes(w, group)
         zero = lo + 8 * scale
+        if w.shape[0] % 16:
+            raise ValueError(f"int4 needs the output dim ({w.shape[0]}) to be a multiple of 16")
         if w.device.type != "cpu":
             # The CUDA kernel wants another packing and bf16 only; the GPU is not bound by
             # these bytes the way 2 CPU cores are (graphs make its step launch-bound).
@@ -116,5 +118,9 @@ def make_linear(w: torch.Tensor, quant: str, dtype: torch.dtype) -> Dense | Int4
     if quant == "none":
         return Dense(w)
     if quant == "int4":
+        # The kernel's tiles: rows in 16s, the input dim in groups. A weight that does not fit
+        # (a head draft's odd vocabulary) stays dense rather than failing the runner.
+        if w.shape[0] % 16 or w.shape[1] % INT4_GROUP:
+            return Dense(w)
         return Int4.from_weight(w, dtype)
     raise ValueError(f"unknown quant {quant!r}: expected one of {', '.join(QUANT_MODES)}")

@@ -90,7 +90,7 @@ def _transposed_head(weight: torch.Tensor) -> torch.Tensor:
     return _HEAD_T[key][1]
 
 
-def _shared_linear(sources: tuple[torch.Tensor, ...], quant: str, dtype: torch.dtype) -> Dense | Int4:
+def shared_linear(sources: tuple[torch.Tensor, ...], quant: str, dtype: torch.dtype) -> Dense | Int4:
     """One linear over the concatenated `sources` (q|k|v, gate|up, or a single weight), made
     once per set of tensors: a `truncate:L` draft shares the target's layers, and the bench's
     several engines over one model would otherwise each hold a copy."""
@@ -104,6 +104,22 @@ def _shared_linear(sources: tuple[torch.Tensor, ...], quant: str, dtype: torch.d
         hit = (srcs, make_linear(w, quant, dtype))
     _FUSED[key] = hit  # most recently used last
     return hit[1]
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              gqa: bool) -> torch.Tensor:
+    """q [T, H, hd] against k/v [KV, L, hd] -> [T, H*hd]. Blocks: 4-D SDPA (grouped-query
+    heads without copies), which reaches the fused CPU attention kernel. One row: two small
+    bmm with fp32 scores, 4x faster than that kernel for T=1 in bfloat16 (70 vs 280 us a
+    layer at 256 tokens of context, 2 cores)."""
+    t, nh, hd = q.shape
+    if t == 1:
+        qg = q.reshape(k.shape[0], nh // k.shape[0], hd).float()
+        att = torch.bmm(qg, k.transpose(1, 2).float()).mul_(hd ** -0.5).softmax(-1)
+        return torch.bmm(att.to(v.dtype), v).reshape(1, nh * hd)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                       attn_mask=mask, enable_gqa=gqa)
+    return o[0].transpose(0, 1).reshape(t, nh * hd)
 
 
 def _shared_head(weight: torch.Tensor, quant: str, dtype: torch.dtype) -> Dense | Int8:
@@ -153,7 +169,7 @@ class LlamaRunner:
             raise TypeError("LlamaRunner does not support attention biases; use HFRunner")
 
         def linear(*ws: torch.Tensor) -> Dense | Int4:
-            return _shared_linear(ws, quant, self.dtype)
+            return shared_linear(ws, quant, self.dtype)
 
         # Per layer (ln1, q|k|v, o, ln2, gate|up, down).
         self.blocks = [
@@ -231,19 +247,7 @@ class LlamaRunner:
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    mask: torch.Tensor | None) -> torch.Tensor:
-        """q [T, H, hd] against k/v [KV, L, hd] -> [T, H*hd]. Blocks: 4-D SDPA (grouped-query
-        heads without copies), which reaches the fused CPU attention kernel. One row: two
-        small bmm with fp32 scores, 4x faster than that kernel for T=1 in bfloat16 (70 vs
-        280 us a layer at 256 tokens of context, 2 cores)."""
-        t = q.shape[0]
-        if t == 1:
-            hd, group = self.head_dim, self.n_heads // self.n_kv
-            qg = q.reshape(self.n_kv, group, hd).float()
-            att = torch.bmm(qg, k.transpose(1, 2).float()).mul_(hd ** -0.5).softmax(-1)
-            return torch.bmm(att.to(v.dtype), v).reshape(1, self.n_heads * hd)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                           attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
-        return o[0].transpose(0, 1).reshape(t, self.n_heads * self.head_dim)
+        return attention(q, k, v, mask, self.n_kv != self.n_heads)
 
     @torch.inference_mode()
     def forward_static(self, tokens: torch.Tensor, start: torch.Tensor, cache: StaticKVCache,
@@ -374,7 +378,7 @@ def make_runner(model: Any, max_seq_len: int | None = None, quant: str = "none")
     if getattr(model, "osd_family", None) == "head":
         from serve.head_runner import HeadRunner
 
-        return HeadRunner(model, max_seq_len)
+        return HeadRunner(model, max_seq_len, quant)
     if getattr(model.config, "model_type", None) == "llama" and not getattr(model.config, "attention_bias", False):
         return LlamaRunner(model, max_seq_len, quant)
     if quant != "none":

@@ -9,7 +9,7 @@ from chi2 import chi2_pvalue
 from infra.target import build_tiny_llama
 from serve.drafts import build_draft
 from serve.engine import EngineError, EngineOptions, GenerationParams, SpecEngine
-from serve.linear import Int4, Int8, dequantize_int4, int4_codes
+from serve.linear import Dense, Int4, Int8, dequantize_int4, int4_codes, make_linear
 from serve.runner import LlamaRunner, make_runner
 from serve.verify import SamplingParams, warp_probs
 
@@ -127,7 +127,12 @@ def test_int4_linear_multiplies_by_the_weights_it_encodes():
     got = lin(x).float()
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
     with pytest.raises(ValueError, match="multiple of the group"):
-        Int4.from_weight(torch.randn(8, 40), torch.bfloat16)
+        Int4.from_weight(torch.randn(16, 40), torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        Int4.from_weight(torch.randn(150, 64), torch.bfloat16)
+    # Where the kernel's tiles do not fit (a head draft's odd vocabulary), the weight stays dense.
+    assert isinstance(make_linear(torch.randn(150, 64), "int4", torch.bfloat16), Dense)
+    assert isinstance(make_linear(torch.randn(160, 64), "int4", torch.bfloat16), Int4)
 
 
 def test_int8_head_is_close_to_its_weights():
@@ -166,6 +171,22 @@ def test_int4_speculation_equals_int4_autoregression():
     ar = SpecEngine(model, options=EngineOptions(k=0, max_seq_len=128, quant="int4"))
     sd = SpecEngine(model, build_draft("truncate:2", model),
                     options=EngineOptions(k=3, max_seq_len=128, quant="int4", k_policy="fixed"))
+    want = ar.generate(prompt, GenerationParams(max_new_tokens=40)).output_ids
+    r = sd.generate(prompt, GenerationParams(max_new_tokens=40))
+    assert r.stats.num_draft_tokens > 0
+    assert r.output_ids == want or _near_tie(ar, prompt, want, r.output_ids)
+
+
+def test_an_int4_head_drafts_for_an_int4_target_losslessly():
+    from infra.draft_head import build_head
+    from infra.draft_spec import DraftSpec
+
+    model = tiny(seed=8, dtype="bfloat16", layers=3)
+    head = build_head(model, DraftSpec(family="head", feature_layers=(0, 1)), torch.arange(0, 300, 2))
+    prompt = [5, 17, 200, 3, 99]
+    ar = SpecEngine(model, options=EngineOptions(k=0, max_seq_len=128, quant="int4"))
+    sd = SpecEngine(model, head, options=EngineOptions(k=3, max_seq_len=128, quant="int4", k_policy="fixed"))
+    assert sd.draft.lean.qkv.__class__.__name__ == "Int4"  # the head's layer reads int4 weights
     want = ar.generate(prompt, GenerationParams(max_new_tokens=40)).output_ids
     r = sd.generate(prompt, GenerationParams(max_new_tokens=40))
     assert r.stats.num_draft_tokens > 0
