@@ -112,11 +112,15 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
               k_sweep: Sequence[int] = (), confidence_sweep: Sequence[float] = (), quant: str | None = None,
               vs_llamacpp: bool = False, k_policy: str | None = None,
               log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
-    update: dict[str, Any] = {"device": device, **({"dtype": dtype} if dtype else {}), **({"quant": quant} if quant else {})}
-    if update.get("quant", cfg.model.quant) == "int4" and not dtype:
+    update: dict[str, Any] = {"device": device, **({"target": target} if target else {}),
+                              **({"dtype": dtype} if dtype else {}), **({"quant": quant} if quant else {})}
+    if quant == "int4" and not dtype:
         update["dtype"] = "bfloat16"  # int4's activation dtype
-    mcfg = type(cfg.model).model_validate({**cfg.model.model_dump(), **update})  # validated: int4 needs CPU bf16
-    loaded = load_target(target or mcfg.target, mcfg, progress=True)
+    if dtype and dtype != "bfloat16" and not quant:
+        update["quant"] = "none"  # an explicit other dtype: the weights as loaded
+    # Validated (int4 needs CPU bfloat16), then `auto` made concrete for this target.
+    mcfg = type(cfg.model).model_validate({**cfg.model.model_dump(), **update}).resolved()
+    loaded = load_target(mcfg.target, mcfg, progress=True)
     if draft_spec == "head:init":  # the warm-started head: built once, then taken from disk
         from train.head_warm_start import run_head_warm_start
 
@@ -152,7 +156,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     if not hf:
         runners = {m: fn for m, fn in runners.items() if not m.startswith("hf_")}
     if vs_llamacpp:
-        runners["llamacpp"] = _llamacpp(loaded, target or mcfg.target, engine.max_seq_len)
+        runners["llamacpp"] = _llamacpp(loaded, mcfg.target, engine.max_seq_len)
     runs, stats, capture_ratios = time_methods(runners, ids_list, max_new_tokens, log)
     sd_stats = stats["sd"]
     # An int4 target is not the model HF runs (its bf16 weights): greedy outputs are checked

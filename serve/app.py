@@ -67,7 +67,7 @@ class TargetReplica:
         loaded = load_target(cfg.model.target, cfg.model, progress=False)
         self.tokenizer = loaded.tokenizer
         self.target = loaded.model
-        self.engine = SpecEngine(loaded.model, None, loaded.tokenizer, EngineOptions.from_config(cfg.serve))
+        self.engine = SpecEngine(loaded.model, None, loaded.tokenizer, EngineOptions.from_config(cfg.serve, cfg.model))
         self.router = self._make_router(cfg, build_draft)
         self.producer = RecordProducer(cfg.stream.redis_url, cfg.stream) if cfg.stream.redis_url else None
         self.metrics = ServeMetrics()

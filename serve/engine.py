@@ -88,7 +88,7 @@ class EngineOptions:
                    capture_top_k=serve.capture_top_k, max_seq_len=serve.max_seq_len,
                    max_concurrency=serve.max_concurrency, max_queue=serve.max_queue,
                    queue_timeout_s=serve.queue_timeout_s, cuda_graphs=serve.cuda_graphs, tree=serve.tree,
-                   quant=model.quant if model is not None else "none")
+                   quant=model.resolved().quant if model is not None else "none")
 
     def __post_init__(self) -> None:
         if self.k < 0:

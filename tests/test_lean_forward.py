@@ -226,6 +226,22 @@ def test_config_refuses_int4_outside_cpu_bfloat16():
         ModelConfig(dtype="bfloat16", quant="int4", device="cuda")
 
 
+def test_auto_takes_int4_for_the_gguf_target_on_cpu_only():
+    from infra.config import ModelConfig
+
+    def concrete(**kw):
+        r = ModelConfig(**kw).resolved()
+        return r.dtype, r.quant
+
+    assert concrete() == ("bfloat16", "int4")  # the default target ships as Q4_1
+    assert concrete(device="cuda") == ("float32", "none")
+    assert concrete(target="tiny-random") == ("float32", "none")  # no 4-bit weights of its own
+    assert concrete(target="tiny-random", quant="int4") == ("bfloat16", "int4")
+    assert concrete(dtype="float32") == ("float32", "none")
+    assert concrete(dtype="bfloat16", quant="none") == ("bfloat16", "none")
+    assert ModelConfig().resolved("tiny-random").quant == "none"  # resolved for the target named
+
+
 # ---------------------------------------------------------------- bf16 sampling stays exact
 
 V8 = dict(vocab_size=8, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64)
