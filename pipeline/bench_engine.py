@@ -27,7 +27,7 @@ from pipeline.replay import select_prompts
 from serve.drafts import build_draft
 from serve.engine import EngineOptions, GenerationParams, SpecEngine, SpecStats
 
-METHODS = ("hf_ar", "hf_assisted", "ar", "sd", "sd_nocapture", "llamacpp")
+METHODS = ("hf_ar", "hf_assisted", "ar", "sd", "sd_nocapture", "llamacpp", "ar_float32")
 # With --compile on (CUDA graphs), the eager engine runs in the same process for comparison.
 EAGER_METHODS = ("ar_eager", "sd_eager")
 # With --tree, chains of the same draft run in the same process for comparison.
@@ -35,6 +35,7 @@ CHAIN_METHODS = ("sd_chain",)
 LABELS = {
     "hf_ar": "HF generate (AR)",
     "llamacpp": "llama.cpp (same GGUF, AR)",
+    "ar_float32": "own AR, float32 target",
     "hf_assisted": "HF assisted (same draft)",
     "ar": "own AR",
     "sd": "own speculative",
@@ -96,6 +97,34 @@ def _top2_gap(runner, prefix: list[int]) -> float:
     return float(top[0] - top[1])
 
 
+def reference_methods(mcfg: Any, loaded: Any, max_seq_len: int, vs_llamacpp: bool,
+                      vs_float32: bool) -> dict[str, MethodFn]:
+    """Baselines outside the engine under test, timed in the same run: llama.cpp on the GGUF,
+    and own AR over the float32 target (the runner before bfloat16 and int4)."""
+    out: dict[str, MethodFn] = {}
+    if vs_llamacpp:
+        out["llamacpp"] = _llamacpp(loaded, mcfg.target, max_seq_len)
+    if vs_float32 and (mcfg.dtype, mcfg.quant) != ("float32", "none"):
+        f32 = load_target(mcfg.target, mcfg.for_training(), progress=False)
+        eng = SpecEngine(f32.model, None, f32.tokenizer, EngineOptions(k=0, max_seq_len=max_seq_len, max_concurrency=1))
+
+        def ar_float32(ids: list[int], n: int):
+            r = eng.generate(ids, GenerationParams(max_new_tokens=n))
+            return r.output_ids, None, r.decode_s
+
+        out["ar_float32"] = ar_float32
+    return out
+
+
+def float32_agreement(runs: dict[str, MethodRun]) -> dict[str, Any] | None:
+    """Information, not a check: on how many prompts own AR's greedy output (this run's dtype
+    and weights) equals the float32 target's, and where each first differs."""
+    if "ar_float32" not in runs:
+        return None
+    diffs = [_first_diff(a, b) for a, b in zip(runs["ar_float32"].outputs, runs["ar"].outputs)]
+    return {"equal": sum(d is None for d in diffs), "prompts": len(diffs), "first_diff": diffs}
+
+
 def _llamacpp(loaded: Any, spec: str, n_ctx: int):
     from infra.target import SMOLLM2, smollm2_gguf_path
     from pipeline.bench_llamacpp import llamacpp_method
@@ -110,7 +139,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
               max_prompt_chars: int = 1000, json_path: str | None = None, target: str | None = None,
               compile: str = "auto", dtype: str | None = None, hf: bool = True, tree: str = "",
               k_sweep: Sequence[int] = (), confidence_sweep: Sequence[float] = (), quant: str | None = None,
-              vs_llamacpp: bool = False, k_policy: str | None = None,
+              vs_llamacpp: bool = False, k_policy: str | None = None, vs_float32: bool = False,
               log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
     update: dict[str, Any] = {"device": device, **({"target": target} if target else {}),
                               **({"dtype": dtype} if dtype else {}), **({"quant": quant} if quant else {})}
@@ -155,8 +184,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     runners = method_runners(engine, loaded, draft, eager, chain, sweep)
     if not hf:
         runners = {m: fn for m, fn in runners.items() if not m.startswith("hf_")}
-    if vs_llamacpp:
-        runners["llamacpp"] = _llamacpp(loaded, mcfg.target, engine.max_seq_len)
+    runners.update(reference_methods(mcfg, loaded, engine.max_seq_len, vs_llamacpp, vs_float32))
     runs, stats, capture_ratios = time_methods(runners, ids_list, max_new_tokens, log)
     sd_stats = stats["sd"]
     # An int4 target is not the model HF runs (its bf16 weights): greedy outputs are checked
@@ -361,6 +389,9 @@ def summarize(runs: dict[str, MethodRun], stats: dict[str, SpecStats], capture_r
         "ar_vs_hf_ar": ratio("ar", "hf_ar"),
         "ar_vs_llamacpp": ratio("ar", "llamacpp"),
         "sd_vs_llamacpp": ratio("sd", "llamacpp"),
+        "ar_vs_ar_float32": ratio("ar", "ar_float32"),
+        "sd_vs_ar_float32": ratio("sd", "ar_float32"),
+        "float32_agreement": float32_agreement(runs),
         # Information, not a check: llama.cpp computes with its own kernels (8-bit activations).
         "llamacpp_outputs_equal_own_ar": (sum(a == b for a, b in zip(runs["llamacpp"].outputs, runs["ar"].outputs))
                                           if "llamacpp" in runs else None),
@@ -462,6 +493,11 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
         log(f"vs llama.cpp on the same GGUF: own SD {_fmt(result['sd_vs_llamacpp'])}, own AR "
             f"{_fmt(result['ar_vs_llamacpp'])}; its greedy output equals own AR's on "
             f"{result['llamacpp_outputs_equal_own_ar']} of {result['prompts']} prompts")
+    if result.get("float32_agreement"):
+        agree = result["float32_agreement"]
+        log(f"vs the float32 target: own AR {_fmt(result['ar_vs_ar_float32'])}, own SD "
+            f"{_fmt(result['sd_vs_ar_float32'])}; greedy output equal on {agree['equal']} of {agree['prompts']} "
+            f"prompts, first differences at {[d for d in agree['first_diff'] if d is not None]}")
     if result.get("ar_vs_ar_eager"):
         log(f"CUDA graphs: own AR graphs / eager {_fmt(result['ar_vs_ar_eager'])}, eager own SD / own AR "
             f"{_fmt(result['sd_eager_vs_ar_eager'])}")

@@ -208,7 +208,7 @@ def _run_bench_engine(cfg: OSDConfig, args: argparse.Namespace) -> None:
               max_prompt_chars=args.max_prompt_chars, json_path=args.json, target=args.target,
               compile=args.compile, dtype=args.dtype, hf=not args.no_hf, tree=args.tree or "",
               k_sweep=args.k_sweep, confidence_sweep=args.confidence_sweep, quant=args.quant,
-              vs_llamacpp=args.vs_llamacpp, k_policy=args.k_policy)
+              vs_llamacpp=args.vs_llamacpp, k_policy=args.k_policy, vs_float32=args.vs_float32)
 
 
 def _cmd_bench_forward(cfg: OSDConfig, args: argparse.Namespace) -> int:
@@ -471,6 +471,8 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
                                                              "implies --dtype bfloat16")
     be.add_argument("--k-policy", choices=("cost", "schedule", "fixed"), help="draft length per step "
                     "(default: serve.k_policy)")
+    be.add_argument("--vs-float32", action="store_true", help="time own AR over the float32 target in the same run "
+                    "and report where its greedy output first differs")
     be.add_argument("--vs-llamacpp", action="store_true", help="time llama.cpp on the GGUF the target comes from "
                     "in the same run (needs the optional llama-cpp-python)")
     be.add_argument("--k-sweep", nargs="+", type=_positive_int, default=[], metavar="K",

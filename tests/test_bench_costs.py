@@ -43,7 +43,7 @@ def test_engine_bench_reports_the_step_costs_of_an_int4_target(tmp_path, capsys)
     out = tmp_path / "e.json"
     rc = main(["bench", "engine", "--target", "tiny-random", "--draft", "truncate:1", "--prompts-file",
                _prompts(tmp_path), "--max-new-tokens", "12", "--k", "3", "--k-policy", "fixed", "--quant", "int4",
-               "--no-hf", "--json", str(out)])
+               "--no-hf", "--vs-float32", "--json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["quant"] == "int4" and r["dtype"] == "bfloat16" and r["k_policy"] == "fixed"
@@ -52,7 +52,10 @@ def test_engine_bench_reports_the_step_costs_of_an_int4_target(tmp_path, capsys)
     assert "4" in r["verify_cost_by_tokens"] and r["verify_cost_by_tokens"]["4"]["steps"] >= 2
     assert r["draft_cost_per_token"] > 0
     assert all(m["reference"] == "ar" for m in r["mismatches"])  # int4 is checked against its own AR
-    assert "verify forward by T" in capsys.readouterr().out
+    agree = r["float32_agreement"]  # the float32 target ran in the same run, as information
+    assert agree["prompts"] == 2 and len(agree["first_diff"]) == 2 and r["ar_vs_ar_float32"] > 0
+    printed = capsys.readouterr().out
+    assert "verify forward by T" in printed and "vs the float32 target" in printed
 
 
 def test_engine_bench_vs_llamacpp_needs_the_gguf_target_and_the_package(tmp_path, capsys, monkeypatch):
