@@ -59,8 +59,12 @@ class Dense:
         return F.linear(x, self.weight)
 
     def add(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """h + x @ W^T in one GEMM (the residual rides on it)."""
-        return torch.addmm(h, x, self.weight.t())
+        """h + x @ W^T. On CUDA one GEMM (the residual rides on it: one kernel fewer per graph
+        replay); on the CPU the GEMM and then the add, because addmm's result for a row depends
+        on how many rows it multiplies, and a verify forward must round as decode forwards do."""
+        if self.weight.is_cuda:
+            return torch.addmm(h, x, self.weight.t())
+        return h + F.linear(x, self.weight)
 
 
 @dataclass(frozen=True)

@@ -106,17 +106,34 @@ def shared_linear(sources: tuple[torch.Tensor, ...], quant: str, dtype: torch.dt
     return hit[1]
 
 
+# Blocks of up to this many rows (decode, verify, draft trees) attend row by row in the same
+# arithmetic as one row; longer ones (prefill) take the fused kernel.
+ROW_EXACT_MAX_T = 16
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               gqa: bool) -> torch.Tensor:
-    """q [T, H, hd] against k/v [KV, L, hd] -> [T, H*hd]. Blocks: 4-D SDPA (grouped-query
-    heads without copies), which reaches the fused CPU attention kernel. One row: two small
-    bmm with fp32 scores, 4x faster than that kernel for T=1 in bfloat16 (70 vs 280 us a
-    layer at 256 tokens of context, 2 cores)."""
+    """q [T, H, hd] against k/v [KV, L, hd] -> [T, H*hd].
+
+    Up to ROW_EXACT_MAX_T rows: scores by bmm in the cache's dtype, softmax in float32, then a
+    bmm with V (HF's eager attention, per row). Every op there computes a row the same way
+    whatever the other rows are, so on the CPU a verify forward of T rows gives bitwise the
+    logits of T one-row decode forwards: bfloat16 and int4 speculation emit exactly what the
+    same target decodes alone (measured: oneDNN's bf16 GEMMs, int4/int8 kernels, rms_norm and
+    softmax are row-independent; float32 bmm, addmm and the fused attention kernel are not).
+    One row this way is also 4x faster than the fused kernel in bfloat16 (70 vs 280 us a layer
+    at 256 tokens of context, 2 cores). Longer blocks: 4-D SDPA, grouped-query heads without
+    copies, which reaches the fused CPU attention kernel."""
     t, nh, hd = q.shape
-    if t == 1:
-        qg = q.reshape(k.shape[0], nh // k.shape[0], hd).float()
-        att = torch.bmm(qg, k.transpose(1, 2).float()).mul_(hd ** -0.5).softmax(-1)
-        return torch.bmm(att.to(v.dtype), v).reshape(1, nh * hd)
+    if t <= ROW_EXACT_MAX_T:
+        nkv = k.shape[0]
+        group = nh // nkv
+        qg = q.reshape(t, nkv, group, hd).permute(1, 2, 0, 3).reshape(nkv, group * t, hd)
+        scores = torch.bmm(qg, k.transpose(1, 2)).float().mul_(hd ** -0.5)
+        if mask is not None:
+            scores = scores.view(nkv, group, t, -1).masked_fill_(~mask, float("-inf")).view(nkv, group * t, -1)
+        out = torch.bmm(scores.softmax(-1).to(v.dtype), v)
+        return out.view(nkv, group, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
     o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                        attn_mask=mask, enable_gqa=gqa)
     return o[0].transpose(0, 1).reshape(t, nh * hd)
