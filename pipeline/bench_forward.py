@@ -56,9 +56,45 @@ def _model(variant: str, device: str, max_seq_len: int, real: Any, cache: dict[s
     return cache[dtype]
 
 
+class InductorRunner:
+    """A runner's fixed-shape forward (forward_static's math) through torch.compile (Inductor),
+    one compiled graph per token count; prefill-sized blocks run eagerly. For timing only: it
+    answers whether compiling the lean forward pays on this machine."""
+
+    def __init__(self, runner: LlamaRunner):
+        self.runner = runner
+        self.vocab_size = runner.vocab_size
+        self.new_cache = runner.new_cache
+        self.compile_s = 0.0
+        self._seen: set[int] = set()
+        self._fn = torch.compile(self._static, dynamic=False)
+
+    def _static(self, tokens: torch.Tensor, start: torch.Tensor, cache: Any) -> torch.Tensor:
+        r = self.runner
+        slots = start + r.arange[: tokens.shape[0]]
+        return r._static_layers(tokens, slots, slots, r.arange.unsqueeze(0) <= slots.unsqueeze(1), cache, ())[0]
+
+    def forward(self, tokens: torch.Tensor, cache: Any) -> torch.Tensor:
+        t = tokens.shape[0]
+        with torch.no_grad():  # not inference mode: Dynamo cannot trace through it
+            if t > MAX_COMPILED_TOKENS:
+                return self.runner._run(tokens, cache, ())[0]
+            t0 = time.perf_counter()
+            out = self._fn(tokens, self.runner.arange[cache.length: cache.length + 1], cache)
+            if t not in self._seen:
+                self._seen.add(t)
+                self.compile_s += time.perf_counter() - t0
+        cache.length += t
+        return out
+
+
+MAX_COMPILED_TOKENS = 64
+
+
 def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_tokens: int,
-                  real: Any = None) -> dict[str, Any]:
-    """name -> runner: each variant eagerly, and on CUDA each non-int4 variant as graphs too."""
+                  real: Any = None, inductor: bool = False) -> dict[str, Any]:
+    """name -> runner: each variant eagerly, on CUDA each non-int4 variant as graphs too, and
+    with `inductor` each variant through torch.compile as well."""
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}: expected some of {', '.join(VARIANTS)}")
@@ -74,17 +110,20 @@ def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_to
 
             runners[f"{v}-graph"] = GraphLlamaRunner(model, max_seq_len)
             runners[f"{v}-graph"].max_graph_tokens = max_tokens
+        if inductor:
+            runners[f"{v}-inductor"] = InductorRunner(runners[v])
     return runners
 
 
 def run_forward_bench(*, device: str = "cpu", variants: Sequence[str] = ("float32", "bfloat16", "int4"),
                       tokens: tuple[int, ...] = (1, 2, 3, 5, 9, 17, 33), context: int = 256,
-                      max_seq_len: int = 2048, repeats: int = 30, real: Any = None, json_path: str | None = None,
+                      max_seq_len: int = 2048, repeats: int = 30, real: Any = None, inductor: bool = False,
+                      json_path: str | None = None,
                       log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
     """Times every (runner, T) in one run, interleaved per repeat; `real`: the target model to
     time instead of a random one of its shape."""
     dev = torch.device(device)
-    runners = build_runners(variants, device, max_seq_len, max(tokens), real)
+    runners = build_runners(variants, device, max_seq_len, max(tokens), real, inductor)
     vocab = next(iter(runners.values())).vocab_size
     once = _timer(dev)
     gen = torch.Generator().manual_seed(0)
@@ -107,6 +146,7 @@ def run_forward_bench(*, device: str = "cpu", variants: Sequence[str] = ("float3
               "weights": "real" if real is not None else "random (SmolLM2-135M shape)",
               "ms": {name: {str(t): v for t, v in r.items()} for name, r in rows.items()},
               "vs_t1": {name: {str(t): v / r[tokens[0]] for t, v in r.items()} for name, r in rows.items()},
+              "compile_s": {name: r.compile_s for name, r in runners.items() if isinstance(r, InductorRunner)},
               "threads": torch.get_num_threads(), "torch": torch.__version__,
               "machine": platform.processor() or platform.machine()}
     print_forward_table(result, rows, tokens, log)
@@ -124,6 +164,8 @@ def print_forward_table(result: dict[str, Any], rows: dict[str, dict[int, float]
     log(f"{'T':>4}" + "".join(f"{name:>22}" for name in rows))
     for t in tokens:
         log(f"{t:>4}" + "".join(f"{r[t]:>13.2f} ms {r[t] / r[tokens[0]]:>5.2f}x" for r in rows.values()))
+    for name, sec in result["compile_s"].items():
+        log(f"{name}: compiling took {sec:.0f} s over {len(tokens)} token counts")
     base = rows.get("float32")
     if base:
         log("one-token forward vs float32: " + ", ".join(

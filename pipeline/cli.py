@@ -229,7 +229,7 @@ def _cmd_bench_forward(cfg: OSDConfig, args: argparse.Namespace) -> int:
         real = load_target(cfg.model.target, cfg.model.for_training(), progress=True).model
     try:
         run_forward_bench(device=args.device, variants=variants, tokens=tokens, context=args.context,
-                          repeats=args.repeats, real=real, json_path=args.json)
+                          repeats=args.repeats, real=real, inductor=args.inductor, json_path=args.json)
     except ValueError as e:
         print(f"osd: error: {e}", file=sys.stderr)
         return 2
@@ -370,6 +370,8 @@ def _add_bench_forward_parser(bench_sub: argparse._SubParsersAction) -> None:
     bf.add_argument("--variants", nargs="+", choices=VARIANT_CHOICES, metavar="V",
                     help="float32, bfloat16, float16 and/or int4 (int4 weights, bfloat16 activations; CPU); "
                          "default: float32 bfloat16 int4 on CPU, bfloat16 on CUDA")
+    bf.add_argument("--inductor", action="store_true", help="also time each variant through torch.compile "
+                    "(Inductor; a compile per token count, about a minute each on 2 cores)")
     bf.add_argument("--real", action="store_true", help="time the real target (model.target) instead of random "
                                                         "weights of SmolLM2-135M's shape")
     bf.add_argument("--tokens", default="1,2,3,5,9,17,33", help="comma-separated token counts T")

@@ -276,16 +276,16 @@ def prefill(target: Runner, draft: Runner | None, seq: _Seq) -> None:
     if is_head(draft):
         # The head reads the prefill's features; it runs over them at the first propose.
         layers = draft.feature_layers
-        seq.feats = target.forward_features(head, slot.target, layers)[1] if head.numel() else None
+        seq.feats = target.prefill(head, slot.target, layers) if head.numel() else None
         seq.feat_start = 0
         seq.dcache.truncate(0)
         return
     if head.numel():
-        target.forward(head, slot.target)
+        target.prefill(head, slot.target)
     if draft is not None and seq.dcache is not None:
         seq.dcache.truncate(0)
         if head.numel():
-            draft.forward(head, seq.dcache)
+            draft.prefill(head, seq.dcache)
 
 
 def propose(draft: Runner, seq: _Seq, k: int, confidence: float):

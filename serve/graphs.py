@@ -94,11 +94,11 @@ class GraphLlamaRunner(LlamaRunner):
     def cache_key(self) -> tuple:
         return ("graph",) + super().cache_key[1:]
 
-    def _run(self, tokens: torch.Tensor, cache: StaticKVCache,
-             layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _run(self, tokens: torch.Tensor, cache: StaticKVCache, layers: tuple[int, ...],
+             logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         t = tokens.shape[0]
         if t > self.max_graph_tokens:
-            return super()._run(tokens, cache, layers)
+            return super()._run(tokens, cache, layers, logits)
         start = cache.length
         if start + t > cache.max_len:
             raise ValueError(f"sequence of {start + t} tokens exceeds the cache's {cache.max_len}")

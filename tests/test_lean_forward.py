@@ -285,3 +285,34 @@ def test_sampling_in_bfloat16_follows_the_targets_distribution(tree):
         accepted += r.stats.num_accepted_tokens
     assert drafted - accepted > 200 and accepted > 200  # both the accept and the residual paths ran
     assert chi2_pvalue(counts, _exact_first_two(target, [1, 2, 3], sampling)) > 1e-3
+
+
+def test_prefill_fills_the_cache_as_a_forward_does_without_logits():
+    model = tiny(seed=10)
+    r = LlamaRunner(model, 128)
+    ids = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(3))
+    a, b = r.new_cache(), r.new_cache()
+    feats = r.prefill(ids[:29], a, (0, 1))
+    _, want = r.forward_features(ids[:29], b, (0, 1))
+    assert torch.equal(feats, want) and a.length == b.length == 29
+    assert r.prefill(ids[:29], r.new_cache()) is None  # no layers asked for: nothing returned
+    torch.testing.assert_close(r.forward(ids[29:], a), r.forward(ids[29:], b), rtol=0, atol=0)
+
+
+def test_an_int4_target_prefills_long_prompts_with_its_bfloat16_weights():
+    model = tiny(seed=11, dtype="bfloat16")
+    r4 = LlamaRunner(model, 128, quant="int4")
+    assert r4.prefill_blocks is not r4.blocks and LlamaRunner(model, 128).prefill_blocks is not None
+    ids = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(4))
+    dense = LlamaRunner(model, 128)
+    a, b = r4.new_cache(), dense.new_cache()
+    r4.prefill(ids[:30], a)
+    dense.prefill(ids[:30], b)
+    assert torch.equal(a.k[:, :, :30], b.k[:, :, :30])  # the prompt's K/V: the bf16 model's
+    # Speculation over such a prompt still equals the int4 target's own decoding.
+    prompt = ids[:30].tolist()
+    ar = SpecEngine(model, options=EngineOptions(k=0, max_seq_len=128, quant="int4"))
+    sd = SpecEngine(model, build_draft("truncate:1", model),
+                    options=EngineOptions(k=3, max_seq_len=128, quant="int4", k_policy="fixed"))
+    want = ar.generate(prompt, GenerationParams(max_new_tokens=24)).output_ids
+    assert sd.generate(prompt, GenerationParams(max_new_tokens=24)).output_ids == want
