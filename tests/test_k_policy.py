@@ -86,7 +86,7 @@ def test_a_request_at_zero_probes_its_draft_now_and_then():
         choices.append(k)
         req.observe(k, 0)
     assert choices == [0, 0, 0, 1] + [0] * 7 + [1]  # a probe after 4 idle steps, then after 8
-    for _ in range(200):
+    for _ in range(600):
         req.observe(req.choose(limit=10), 0)
     assert req.idle_limit == 256  # rejected probes back off to the cap
     while not req.probing:
