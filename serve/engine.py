@@ -296,6 +296,11 @@ def propose(draft: Runner, seq: _Seq, k: int, confidence: float):
     tokens: list[int] = []
     qs: list[torch.Tensor] = []
     own: list[float] = []
+    if inp.numel() > 1:
+        # Tokens committed while the draft sat out (the cost rule's k = 0, a full acceptance):
+        # into its cache without an output projection over every one of them.
+        draft.prefill(inp[:-1], cache)
+        inp = inp[-1:]
     for i in range(k):
         logits = draft.forward(inp, cache)[-1]
         probs = torch.softmax(logits, dim=-1) if params.greedy else warp_probs(logits, params)

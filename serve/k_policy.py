@@ -14,8 +14,9 @@ starting from what the same draft achieved on earlier requests.
 
 A request at k = 0 learns nothing about its draft, so it drafts one token after
 `probe_every` idle steps, and waits twice as long after each probe that is rejected (up to
-MAX_IDLE steps): a useless draft then costs a probe's verify row and the draft's catch-up
-over the skipped tokens once in 16, 32, 64, ... steps.
+MAX_IDLE steps; the back-off carries over to the draft's next requests): a useless draft
+then costs a probe's verify row and the draft's catch-up over the skipped tokens once in
+16, 32, 64, ... steps.
 
 Pure: no torch, milliseconds to test with a fake profile.
 """
@@ -106,10 +107,12 @@ class KPolicy:
         self.k_max = k_max
         self.probe_every = probe_every
         self.by_draft: dict[object, Acceptance] = {}
+        self.idle_limit: dict[object, int] = {}  # per draft: the probe back-off, carried across requests
 
     def new_request(self, draft_key: object) -> "RequestK":
         shared = self.by_draft.setdefault(draft_key, Acceptance())
-        return RequestK(self, draft_key, Acceptance(prior=shared.alpha, weight=4.0), shared)
+        return RequestK(self, draft_key, Acceptance(prior=shared.alpha, weight=4.0), shared,
+                        idle_limit=self.idle_limit.get(draft_key, 0))
 
 
 @dataclass
@@ -142,6 +145,7 @@ class RequestK:
         if self.probing:  # back off after a rejected probe, start over after an accepted one
             limit = self.idle_limit or self.policy.probe_every
             self.idle_limit = min(2 * limit, MAX_IDLE) if accepted == 0 else 0
+            self.policy.idle_limit[self.draft_key] = self.idle_limit
         self.own.observe(drafted, accepted)
         self.shared.observe(drafted, accepted, decay=0.99)
 

@@ -91,8 +91,9 @@ def test_a_request_at_zero_probes_its_draft_now_and_then():
     assert req.idle_limit == 256  # rejected probes back off to the cap
     while not req.probing:
         req.choose(limit=10)
+    assert policy.new_request("bad").idle_limit == 256  # the draft's next request keeps the back-off
     req.observe(1, 1)  # an accepted probe starts the count over
-    assert req.idle_limit == 0
+    assert req.idle_limit == 0 and policy.new_request("bad").idle_limit == 0
     assert req.choose(limit=0) == 0  # no room left: never drafts
 
 
