@@ -192,6 +192,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     reference = "ar" if mcfg.quant != "none" else None
     result = summarize(runs, stats, capture_ratios,
                        greedy_mismatches(engine.target, runs, ids_list, reference), engine.options)
+    result["greedy_reference"] = reference or ("hf_ar" if "hf_ar" in runs else "ar")
     result.update(draft_figures(sd_stats, runs, draft))
     result.update(step_cost_figures(stats, runs))
     result["k_sweep"] = sweep_rows(runs, stats, "k", k) if k_sweep else None
@@ -531,7 +532,8 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
         log(f"draft=self: {result['self_ms_per_token']:.1f} ms/token vs ideal "
             f"{result['self_ideal_ms_per_token']:.1f} ms/token ({result['self_vs_ideal']:.2f}x)")
     if result["greedy_identical"]:
-        log(f"greedy_identical: true (every own method's outputs equal {LABELS[ref]}'s on every prompt)")
+        checked = result.get("greedy_reference") or ref
+        log(f"greedy_identical: true (every own method's outputs equal {LABELS[checked]}'s on every prompt)")
     else:
         log(f"greedy_identical: false, {len(result['mismatches'])} outputs differ:")
         for mm in result["mismatches"]:
