@@ -30,6 +30,7 @@ PROBE_EVERY = 16
 MAX_IDLE = 256
 EWMA = 0.2  # weight of a new cost observation
 DECAY = 0.9  # per step, of a request's acceptance counts (a draft's fit drifts within a reply)
+SHARED_WEIGHT = 4.0  # positions' worth of the draft's long-run acceptance in a request's estimate
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -40,10 +41,15 @@ def expected_tokens(alpha: float, k: int) -> float:
 def best_k(verify_s: Sequence[float], draft_s: float, step_s: float, alpha: float, k_max: int) -> int:
     """The draft length in 0..k_max (and within the profile) with the most expected tokens per
     second. verify_s[t - 1]: seconds of a target forward of t tokens; draft_s: seconds per
-    drafted token; step_s: fixed seconds per step. Ties go to the shorter draft."""
-    best, best_rate = 0, 1.0 / (verify_s[0] + step_s)
-    for k in range(1, min(k_max, len(verify_s) - 1) + 1):
-        rate = expected_tokens(alpha, k) / (verify_s[k] + k * draft_s + step_s)
+    drafted token; step_s: fixed seconds per step. Ties go to the shorter draft. A forward of
+    fewer tokens never costs more than one of more: the profile is read through its lower
+    envelope from the right, so one noisy measurement does not rule a length out."""
+    v = list(verify_s)
+    for i in range(len(v) - 2, -1, -1):
+        v[i] = min(v[i], v[i + 1])
+    best, best_rate = 0, 1.0 / (v[0] + step_s)
+    for k in range(1, min(k_max, len(v) - 1) + 1):
+        rate = expected_tokens(alpha, k) / (v[k] + k * draft_s + step_s)
         if rate > best_rate:
             best, best_rate = k, rate
     return best
@@ -63,11 +69,12 @@ class Acceptance:
     def alpha(self) -> float:
         return self.accepted / self.reached if self.reached > 0 else 0.0
 
-    def observe(self, drafted: int, accepted: int, decay: float = DECAY) -> None:
+    def observe(self, drafted: int, accepted: int, decay: float = DECAY, weight: float = 1.0) -> None:
+        """One step that drafted `drafted` and kept `accepted`; weight 0 only decays the counts."""
         if drafted <= 0:
             return
-        self.accepted = self.accepted * decay + accepted
-        self.reached = self.reached * decay + accepted + (accepted < drafted)
+        self.accepted = self.accepted * decay + weight * accepted
+        self.reached = self.reached * decay + weight * (accepted + (accepted < drafted))
 
 
 @dataclass
@@ -111,8 +118,7 @@ class KPolicy:
 
     def new_request(self, draft_key: object) -> "RequestK":
         shared = self.by_draft.setdefault(draft_key, Acceptance())
-        return RequestK(self, draft_key, Acceptance(prior=shared.alpha, weight=4.0), shared,
-                        idle_limit=self.idle_limit.get(draft_key, 0))
+        return RequestK(self, draft_key, Acceptance(weight=0.0), shared, idle_limit=self.idle_limit.get(draft_key, 0))
 
 
 @dataclass
@@ -125,13 +131,21 @@ class RequestK:
     idle_limit: int = 0  # steps at k = 0 before the next probe (0: probe_every)
     probing: bool = False
 
+    @property
+    def alpha(self) -> float:
+        """The request's own recent acceptance, pulled towards its draft's long-run figure by
+        SHARED_WEIGHT positions: a few early rejections do not decide a whole reply."""
+        own, w = self.own, SHARED_WEIGHT
+        return (own.accepted + w * self.shared.alpha) / (own.reached + w)
+
     def choose(self, limit: int) -> int:
         """Draft length for this step, at most `limit` (the token budget and context)."""
         p = self.policy
-        k = best_k(p.costs.verify_s, p.costs.draft_cost(self.draft_key), p.costs.step_s, self.own.alpha,
+        k = best_k(p.costs.verify_s, p.costs.draft_cost(self.draft_key), p.costs.step_s, self.alpha,
                    min(p.k_max, limit))
         self.probing = False
         if k == 0 and limit > 0:
+            self.own.observe(1, 0, decay=DECAY, weight=0.0)  # idle: its old evidence fades, nothing new
             self.idle_steps += 1
             if self.idle_steps >= (self.idle_limit or p.probe_every):
                 self.idle_steps = 0
@@ -150,7 +164,7 @@ class RequestK:
         self.shared.observe(drafted, accepted, decay=0.99)
 
 
-def profile_forward(forward: Callable[[int], float], k_max: int, repeats: int = 3) -> list[float]:
+def profile_forward(forward: Callable[[int], float], k_max: int, repeats: int = 5) -> list[float]:
     """V(t) for t = 1..k_max+1: the median of `repeats` timed calls of forward(t) (which runs
     one target forward of t tokens and returns its seconds), after one warm-up each."""
     out = []

@@ -41,12 +41,30 @@ def test_steep_verify_and_costly_drafts_draft_less():
     assert costly == 0  # a draft token as dear as a target step cannot pay at alpha 0.6
 
 
+def test_a_noisy_profile_is_read_through_its_lower_envelope():
+    noisy = [0.013, 0.018, 0.0165, 0.019, 0.0225]  # T=2 measured dearer than T=3
+    assert best_k(noisy, 0.0, 0.0, alpha=0.5, k_max=1) == 1  # costed as T=3's 16.5 ms, not 18
+
+
 def test_the_choice_maximises_expected_tokens_per_second():
     for alpha in (0.1, 0.3, 0.5, 0.7, 0.9):
         for c in (0.0, 0.002, 0.01):
             k = best_k(STEEP, c, 0.001, alpha, 4)
             rates = [expected_tokens(alpha, j) / (STEEP[j] + j * c + 0.001) for j in range(5)]
             assert rates[k] == max(rates)
+
+
+def test_a_request_leans_on_its_drafts_long_run_acceptance_and_forgets_while_idle():
+    policy = KPolicy(StepCosts(list(FLAT), frozen=True), k_max=4)
+    policy.by_draft["d"] = Acceptance(prior=0.6, weight=100.0)
+    req = policy.new_request("d")
+    assert req.alpha == pytest.approx(0.6)
+    req.observe(2, 0)
+    req.observe(2, 0)  # two early rejections move it, but do not decide the reply
+    assert 0.3 < req.alpha < 0.6
+    before = req.alpha
+    req.own.observe(1, 0, weight=0.0)  # an idle step: old evidence fades towards the long-run figure
+    assert before < req.alpha < 0.6
 
 
 def test_acceptance_counts_reached_positions():
@@ -77,7 +95,7 @@ def test_a_request_at_zero_probes_its_draft_now_and_then():
     assert first >= 1  # an unseen draft starts from alpha 0.5 and is tried
     for _ in range(30):
         fresh.observe(fresh.choose(limit=10), 0)
-    assert fresh.own.alpha < 0.1  # rejected every time: its estimate falls away from the prior 0.5
+    assert fresh.alpha < 0.2 and fresh.shared.alpha < 0.5  # rejected every time: both fall from 0.5
     policy.by_draft["bad"] = Acceptance(prior=0.0, weight=50.0)  # what earlier requests learned
     req = policy.new_request("bad")
     choices = []
@@ -106,6 +124,7 @@ def test_profile_forward_takes_medians_by_token_count():
 
     assert profile_forward(forward, k_max=2, repeats=3) == [0.01, 0.02, 0.03]
     assert calls.count(1) == 4  # a warm-up and three timed
+    assert len(profile_forward(forward, k_max=1)) == 2 and calls.count(1) == 10  # five by default
 
 
 def _engine(target, draft, k=4):
