@@ -46,7 +46,7 @@ from serve.admission import SlotPool
 from serve.capture import Capture, CaptureBuffer
 from serve.detokenize import StopScanner
 from serve import gpu_stages
-from serve.head_runner import commit_head, is_head, propose_head
+from serve.head_runner import commit_head, is_head, prefill_head, propose_head
 from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
 from serve.k_policy import KPolicy, RequestK, StepCosts, profile_forward
 from serve.linear import QUANT_MODES
@@ -274,11 +274,13 @@ def prefill(target: Runner, draft: Runner | None, seq: _Seq) -> None:
     slot.target.truncate(0)
     head = torch.tensor(seq.tokens[:-1], dtype=torch.long, device=seq.device)
     if is_head(draft):
-        # The head reads the prefill's features; it runs over them at the first propose.
+        # The head reads the prefill's features: all but the last of its rows run now, the
+        # last at the first propose (which then drafts from one row, as every later step).
         layers = draft.feature_layers
         seq.feats = target.prefill(head, slot.target, layers) if head.numel() else None
         seq.feat_start = 0
         seq.dcache.truncate(0)
+        prefill_head(draft, seq)
         return
     if head.numel():
         target.prefill(head, slot.target)
@@ -624,7 +626,8 @@ class SpecEngine:
         if seq.kreq is not None:  # the cost rule learns from every step it did not profile
             costs = seq.kreq.policy.costs
             costs.observe_verify(logits.shape[0], t2 - t1)
-            costs.observe_draft(seq.kreq.draft_key, drafts.numel(), t1 - t0)
+            if not seq.kreq.probing:  # a probe also catches the draft up on the idle stretch
+                costs.observe_draft(seq.kreq.draft_key, drafts.numel(), t1 - t0)
             costs.observe_step(t4 - t2)
         return n, drafts.numel(), emitted
 

@@ -125,6 +125,19 @@ def is_head(runner: Any) -> bool:
     return isinstance(runner, HeadRunner)
 
 
+def prefill_head(runner: HeadRunner, seq: Any) -> None:
+    """At prefill: the head's rows over the prompt's target features, all but the last (rows
+    0..N-3 of N prompt tokens; row t reads position t's features and token t+1), so the first
+    propose runs one row as every later one does. Moves seq.feats/feat_start past them."""
+    n = len(seq.tokens) - 2
+    if seq.feats is None or n <= 0:
+        return
+    nxt = torch.tensor(seq.tokens[1:n + 1], dtype=torch.long, device=seq.device)
+    runner.rows(runner.fuse(seq.feats[:n]), nxt, seq.dcache)
+    seq.feats = seq.feats[n:]
+    seq.feat_start = n
+
+
 def propose_head(runner: HeadRunner, seq: Any, k: int, confidence: float):
     """Draft up to k tokens (engine.propose's contract): (tokens [n], q [n, V] or None, own probs).
     q is the head's distribution over its vocabulary scattered into the target's: 0 outside it,
