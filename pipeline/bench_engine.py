@@ -116,6 +116,18 @@ def reference_methods(mcfg: Any, loaded: Any, max_seq_len: int, vs_llamacpp: boo
     return out
 
 
+def hf_mismatches(runner: Any, runs: dict[str, MethodRun], ids_list: list[list[int]]) -> list[dict[str, Any]]:
+    """Information: where own AR (bfloat16 or int4) first differs from HF generate (its own
+    rounding of the bfloat16 model), with the top-2 logit gap there."""
+    out = []
+    for i, (ref, got) in enumerate(zip(runs["hf_ar"].outputs, runs["ar"].outputs)):
+        pos = _first_diff(ref, got)
+        if pos is not None:
+            gap = _top2_gap(runner, ids_list[i] + got[:pos]) if pos < len(got) else None
+            out.append({"prompt": i, "position": pos, "top2_logit_gap": gap})
+    return out
+
+
 def float32_agreement(runs: dict[str, MethodRun]) -> dict[str, Any] | None:
     """Information, not a check: on how many prompts own AR's greedy output (this run's dtype
     and weights) equals the float32 target's, and where each first differs."""
@@ -187,12 +199,15 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     runners.update(reference_methods(mcfg, loaded, engine.max_seq_len, vs_llamacpp, vs_float32))
     runs, stats, capture_ratios = time_methods(runners, ids_list, max_new_tokens, log)
     sd_stats = stats["sd"]
-    # An int4 target is not the model HF runs (its bf16 weights): greedy outputs are checked
-    # against own AR, which runs the same int4 weights.
-    reference = "ar" if mcfg.quant != "none" else None
+    # Lossless means equal to the same target's own decoding: in float32 that is HF's too; in
+    # bfloat16 HF rounds differently op by op, and int4 is not a model HF runs, so speculation
+    # is checked against own AR there, and own AR against HF is reported beside it.
+    reference = "ar" if (mcfg.dtype, mcfg.quant) != ("float32", "none") else None
     result = summarize(runs, stats, capture_ratios,
                        greedy_mismatches(engine.target, runs, ids_list, reference), engine.options)
     result["greedy_reference"] = reference or ("hf_ar" if "hf_ar" in runs else "ar")
+    result["ar_vs_hf_mismatches"] = (hf_mismatches(engine.target, runs, ids_list)
+                                     if reference == "ar" and "hf_ar" in runs else None)
     result.update(draft_figures(sd_stats, runs, draft))
     result.update(step_cost_figures(stats, runs))
     result["k_sweep"] = sweep_rows(runs, stats, "k", k) if k_sweep else None
@@ -494,6 +509,11 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
         log(f"vs llama.cpp on the same GGUF: own SD {_fmt(result['sd_vs_llamacpp'])}, own AR "
             f"{_fmt(result['ar_vs_llamacpp'])}; its greedy output equals own AR's on "
             f"{result['llamacpp_outputs_equal_own_ar']} of {result['prompts']} prompts")
+    if result.get("ar_vs_hf_mismatches") is not None:
+        mm = result["ar_vs_hf_mismatches"]
+        gaps = [m["top2_logit_gap"] for m in mm if m["top2_logit_gap"] is not None]
+        log(f"own AR vs HF generate (information; each rounds the model its own way): {len(mm)} of "
+            f"{result['prompts']} outputs differ" + (f", top-2 logit gaps there {[round(g, 3) for g in gaps]}" if gaps else ""))
     if result.get("float32_agreement"):
         agree = result["float32_agreement"]
         log(f"vs the float32 target: own AR {_fmt(result['ar_vs_ar_float32'])}, own SD "
