@@ -174,6 +174,9 @@ class TargetReplica:
             stop=tuple(req["stop"]),
             capture=record,
             speculate=req.get("speculate", True),
+            # While a canary runs, both arms draft every step, so the controller gets served
+            # acceptance to compare even where the cost rule would draft nothing.
+            min_draft=1 if self.router.routing.canary is not None else 0,
         )
         return list(ids), params, (domain_of(user_text) if user_text else None), record
 

@@ -120,6 +120,10 @@ class GenerationParams:
     capture: bool = True
     # Set False to decode autoregressively on an engine that has a draft.
     speculate: bool = True
+    # Draft at least this many tokens a step (within k and the budget) whatever the cost rule
+    # says: a canary comparison needs served acceptance from both arms, even where drafting
+    # does not pay.
+    min_draft: int = 0
 
 
 STAGES = ("propose", "score", "verify", "commit")
@@ -575,6 +579,8 @@ class SpecEngine:
         if self._use_tree(seq, remaining):
             return self._stages_tree(seq)
         k = seq.kreq.choose(limit) if seq.kreq is not None else min(seq.k, limit)
+        if seq.kreq is not None and seq.params.min_draft:
+            k = max(k, min(seq.params.min_draft, limit, self.options.k))
         run = self._stages_gpu if self.gpu else self._stages_cpu
         n, k_drafted, emitted = run(seq, k)
         if seq.kreq is not None:

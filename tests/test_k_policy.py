@@ -166,3 +166,15 @@ def test_engine_profiles_the_target_once_on_first_use():
     eng.generate([5, 17], GenerationParams(max_new_tokens=4, capture=False))
     assert eng._kpolicy is policy
     assert torch.get_num_threads() >= 1
+
+
+def test_min_draft_drafts_every_step_whatever_the_rule_says():
+    """A canary comparison needs served acceptance from both arms (serve/app.py sets it while a
+    canary runs)."""
+    target = build_tiny_llama(seed=3, num_layers=2, max_positions=96)
+    target.config.eos_token_id = None
+    bad = build_tiny_llama(seed=77, num_layers=1, max_positions=96)
+    eng = _engine(target, bad)
+    eng._kpolicy.by_draft[id(eng.draft)] = Acceptance(prior=0.0, weight=100.0)
+    r = eng.generate([5, 17, 200, 3], GenerationParams(max_new_tokens=20, capture=False, min_draft=1))
+    assert r.stats.num_drafts == r.stats.num_steps - 1  # every step but the last (no room for a draft)

@@ -37,7 +37,8 @@ def test_cached_safetensors_match_gguf_greedy(converted):
     assert (cache / MANIFEST).is_file() and (cache / "model.safetensors").is_file()
     gguf = smollm2_gguf_path()
     ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
-    cached = load_target("smollm2-135m-instruct", ModelConfig(cache_dir=root), progress=False)
+    # float32: the conversion is checked against the GGUF model transformers builds, in float32.
+    cached = load_target("smollm2-135m-instruct", ModelConfig(cache_dir=root, dtype="float32"), progress=False)
     assert cached.path == cache
     for text in PROMPTS:
         ids = chat_ids(cached.tokenizer, text)
@@ -45,6 +46,33 @@ def test_cached_safetensors_match_gguf_greedy(converted):
         got = _greedy(cached.model, ids)
         assert got == want, (text, cached.tokenizer.decode(got), cached.tokenizer.decode(want))
         assert len(got) == 16
+
+
+def test_int4_weights_are_the_ggufs_own_q4_1_blocks(converted):
+    """Group-wise min/max int4 of the cached (dequantized) weights gives back the GGUF's codes, d
+    and m exactly, for tensors that llama.cpp's conversion does not permute."""
+    import gguf
+    import numpy as np
+
+    from serve.linear import int4_codes
+
+    root, _ = converted
+    model = load_target("smollm2-135m-instruct", ModelConfig(cache_dir=root, dtype="float32"), progress=False).model
+    params = dict(model.named_parameters())
+    tensors = {t.name: t for t in gguf.GGUFReader(str(smollm2_gguf_path())).tensors}
+    for gname, hname in (("blk.0.ffn_down.weight", "model.layers.0.mlp.down_proj.weight"),
+                         ("blk.5.attn_v.weight", "model.layers.5.self_attn.v_proj.weight"),
+                         ("blk.29.ffn_gate.weight", "model.layers.29.mlp.gate_proj.weight")):
+        t = tensors[gname]
+        assert t.tensor_type.name == "Q4_1"
+        blocks = np.asarray(t.data).reshape(t.data.shape[0], -1, 20)  # per block: f16 d, f16 m, 16 bytes
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 4:20]
+        q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(qs.shape[0], -1)  # low nibbles first
+        codes, scale, lo = int4_codes(params[hname])
+        assert np.array_equal(codes.numpy(), q), gname
+        assert np.array_equal(scale.numpy(), d) and np.array_equal(lo.numpy(), m), gname
 
 
 def test_second_prepare_is_a_cache_hit(converted):
