@@ -121,10 +121,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
     Up to ROW_EXACT_MAX_T rows: scores by bmm in the cache's dtype, softmax in float32, then a
     bmm with V (HF's eager attention, per row). Every op there computes a row the same way
-    whatever the other rows are, so on the CPU a verify forward of T rows gives bitwise the
-    logits of T one-row decode forwards: bfloat16 and int4 speculation emit exactly what the
-    same target decodes alone (measured: oneDNN's bf16 GEMMs, int4/int8 kernels, rms_norm and
-    softmax are row-independent; float32 bmm, addmm and the fused attention kernel are not).
+    whatever the other rows are, so on the CPU an int4 target's verify forward of T rows gives
+    bitwise the logits of T one-row decode forwards, and its speculation emits exactly what it
+    decodes alone (measured op by op: the int4/int8 kernels, rms_norm and softmax are
+    row-independent; float32 bmm, addmm and the fused attention kernel are not; oneDNN's
+    dense bf16 GEMM mostly is, but not always on the real model, where dense bfloat16
+    speculation then differs from its AR at near ties only).
     One row this way is also 4x faster than the fused kernel in bfloat16 (70 vs 280 us a layer
     at 256 tokens of context, 2 cores). Longer blocks: 4-D SDPA, grouped-query heads without
     copies, which reaches the fused CPU attention kernel."""
