@@ -59,7 +59,9 @@ def test_the_page_follows_the_loop(tiny, tmp_path):
 
         s = _wait(decided, 300, "a trainer export and a rollout decision on the page")
         (t,) = s["loop"]["trainers"]
-        assert t["step"] >= 1 and t["loss"] is not None and t["records"] >= 12 and t["exports"] >= 1
+        # The first export follows 12 consumed records, of which 1 in 5 were held out, not trained:
+        # a decision that comes right after it finds 9 or 10 trained.
+        assert t["step"] >= 1 and t["loss"] is not None and t["records"] >= 9 and t["exports"] >= 1
         assert t["last_checkpoint"] and t["last_export"]["version"].startswith("t-v")
         groups = {g["group"]: g for g in s["loop"]["stream"]["groups"]}
         assert {cfg.stream.group, cfg.rollout.group} <= set(groups)
