@@ -1,7 +1,7 @@
 """llama.cpp as a method of `osd bench engine --vs-llamacpp`: the speed a CPU user gets from
 the very GGUF our target comes from, timed in the same run on the same token ids.
 
-llama-cpp-python is an optional bench dependency (`pip install llama-cpp-python`, which
+llama-cpp-python is an optional bench dependency (the `bench` extra, which
 compiles llama.cpp: minutes on 2 cores); nothing else in the project needs it. Decoding is
 greedy (top-k 1), prompt evaluation included, as our methods are timed.
 """
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 INSTALL_HINT = ("osd bench engine --vs-llamacpp needs llama-cpp-python, an optional bench dependency: "
-                "CMAKE_ARGS=-DGGML_NATIVE=ON pip install llama-cpp-python (it compiles llama.cpp)")
+                "CMAKE_ARGS=-DGGML_NATIVE=ON .venv/bin/pip install -e '.[bench]' (llama-cpp-python; it compiles llama.cpp)")
 
 
 def llamacpp_method(gguf: Path, threads: int, n_ctx: int, eos: int | None

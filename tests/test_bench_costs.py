@@ -66,5 +66,5 @@ def test_engine_bench_vs_llamacpp_needs_the_gguf_target_and_the_package(tmp_path
     from pipeline.bench_llamacpp import llamacpp_method
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed
-    with pytest.raises(ValueError, match="pip install llama-cpp-python"):
+    with pytest.raises(ValueError, match=r"needs llama-cpp-python.*\.\[bench\]"):
         llamacpp_method(tmp_path / "x.gguf", 2, 64, None)
