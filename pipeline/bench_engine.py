@@ -153,14 +153,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
               k_sweep: Sequence[int] = (), confidence_sweep: Sequence[float] = (), quant: str | None = None,
               vs_llamacpp: bool = False, k_policy: str | None = None, vs_float32: bool = False,
               log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
-    update: dict[str, Any] = {"device": device, **({"target": target} if target else {}),
-                              **({"dtype": dtype} if dtype else {}), **({"quant": quant} if quant else {})}
-    if quant == "int4" and not dtype:
-        update["dtype"] = "bfloat16"  # int4's activation dtype
-    if dtype and dtype != "bfloat16" and not quant:
-        update["quant"] = "none"  # an explicit other dtype: the weights as loaded
-    # Validated (int4 needs CPU bfloat16), then `auto` made concrete for this target.
-    mcfg = type(cfg.model).model_validate({**cfg.model.model_dump(), **update}).resolved()
+    mcfg = bench_model_config(cfg, device, target, dtype, quant)
     loaded = load_target(mcfg.target, mcfg, progress=True)
     if draft_spec == "head:init":  # the warm-started head: built once, then taken from disk
         from train.head_warm_start import run_head_warm_start
@@ -239,6 +232,19 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
 
 
 # (prompt ids, token budget) -> (output ids, speculative stats or None, decode seconds or None)
+def bench_model_config(cfg: OSDConfig, device: str, target: str | None, dtype: str | None,
+                       quant: str | None) -> Any:
+    """The model config the bench runs: the flags over model.*, validated (int4 needs CPU
+    bfloat16), then `auto` made concrete for the target."""
+    update: dict[str, Any] = {"device": device, **({"target": target} if target else {}),
+                              **({"dtype": dtype} if dtype else {}), **({"quant": quant} if quant else {})}
+    if quant == "int4" and not dtype:
+        update["dtype"] = "bfloat16"  # int4's activation dtype
+    if dtype and dtype != "bfloat16" and not quant:
+        update["quant"] = "none"  # an explicit other dtype: the weights as loaded
+    return type(cfg.model).model_validate({**cfg.model.model_dump(), **update}).resolved()
+
+
 MethodFn = Callable[[list[int], int], tuple[list[int], "SpecStats | None", "float | None"]]
 
 

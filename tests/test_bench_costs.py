@@ -68,3 +68,10 @@ def test_engine_bench_vs_llamacpp_needs_the_gguf_target_and_the_package(tmp_path
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed
     with pytest.raises(ValueError, match=r"needs llama-cpp-python.*\.\[bench\]"):
         llamacpp_method(tmp_path / "x.gguf", 2, 64, None)
+
+
+def test_engine_bench_refuses_int4_outside_bfloat16_with_a_clear_error(tmp_path, capsys):
+    rc = main(["bench", "engine", "--target", "tiny-random", "--draft", "truncate:1", "--prompts-file",
+               _prompts(tmp_path), "--quant", "int4", "--dtype", "float32", "--no-hf"])
+    assert rc == 2
+    assert "int4 is the CPU bfloat16 path" in capsys.readouterr().err
