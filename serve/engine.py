@@ -18,7 +18,8 @@ Draft length: at most k tokens per step (config `serve.k`), chosen per step by `
   tokens per second, from the target's forward cost by token count (profiled at the first
   speculative step, then measured from every step), the draft's measured cost per token,
   and the request's running acceptance. A draft that cannot pay for its verify drafts
-  nothing (one probe token every 16 steps), so speculation never costs much more than AR.
+  nothing but a probe token now and then (after 16 idle steps, doubling after each rejected
+  probe), so speculation never costs much more than AR.
 - schedule: the budget grows by 2 after a step whose drafts were all accepted and shrinks
   by 1 (not below 1) otherwise, the rule of Hugging Face's default assistant schedule.
 - fixed: k every step.

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from serve.runner import StaticKVCache, attention, shared_linear
+from serve.runner import StaticKVCache, decoder_layer, prefix_attend, shared_linear
 
 
 class LeanHead:
@@ -33,13 +33,12 @@ class LeanHead:
         self.eps = head.eps
         self.fc = linear(head.fc)
         self.in_proj = linear(head.in_proj)
-        self.qkv = linear(layer["q_proj"], layer["k_proj"], layer["v_proj"])
-        self.o = linear(layer["o_proj"])
-        self.gate_up = linear(layer["gate_proj"], layer["up_proj"])
-        self.down = linear(layer["down_proj"])
+        # The one decoder layer, as the target's blocks: (ln1, q|k|v, o, ln2, gate|up, down).
+        self.block = (head.ln1.detach(), linear(layer["q_proj"], layer["k_proj"], layer["v_proj"]),
+                      linear(layer["o_proj"]), head.ln2.detach(),
+                      linear(layer["gate_proj"], layer["up_proj"]), linear(layer["down_proj"]))
         self.lm_head = linear(head.lm_head)
-        self.norm_e, self.norm_g = head.norm_e.detach(), head.norm_g.detach()
-        self.ln1, self.ln2, self.norm = head.ln1.detach(), head.ln2.detach(), head.norm.detach()
+        self.norm_e, self.norm_g, self.norm = head.norm_e.detach(), head.norm_g.detach(), head.norm.detach()
         half = self.head_dim // 2
         self.cos = head.cos.unsqueeze(1)  # [max_pos, 1, hd]
         self.sin_signed = torch.cat([-head.sin[:, :half], head.sin[:, half:]], dim=-1).unsqueeze(1)
@@ -55,19 +54,11 @@ class LeanHead:
         """Rows (inputs g [T, h], next tokens [T]) at cache slots start..start+T, attending
         causally (`mask` [T, start+T] or None for one row). Returns the last row's draft-vocab
         logits [V_d] fp32 and its output state [1, h]; leaves cache.length to the caller."""
-        t = next_ids.shape[0]
-        end = start + t
-        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        end = start + next_ids.shape[0]
         e = F.embedding(next_ids, self.embed)
         x = self.in_proj(torch.cat([self._rms(e, self.norm_e), self._rms(g, self.norm_g)], dim=-1))
-        qkv = self.qkv(self._rms(x, self.ln1)).view(t, nh + 2 * nkv, hd)
-        qk = qkv[:, : nh + nkv]
-        qk = torch.addcmul(qk * self.cos[start:end], qk.roll(hd // 2, -1), self.sin_signed[start:end])
-        cache.k[0, :, start:end] = qk[:, nh:].transpose(0, 1)
-        cache.v[0, :, start:end] = qkv[:, nh + nkv:].transpose(0, 1)
-        a = attention(qk[:, :nh], cache.k[0, :, :end], cache.v[0, :, :end], mask, nkv != nh)
-        x = self.o.add(x, a)
-        gate, up = self.gate_up(self._rms(x, self.ln2)).chunk(2, dim=-1)
-        x = self.down.add(x, F.silu(gate).mul_(up))
+        attend = prefix_attend(cache, start, end, mask, self.n_kv != self.n_heads)
+        x = decoder_layer(x, self.block, self.cos[start:end], self.sin_signed[start:end], attend, 0,
+                          self.n_heads, self.n_kv, self.head_dim, self.eps)
         last = x[-1:]
         return self.lm_head(self._rms(last, self.norm)).float()[0], last

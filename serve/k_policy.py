@@ -69,12 +69,17 @@ class Acceptance:
     def alpha(self) -> float:
         return self.accepted / self.reached if self.reached > 0 else 0.0
 
-    def observe(self, drafted: int, accepted: int, decay: float = DECAY, weight: float = 1.0) -> None:
-        """One step that drafted `drafted` and kept `accepted`; weight 0 only decays the counts."""
+    def observe(self, drafted: int, accepted: int, decay: float = DECAY) -> None:
+        """One step that drafted `drafted` and kept `accepted`."""
         if drafted <= 0:
             return
-        self.accepted = self.accepted * decay + weight * accepted
-        self.reached = self.reached * decay + weight * (accepted + (accepted < drafted))
+        self.accepted = self.accepted * decay + accepted
+        self.reached = self.reached * decay + accepted + (accepted < drafted)
+
+    def fade(self, decay: float = DECAY) -> None:
+        """A step without drafts: old evidence loses weight, nothing new comes in."""
+        self.accepted *= decay
+        self.reached *= decay
 
 
 @dataclass
@@ -145,7 +150,7 @@ class RequestK:
                    min(p.k_max, limit))
         self.probing = False
         if k == 0 and limit > 0:
-            self.own.observe(1, 0, decay=DECAY, weight=0.0)  # idle: its old evidence fades, nothing new
+            self.own.fade()
             self.idle_steps += 1
             if self.idle_steps >= (self.idle_limit or p.probe_every):
                 self.idle_steps = 0

@@ -14,7 +14,7 @@ Q4_1, blocks of 32 weights w = d·q + m with q in 0..15, and llama.cpp's Q4_1 qu
 sets m to the block's minimum and d to (max - min) / 15, so every block holds both codes 0
 and 15. Group-wise min/max quantization of the dequantized weights therefore gives back
 the same codes, and the same d and m up to the precision the scales are kept in:
-`quantize_int4` recovers the GGUF's own 4-bit weights, it does not add a second rounding.
+`int4_codes` recovers the GGUF's own 4-bit weights, it does not add a second rounding.
 The kernel computes w = (q - 8)·s + z, so z = m + 8·d.
 """
 
@@ -51,6 +51,13 @@ def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
     return wg.reshape(n, k)
 
 
+class AddAfter:
+    """The residual add of a weight-only kernel: h + (x @ W^T), the product first."""
+
+    def add(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return h + self(x)  # type: ignore[operator]
+
+
 @dataclass(frozen=True)
 class Dense:
     weight: torch.Tensor  # [out, in]
@@ -68,10 +75,9 @@ class Dense:
 
 
 @dataclass(frozen=True)
-class Int4:
+class Int4(AddAfter):
     packed: torch.Tensor  # the kernel's own layout of the codes
     scales_zeros: torch.Tensor  # [in/group, out, 2] in the activation dtype
-    out_features: int
     group: int = INT4_GROUP
 
     @classmethod
@@ -86,17 +92,14 @@ class Int4:
             raise ValueError("model.quant int4 is the CPU path; use quant none on a GPU")
         sz = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 2)
-        return cls(packed, sz, w.shape[0], group)
+        return cls(packed, sz, group)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group, self.scales_zeros)
 
-    def add(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return h + self(x)
-
 
 @dataclass(frozen=True)
-class Int8:
+class Int8(AddAfter):
     """Weight-only int8, one symmetric scale per output row: the head of an int4 target,
     which the GGUF keeps in 8 bits (Q8_0) rather than 4."""
 
@@ -113,9 +116,6 @@ class Int8:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
-
-    def add(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return h + self(x)
 
 
 def make_linear(w: torch.Tensor, quant: str, dtype: torch.dtype) -> Dense | Int4:

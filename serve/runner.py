@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from serve.linear import QUANT_MODES, Dense, Int4, Int8, make_linear
+from serve.linear import QUANT_MODES, AddAfter, Dense, Int4, Int8, make_linear
 
 
 class KVCache(Protocol):
@@ -94,20 +94,25 @@ def _transposed_head(weight: torch.Tensor) -> torch.Tensor:
     return _HEAD_T[key][1]
 
 
+def _cached(key: tuple, sources: tuple[torch.Tensor, ...], make: Callable[[], Any]) -> Any:
+    """make() once per key in a bounded, least-recently-used cache that holds `sources`, so a
+    data_ptr in the key is never reused by other tensors while the entry lives."""
+    hit = _FUSED.pop(key, None)
+    if hit is None:
+        while len(_FUSED) >= _FUSED_MAX:
+            _FUSED.pop(next(iter(_FUSED)))
+        hit = (sources, make())
+    _FUSED[key] = hit  # most recently used last
+    return hit[1]
+
+
 def shared_linear(sources: tuple[torch.Tensor, ...], quant: str, dtype: torch.dtype) -> Dense | Int4:
     """One linear over the concatenated `sources` (q|k|v, gate|up, or a single weight), made
     once per set of tensors: a `truncate:L` draft shares the target's layers, and the bench's
     several engines over one model would otherwise each hold a copy."""
     srcs = tuple(w.detach() for w in sources)
-    key = (quant, dtype) + tuple(_tensor_key(w) for w in srcs)
-    hit = _FUSED.pop(key, None)
-    if hit is None:
-        while len(_FUSED) >= _FUSED_MAX:
-            _FUSED.pop(next(iter(_FUSED)))
-        w = srcs[0] if len(srcs) == 1 else torch.cat(srcs)
-        hit = (srcs, make_linear(w, quant, dtype))
-    _FUSED[key] = hit  # most recently used last
-    return hit[1]
+    return _cached((quant, dtype) + tuple(_tensor_key(w) for w in srcs), srcs,
+                   lambda: make_linear(srcs[0] if len(srcs) == 1 else torch.cat(srcs), quant, dtype))
 
 
 # Blocks of up to this many rows (decode, verify, draft trees) attend row by row in the same
@@ -146,13 +151,36 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 def _shared_head(weight: torch.Tensor, quant: str, dtype: torch.dtype) -> Dense | Int8:
-    key = ("head", quant, dtype, _tensor_key(weight.detach()))
-    hit = _FUSED.pop(key, None)
-    if hit is None:
-        w = weight.detach()
-        hit = ((w,), Dense(w) if quant == "none" else Int8.from_weight(w, dtype))
-    _FUSED[key] = hit
-    return hit[1]
+    w = weight.detach()
+    return _cached(("head", quant, dtype, _tensor_key(w)), (w,),
+                   lambda: Dense(w) if quant == "none" else Int8.from_weight(w, dtype))
+
+
+def prefix_attend(cache: StaticKVCache, start: int, end: int, mask: torch.Tensor | None, gqa: bool):
+    """decoder_layer's `attend` for rows at cache slots start..end: write layer i's new K/V
+    there and attend over the filled prefix [:end]."""
+    def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        cache.k[i, :, start:end] = k.transpose(0, 1)
+        cache.v[i, :, start:end] = v.transpose(0, 1)
+        return attention(q, cache.k[i, :, :end], cache.v[i, :, :end], mask, gqa)
+
+    return attend
+
+
+def decoder_layer(h: torch.Tensor, block: tuple, cos: torch.Tensor, sin: torch.Tensor, attend, i: int,
+                  n_heads: int, n_kv: int, head_dim: int, eps: float) -> torch.Tensor:
+    """One Llama decoder layer over T rows h [T, D], block = (ln1, q|k|v, o, ln2, gate|up,
+    down): the target's stack and the head draft's single layer both run it. cos/sin
+    [T, 1, hd], sin with its first half negated; `attend(i, q, k, v)` stores the layer's new
+    K/V and returns its attention output [T, H*hd]."""
+    ln1, wqkv, wo, ln2, wgu, wd = block
+    t, hidden = h.shape[0], (h.shape[-1],)
+    qkv = wqkv(F.rms_norm(h, hidden, ln1, eps)).view(t, n_heads + 2 * n_kv, head_dim)
+    qk = qkv[:, : n_heads + n_kv]
+    qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # rotate-half RoPE, q and k at once
+    h = wo.add(h, attend(i, qk[:, :n_heads], qk[:, n_heads:], qkv[:, n_heads + n_kv:]))
+    g, u = wgu(F.rms_norm(h, hidden, ln2, eps)).chunk(2, dim=-1)
+    return wd.add(h, F.silu(g).mul_(u))
 
 
 class LlamaRunner:
@@ -175,7 +203,6 @@ class LlamaRunner:
         if quant == "int4" and (model.lm_head.weight.dtype != torch.bfloat16 or model.lm_head.weight.device.type != "cpu"):
             raise ValueError("quant int4 needs a bfloat16 model on the CPU (its kernel's activation dtype)")
         inner = model.model
-        self.quant = quant
         self.device = model.lm_head.weight.device
         self.dtype = model.lm_head.weight.dtype
         self.vocab_size = cfg.vocab_size
@@ -276,19 +303,11 @@ class LlamaRunner:
         # One query block attends to everything cached plus itself, causally; one mask per forward.
         mask = None if t == 1 else self.causal[start:end, :end]
 
-        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            cache.k[i, :, start:end] = k.transpose(0, 1)
-            cache.v[i, :, start:end] = v.transpose(0, 1)
-            return self._attention(q, cache.k[i, :, :end], cache.v[i, :, :end], mask)
-
+        attend = prefix_attend(cache, start, end, mask, self.n_kv != self.n_heads)
         blocks = self.prefill_blocks if t > ROW_EXACT_MAX_T else self.blocks
         out = self._decoder(tokens, self.cos[start:end], self.sin_signed[start:end], attend, layers, blocks, logits)
         cache.length = end
         return out
-
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   mask: torch.Tensor | None) -> torch.Tensor:
-        return attention(q, k, v, mask, self.n_kv != self.n_heads)
 
     @torch.inference_mode()
     def forward_static(self, tokens: torch.Tensor, start: torch.Tensor, cache: StaticKVCache,
@@ -341,17 +360,10 @@ class LlamaRunner:
         """The decoder stack over T rows (cos/sin [T, 1, hd]); `attend(i, q, k, v)` stores layer
         i's new K/V and returns its attention output [T, H*hd]. Returns (logits [T, V] float32
         or None when not asked for, the features of `layers` or None)."""
-        t = tokens.shape[0]
-        hd, nh, nkv = self.head_dim, self.n_heads, self.n_kv
         h = F.embedding(tokens, self.embed)  # [T, D]
         kept: dict[int, torch.Tensor] = {}
-        for i, (ln1, wqkv, wo, ln2, wgu, wd) in enumerate(self.blocks if blocks is None else blocks):
-            qkv = wqkv(F.rms_norm(h, self.hidden, ln1, self.eps)).view(t, nh + 2 * nkv, hd)
-            qk = qkv[:, : nh + nkv]
-            qk = torch.addcmul(qk * cos, qk.roll(hd // 2, -1), sin)  # rotate-half RoPE, q and k at once
-            h = wo.add(h, attend(i, qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:]))
-            g, u = wgu(F.rms_norm(h, self.hidden, ln2, self.eps)).chunk(2, dim=-1)
-            h = wd.add(h, F.silu(g).mul_(u))
+        for i, block in enumerate(self.blocks if blocks is None else blocks):
+            h = decoder_layer(h, block, cos, sin, attend, i, self.n_heads, self.n_kv, self.head_dim, self.eps)
             if i in layers:
                 kept[i] = h
         feats = torch.cat([kept[i] for i in layers], dim=-1) if layers else None
@@ -360,7 +372,7 @@ class LlamaRunner:
         return self.head(F.rms_norm(h, self.hidden, self.norm, self.eps)).float(), feats
 
 
-class _Split:
+class _Split(AddAfter):
     """Linears side by side without a fused copy: an int4 target's prompt blocks multiply by
     the model's own bfloat16 q, k, v (gate, up) weights and concatenate the outputs."""
 
@@ -369,9 +381,6 @@ class _Split:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([F.linear(x, w) for w in self.weights], dim=-1)
-
-    def add(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return h + self(x)
 
 
 class _HFCache:

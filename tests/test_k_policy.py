@@ -63,7 +63,7 @@ def test_a_request_leans_on_its_drafts_long_run_acceptance_and_forgets_while_idl
     req.observe(2, 0)  # two early rejections move it, but do not decide the reply
     assert 0.3 < req.alpha < 0.6
     before = req.alpha
-    req.own.observe(1, 0, weight=0.0)  # an idle step: old evidence fades towards the long-run figure
+    req.own.fade()  # an idle step: old evidence fades towards the long-run figure
     assert before < req.alpha < 0.6
 
 

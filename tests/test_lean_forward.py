@@ -208,7 +208,7 @@ def test_an_int4_head_drafts_for_an_int4_target_losslessly():
     prompt = [5, 17, 200, 3, 99]
     ar = SpecEngine(model, options=EngineOptions(k=0, max_seq_len=128, quant="int4"))
     sd = SpecEngine(model, head, options=EngineOptions(k=3, max_seq_len=128, quant="int4", k_policy="fixed"))
-    assert sd.draft.lean.qkv.__class__.__name__ == "Int4"  # the head's layer reads int4 weights
+    assert sd.draft.lean.block[1].__class__.__name__ == "Int4"  # the head's q|k|v reads int4 weights
     want = ar.generate(prompt, GenerationParams(max_new_tokens=40)).output_ids
     r = sd.generate(prompt, GenerationParams(max_new_tokens=40))
     assert r.stats.num_draft_tokens > 0
