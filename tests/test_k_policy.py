@@ -178,3 +178,10 @@ def test_min_draft_drafts_every_step_whatever_the_rule_says():
     eng._kpolicy.by_draft[id(eng.draft)] = Acceptance(prior=0.0, weight=100.0)
     r = eng.generate([5, 17, 200, 3], GenerationParams(max_new_tokens=20, capture=False, min_draft=1))
     assert r.stats.num_drafts == r.stats.num_steps - 1  # every step but the last (no room for a draft)
+
+
+def test_an_unknown_k_policy_is_refused_by_name():
+    from serve.engine import EngineError
+
+    with pytest.raises(EngineError, match="k_policy must be one of cost, schedule, fixed"):
+        EngineOptions(k_policy="greedy")
