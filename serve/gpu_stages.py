@@ -7,8 +7,9 @@ the device, and a step reads the host values it needs (accepted length, the toke
 transfer at the end of verify.
 
 Differences from the CPU stages, chosen because they need a sync per draft token:
-- the confidence stop is not applied (adaptive k, decided on the host from the accepted
-  length the step reads anyway, still is);
+- the confidence stop is not applied (the draft-length policy, decided on the host from
+  the accepted length the step reads anyway, still is; the cost rule keeps its start-up
+  profile there, since stage times arrive as events);
 - greedy verification runs on the device; sampling uses the exact CPU rule
   (serve/verify.py), which reads its accept/reject outcome back.
 """

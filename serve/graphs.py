@@ -13,7 +13,7 @@ needs a compiler; graphs keyed by (cache, T) say exactly what is captured.
 
 Shapes. Each runner forward of T tokens (T <= max_graph_tokens, which the engine sets to
 k+1) is one graph per (cache, T, feature layers), captured on first use: decode (T=1), verify (T = drafts+1,
-so adaptive k and the budget clamp use the sizes they need, each captured once),
+so the draft-length policy and the budget clamp use the sizes they need, each captured once),
 and each draft step. Longer forwards (prefill) run eagerly over the same cache.
 """
 
