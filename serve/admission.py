@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import threading
 from typing import Any, Generic, Iterable, TypeVar
 
@@ -167,7 +168,9 @@ class SlotPool(Generic[T]):
 _ABANDONED: Any = object()
 
 
-def retry_after_s(pool: SlotPool, mean_request_s: float) -> int:
-    """A Retry-After hint: the time for the queue ahead to drain, at least 1 s."""
-    ahead = pool.queued + pool.in_use
-    return max(1, int(round(ahead * mean_request_s / pool.total)))
+def retry_after_s(pool: SlotPool, service_s: float) -> int:
+    """A Retry-After hint: the time for the queue ahead to drain, at least 1 s. Requests finish
+    at `total / service_s` a second (service_s: the mean time from admission to finish, which
+    time spent queued does not inflate), and a retry is served at once when the requests
+    queued now have all started."""
+    return max(1, math.ceil(pool.queued * service_s / pool.total))

@@ -33,14 +33,19 @@ from serve.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     IncrementalText,
+    DetokenizeRequest,
+    TokenizeRequest,
     chat_body,
     chat_chunk,
     completion_body,
+    completion_chunk,
     new_id,
     openapi_with_bodies,
     osd_extension,
+    parse_body,
     parse_request,
     sse_error,
+    usage_chunk,
 )
 
 MODEL_ALIAS = "osd"
@@ -75,7 +80,9 @@ class TargetReplica:
         # more characters than its raw vocab string), so it is refused without tokenizing.
         longest = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self.max_prompt_chars = self.engine.max_seq_len * max(longest, 1)
-        self.mean_request_s = 1.0  # running mean, for Retry-After hints
+        # Running mean of admission-to-finish time: with the slot count, the rate requests
+        # complete at, for Retry-After hints (time spent queued would inflate it under load).
+        self.mean_service_s = 1.0
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # constructed outside Serve (unit use)
@@ -139,7 +146,7 @@ class TargetReplica:
     # -- request preparation --------------------------------------------------
 
     def _token_ids(self, req: dict[str, Any]) -> tuple[list[int], str]:
-        from infra.prompts import messages_ids
+        from serve.chat_template import chat_prompt_ids
         from serve.engine import RequestError
 
         if req["kind"] == "chat":
@@ -152,9 +159,11 @@ class TargetReplica:
                                f"tokens", code="context_length_exceeded")
         if msgs is not None:
             user_text = next((m["content"] for m in reversed(msgs) if m["role"] == "user"), "")
-            return messages_ids(self.tokenizer, msgs), user_text
+            return chat_prompt_ids(self.tokenizer, msgs, req.get("add_generation_prompt", True),
+                                   req.get("continue_final_message", False)), user_text
         if isinstance(req["prompt"], str):
-            return self.tokenizer.encode(req["prompt"], add_special_tokens=False), req["prompt"]
+            special = req.get("add_special_tokens", False)
+            return self.tokenizer.encode(req["prompt"], add_special_tokens=special), req["prompt"]
         return req["prompt"], ""
 
     async def _prepare(self, req: dict[str, Any]):
@@ -167,8 +176,11 @@ class TargetReplica:
         record = self.cfg.serve.record if req.get("record") is None else bool(req["record"])
         record = record and self.producer is not None
         s = req["sampling"]
+        # No max_tokens: what the context has left, up to the server's cap (as vLLM, which has no cap).
+        remaining = self.engine.max_seq_len - len(ids)
+        cap = self.cfg.serve.max_new_tokens
         params = GenerationParams(
-            max_new_tokens=req["max_tokens"] or self.cfg.serve.max_new_tokens,
+            max_new_tokens=req["max_tokens"] or (min(cap, remaining) if remaining >= 1 else cap),
             sampling=SamplingParams(temperature=s["temperature"], top_k=max(s["top_k"], 0), top_p=s["top_p"],
                                     seed=s["seed"]),
             stop=tuple(req["stop"]),
@@ -180,18 +192,20 @@ class TargetReplica:
         )
         return list(ids), params, (domain_of(user_text) if user_text else None), record
 
-    def _finish(self, req_id: str, version: str, result: Any, domain: str | None, record: bool,
+    def _finish(self, req: dict[str, Any], version: str, result: Any, domain: str | None, record: bool,
                 t0: float) -> dict[str, Any]:
         from infra.records import record_from_capture
 
+        req_id = req["request_id"]
         record_id = None
         if record and result.capture is not None:
             rec = record_from_capture(result.prompt_ids, result.output_ids, result.capture, request_id=req_id,
                                       draft_version=version, domain=domain, target_sha256=self.target_sha256)
             if self.producer.submit(rec):
                 record_id = rec.record_id
-        latency = time.perf_counter() - t0
-        self.mean_request_s += 0.1 * (latency - self.mean_request_s)
+        now = time.perf_counter()
+        latency = now - t0
+        self.mean_service_s += 0.1 * (now - req.get("admitted_at", t0) - self.mean_service_s)
         self.metrics.observe(version, result, latency)
         self.metrics.roles(self.router.routing.stable, self.router.routing.canary)
         self._sync_record_metrics()
@@ -231,7 +245,7 @@ class TargetReplica:
             return {"error": {"status": 429 if full else 503, "message": f"server busy: {e}; retry later",
                               "type": "rate_limit_error" if full else "server_error",
                               "code": "overloaded" if full else "queue_timeout",
-                              "retry_after": retry_after_s(self.engine.slots, self.mean_request_s)}}
+                              "retry_after": retry_after_s(self.engine.slots, self.mean_service_s)}}
         self.metrics.error(version, "internal")
         log.exception("request %s failed in replica %s", req.get("request_id"), self.replica_id)
         return {"error": {"status": 500, "type": "server_error", "code": "internal_error",
@@ -242,6 +256,7 @@ class TargetReplica:
         ids, params, domain, record = await self._prepare(req)
         stream = self.engine.stream(ids, params, draft=draft)  # validates now, before any token
         await stream.admit()
+        req["admitted_at"] = time.perf_counter()
         return stream, params, domain, record
 
     # -- entry points (called through the deployment handle) -------------------
@@ -254,7 +269,7 @@ class TargetReplica:
             stream, _, domain, record = await self._admitted(req, draft)
             async for _ in stream:
                 pass
-            return self._finish(req["request_id"], version, stream.result, domain, record, t0)
+            return self._finish(req, version, stream.result, domain, record, t0)
         except Exception as e:
             return self._error(e, req, version)
         finally:
@@ -280,7 +295,7 @@ class TargetReplica:
                     yield {"text": text.push(toks)}
                 result = stream.result
                 yield {"text": text.finish(result.text or "")}
-                yield {"done": self._finish(req["request_id"], version, result, domain, record, t0)}
+                yield {"done": self._finish(req, version, result, domain, record, t0)}
             except Exception as e:
                 yield self._error(e, req, version)
         finally:
@@ -316,6 +331,34 @@ class TargetReplica:
         """For /healthz: check_health's verdict plus what is served."""
         self.check_health()
         return {"status": "ok", "draft_version": self.draft_version}
+
+    def tokenize(self, req: dict[str, Any]) -> dict[str, Any]:
+        """For /tokenize: the ids a prompt or a conversation (chat template applied) becomes."""
+        from serve.chat_template import chat_prompt_ids
+        from serve.engine import RequestError
+
+        try:
+            if req.get("messages") is not None:
+                ids = chat_prompt_ids(self.tokenizer, req["messages"], req["add_generation_prompt"],
+                                      req["continue_final_message"])
+            else:
+                ids = self.tokenizer.encode(req["prompt"], add_special_tokens=req["add_special_tokens"])
+        except RequestError as e:
+            return {"error": {"status": 400, "message": str(e), "code": e.code}}
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.max_seq_len, "tokens": list(ids)}
+        if req.get("return_token_strs"):
+            out["token_strs"] = self.tokenizer.convert_ids_to_tokens(list(ids))
+        return out
+
+    def detokenize(self, ids: list[int]) -> dict[str, Any]:
+        """For /detokenize and completions' echo: the text of token ids (special tokens left out,
+        as in every output)."""
+        vocab = len(self.tokenizer)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            return {"error": {"status": 400, "message": f"token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                              "code": None}}
+        return {"prompt": self.tokenizer.decode(ids, skip_special_tokens=True)}
 
     def __del__(self) -> None:
         router = getattr(self, "router", None)
@@ -419,9 +462,12 @@ class OpenAIIngress:
             "speculate": req.osd_speculate,
         }
         if isinstance(req, ChatCompletionRequest):
-            out.update(kind="chat", messages=[m.model_dump() for m in req.messages], max_tokens=req.token_budget())
+            out.update(kind="chat", messages=req.flat_messages(), max_tokens=req.token_budget(),
+                       add_generation_prompt=req.add_generation_prompt,
+                       continue_final_message=req.continue_final_message)
         else:
-            out.update(kind="completion", prompt=req.prompt, max_tokens=req.max_tokens)
+            out.update(kind="completion", prompt=req.prompt, max_tokens=req.max_tokens,
+                       add_special_tokens=req.add_special_tokens)
         return out
 
     async def _guarded(self, request: Request, work: Any) -> Any:
@@ -448,36 +494,57 @@ class OpenAIIngress:
         req = parse_request(kind, await self._body(request), self.cfg.serve.max_new_tokens)
         self._check_model(req.model)
         ereq = self._engine_request(req, _request_id(request))
+        # completions' echo: the prompt's text first (token-id prompts are decoded by a replica).
+        echo = await self._prompt_text(req.prompt) if isinstance(req, CompletionRequest) and req.echo else ""
         if req.stream:
-            if kind is not ChatCompletionRequest:
-                raise APIError(400, "stream is supported on /v1/chat/completions", param="stream")
-            return await self._stream_chat(ereq, req)
+            return await self._stream(ereq, req, echo)
         result = await self.replica.generate.remote(ereq)
         if "error" in result:
             raise _replica_error(result["error"])
+        result["text"] = echo + result["text"]
         body = (chat_body if kind is ChatCompletionRequest else completion_body)(
             ereq["request_id"], self.model_id, result)
         return JSONResponse(body)
 
-    async def _stream_chat(self, ereq: dict[str, Any], req: ChatCompletionRequest) -> Any:
+    async def _prompt_text(self, prompt: str | list[int]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        out = await self.replica.detokenize.remote(prompt)
+        if "error" in out:
+            raise _replica_error(out["error"])
+        return out["prompt"]
+
+    async def _stream(self, ereq: dict[str, Any], req: Any, echo: str) -> Any:
         gen = self.replica.options(stream=True).generate_stream.remote(ereq)
         first = await gen.__anext__()
         if "error" in first:
             raise _replica_error(first["error"])
-        return StreamingResponse(self._sse(gen, ereq, req), media_type="text/event-stream")
+        return StreamingResponse(self._sse(gen, ereq, req, echo), media_type="text/event-stream")
 
-    async def _sse(self, gen: Any, ereq: dict[str, Any], req: ChatCompletionRequest) -> AsyncIterator[str]:
+    async def _sse(self, gen: Any, ereq: dict[str, Any], req: Any, echo: str) -> AsyncIterator[str]:
         rid, created = ereq["request_id"], int(time.time())
-        yield chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""})
+        is_chat = isinstance(req, ChatCompletionRequest)
+
+        def chunk(text: str | None, finish_reason: str | None = None, extra: dict[str, Any] | None = None) -> str:
+            if is_chat:
+                delta = {"content": text} if text is not None else {}
+                return chat_chunk(rid, self.model_id, created, delta, finish_reason, extra)
+            return completion_chunk(rid, self.model_id, created, text or "", finish_reason, extra)
+
+        if is_chat:
+            yield chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""})
+        if echo:
+            yield chunk(echo)
         try:
             async for item in gen:
                 if "text" in item:
                     if item["text"]:
-                        yield chat_chunk(rid, self.model_id, created, {"content": item["text"]})
+                        yield chunk(item["text"])
                 elif "done" in item:
                     result = item["done"]
-                    yield chat_chunk(rid, self.model_id, created, {}, result["finish_reason"],
-                                     extra={"usage": result["usage"], "osd": osd_extension(result)})
+                    yield chunk(None, result["finish_reason"], extra={"osd": osd_extension(result)})
+                    if req.include_usage():  # the spec's own chunk: no choices, only when asked
+                        yield usage_chunk(rid, self.model_id, created, result["usage"], is_chat)
                 elif "error" in item:  # failed after the 200 went out: an SSE error event, as OpenAI sends
                     yield sse_error(_replica_error(item["error"]))
         except Exception:  # the replica died mid-stream: say so in the stream, then end it
@@ -486,6 +553,25 @@ class OpenAIIngress:
             yield sse_error(APIError(500, f"internal error; request id {rid}", type_="server_error",
                                      code="internal_error"))
         yield SSE_DONE
+
+    async def _tokenize(self, request: Request) -> Any:
+        req = parse_body(TokenizeRequest, await self._body(request))
+        self._check_model(req.model)
+        out = await self.replica.tokenize.remote({
+            "prompt": req.prompt, "messages": req.flat_messages() if req.messages is not None else None,
+            "add_special_tokens": req.add_special_tokens, "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message, "return_token_strs": req.return_token_strs})
+        if "error" in out:
+            raise _replica_error(out["error"])
+        return out
+
+    async def _detokenize(self, request: Request) -> Any:
+        req = parse_body(DetokenizeRequest, await self._body(request))
+        self._check_model(req.model)
+        return {"prompt": await self._prompt_text(req.tokens)}
+
+    def _model_card(self, model_id: str) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": 0, "owned_by": "osd", "root": self.model_id}
 
     async def _stats(self) -> dict[str, Any]:
         """Record counters summed over the replicas seen (a few calls reach each replica)."""
@@ -517,10 +603,41 @@ class OpenAIIngress:
     @api.get("/v1/models")
     async def models(self, request: Request) -> Any:
         async def listing() -> dict[str, Any]:
-            return {"object": "list",
-                    "data": [{"id": self.model_id, "object": "model", "created": 0, "owned_by": "osd"}]}
+            return {"object": "list", "data": [self._model_card(self.model_id)]}
 
         return await self._guarded(request, listing)
+
+    # `path`: a model id may hold slashes (a hub id such as org/name).
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, request: Request, model_id: str) -> Any:
+        async def card() -> dict[str, Any]:
+            self._check_model(model_id)
+            return self._model_card(model_id)
+
+        return await self._guarded(request, card)
+
+    @api.post("/tokenize")
+    async def tokenize(self, request: Request) -> Any:
+        return await self._guarded(request, lambda: self._tokenize(request))
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request) -> Any:
+        return await self._guarded(request, lambda: self._detokenize(request))
+
+    @api.get("/version")
+    async def version(self, request: Request) -> Any:
+        async def version() -> dict[str, Any]:
+            from importlib.metadata import version
+
+            return {"version": version("osd-platform")}
+
+        return await self._guarded(request, version)
+
+    @api.get("/health", include_in_schema=False)
+    async def health(self) -> Any:
+        """vLLM's name for /healthz (guidellm checks it before a run); open like it, and out of
+        the schema as an alias."""
+        return await self.healthz()
 
     @api.get("/healthz")
     async def healthz(self) -> Any:

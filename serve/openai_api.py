@@ -1,9 +1,10 @@
 """The OpenAI-compatible protocol: request models, error bodies, response and SSE shapes.
 
-No Ray and no model here, so the wire format is unit-tested without a server. Unknown
-request fields are ignored (as vLLM and OpenAI do for clients that send extra options);
-known fields are type-checked, and every rejection is an OpenAI-style error body with a
-4xx status, never a 5xx.
+No Ray and no model here, so the wire format is unit-tested without a server. Every field
+of OpenAI's request schemas is honoured here or refused with a 400 naming it
+(serve/api_params.py); unknown fields are ignored (as vLLM and OpenAI do for clients that
+send extra options). An explicit null means the field's default. Every rejection is an
+OpenAI-style error body with a 4xx status, never a 5xx.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from serve.api_params import unsupported_field
 from serve.detokenize import REPLACEMENT, StopScanner
 
 
@@ -31,6 +33,27 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+    # vLLM's usage on every chunk, and OpenAI's padding field: neither is sent, so only off.
+    continuous_usage_stats: Literal[False] = False
+    include_obfuscation: Literal[False] = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        return _drop_nulls(cls, data)
+
+
+def _drop_nulls(cls: type[BaseModel], data: Any) -> Any:
+    """An explicit null for a declared field means its default (as OpenAI and vLLM read it)."""
+    if isinstance(data, dict):
+        return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+    return data
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -44,12 +67,26 @@ class _Request(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
+    # Informational, with no effect on the output (OpenAI's own use is abuse monitoring,
+    # caching and billing): accepted, and changes nothing.
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: Literal["auto", "default"] | None = None
+    parallel_tool_calls: bool | None = None  # no tools are ever called (tools are refused)
     # Extension: write a training record for this request (default: the server's setting).
     osd_record: bool | None = None
     # Extension: false runs this request autoregressively (no draft), e.g. for a same-server
     # AR baseline; output is the same under greedy decoding either way.
     osd_speculate: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        return _drop_nulls(cls, data)
 
     @field_validator("stop")
     @classmethod
@@ -64,29 +101,160 @@ class _Request(BaseModel):
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(s for s in self.stop if s)
 
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
+    def check(self) -> None:
+        """Checks past the field types: APIError(400) naming the field."""
+
 
 class CompletionRequest(_Request):
-    prompt: str | list[int]
+    # One prompt: a string or token ids. The OpenAI schema also allows a batch (a list of
+    # strings or of id lists); a batch of one is taken, a longer one refused (check()).
+    prompt: Any
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    echo: bool = False  # the prompt's text before the completion
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. around the prompt
+
+    def check(self) -> None:
+        p = self.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]  # a batch of one prompt
+        elif isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+            raise APIError(400, f"a batch of {len(p)} prompts is not supported: send one prompt per request",
+                           param="prompt")
+        if isinstance(p, list):
+            if not p or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
+                raise APIError(400, "prompt: a list of token ids must be non-empty and hold integers >= 0",
+                               param="prompt")
+        elif not isinstance(p, str):
+            raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
+        self.prompt = p
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # A string, a list of content parts, or (assistant only) null: checked in flatten().
+    content: Any = None
+    name: str | None = None
+    tool_call_id: str | None = None  # a tool message's: what the template may show
+    tool_calls: list[dict[str, Any]] | None = None
+    refusal: str | None = None  # an assistant's earlier refusal, its content when that is null
+    audio: Any = None
+    function_call: Any = None
+
+    def flatten(self, i: int) -> dict[str, Any]:
+        """This message for the chat template: content as one string (text parts joined by a
+        newline, as vLLM joins them), or APIError(400) naming the part it cannot take."""
+        where = f"messages.{i}"
+        for field in ("audio", "function_call"):
+            if getattr(self, field) is not None:
+                raise APIError(400, f"{where}.{field} is not supported: this server does not do audio or tool calling",
+                               param=f"{where}.{field}", code="unsupported_parameter")
+        content = self.content
+        if content is None:
+            if self.role != "assistant":
+                raise APIError(400, f"{where}.content: a {self.role} message needs content", param=f"{where}.content")
+            content = self.refusal or ""
+        elif isinstance(content, list):
+            content = "\n".join(_part_text(part, f"{where}.content.{j}") for j, part in enumerate(content))
+        elif not isinstance(content, str):
+            raise APIError(400, f"{where}.content must be a string or a list of text parts",
+                           param=f"{where}.content")
+        out: dict[str, Any] = {"role": self.role, "content": content}
+        for field in ("name", "tool_call_id", "tool_calls"):
+            if getattr(self, field):
+                out[field] = getattr(self, field)
+        return out
+
+
+def _part_text(part: Any, where: str) -> str:
+    kind = part.get("type") if isinstance(part, dict) else None
+    key = {"text": "text", "refusal": "refusal"}.get(kind or "")
+    if key is None:
+        raise APIError(400, f"{where}: content parts of type {kind!r} are not supported; this model takes "
+                       f"text only (parts of type 'text')", param=f"{where}.type", code="unsupported_content")
+    if not isinstance(part.get(key), str):
+        raise APIError(400, f"{where}.{key} must be a string", param=f"{where}.{key}")
+    return part[key]
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    # vLLM's: end the prompt with the assistant's header (default), or continue the last
+    # (assistant) message as it stands.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def budget_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
 
-def parse_request(kind: type[_Request], raw: bytes, max_new_tokens: int) -> _Request:
-    """Bytes of the HTTP body -> a validated request, or APIError(400)."""
+    def flat_messages(self) -> list[dict[str, Any]]:
+        return [m.flatten(i) for i, m in enumerate(self.messages)]
+
+    def check(self) -> None:
+        self.flat_messages()
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise APIError(400, "continue_final_message needs add_generation_prompt: false",
+                               param="continue_final_message")
+            if self.messages[-1].role != "assistant":
+                raise APIError(400, "continue_final_message needs an assistant message last",
+                               param="continue_final_message")
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or messages through the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        return _drop_nulls(cls, data)
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError(400, "send either prompt or messages", param="prompt")
+        self.flat_messages()
+
+    def flat_messages(self) -> list[dict[str, Any]]:
+        return [m.flatten(i) for i, m in enumerate(self.messages or ())]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+    def check(self) -> None:
+        pass
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_body(kind: type[M], raw: bytes, refused: str | None = None) -> M:
+    """Bytes of the HTTP body -> a validated `kind`, or APIError(400). refused: which table of
+    serve/api_params.py applies ("chat", "completion")."""
     try:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
@@ -96,18 +264,32 @@ def parse_request(kind: type[_Request], raw: bytes, max_new_tokens: int) -> _Req
     if not isinstance(data, dict):
         raise APIError(400, "request body must be a JSON object")
     _check_unicode(data)
+    unsupported = unsupported_field(refused, data) if refused else None
+    if unsupported is not None:
+        name, why = unsupported
+        raise APIError(400, f"{name}={json.dumps(data[name])[:200]} is not supported: {why}", param=name,
+                       code="unsupported_parameter")
     try:
         req = kind.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
         raise APIError(400, f"{param}: {first['msg']}" if param else first["msg"], param=param) from None
+    req.check()  # type: ignore[attr-defined]
+    return req
+
+
+def parse_request(kind: type[_Request], raw: bytes, max_new_tokens: int) -> _Request:
+    """Bytes of the HTTP body -> a validated completion request, or APIError(400)."""
+    req = parse_body(kind, raw, "chat" if kind is ChatCompletionRequest else "completion")
     if req.n != 1:
         raise APIError(400, "only n=1 is supported", param="n")
-    budget = req.token_budget() if isinstance(req, ChatCompletionRequest) else req.max_tokens
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    budget = req.token_budget()
     if budget is not None and budget > max_new_tokens:
-        raise APIError(400, f"max_tokens ({budget}) is over this server's limit of {max_new_tokens}",
-                       param="max_tokens")
+        param = req.budget_param() if isinstance(req, ChatCompletionRequest) else "max_tokens"
+        raise APIError(400, f"{param} ({budget}) is over this server's limit of {max_new_tokens}", param=param)
     return req
 
 
@@ -128,10 +310,11 @@ _ERROR_STATUSES = {"400": "invalid request", "401": "missing or wrong API key", 
 
 
 def openapi_with_bodies(schema: dict[str, Any]) -> dict[str, Any]:
-    """FastAPI's schema plus the JSON bodies of the two POST routes (the routes read raw bytes,
+    """FastAPI's schema plus the JSON bodies of the POST routes (the routes read raw bytes,
     to answer bad JSON in the OpenAI error form, so FastAPI cannot see the models itself)."""
     comps = schema.setdefault("components", {}).setdefault("schemas", {})
-    for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest)):
+    for path, model in (("/v1/chat/completions", ChatCompletionRequest), ("/v1/completions", CompletionRequest),
+                        ("/tokenize", TokenizeRequest), ("/detokenize", DetokenizeRequest)):
         op = schema.get("paths", {}).get(path, {}).get("post")
         if op is None:
             continue
@@ -173,8 +356,8 @@ def chat_body(req_id: str, model: str, result: dict[str, Any]) -> dict[str, Any]
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": result["text"]},
-                     "finish_reason": result["finish_reason"]}],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": result["text"], "refusal": None},
+                     "logprobs": None, "finish_reason": result["finish_reason"]}],
         "usage": result["usage"],
         "osd": osd_extension(result),
     }
@@ -186,6 +369,22 @@ def chat_chunk(req_id: str, model: str, created: int, delta: dict[str, Any], fin
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
     if extra:
         body.update(extra)
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def completion_chunk(req_id: str, model: str, created: int, text: str, finish_reason: str | None = None,
+                     extra: dict[str, Any] | None = None) -> str:
+    body = {"id": req_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    if extra:
+        body.update(extra)
+    return f"data: {json.dumps(body)}\n\n"
+
+
+def usage_chunk(req_id: str, model: str, created: int, usage: dict[str, Any], chat: bool) -> str:
+    """The last chunk before [DONE] when stream_options.include_usage is set: no choices."""
+    body = {"id": req_id, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [], "usage": usage}
     return f"data: {json.dumps(body)}\n\n"
 
 

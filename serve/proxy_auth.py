@@ -5,9 +5,10 @@ ingress's own key check cannot cover it. Serve applies the Starlette middlewares
 the callable named in RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH around the whole proxy;
 `pipeline.launch` points that at `middlewares` below when it starts a local cluster with a key.
 
-Open without the key: `/healthz` (ours) and `/-/healthz` (Serve's, what KubeRay's probes
-call); neither says more than up or down. The key is read from OSD_API_KEY in the proxy's
-environment; with none set, nothing is checked (local use on loopback).
+Open without the key: `/healthz` and its vLLM alias `/health` (ours) and `/-/healthz`
+(Serve's, what KubeRay's probes call); none says more than up or down. The key is read from
+OSD_API_KEY in the proxy's environment; with none set, nothing is checked (local use on
+loopback).
 
 The ops page (serve/ops_auth.py): its login form is open, and /ops paths also take the
 session cookie that the form sets, so a browser can use the page without the header.
@@ -24,7 +25,7 @@ from serve import ops_auth
 
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "serve.proxy_auth:middlewares"
-OPEN_PATHS = frozenset({"/healthz", "/-/healthz"})
+OPEN_PATHS = frozenset({"/healthz", "/health", "/-/healthz"})
 
 _UNAUTHORIZED = json.dumps({"error": {
     "message": "missing or wrong API key (send Authorization: Bearer <key>)",

@@ -28,7 +28,7 @@ def test_parse_ok_and_defaults():
         (b"\xff\xfe", None),
         (b'"just a string"', None),
         (b'{"messages": [{"role": "user", "content": "x"}], "stop": ["a", "b", "c", "d", "e"]}', "stop"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 65}', "max_tokens"),
+        (b'{"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 65}', "max_completion_tokens"),
         (b'{"prompt": "x"}', "messages"),
     ],
 )
