@@ -290,9 +290,11 @@ class TargetReplica:
                 return
             yield {"started": True, "prompt_tokens": len(stream.prompt)}
             text = IncrementalText(self.tokenizer, params.stop)
+            emitted = 0
             try:
                 async for toks in stream:
-                    yield {"text": text.push(toks)}
+                    emitted += len(toks)
+                    yield {"text": text.push(toks), "completion_tokens": emitted}
                 result = stream.result
                 yield {"text": text.finish(result.text or "")}
                 yield {"done": self._finish(req, version, result, domain, record, t0)}
@@ -519,29 +521,39 @@ class OpenAIIngress:
         first = await gen.__anext__()
         if "error" in first:
             raise _replica_error(first["error"])
-        return StreamingResponse(self._sse(gen, ereq, req, echo), media_type="text/event-stream")
+        return StreamingResponse(self._sse(gen, ereq, req, echo, first["prompt_tokens"]),
+                                 media_type="text/event-stream")
 
-    async def _sse(self, gen: Any, ereq: dict[str, Any], req: Any, echo: str) -> AsyncIterator[str]:
+    async def _sse(self, gen: Any, ereq: dict[str, Any], req: Any, echo: str,
+                   prompt_tokens: int) -> AsyncIterator[str]:
         rid, created = ereq["request_id"], int(time.time())
         is_chat = isinstance(req, ChatCompletionRequest)
+        completion_tokens = 0
 
-        def chunk(text: str | None, finish_reason: str | None = None, extra: dict[str, Any] | None = None) -> str:
+        def chunk(text: str | None, finish_reason: str | None = None, extra: dict[str, Any] | None = None,
+                  delta: dict[str, Any] | None = None) -> str:
+            if req.continuous_usage():  # vLLM's running usage on every chunk
+                extra = {**(extra or {}), "usage": {"prompt_tokens": prompt_tokens,
+                                                    "completion_tokens": completion_tokens,
+                                                    "total_tokens": prompt_tokens + completion_tokens}}
             if is_chat:
-                delta = {"content": text} if text is not None else {}
+                delta = delta or ({"content": text} if text is not None else {})
                 return chat_chunk(rid, self.model_id, created, delta, finish_reason, extra)
             return completion_chunk(rid, self.model_id, created, text or "", finish_reason, extra)
 
         if is_chat:
-            yield chat_chunk(rid, self.model_id, created, {"role": "assistant", "content": ""})
+            yield chunk(None, delta={"role": "assistant", "content": ""})
         if echo:
             yield chunk(echo)
         try:
             async for item in gen:
                 if "text" in item:
+                    completion_tokens = item.get("completion_tokens", completion_tokens)
                     if item["text"]:
                         yield chunk(item["text"])
                 elif "done" in item:
                     result = item["done"]
+                    completion_tokens = result["usage"]["completion_tokens"]
                     yield chunk(None, result["finish_reason"], extra={"osd": osd_extension(result)})
                     if req.include_usage():  # the spec's own chunk: no choices, only when asked
                         yield usage_chunk(rid, self.model_id, created, result["usage"], is_chat)

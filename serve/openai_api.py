@@ -37,8 +37,9 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
-    # vLLM's usage on every chunk, and OpenAI's padding field: neither is sent, so only off.
-    continuous_usage_stats: Literal[False] = False
+    # vLLM's (guidellm sends it): with include_usage, the running usage on every chunk too.
+    continuous_usage_stats: bool = False
+    # OpenAI's padding field against length side channels: not sent, so only off.
     include_obfuscation: Literal[False] = False
 
     @model_validator(mode="before")
@@ -103,6 +104,9 @@ class _Request(BaseModel):
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def continuous_usage(self) -> bool:
+        return self.include_usage() and self.stream_options.continuous_usage_stats  # type: ignore[union-attr]
 
     def token_budget(self) -> int | None:
         return self.max_tokens

@@ -102,6 +102,18 @@ def test_chat_stream_usage_only_in_a_final_chunk_without_choices(client):
     assert chunks[-2].choices[0].finish_reason == plain.choices[0].finish_reason
 
 
+def test_continuous_usage_stats_put_the_running_usage_on_every_chunk(client):
+    """vLLM's option, which guidellm sends: each chunk's usage counts the tokens so far."""
+    plain = client.chat.completions.create(model="tiny-random", messages=user("running"), **GREEDY)
+    chunks = list(client.chat.completions.create(
+        model="tiny-random", messages=user("running"), stream=True, **GREEDY,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage.prompt_tokens == plain.usage.prompt_tokens for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == plain.usage.completion_tokens
+    assert chunks[-1].choices == []
+
+
 def test_stream_options_without_stream_is_refused(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny-random", messages=user("x"), stream_options={"include_usage": True},
