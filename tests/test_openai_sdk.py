@@ -23,8 +23,9 @@ GREEDY = {"temperature": 0, "max_tokens": 8}
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
-    serve = {"draft": "truncate:1", "max_new_tokens": CAP, "k": 3, "max_queue": 1, "queue_timeout_s": 20,
-             "k_policy": "fixed", "record": False}
+    # 2 slots and 1 queue place, so a burst of requests meets a full queue (RateLimitError).
+    serve = {"draft": "truncate:1", "max_new_tokens": CAP, "k": 3, "max_concurrency": 2, "max_queue": 1,
+             "queue_timeout_s": 20, "k_policy": "fixed", "record": False}
     with running_app(tmp_path_factory.mktemp("sdk"), key=KEY, name="osd-sdk", serve=serve,
                      stream_name="sdk:records") as app:
         yield app
