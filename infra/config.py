@@ -129,8 +129,12 @@ class ServeConfig(_Section):
     tree: str = ""
     # Context: prompt + max_new_tokens must fit; KV caches are preallocated to this length.
     max_seq_len: int = Field(2048, ge=2)
-    # KV cache slots per replica (concurrent requests decoding at once).
-    max_concurrency: int = Field(2, ge=1)
+    # KV cache slots per replica: requests decoding at once, together in one forward a step
+    # (continuous batching, serve/scheduler.py). Each slot holds max_seq_len tokens of KV.
+    max_concurrency: int = Field(16, ge=1)
+    # Prompt tokens prefilled per step: a long prompt advances a chunk at a time between the
+    # running requests' steps, which it delays by one chunk's forward, never a whole prefill.
+    prefill_chunk: int = Field(64, ge=1)
     # Requests waiting for a slot, per replica; one more gets 429 at once. A waiter that gets
     # no slot within queue_timeout_s gets 503. Both carry Retry-After.
     max_queue: int = Field(16, ge=0)

@@ -59,6 +59,11 @@ def panels() -> list[tuple[str, str, list[tuple[str, str]]]]:
          [(f"{_role_acceptance('canary')} - {_role_acceptance('stable')}", "canary - stable")]),
         ("Output tokens/s per version", "short", [(_rate("osd_generation_tokens_total"), "{{draft_version}}")]),
         ("p95 request latency per version", "s", [(p95, "{{draft_version}}")]),
+        ("Batch: requests and tokens per target forward (mean)", "none",
+         [(f"sum(rate({m('osd_batch_size_sum')}{{{CLUSTER}}}[{RATE}])) / "
+           f"sum(rate({m('osd_batch_size_count')}{{{CLUSTER}}}[{RATE}]))", "requests per forward"),
+          (f"sum(rate({m('osd_batch_tokens_sum')}{{{CLUSTER}}}[{RATE}])) / "
+           f"sum(rate({m('osd_batch_tokens_count')}{{{CLUSTER}}}[{RATE}]))", "tokens per forward")]),
         ("Canary weight (controller)", "percentunit",
          [(f"max by (draft_version) ({m('osd_rollout_canary_weight')}{{{SEL}}})", "{{draft_version}}")]),
         ("Actual traffic share per version", "percentunit", [(share, "{{draft_version}}")]),

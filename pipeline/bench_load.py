@@ -1,14 +1,19 @@
-"""`osd bench load`: closed-loop load on a running server at rising concurrency.
+"""`osd bench load`: closed-loop streaming load on a running server at rising concurrency.
 
-For each concurrency level C, C client threads each send chat completions back to back for
-a fixed number of seconds. Per level it reports what a capacity plan needs: answered
-requests, throughput (requests/s and completion tokens/s), p50/p99 latency of the 2xx
-answers, how many were refused for load (429/503, the server's backpressure) and how many
-failed otherwise (any other status, transport errors, client timeouts).
+For each concurrency level C, C client threads each stream chat completions back to back for
+a fixed number of seconds; with `--speculation both` (the default) each level runs twice,
+speculation on and off (the request's `osd_speculate`), one after the other, so the two are
+compared at the same load in one run. Per level it reports what a capacity plan needs:
+answered requests, output tokens/s, time to first token and inter-token latency (p50/p99;
+ITL is the gap between streamed chunks, one per step), end-to-end latency, tokens
+per target forward (from the server's /osd/stats: output tokens over target forwards, which
+continuous batching and speculation both raise), how many were refused for load (429/503)
+and how many failed otherwise. It writes JSON and a PNG chart (throughput and p99 ITL
+against concurrency, speculation on and off).
 
 Every request has a client timeout and every level a deadline, so a server that hangs
-shows up as timeouts in the table instead of a bench that never returns. Standard library +
-requests only, with threads: the client must not need the serving stack installed.
+shows up as timeouts in the table instead of a bench that never returns. The client speaks
+plain HTTP with requests and threads; it needs only the prompts it sends from this project.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import os
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,6 +31,7 @@ import requests
 
 CHAT_PATH = "/v1/chat/completions"
 HEALTH_PATH = "/healthz"
+STATS_PATH = "/osd/stats"
 CONNECT_TIMEOUT_S = 5.0
 REJECTED = frozenset({429, 503})
 # A refused client waits as Retry-After asks, but at most this long, so a closed loop keeps
@@ -33,6 +39,7 @@ REJECTED = frozenset({429, 503})
 MAX_BACKOFF_S = 1.0
 TIMEOUT = "timeout"
 TRANSPORT = "transport"
+MODES = {"both": (True, False), "on": (True,), "off": (False,)}
 
 
 class LoadBenchError(Exception):
@@ -45,6 +52,10 @@ class Outcome:
     latency_s: float
     completion_tokens: int = 0
     retry_after_s: float | None = None
+    ttft_s: float | None = None
+    # Gaps between streamed chunks: one per step (a speculative step's tokens share a chunk),
+    # so a stall (a prefill in the way) shows whole, as vLLM's benchmark counts it.
+    itl_s: list[float] = field(default_factory=list)
 
 
 def _retry_after(resp: requests.Response) -> float | None:
@@ -56,22 +67,45 @@ def _retry_after(resp: requests.Response) -> float | None:
 
 def send_chat(session: requests.Session, url: str, headers: dict[str, str], body: bytes,
               timeout_s: float) -> Outcome:
-    """POST one chat completion; never raises for what the server or network does."""
+    """Stream one chat completion (SSE); never raises for what the server or network does.
+    Chunk arrival times give TTFT and the inter-token gaps; the final usage chunk the count."""
     t0 = time.perf_counter()
     try:
-        resp = session.post(url + CHAT_PATH, data=body, headers=headers, timeout=(CONNECT_TIMEOUT_S, timeout_s))
+        with session.post(url + CHAT_PATH, data=body, headers=headers, stream=True,
+                          timeout=(CONNECT_TIMEOUT_S, timeout_s)) as resp:
+            if not 200 <= resp.status_code < 300:
+                resp.content  # drain, so the connection is reusable
+                return Outcome(resp.status_code, time.perf_counter() - t0, retry_after_s=_retry_after(resp))
+            return _read_stream(resp, t0)
     except requests.Timeout:
         return Outcome(TIMEOUT, time.perf_counter() - t0)
-    except requests.RequestException:
+    except (requests.RequestException, ValueError, KeyError, TypeError):
         return Outcome(TRANSPORT, time.perf_counter() - t0)
-    latency = time.perf_counter() - t0
+
+
+def _read_stream(resp: requests.Response, t0: float) -> Outcome:
+    ttft = last = None
+    itl: list[float] = []
     tokens = 0
-    if 200 <= resp.status_code < 300:
-        try:
-            tokens = int(resp.json()["usage"]["completion_tokens"])
-        except (ValueError, KeyError, TypeError):
-            return Outcome(TRANSPORT, latency)  # a 2xx without a usable body is not a success
-    return Outcome(resp.status_code, latency, tokens, _retry_after(resp))
+    for line in resp.iter_lines():
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("error"):
+            return Outcome(TRANSPORT, time.perf_counter() - t0)
+        if chunk.get("usage"):
+            tokens = int(chunk["usage"]["completion_tokens"])
+        if not any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+            continue
+        now = time.perf_counter()
+        if ttft is None:
+            ttft = now - t0
+        else:
+            itl.append(now - last)
+        last = now
+    if ttft is None and tokens:
+        return Outcome(TRANSPORT, time.perf_counter() - t0)  # tokens counted but never streamed
+    return Outcome(resp.status_code, time.perf_counter() - t0, tokens, None, ttft, itl)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -83,22 +117,36 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[int(rank) - 1]
 
 
-def summarize(concurrency: int, outcomes: list[Outcome], elapsed_s: float) -> dict[str, Any]:
+def _ms(v: float | None) -> float | None:
+    return None if v is None else v * 1e3
+
+
+def summarize(concurrency: int, outcomes: list[Outcome], elapsed_s: float, speculate: bool = True,
+              forwards: int | None = None) -> dict[str, Any]:
     ok = [o for o in outcomes if isinstance(o.status, int) and 200 <= o.status < 300]
     rejected = sum(1 for o in outcomes if o.status in REJECTED)
     timeouts = sum(1 for o in outcomes if o.status == TIMEOUT)
     latencies = [o.latency_s for o in ok]
+    ttfts = [o.ttft_s for o in ok if o.ttft_s is not None]
+    itls = [g for o in ok for g in o.itl_s]
+    tokens = sum(o.completion_tokens for o in ok)
     n = len(outcomes)
-    p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
     return {
         "concurrency": concurrency,
+        "speculation": speculate,
         "requests": n,
         "ok": len(ok),
         "elapsed_s": elapsed_s,
         "req_per_s": len(ok) / elapsed_s if elapsed_s > 0 else 0.0,
-        "completion_tok_per_s": sum(o.completion_tokens for o in ok) / elapsed_s if elapsed_s > 0 else 0.0,
-        "p50_ms": None if p50 is None else p50 * 1e3,
-        "p99_ms": None if p99 is None else p99 * 1e3,
+        "completion_tok_per_s": tokens / elapsed_s if elapsed_s > 0 else 0.0,
+        "p50_ms": _ms(percentile(latencies, 50)),
+        "p99_ms": _ms(percentile(latencies, 99)),
+        "ttft_p50_ms": _ms(percentile(ttfts, 50)),
+        "ttft_p99_ms": _ms(percentile(ttfts, 99)),
+        "itl_p50_ms": _ms(percentile(itls, 50)),
+        "itl_p99_ms": _ms(percentile(itls, 99)),
+        # Output tokens per target forward in the level (None: the server did not say).
+        "tokens_per_forward": tokens / forwards if forwards else None,
         "rejected": rejected,
         "rejection_rate": rejected / n if n else 0.0,
         "errors": n - len(ok) - rejected,
@@ -107,16 +155,17 @@ def summarize(concurrency: int, outcomes: list[Outcome], elapsed_s: float) -> di
     }
 
 
-def _client(url: str, headers: dict[str, str], max_tokens: int, timeout_s: float, deadline: float,
-            worker: int, out: list[Outcome]) -> None:
-    """One closed-loop client: send, wait for the answer, send again, until the deadline."""
+def _client(url: str, headers: dict[str, str], prompts: Sequence[str], max_tokens: int, speculate: bool,
+            timeout_s: float, deadline: float, worker: int, out: list[Outcome]) -> None:
+    """One closed-loop client: send, read the stream to its end, send again, until the deadline."""
     i = 0
     with requests.Session() as session:
         while time.monotonic() < deadline:
-            # Distinct prompts, so nothing upstream can answer from a cache.
-            body = json.dumps({"messages": [{"role": "user", "content": f"Client {worker} request {i}: "
-                                             "say something short about load testing."}],
-                               "max_tokens": max_tokens, "temperature": 0}).encode()
+            # Each client walks the prompts from its own offset, so concurrent requests differ.
+            text = prompts[(worker * 7919 + i) % len(prompts)]
+            body = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+                               "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                               "osd_speculate": speculate}).encode()
             o = send_chat(session, url, headers, body, timeout_s)
             out.append(o)  # list.append is atomic under the GIL; one list per client anyway
             i += 1
@@ -125,14 +174,25 @@ def _client(url: str, headers: dict[str, str], max_tokens: int, timeout_s: float
                 time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
 
 
+def server_forwards(url: str, headers: dict[str, str]) -> int | None:
+    """Target forwards the server has run so far (its /osd/stats), None if it does not say."""
+    try:
+        r = requests.get(url + STATS_PATH, headers=headers, timeout=(CONNECT_TIMEOUT_S, 30))
+        return int(r.json()["target_forwards"]) if r.status_code == 200 else None
+    except (requests.RequestException, ValueError, KeyError, TypeError):
+        return None
+
+
 def run_level(url: str, headers: dict[str, str], concurrency: int, seconds: float, max_tokens: int,
-              timeout_s: float) -> dict[str, Any]:
+              timeout_s: float, prompts: Sequence[str] = ("Say something short about load testing.",),
+              speculate: bool = True) -> dict[str, Any]:
     """C clients for `seconds`; returns the level's summary. Bounded by seconds + timeout."""
     per_client: list[list[Outcome]] = [[] for _ in range(concurrency)]
+    before = server_forwards(url, headers)
     t0 = time.monotonic()
     deadline = t0 + seconds
-    threads = [threading.Thread(target=_client, args=(url, headers, max_tokens, timeout_s, deadline, w,
-                                                      per_client[w]), daemon=True, name=f"load-{w}")
+    threads = [threading.Thread(target=_client, args=(url, headers, prompts, max_tokens, speculate, timeout_s,
+                                                      deadline, w, per_client[w]), daemon=True, name=f"load-{w}")
                for w in range(concurrency)]
     for t in threads:
         t.start()
@@ -141,10 +201,13 @@ def run_level(url: str, headers: dict[str, str], concurrency: int, seconds: floa
     join_by = deadline + CONNECT_TIMEOUT_S + timeout_s + 5.0
     for t in threads:
         t.join(max(0.0, join_by - time.monotonic()))
+    elapsed = time.monotonic() - t0
+    after = server_forwards(url, headers)
     stuck = sum(t.is_alive() for t in threads)
     outcomes = [o for client in per_client for o in list(client)]
-    outcomes += [Outcome(TIMEOUT, time.monotonic() - t0)] * stuck
-    return summarize(concurrency, outcomes, time.monotonic() - t0)
+    outcomes += [Outcome(TIMEOUT, elapsed)] * stuck
+    forwards = after - before if before is not None and after is not None else None
+    return summarize(concurrency, outcomes, elapsed, speculate, forwards)
 
 
 def preflight(url: str, headers: dict[str, str]) -> None:
@@ -159,43 +222,118 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-HEADER = (f"{'conc':>5}{'requests':>10}{'ok':>7}{'req/s':>9}{'tok/s':>9}{'p50 ms':>10}{'p99 ms':>10}"
-          f"{'rejected':>10}{'rej %':>7}{'errors':>8}{'timeouts':>10}")
+HEADER = (f"{'conc':>5}{'spec':>5}{'ok':>6}{'tok/s':>8}{'ttft50':>8}{'ttft99':>8}{'itl50':>7}{'itl99':>7}"
+          f"{'p50 ms':>8}{'p99 ms':>8}{'tok/fwd':>8}{'rej':>5}{'err':>5}{'t/o':>5}")
 
 
 def format_row(r: dict[str, Any]) -> str:
-    return (f"{r['concurrency']:>5}{r['requests']:>10}{r['ok']:>7}{r['req_per_s']:>9.2f}"
-            f"{r['completion_tok_per_s']:>9.1f}{_fmt(r['p50_ms'], '.0f'):>10}{_fmt(r['p99_ms'], '.0f'):>10}"
-            f"{r['rejected']:>10}{r['rejection_rate'] * 100:>7.1f}{r['errors']:>8}{r['timeouts']:>10}")
+    return (f"{r['concurrency']:>5}{'on' if r['speculation'] else 'off':>5}{r['ok']:>6}"
+            f"{r['completion_tok_per_s']:>8.1f}{_fmt(r['ttft_p50_ms'], '.0f'):>8}{_fmt(r['ttft_p99_ms'], '.0f'):>8}"
+            f"{_fmt(r['itl_p50_ms'], '.0f'):>7}{_fmt(r['itl_p99_ms'], '.0f'):>7}"
+            f"{_fmt(r['p50_ms'], '.0f'):>8}{_fmt(r['p99_ms'], '.0f'):>8}{_fmt(r['tokens_per_forward'], '.2f'):>8}"
+            f"{r['rejected']:>5}{r['errors']:>5}{r['timeouts']:>5}")
 
 
-def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int] = (1, 2, 4, 8, 16, 32),
-                   seconds: float = 20.0, max_tokens: int = 16, timeout_s: float = 60.0,
-                   json_path: str | Path | None = None) -> dict[str, Any]:
-    """Run every level in order; print a table, return (and optionally write) the figures.
-    Raises LoadBenchError if nothing answers at `url`."""
+def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The figures the batching goals are stated in, from one run: throughput at C clients over
+    1 client, speculation on over off at each C, p99 ITL at C over p50 ITL at 1 client."""
+    by = {(r["concurrency"], r["speculation"]): r for r in rows}
+    out: dict[str, Any] = {"throughput_vs_1": {}, "spec_on_vs_off": {}, "itl_p99_vs_p50_at_1": {}}
+    for (c, spec), r in sorted(by.items()):
+        base = by.get((1, spec))
+        key = f"{c}/{'on' if spec else 'off'}"
+        if base and base["completion_tok_per_s"]:
+            out["throughput_vs_1"][key] = r["completion_tok_per_s"] / base["completion_tok_per_s"]
+        if base and base["itl_p50_ms"] and r["itl_p99_ms"] is not None:
+            out["itl_p99_vs_p50_at_1"][key] = r["itl_p99_ms"] / base["itl_p50_ms"]
+        off = by.get((c, False))
+        if spec and off and off["completion_tok_per_s"]:
+            out["spec_on_vs_off"][str(c)] = r["completion_tok_per_s"] / off["completion_tok_per_s"]
+    return out
+
+
+def write_chart(result: dict[str, Any], path: str | Path) -> None:
+    """Output tokens/s and p99 inter-token latency against concurrency, speculation on and off."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for spec, style in ((True, "o-"), (False, "s--")):
+        rows = sorted((r for r in result["levels"] if r["speculation"] is spec), key=lambda r: r["concurrency"])
+        if not rows:
+            continue
+        label = f"speculation {'on' if spec else 'off'}"
+        ax1.plot([r["concurrency"] for r in rows], [r["completion_tok_per_s"] for r in rows], style, label=label)
+        ax2.plot([r["concurrency"] for r in rows], [r["itl_p99_ms"] for r in rows], style, label=label)
+    for ax, title in ((ax1, "output tokens/s"), (ax2, "p99 inter-token latency (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"osd bench load: {result['url']}, max_tokens {result['max_tokens']}")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def load_prompts(source: str, limit: int = 512) -> list[str]:
+    """`sharegpt`: first user turns of held-out ShareGPT conversations (the data the head is
+    warm-started on is kept out); else a JSONL file of {"prompt": ...} lines."""
+    from infra import prompts as pr
+
+    try:
+        got = pr.load_sharegpt(split="held_out") if source == "sharegpt" else pr.load_jsonl(source)
+    except (OSError, ValueError) as e:
+        raise LoadBenchError(f"cannot read prompts from {source}: {e}") from None
+    texts = [p.text for p in got if p.text.strip()][:limit]
+    if not texts:
+        raise LoadBenchError(f"no prompts in {source}")
+    return texts
+
+
+def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int] = (1, 2, 4, 8, 16),
+                   seconds: float = 20.0, max_tokens: int = 64, timeout_s: float = 60.0,
+                   speculation: str = "both", prompts: Sequence[str] | None = None,
+                   json_path: str | Path | None = None, png_path: str | Path | None = None) -> dict[str, Any]:
+    """Run every level (with speculation on, off or both, interleaved per level) in order;
+    print a table, return (and optionally write as JSON and a PNG) the figures. Raises
+    LoadBenchError if nothing answers at `url`."""
     if not levels or min(levels) < 1 or seconds <= 0 or max_tokens < 1 or timeout_s <= 0:
         raise LoadBenchError("levels must be >= 1, and seconds, max_tokens and timeout positive")
+    if speculation not in MODES:
+        raise LoadBenchError(f"speculation must be one of {', '.join(MODES)}, got {speculation!r}")
+    prompts = list(prompts or ["Say something short about load testing."])
     url = url.rstrip("/")
     api_key = api_key if api_key is not None else (os.environ.get("OSD_API_KEY") or None)
     headers = {"Content-Type": "application/json"}
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     preflight(url, headers)
-    with requests.Session() as s:  # warm-up, not counted: the first request pays one-off costs
-        send_chat(s, url, headers, json.dumps({"messages": [{"role": "user", "content": "warm up"}],
-                                               "max_tokens": max_tokens}).encode(), timeout_s)
-    print(f"load bench: {url}{CHAT_PATH}, max_tokens {max_tokens}, {seconds:g} s per level, "
-          f"client timeout {timeout_s:g} s", flush=True)
+    with requests.Session() as s:  # warm-up, not counted: the first requests pay one-off costs
+        for spec in MODES[speculation]:
+            send_chat(s, url, headers, json.dumps({"messages": [{"role": "user", "content": prompts[0]}],
+                                                   "max_tokens": max_tokens, "stream": True,
+                                                   "osd_speculate": spec}).encode(), timeout_s)
+    print(f"load bench: {url}{CHAT_PATH}, streaming, max_tokens {max_tokens}, {len(prompts)} prompts, "
+          f"{seconds:g} s per level, speculation {speculation}, client timeout {timeout_s:g} s", flush=True)
     print(HEADER, flush=True)
     rows = []
-    for c in levels:  # a row as each level ends: a long run shows progress
-        rows.append(run_level(url, headers, c, seconds, max_tokens, timeout_s))
-        print(format_row(rows[-1]), flush=True)
+    for i, c in enumerate(levels):  # a row as each level ends: a long run shows progress
+        modes = MODES[speculation] if i % 2 == 0 else MODES[speculation][::-1]  # alternate which goes first
+        for spec in modes:
+            rows.append(run_level(url, headers, c, seconds, max_tokens, timeout_s, prompts, spec))
+            print(format_row(rows[-1]), flush=True)
     result = {"url": url, "path": CHAT_PATH, "max_tokens": max_tokens, "seconds_per_level": seconds,
-              "timeout_s": timeout_s, "levels": rows}
+              "timeout_s": timeout_s, "prompts": len(prompts), "levels": rows}
+    result["ratios"] = ratios(rows)
     if json_path is not None:
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
+    if png_path is not None:
+        write_chart(result, png_path)
     return result

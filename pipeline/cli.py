@@ -249,7 +249,7 @@ def _cmd_bench_stream(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_bench_load(cfg: OSDConfig, args: argparse.Namespace) -> int:
-    from pipeline.bench_load import LoadBenchError, run_load_bench
+    from pipeline.bench_load import LoadBenchError, load_prompts, run_load_bench
 
     try:
         levels = [int(x) for x in args.levels.split(",") if x.strip()]
@@ -258,8 +258,11 @@ def _cmd_bench_load(cfg: OSDConfig, args: argparse.Namespace) -> int:
         return 2
     url = args.url or f"http://{cfg.serve.host}:{cfg.serve.port}"
     try:
+        prompts = load_prompts(args.prompts) if args.prompts != "fixed" else None
+        png = args.png or str(Path(args.out).with_suffix(".png"))
         run_load_bench(url, api_key=args.api_key, levels=levels, seconds=args.seconds, max_tokens=args.max_tokens,
-                       timeout_s=args.timeout, json_path=args.out)
+                       timeout_s=args.timeout, speculation=args.speculation, prompts=prompts, json_path=args.out,
+                       png_path=png)
     except LoadBenchError as e:
         print(f"osd: error: {e}", file=sys.stderr)
         return 2
@@ -391,15 +394,21 @@ def _add_bench_stream_parser(bench_sub: argparse._SubParsersAction) -> None:
 
 
 def _add_bench_load_parser(bench_sub: argparse._SubParsersAction) -> None:
-    bl = bench_sub.add_parser("load", help="closed-loop chat load on a running server at rising concurrency")
+    bl = bench_sub.add_parser("load", help="closed-loop streaming chat load on a running server at rising "
+                                           "concurrency, speculation on and off")
     bl.add_argument("--url", help="server base URL (default http://{serve.host}:{serve.port})")
     bl.add_argument("--api-key", help="Bearer key (default $OSD_API_KEY)")
-    bl.add_argument("--levels", default="1,2,4,8,16,32", metavar="C,C,...", help="concurrency levels (default 1,2,4,8,16,32)")
-    bl.add_argument("--seconds", type=float, default=20, metavar="S", help="seconds per level (default 20)")
-    bl.add_argument("--max-tokens", type=int, default=16, metavar="M", help="max_tokens per request (default 16)")
+    bl.add_argument("--levels", default="1,2,4,8,16", metavar="C,C,...", help="concurrency levels (default 1,2,4,8,16)")
+    bl.add_argument("--seconds", type=float, default=20, metavar="S", help="seconds per level and mode (default 20)")
+    bl.add_argument("--max-tokens", type=int, default=64, metavar="M", help="max_tokens per request (default 64)")
+    bl.add_argument("--speculation", choices=("both", "on", "off"), default="both",
+                    help="run each level with speculation on and off (default), or one of them")
+    bl.add_argument("--prompts", default="sharegpt", metavar="SRC",
+                    help="sharegpt (held-out first turns, default), a JSONL file of {\"prompt\": ...}, or fixed")
     bl.add_argument("--timeout", type=float, default=60, metavar="S", help="per-request client timeout (default 60)")
     bl.add_argument("--out", "--json", dest="out", default="reports/bench/load.json", metavar="PATH",
                     help="where to write JSON")
+    bl.add_argument("--png", metavar="PATH", help="the chart (default: the JSON's path with .png)")
     bl.set_defaults(func=_cmd_bench_load)
 
 

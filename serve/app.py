@@ -207,6 +207,7 @@ class TargetReplica:
         latency = now - t0
         self.mean_service_s += 0.1 * (now - req.get("admitted_at", t0) - self.mean_service_s)
         self.metrics.observe(version, result, latency)
+        self.metrics.sync_steps(self.engine.scheduler.log)
         self.metrics.roles(self.router.routing.stable, self.router.routing.canary)
         self._sync_record_metrics()
         st = result.stats
@@ -318,8 +319,10 @@ class TargetReplica:
                        dropped_by_reason=dict(ps.dropped), queued=ps.queued, redis_up=ps.redis_up)
         else:
             out.update(records_written=0, records_dropped=0, dropped_by_reason={})
+        out["batch"] = self.engine.scheduler.log.totals()  # target forwards, their requests and rows
         if recent:
             out["recent"] = self.metrics.recent.snapshot()
+            out["batch_series"] = self.engine.scheduler.log.series()
         return out
 
     def check_health(self) -> None:
@@ -594,6 +597,9 @@ class OpenAIIngress:
         return {
             "records_written": sum(r["records_written"] for r in reps),
             "records_dropped": sum(r["records_dropped"] for r in reps),
+            # Continuous batching, summed: output tokens / forwards is tokens per target forward.
+            "target_forwards": sum(r.get("batch", {}).get("forwards", 0) for r in reps),
+            "target_rows": sum(r.get("batch", {}).get("rows", 0) for r in reps),
             "replicas": reps,
         }
 

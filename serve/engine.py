@@ -32,11 +32,9 @@ Neither can change the output, only the cost. Never past the token budget or the
 from __future__ import annotations
 
 import asyncio
-import itertools
-import threading
+import queue
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Sequence
 
 import torch
@@ -44,17 +42,20 @@ import torch
 from infra.config import ModelConfig, ServeConfig
 from infra.tokens import eos_token_ids
 from serve.admission import SlotPool
+from serve.batch_forward import Item, forward_batch
 from serve.capture import Capture, CaptureBuffer
 from serve.detokenize import StopScanner
 from serve import gpu_stages
-from serve.head_runner import commit_head, is_head, prefill_head, propose_head
+from serve.head_runner import is_head, propose_head
 from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
-from serve.k_policy import KPolicy, RequestK, StepCosts, profile_forward
+from serve.k_policy import KPolicy, StepCosts, profile_forward
 from serve.linear import QUANT_MODES
-from serve.runner import KVCache, LlamaRunner, Runner, make_runner
+from serve.runner import KVPool, LlamaRunner, Runner, make_runner
 from serve.graphs import GraphLlamaRunner, StagingRing
+from serve.scheduler import DONE, Scheduler
+from serve.seq import STAGES, GenerationParams, Seq, Slot, SpecStats  # noqa: F401 (re-exported)
+from serve.stages import _event, _settle_stamps, begin_prefill, commit, end_prefill, propose, score
 from serve.tree_stages import TreeShape, can_expand, tree_step
-from serve.verify import SamplingParams, verify_greedy, verify_sampling, warp_probs
 
 
 K_POLICIES = ("cost", "schedule", "fixed")
@@ -69,9 +70,13 @@ class EngineOptions:
     capture: bool = True
     capture_top_k: int = 32
     max_seq_len: int = 2048
-    # KV cache slots preallocated for concurrent requests; more requests wait for a slot,
-    # at most max_queue of them (more are refused: Overloaded) for at most queue_timeout_s.
+    # KV cache slots preallocated for concurrent requests, which decode together (one target
+    # forward a step for all of them); more requests wait for a slot, at most max_queue of
+    # them (more are refused: Overloaded) for at most queue_timeout_s.
     max_concurrency: int = 2
+    # Prompt tokens a step prefills (serve/scheduler.py): a long prompt advances by one chunk
+    # a step between the running requests' decode steps.
+    prefill_chunk: int = 64
     max_queue: int = 16
     queue_timeout_s: float = 30.0
     # CUDA graphs for Llama forwards of up to k+1 tokens (serve/graphs.py): "auto" = on CUDA.
@@ -87,7 +92,8 @@ class EngineOptions:
     def from_config(cls, serve: "ServeConfig", model: "ModelConfig | None" = None) -> "EngineOptions":
         return cls(k=serve.k, draft_confidence=serve.draft_confidence, k_policy=serve.k_policy,
                    capture_top_k=serve.capture_top_k, max_seq_len=serve.max_seq_len,
-                   max_concurrency=serve.max_concurrency, max_queue=serve.max_queue,
+                   max_concurrency=serve.max_concurrency, prefill_chunk=serve.prefill_chunk,
+                   max_queue=serve.max_queue,
                    queue_timeout_s=serve.queue_timeout_s, cuda_graphs=serve.cuda_graphs, tree=serve.tree,
                    quant=model.resolved().quant if model is not None else "none")
 
@@ -96,8 +102,8 @@ class EngineOptions:
             raise EngineError(f"k must be >= 0, got {self.k}")
         if not 0.0 <= self.draft_confidence < 1.0:
             raise EngineError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
-        if self.capture_top_k < 1 or self.max_concurrency < 1 or self.max_seq_len < 2:
-            raise EngineError("capture_top_k, max_concurrency must be >= 1 and max_seq_len >= 2")
+        if self.capture_top_k < 1 or self.max_concurrency < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1:
+            raise EngineError("capture_top_k, max_concurrency, prefill_chunk must be >= 1 and max_seq_len >= 2")
         if self.max_queue < 0 or self.queue_timeout_s <= 0:
             raise EngineError("max_queue must be >= 0 and queue_timeout_s > 0")
         if self.cuda_graphs not in ("auto", "on", "off"):
@@ -111,75 +117,6 @@ class EngineOptions:
                 TreeShape.parse(self.tree)
             except ValueError as e:
                 raise EngineError(str(e)) from None
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    max_new_tokens: int = 64
-    sampling: SamplingParams = SamplingParams()
-    stop: tuple[str, ...] = ()
-    capture: bool = True
-    # Set False to decode autoregressively on an engine that has a draft.
-    speculate: bool = True
-    # Draft at least this many tokens a step (within k and the budget) whatever the cost rule
-    # says: a canary comparison needs served acceptance from both arms, even where drafting
-    # does not pay.
-    min_draft: int = 0
-
-
-STAGES = ("propose", "score", "verify", "commit")
-
-
-@dataclass
-class SpecStats:
-    """Counters with the meanings of vLLM's spec_decode metrics."""
-
-    num_steps: int = 0  # target forwards after prefill
-    num_drafts: int = 0  # steps in which the draft proposed at least one token
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_emitted_tokens: int = 0  # tokens emitted by steps (accepted + one per step)
-    accepted_per_pos: list[int] = field(default_factory=list)
-    drafted_per_pos: list[int] = field(default_factory=list)  # steps that proposed a token at i
-    # Steps that proposed a token at i after accepting every earlier one: accepted / reached is
-    # the acceptance at i given the prefix (what a draft's offline per-depth agreement measures);
-    # accepted / drafted also counts steps that had already stopped before i.
-    reached_per_pos: list[int] = field(default_factory=list)
-    # Wall seconds spent in each stage, summed over steps (prefill excluded).
-    stage_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
-    # The score stage by the target forward's token count T: T -> [steps, seconds] (CPU path;
-    # the GPU path's stage times arrive as events, per stage only).
-    score_by_tokens: dict[int, list[float]] = field(default_factory=dict)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_accepted_len(self) -> float:
-        """Tokens emitted per target forward (1 for AR, up to k+1 for speculation)."""
-        return self.num_emitted_tokens / self.num_steps if self.num_steps else 0.0
-
-    def merge(self, other: "SpecStats") -> None:
-        self.num_steps += other.num_steps
-        self.num_drafts += other.num_drafts
-        self.num_draft_tokens += other.num_draft_tokens
-        self.num_accepted_tokens += other.num_accepted_tokens
-        self.num_emitted_tokens += other.num_emitted_tokens
-        self.accepted_per_pos = _add_counts(self.accepted_per_pos, other.accepted_per_pos)
-        self.drafted_per_pos = _add_counts(self.drafted_per_pos, other.drafted_per_pos)
-        self.reached_per_pos = _add_counts(self.reached_per_pos, other.reached_per_pos)
-        for name in STAGES:
-            self.stage_s[name] += other.stage_s[name]
-        for t, (n, sec) in other.score_by_tokens.items():
-            mine = self.score_by_tokens.setdefault(t, [0, 0.0])
-            mine[0] += n
-            mine[1] += sec
-
-
-def _add_counts(a: list[int], b: list[int]) -> list[int]:
-    n = max(len(a), len(b))
-    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
 
 
 @dataclass
@@ -199,243 +136,15 @@ class GenerationResult:
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-# ---------------------------------------------------------------- per-request state
-
-class _Slot:
-    """One request's KV memory: the target's cache and a draft cache per draft shape.
-
-    Drafts of one family (every registry version) share one cache shape, so a hot-swapped
-    draft reuses the slot's memory; a request truncates the caches it uses at prefill."""
-
-    MAX_DRAFT_SHAPES = 4
-
-    def __init__(self, target: KVCache):
-        self.target = target
-        self.drafts: dict[Any, KVCache] = {}
-
-    def draft_cache(self, runner: Runner) -> KVCache:
-        key = runner.cache_key
-        cache = self.drafts.get(key)
-        if cache is None:
-            if len(self.drafts) >= self.MAX_DRAFT_SHAPES:
-                self.drafts.pop(next(iter(self.drafts)))
-            cache = self.drafts[key] = runner.new_cache()
-        return cache
-
-
-class _Seq:
-    """Mutable state of one request; nothing here is shared between requests."""
-
-    def __init__(self, prompt: list[int], params: GenerationParams, slot: _Slot, k: int, eos: frozenset[int],
-                 capture: CaptureBuffer | None, device: torch.device, draft: Runner | None = None,
-                 ring: StagingRing | None = None):
-        self.tokens = list(prompt)
-        self.ring = ring  # CUDA path: host ints reach the device without a sync
-        self.stamps: list[list[Any]] = []  # CUDA path: each step's stage events, read at the end
-        self.n_prompt = len(prompt)
-        self.params = params
-        self.slot = slot
-        self.draft = draft  # this request's draft (None: autoregressive)
-        self.dcache = slot.draft_cache(draft) if draft is not None else None
-        self.k = k  # this request's current draft budget (k_policy schedule moves it within [1, k])
-        self.kreq: RequestK | None = None  # k_policy cost: this request's choice of k
-        self.eos = eos
-        self.out: list[int] = []
-        self.finish: str | None = None
-        self.text: str | None = None  # set when a stop string cut the output
-        self.stops: StopScanner | None = None  # set by the engine when stop strings apply
-        self.stats = SpecStats(accepted_per_pos=[0] * k, drafted_per_pos=[0] * k, reached_per_pos=[0] * k)
-        self.capture = capture
-        self.cap_accepted: list[bool] = []
-        self.cap_draft_tokens: list[int] = []
-        self.cap_draft_probs: list[float] = []
-        self.device = device
-        # Head drafts only (serve/head_runner.py): target features of rows the head has not
-        # cached yet, from row feat_start on; and the verify forward's, until commit.
-        self.feats: torch.Tensor | None = None
-        self.feat_start = 0
-        self.step_feats: torch.Tensor | None = None
-        seed = params.sampling.seed
-        self.gen = None
-        if not params.sampling.greedy:
-            self.gen = torch.Generator(device=device)
-            self.gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-
-    def pending(self, cache: KVCache) -> torch.Tensor:
-        """Committed tokens the cache has not seen yet (1, or 2 after a full acceptance)."""
-        return self.to_device(self.tokens[cache.length:])
-
-    def to_device(self, values: list[int]) -> torch.Tensor:
-        if self.ring is not None:
-            return self.ring.to_device(values)
-        return torch.tensor(values, dtype=torch.long, device=self.device)
-
-
-# ---------------------------------------------------------------- stages
-
-def prefill(target: Runner, draft: Runner | None, seq: _Seq) -> None:
-    """Run the prompt, all but its last token, through both models."""
-    slot = seq.slot
-    slot.target.truncate(0)
-    head = torch.tensor(seq.tokens[:-1], dtype=torch.long, device=seq.device)
-    if is_head(draft):
-        # The head reads the prefill's features: all but the last of its rows run now, the
-        # last at the first propose (which then drafts from one row, as every later step).
-        layers = draft.feature_layers
-        seq.feats = target.prefill(head, slot.target, layers) if head.numel() else None
-        seq.feat_start = 0
-        seq.dcache.truncate(0)
-        prefill_head(draft, seq)
-        return
-    if head.numel():
-        target.prefill(head, slot.target)
-    if draft is not None and seq.dcache is not None:
-        seq.dcache.truncate(0)
-        if head.numel():
-            draft.prefill(head, seq.dcache)
-
-
-def propose(draft: Runner, seq: _Seq, k: int, confidence: float):
-    """Draft up to k tokens. Returns (tokens [n] long, q [n, V] probs or None, own-probs list)."""
-    params = seq.params.sampling
-    cache = seq.dcache
-    inp = seq.pending(cache)
-    tokens: list[int] = []
-    qs: list[torch.Tensor] = []
-    own: list[float] = []
-    if inp.numel() > 1:
-        # Tokens committed while the draft sat out (the cost rule's k = 0, a full acceptance):
-        # into its cache without an output projection over every one of them.
-        draft.prefill(inp[:-1], cache)
-        inp = inp[-1:]
-    for i in range(k):
-        logits = draft.forward(inp, cache)[-1]
-        probs = torch.softmax(logits, dim=-1) if params.greedy else warp_probs(logits, params)
-        # The first proposal is always made; later ones only while the draft is confident.
-        # Decided on the draft's top probability *before* drawing: stopping on the drawn token's
-        # own probability biases kept drafts away from q and made sampling lossy (greedy: same).
-        if i > 0 and float(probs.max()) < confidence:
-            break  # the cache keeps the proposals fed so far; commit trims what is rejected
-        if params.greedy:
-            tok = int(torch.argmax(probs))
-        else:
-            tok = int(torch.multinomial(probs, 1, generator=seq.gen))
-        p_tok = float(probs[tok])
-        tokens.append(tok)
-        own.append(p_tok)
-        if not params.greedy:
-            qs.append(probs)
-        inp = torch.tensor([tok], dtype=torch.long, device=seq.device)
-    drafts = torch.tensor(tokens, dtype=torch.long, device=seq.device)
-    q = torch.stack(qs) if qs else None
-    return drafts, q, own
-
-
-def score(target: Runner, seq: _Seq, drafts: torch.Tensor) -> torch.Tensor:
-    """One target forward over [last committed token, drafts...] -> logits [len(drafts)+1, V]."""
-    inp = torch.cat([seq.pending(seq.slot.target), drafts])
-    if is_head(seq.draft):
-        logits, seq.step_feats = target.forward_features(inp, seq.slot.target, seq.draft.feature_layers)
-        return logits
-    return target.forward(inp, seq.slot.target)
-
-
-def verify(seq: _Seq, drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor) -> tuple[int, int]:
-    params = seq.params.sampling
-    if params.greedy:
-        return verify_greedy(drafts, torch.argmax(logits, dim=-1))
-    return verify_sampling(drafts, q if q is not None else logits.new_zeros(0, logits.shape[-1]),
-                           warp_probs(logits, params), seq.gen)
-
-
-def commit(seq: _Seq, drafts: list[int], own: list[float], logits: torch.Tensor, n: int,
-           nxt: int) -> list[int]:
-    """Accept n drafts (host ints) plus `nxt`, roll both caches back to the committed prefix,
-    record capture rows, apply stop rules. Returns the tokens this step emitted."""
-    k = len(drafts)
-    base = len(seq.tokens)
-    new = drafts[:n] + [nxt]
-    # score() fed the target [last committed, drafts...] on top of base - 1 cached tokens. Keep
-    # all committed tokens plus the n accepted drafts; `nxt` is the next forward's first input.
-    seq.slot.target.truncate(base + n)
-    if is_head(seq.draft):
-        commit_head(seq, base, seq.step_feats[: n + 1])
-        seq.step_feats = None
-    elif seq.dcache is not None and k:
-        seq.dcache.truncate(min(seq.dcache.length, base + n))
-    st = seq.stats
-    st.num_steps += 1
-    st.num_emitted_tokens += n + 1
-    if k:
-        st.num_drafts += 1
-        st.num_draft_tokens += k
-        st.num_accepted_tokens += n
-        for per_pos in (st.accepted_per_pos, st.drafted_per_pos, st.reached_per_pos):  # a tree can go deeper than k
-            per_pos.extend([0] * (k - len(per_pos)))
-        for i in range(k):
-            st.accepted_per_pos[i] += i < n
-            st.drafted_per_pos[i] += 1
-            st.reached_per_pos[i] += i <= n
-    if seq.capture is not None:
-        seq.capture.add(logits[: n + 1])
-        seq.cap_accepted += [True] * n + [False]
-        seq.cap_draft_tokens += new[:n] + ([drafts[n]] if n < k else [-1])
-        seq.cap_draft_probs += own[:n] + ([own[n]] if n < k else [float("nan")])
-    emitted = []
-    for tok in new:
-        seq.tokens.append(tok)
-        seq.out.append(tok)
-        emitted.append(tok)
-        if tok in seq.eos:
-            seq.finish = "stop"
-            break
-        if len(seq.out) >= seq.params.max_new_tokens:
-            seq.finish = "length"
-            break
-    if seq.stops is not None:
-        _apply_stop_strings(seq, seq.stops, emitted)
-    return emitted
-
-
-def _event() -> Any:
-    """A stage boundary: a recorded CUDA event, or the clock where there is no GPU (tests run
-    the device-path stages on CPU)."""
-    if not torch.cuda.is_available():
-        return time.perf_counter()
-    e = torch.cuda.Event(enable_timing=True)
-    e.record()
-    return e
-
-
-def _settle_stamps(seq: _Seq) -> None:
-    """Add the CUDA path's stage times (events recorded per step) to the stats."""
-    if not seq.stamps:
-        return
-    last = seq.stamps[-1][-1]
-    if not isinstance(last, float):
-        last.synchronize()
-    clock = seq.stats.stage_s
-    for stamps in seq.stamps:
-        for name, a, b in zip(STAGES, stamps, stamps[1:]):
-            clock[name] += b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
-    seq.stamps.clear()
-
-
-def _apply_stop_strings(seq: _Seq, stops: StopScanner, emitted: list[int]) -> None:
-    stops.push(emitted)
-    if stops.stop_at is not None:
-        seq.finish = "stop"
-        seq.text = stops.text_before_stop()
-
-
 # ---------------------------------------------------------------- engine
 
 class SpecEngine:
     """Holds a target and an optional draft (any causal LMs sharing a vocab).
 
     `generate()` runs one request to the end; `stream()` is an async generator of token
-    lists for serving. Concurrent requests each take their own preallocated KV slot, and
-    their steps interleave under one lock (one forward at a time per engine).
+    lists for serving. Concurrent requests each take their own preallocated KV slot and
+    decode together: one target forward a step carries every active request's rows
+    (serve/scheduler.py), so requests never wait for each other's steps.
     """
 
     def __init__(self, target_model: Any, draft_model: Any | None = None, tokenizer: Any = None,
@@ -458,18 +167,15 @@ class SpecEngine:
         self.device = self.target.device
         self.eos = frozenset(eos_token_ids(tokenizer, getattr(target_model.config, "eos_token_id", None)))
         slots = []
-        for _ in range(self.options.max_concurrency):
-            slot = _Slot(self.target.new_cache())
+        for cache in self.target.new_caches(self.options.max_concurrency):  # one pool: batched attention
+            slot = Slot(cache)
             if self.draft is not None:
                 slot.draft_cache(self.draft)  # preallocate, as before hot swap existed
             slots.append(slot)
-        self.slots: SlotPool[_Slot] = SlotPool(slots, self.options.max_queue, self.options.queue_timeout_s)
-        self._lock = threading.Lock()
-        # Streams step on one thread of their own: forwards are serialized by the lock anyway,
-        # and a private thread means a busy engine never takes threads other work needs.
-        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="osd-engine")
-        self._ids = itertools.count()
-        self._progress: dict[int, float] = {}  # request -> monotonic time of its last step
+        self.slots: SlotPool[Slot] = SlotPool(slots, self.options.max_queue, self.options.queue_timeout_s)
+        # Every forward runs on the scheduler's thread, so the event loop keeps serving, and a
+        # busy engine never takes threads other work needs.
+        self.scheduler = Scheduler(self, self.options.prefill_chunk)
         self._kpolicy: KPolicy | None = None  # k_policy cost: made at the first speculative request
 
     def _runner(self, model: Any, quant: str = "none") -> Runner:
@@ -530,7 +236,7 @@ class SpecEngine:
 
     # -- the loop ---------------------------------------------------------------
 
-    def _start(self, prompt: list[int], params: GenerationParams, slot: _Slot, draft: Any = DEFAULT) -> _Seq:
+    def _start(self, prompt: list[int], params: GenerationParams, slot: Slot, draft: Any = DEFAULT) -> Seq:
         draft = self.draft if draft is DEFAULT else draft
         use_draft = draft is not None and params.speculate and self.options.k > 0
         k = self.options.k if use_draft else 0
@@ -538,60 +244,150 @@ class SpecEngine:
         if params.capture and self.options.capture:
             cap = CaptureBuffer(params.max_new_tokens, min(self.options.capture_top_k, self.target.vocab_size),
                                 self.device)
-        seq = _Seq(prompt, params, slot, k, self.eos, cap, self.device, draft if use_draft else None, self.ring)
+        seq = Seq(prompt, params, slot, k, self.eos, cap, self.device, draft if use_draft else None, self.ring)
         if params.stop and self.tokenizer is not None:
             seq.stops = StopScanner(self.tokenizer, params.stop)
         if seq.draft is not None and self.options.k_policy == "cost":
             seq.kreq = self.k_policy().new_request(id(seq.draft))
-        prefill(self.target, seq.draft, seq)
+        begin_prefill(seq)
+        if not seq.prefilling:  # a one-token prompt: nothing to prefill
+            end_prefill(seq.draft, seq)
+        return seq
+
+    def _submit(self, prompt: list[int], params: GenerationParams, slot: Slot, draft: Any, deliver) -> Seq:
+        """Hand a request to the scheduler; its slot is the scheduler's until it finishes,
+        fails or is cancelled (Seq.cancelled), when the scheduler returns it."""
+        try:
+            seq = self._start(prompt, params, slot, draft)
+        except BaseException:
+            self.slots.release(slot)
+            raise
+        seq.deliver = deliver
+        seq.t_submit = time.perf_counter()
+        if not seq.prefilling:
+            seq.t_decode = seq.t_submit
+        self.scheduler.submit(seq)
         return seq
 
     def k_policy(self) -> KPolicy:
-        """The cost rule's state, profiling the target's forward by token count on first use
-        (a few forwards of 1..k+1 tokens over a scratch cache: well under a second)."""
+        """The cost rule's state, profiling the target's forward by row count on first use
+        (a few forwards of 1..k+1 rows, and of batched steps' row counts, over scratch caches:
+        about a second)."""
         if self._kpolicy is None:
             self._kpolicy = KPolicy(StepCosts(self._profile_forward()), self.options.k)
         return self._kpolicy
 
-    def _profile_forward(self) -> list[float]:
-        cache = self.target.new_cache()
-        context = min(64, self.max_seq_len - self.options.k - 2)
-        gen = torch.Generator().manual_seed(0)
-        self.target.forward(torch.randint(0, self.target.vocab_size, (max(context, 1),), generator=gen
-                                          ).to(self.device), cache)
-        base = cache.length
+    def kpolicy_ready(self) -> bool:
+        return self._kpolicy is not None
 
-        def forward(t: int) -> float:
-            toks = torch.randint(0, self.target.vocab_size, (t,), generator=gen).to(self.device)
+    def _profile_forward(self) -> list[float]:
+        """V(rows): up to k+1 rows one sequence's forward (a request alone); beyond, a batched
+        step's (one-row sequences in a pool, or k+1-row verify blocks once rows outnumber slots)."""
+        k = self.options.k
+        slots = min(self.options.max_concurrency, 16)
+        context = max(1, min(64, self.max_seq_len - k - 2))
+        span = min(self.max_seq_len, context + k + 2)
+        if isinstance(self.target, LlamaRunner):
+            t = self.target
+            caches = KVPool(slots, len(t.blocks), t.n_kv, span, t.head_dim, t.dtype, self.device).caches
+        else:
+            caches = self.target.new_caches(slots)
+        gen = torch.Generator().manual_seed(0)
+
+        def tokens(n: int) -> torch.Tensor:
+            return torch.randint(0, self.target.vocab_size, (n,), generator=gen).to(self.device)
+
+        for cache in caches:
+            forward_batch(self.target, [Item(tokens(context), cache, logits=False)])
+
+        def forward(rows: int) -> float:
+            n = 1 if rows <= k + 1 else min(slots, rows)
+            sizes = [rows // n + (i < rows % n) for i in range(n)]
+            items = [Item(tokens(t), c) for t, c in zip(sizes, caches)]
             if self.gpu:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            self.target.forward(toks, cache)
+            forward_batch(self.target, items)
             if self.gpu:
                 torch.cuda.synchronize()
-            cache.truncate(base)
+            for c in caches:
+                c.truncate(context)
             return time.perf_counter() - t0
 
-        return profile_forward(forward, min(self.options.k, self.max_seq_len - base - 1))
+        max_rows = min(self.options.max_concurrency * (k + 1), 64) if k else 0
+        return profile_forward(forward, min(k, span - context - 1), max_rows=max_rows)
 
-    def _step(self, seq: _Seq) -> list[int]:
+    # -- the batched step's hooks (serve/scheduler.py) ---------------------------------
+
+    def batchable(self, seq: Seq) -> bool:
+        """Whether the request's next step can ride in a batched forward: the CPU chain path.
+        A tree step and the CUDA path's device-resident stages step alone."""
+        return not self.gpu and not self._use_tree(seq, seq.params.max_new_tokens - len(seq.out))
+
+    def _limit(self, seq: Seq) -> int:
         remaining = seq.params.max_new_tokens - len(seq.out)
-        limit = min(remaining - 1, self.max_seq_len - len(seq.tokens) - 1)
-        if self._use_tree(seq, remaining):
-            return self._stages_tree(seq)
-        k = seq.kreq.choose(limit) if seq.kreq is not None else min(seq.k, limit)
+        return min(remaining - 1, self.max_seq_len - len(seq.tokens) - 1)
+
+    def plan(self, seqs: list[Seq], prefill_rows: int) -> list[int]:
+        """Draft lengths for a batched step: the cost rule over the whole batch (k_policy.plan;
+        with one sequence, the single-request rule), else each request's schedule or k."""
+        limits = [self._limit(s) for s in seqs]
+        if self.options.k_policy != "cost" or not any(s.kreq is not None for s in seqs):
+            return [min(s.k, lim) if s.draft is not None else 0 for s, lim in zip(seqs, limits)]
+        ks = self.k_policy().plan([s.kreq for s in seqs], limits, len(seqs) + prefill_rows)
+        return [self._min_draft(s, k, lim) for s, k, lim in zip(seqs, ks, limits)]
+
+    def _min_draft(self, seq: Seq, k: int, limit: int) -> int:
         if seq.kreq is not None and seq.params.min_draft:
-            k = max(k, min(seq.params.min_draft, limit, self.options.k))
-        run = self._stages_gpu if self.gpu else self._stages_cpu
-        n, k_drafted, emitted = run(seq, k)
+            return max(k, min(seq.params.min_draft, limit, self.options.k))
+        return k
+
+    def propose_timed(self, seq: Seq, k: int) -> tuple[torch.Tensor, torch.Tensor | None, list[float], float]:
+        t0 = time.perf_counter()
+        if k > 0:
+            stage = propose_head if is_head(seq.draft) else propose
+            drafts, q, own = stage(seq.draft, seq, k, self.options.draft_confidence)
+        else:
+            drafts, q, own = torch.empty(0, dtype=torch.long, device=self.device), None, []
+        return drafts, q, own, time.perf_counter() - t0
+
+    def after_step(self, seq: Seq, drafted: int, accepted: int, rows: int, draft_s: float, score_s: float,
+                   verify_s: float) -> None:
+        """A batched step's bookkeeping for one request: stage clocks, and what the draft-length
+        rule learns (the forward's cost is observed once per step, by the scheduler)."""
+        clock = seq.stats.stage_s
+        clock["propose"] += draft_s
+        clock["score"] += score_s
+        clock["verify"] += verify_s
+        by_t = seq.stats.score_by_tokens.setdefault(rows, [0, 0.0])
+        by_t[0] += 1
+        by_t[1] += score_s
         if seq.kreq is not None:
-            seq.kreq.observe(k_drafted, n)
-        elif self.options.k_policy == "schedule" and k_drafted:
-            budget = self.options.k
-            seq.k = min(seq.k + 2, budget) if n == k_drafted else max(seq.k - 1, 1)
+            costs = seq.kreq.policy.costs
+            if not seq.kreq.probing:
+                costs.observe_draft(seq.kreq.draft_key, drafted, draft_s)
+            costs.observe_step(verify_s)
+        self._learn_k(seq, drafted, accepted)
+
+    def _learn_k(self, seq: Seq, drafted: int, accepted: int) -> None:
+        if seq.kreq is not None:
+            seq.kreq.observe(drafted, accepted)
+        elif self.options.k_policy == "schedule" and drafted:
+            seq.k = min(seq.k + 2, self.options.k) if accepted == drafted else max(seq.k - 1, 1)
+
+    def _step(self, seq: Seq) -> list[int]:
+        """One step of a request alone: a tree, or the CUDA path's device-resident stages (the
+        CPU's chains step in the batch: serve/scheduler.py)."""
+        if self._use_tree(seq, seq.params.max_new_tokens - len(seq.out)):
+            return self._stages_tree(seq)
+        limit = self._limit(seq)
+        k = seq.kreq.choose(limit) if seq.kreq is not None else min(seq.k, limit)
+        k = self._min_draft(seq, k, limit)
+        n, k_drafted, emitted = self._stages_gpu(seq, k)
+        self._learn_k(seq, k_drafted, n)
         return emitted
 
-    def _use_tree(self, seq: _Seq, remaining: int) -> bool:
+    def _use_tree(self, seq: Seq, remaining: int) -> bool:
         """Trees while the whole tree fits the context and its deepest path fits the token
         budget; chains otherwise (and for a runner without masked blocks)."""
         t = self.tree
@@ -599,7 +395,7 @@ class SpecEngine:
                 and (hasattr(seq.draft, "forward_masked") or is_head(seq.draft)) and can_expand(seq)
                 and remaining > t.depth and len(seq.tokens) - 1 + t.total <= self.max_seq_len)
 
-    def _stages_tree(self, seq: _Seq) -> list[int]:
+    def _stages_tree(self, seq: Seq) -> list[int]:
         if self.ring is not None:
             self.ring.reset()
         stamps = [_event()]
@@ -610,35 +406,7 @@ class SpecEngine:
         seq.stamps.append(stamps)
         return emitted
 
-    def _stages_cpu(self, seq: _Seq, k: int) -> tuple[int, int, list[int]]:
-        clock = seq.stats.stage_s
-        t0 = time.perf_counter()
-        if k > 0:
-            stage = propose_head if is_head(seq.draft) else propose
-            drafts, q, own = stage(seq.draft, seq, k, self.options.draft_confidence)
-        else:
-            drafts, q, own = torch.empty(0, dtype=torch.long, device=self.device), None, []
-        t1 = time.perf_counter()
-        logits = score(self.target, seq, drafts)
-        t2 = time.perf_counter()
-        n, nxt = verify(seq, drafts, q, logits)
-        t3 = time.perf_counter()
-        emitted = commit(seq, drafts.tolist(), own, logits, n, nxt)
-        t4 = time.perf_counter()
-        for name, a, b in zip(STAGES, (t0, t1, t2, t3), (t1, t2, t3, t4)):
-            clock[name] += b - a
-        by_t = seq.stats.score_by_tokens.setdefault(logits.shape[0], [0, 0.0])
-        by_t[0] += 1
-        by_t[1] += t2 - t1
-        if seq.kreq is not None:  # the cost rule learns from every step it did not profile
-            costs = seq.kreq.policy.costs
-            costs.observe_verify(logits.shape[0], t2 - t1)
-            if not seq.kreq.probing:  # a probe also catches the draft up on the idle stretch
-                costs.observe_draft(seq.kreq.draft_key, drafts.numel(), t1 - t0)
-            costs.observe_step(t4 - t2)
-        return n, drafts.numel(), emitted
-
-    def _stages_gpu(self, seq: _Seq, k: int) -> tuple[int, int, list[int]]:
+    def _stages_gpu(self, seq: Seq, k: int) -> tuple[int, int, list[int]]:
         """The same stages on the device: no host sync but the one read in verify. Stage
         times come from CUDA events (read when the request ends), so work queued by one
         stage and run later is still charged to it."""
@@ -661,7 +429,10 @@ class SpecEngine:
         seq.stamps.append(stamps)
         return n, len(draft_ids), emitted
 
-    def _result(self, seq: _Seq, prefill_s: float, decode_s: float) -> GenerationResult:
+    def _result(self, seq: Seq) -> GenerationResult:
+        end = time.perf_counter()
+        prefill_s = (seq.t_decode or end) - seq.t_submit
+        decode_s = end - seq.t_decode if seq.t_decode else 0.0
         _settle_stamps(seq)
         capture = None
         if seq.capture is not None:
@@ -676,22 +447,45 @@ class SpecEngine:
 
     def generate(self, prompt_ids: Sequence[int], params: GenerationParams | None = None,
                  draft: Any = DEFAULT) -> GenerationResult:
-        """Run one request to completion (blocking). `draft`: a make_draft runner, None for
-        autoregressive, or the engine's own draft by default."""
+        """Run one request to completion (blocking; it decodes in the batch with any others).
+        `draft`: a make_draft runner, None for autoregressive, or the engine's own draft."""
         params = params or GenerationParams()
         prompt = self.check_request(prompt_ids, params)
-        slot = self.slots.acquire_blocking()
-        try:
-            with self._lock:
-                t0 = time.perf_counter()
-                seq = self._start(prompt, params, slot, draft)
-                t1 = time.perf_counter()
-                while seq.finish is None:
-                    self._step(seq)
-                t2 = time.perf_counter()
-            return self._result(seq, t1 - t0, t2 - t1)
-        finally:
-            self.slots.release(slot)
+        box: queue.SimpleQueue = queue.SimpleQueue()
+        seq = self._submit(prompt, params, self.slots.acquire_blocking(), draft, box.put)
+        while (item := box.get()) is not DONE:
+            if isinstance(item, BaseException):
+                raise item
+        return self._result(seq)
+
+    def generate_many(self, prompts: Sequence[Sequence[int]], params: GenerationParams | None = None,
+                      draft: Any = DEFAULT, on_result=None) -> list[GenerationResult]:
+        """Run many requests through the batch, up to max_concurrency at once, in order of the
+        prompts; `on_result(i, result)` is called as each finishes (progress, streaming)."""
+        params = params or GenerationParams()
+        checked = [self.check_request(p, params) for p in prompts]
+        box: queue.SimpleQueue = queue.SimpleQueue()
+        results: list[GenerationResult | None] = [None] * len(checked)
+        seqs: dict[int, Seq] = {}
+        nxt = 0
+        free = self.options.max_concurrency
+        while nxt < len(checked) or seqs:
+            while nxt < len(checked) and free > 0:
+                i = nxt
+                seqs[i] = self._submit(checked[i], params, self.slots.acquire_blocking(), draft,
+                                       lambda item, i=i: box.put((i, item)))
+                nxt, free = nxt + 1, free - 1
+            i, item = box.get()
+            if isinstance(item, BaseException):
+                for s in seqs.values():
+                    s.cancelled = True
+                raise item
+            if item is DONE:
+                results[i] = self._result(seqs.pop(i))
+                free += 1
+                if on_result is not None:
+                    on_result(i, results[i])
+        return results  # type: ignore[return-value]
 
     def stream(self, prompt_ids: Sequence[int], params: GenerationParams | None = None,
                draft: Any = DEFAULT) -> "RequestStream":
@@ -699,18 +493,11 @@ class SpecEngine:
         params = params or GenerationParams()
         return RequestStream(self, self.check_request(prompt_ids, params), params, draft)
 
-    def _locked(self, fn, *args):
-        with self._lock:
-            return fn(*args)
-
-    def _submit(self, fn, *args) -> Future:
-        return self._stepper.submit(self._locked, fn, *args)
-
     # -- health ---------------------------------------------------------------
 
     def stalled_s(self) -> float:
         """Seconds since the least recently progressed running request took a step (0: none running)."""
-        stamps = list(self._progress.values())
+        stamps = [s.progress for s in self.scheduler.waiting()]
         return time.monotonic() - min(stamps) if stamps else 0.0
 
     def check_health(self, stall_timeout_s: float) -> None:
@@ -729,7 +516,7 @@ class RequestStream:
         self.engine, self.prompt, self.params = engine, prompt, params
         self.draft = draft  # fixed at the call: a hot swap never changes a request in flight
         self.result: GenerationResult | None = None
-        self._slot: _Slot | None = None
+        self._slot: Slot | None = None
 
     async def admit(self) -> None:
         """Wait for a KV slot (bounded: serve.admission.Overloaded or QueueTimeout). Lets a
@@ -748,26 +535,32 @@ class RequestStream:
         eng = self.engine
         await self.admit()  # Overloaded / QueueTimeout propagate: no slot was taken
         slot, self._slot = self._slot, None
-        rid = next(eng._ids)
-        eng._progress[rid] = time.monotonic()
-        inflight: Future | None = None
+        loop = asyncio.get_running_loop()
+        box: asyncio.Queue = asyncio.Queue()
+        seq: Seq | None = None
+
+        def post(item: Any) -> None:  # on the scheduler's thread
+            try:
+                loop.call_soon_threadsafe(box.put_nowait, item)
+            except RuntimeError:  # the event loop is gone: nobody reads this request any more
+                if seq is not None:
+                    seq.cancelled = True
+
+        seq = eng._submit(self.prompt, self.params, slot, self.draft, post)
+        ended = False
         try:
-            t0 = time.perf_counter()
-            # Forwards run on the engine's thread so the event loop keeps serving other requests.
-            inflight = eng._submit(eng._start, self.prompt, self.params, slot, self.draft)
-            seq = await asyncio.wrap_future(inflight)
-            t1 = time.perf_counter()
-            while seq.finish is None:
-                eng._progress[rid] = time.monotonic()
-                inflight = eng._submit(eng._step, seq)
-                emitted = await asyncio.wrap_future(inflight)
-                yield emitted
-            self.result = eng._result(seq, t1 - t0, time.perf_counter() - t1)
+            while True:
+                item = await box.get()
+                if item is DONE:
+                    ended = True
+                    break
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                yield item
+            self.result = eng._result(seq)
         finally:
-            eng._progress.pop(rid, None)
-            if inflight is not None and not inflight.done():
-                # Cancelled mid-step: the step still writes this slot's caches, so the slot
-                # goes back only when it has finished (never to another request before).
-                inflight.add_done_callback(lambda _: eng.slots.release(slot))
-            else:
-                eng.slots.release(slot)
+            if not ended:
+                # Dropped mid-request: the scheduler takes the request out of the batch at its
+                # next step and only then returns the slot (never to another request before).
+                seq.cancelled = True

@@ -55,6 +55,48 @@ def best_k(verify_s: Sequence[float], draft_s: float, step_s: float, alpha: floa
     return best
 
 
+def rows_cost(verify_s: Sequence[float], rows: int) -> float:
+    """Seconds of a target forward of `rows` rows: the profile's lower envelope from the right
+    (as best_k reads it), extended past its end along its last slope."""
+    n = len(verify_s)
+    if rows <= n:
+        return min(verify_s[rows - 1:])
+    slope = max(verify_s[-1] - verify_s[-2], 0.0) if n > 1 else verify_s[-1]
+    return verify_s[-1] + slope * (rows - n)
+
+
+def plan_batch(verify_s: Sequence[float], base_rows: int, alphas: Sequence[float], limits: Sequence[int],
+               draft_s: Sequence[float], step_s: float) -> list[int]:
+    """Draft lengths for the sequences of one batched step: the allocation with the most
+    expected tokens per second over the whole batch,
+
+        sum_i E(alpha_i, k_i) / (C(base_rows + sum_i k_i) + sum_i k_i * draft_s[i] + step_s),
+
+    where C is the forward's cost by its row count (verify_s[r - 1], read as rows_cost does)
+    and base_rows the rows the step runs anyway (one per decoding sequence, prompt chunks).
+    Draft position j of sequence i adds alpha_i^j expected tokens, so the best allocation with
+    a given number of draft tokens takes the positions of largest alpha_i^j; the rule tries
+    every such prefix, including none (plain decoding at the same load), and keeps the best.
+    As the batch grows, a draft row displaces more and gains less: drafting shrinks to none
+    exactly when it would lower the batch's token rate. For one sequence this is best_k."""
+    ks = [0] * len(alphas)
+    gains = sorted(((alphas[i] ** j, i) for i in range(len(alphas)) for j in range(1, limits[i] + 1)
+                    if alphas[i] > 0), key=lambda g: -g[0])
+    tokens = float(len(alphas))
+    extra = 0.0
+    best_rate = tokens / (rows_cost(verify_s, max(base_rows, 1)) + step_s)
+    best_n = 0
+    for n, (gain, i) in enumerate(gains, 1):
+        tokens += gain
+        extra += draft_s[i]
+        rate = tokens / (rows_cost(verify_s, base_rows + n) + extra + step_s)
+        if rate > best_rate:
+            best_rate, best_n = rate, n
+    for _, i in gains[:best_n]:
+        ks[i] += 1
+    return ks
+
+
 class Acceptance:
     """Decayed counts of accepted / reached draft positions: alpha given the earlier drafts
     accepted (a step that accepts n of k reached n + 1 positions, or k when all were taken).
@@ -91,6 +133,7 @@ class StepCosts:
     draft_s: dict[object, float] = field(default_factory=dict)
     default_draft_fraction: float = 0.1  # of V(1), until a draft's own cost is seen
     frozen: bool = False  # ignore observations (a fixed, given profile)
+    batch_scale: float = 1.0  # measured / profiled cost of batched forwards (observe_batch)
 
     def draft_cost(self, key: object) -> float:
         return self.draft_s.get(key, self.default_draft_fraction * self.verify_s[0])
@@ -106,6 +149,18 @@ class StepCosts:
             old = self.draft_s.get(key)
             self.draft_s[key] = per if old is None else old + EWMA * (per - old)
 
+    def observe_batch(self, rows: int, seconds: float) -> None:
+        """A forward of several sequences: it also pays their attention over their contexts, which
+        the profile by rows does not see. Its cost scales the whole profile (`batch_scale`)
+        instead of one entry, so the cost of a draft row, a difference of two entries, is not
+        read off one measured and one profiled figure."""
+        if not self.frozen and 1 <= rows:
+            ratio = seconds / rows_cost(self.verify_s, rows)
+            self.batch_scale += EWMA * (ratio - self.batch_scale)
+
+    def batch_profile(self) -> list[float]:
+        return [v * self.batch_scale for v in self.verify_s]
+
     def observe_step(self, seconds: float) -> None:
         if not self.frozen:
             self.step_s += EWMA * (seconds - self.step_s)
@@ -120,6 +175,17 @@ class KPolicy:
         self.probe_every = probe_every
         self.by_draft: dict[object, Acceptance] = {}
         self.idle_limit: dict[object, int] = {}  # per draft: the probe back-off, carried across requests
+
+    def plan(self, requests: Sequence["RequestK | None"], limits: Sequence[int], base_rows: int) -> list[int]:
+        """Draft lengths for one batched step (plan_batch), then each request's probe rule
+        (RequestK.settle). None: a sequence without a draft (it decodes)."""
+        c = self.costs
+        alphas = [r.alpha if r is not None else 0.0 for r in requests]
+        draft_s = [c.draft_cost(r.draft_key) if r is not None else 0.0 for r in requests]
+        caps = [min(self.k_max, lim) if r is not None else 0 for r, lim in zip(requests, limits)]
+        profile = c.verify_s if len(requests) == 1 else c.batch_profile()
+        ks = plan_batch(profile, base_rows, alphas, caps, draft_s, c.step_s * len(requests))
+        return [r.settle(k, lim) if r is not None else 0 for r, k, lim in zip(requests, ks, limits)]
 
     def new_request(self, draft_key: object) -> "RequestK":
         shared = self.by_draft.setdefault(draft_key, Acceptance())
@@ -148,6 +214,11 @@ class RequestK:
         p = self.policy
         k = best_k(p.costs.verify_s, p.costs.draft_cost(self.draft_key), p.costs.step_s, self.alpha,
                    min(p.k_max, limit))
+        return self.settle(k, limit)
+
+    def settle(self, k: int, limit: int) -> int:
+        """The planned length k, or a probe token after enough idle steps."""
+        p = self.policy
         self.probing = False
         if k == 0 and limit > 0:
             self.own.fade()
@@ -169,12 +240,23 @@ class RequestK:
         self.shared.observe(drafted, accepted, decay=0.99)
 
 
-def profile_forward(forward: Callable[[int], float], k_max: int, repeats: int = 5) -> list[float]:
-    """V(t) for t = 1..k_max+1: the median of `repeats` timed calls of forward(t) (which runs
-    one target forward of t tokens and returns its seconds), after one warm-up each."""
-    out = []
-    for t in range(1, k_max + 2):
+def profile_forward(forward: Callable[[int], float], k_max: int, repeats: int = 5,
+                    max_rows: int = 0) -> list[float]:
+    """V(t) for t = 1..max(k_max+1, max_rows): the median of `repeats` timed calls of
+    forward(t) (which runs one target forward of t rows and returns its seconds), after one
+    warm-up each. Every t up to k_max+1 is timed; beyond it (a batched step's rows) doubling
+    row counts up to max_rows, and the rows between are interpolated linearly."""
+    points = list(range(1, k_max + 2))
+    t = k_max + 1
+    while t < max_rows:
+        t = min(2 * t, max_rows)
+        points.append(t)
+    timed = []
+    for t in points:
         forward(t)
         times = sorted(forward(t) for _ in range(repeats))
-        out.append(times[len(times) // 2])
-    return out
+        timed.append(times[len(times) // 2])
+    out = []
+    for (a, va), (b, vb) in zip(zip(points, timed), zip(points[1:], timed[1:])):
+        out += [va + (vb - va) * (t - a) / (b - a) for t in range(a, b)]
+    return out + [timed[-1]]

@@ -17,6 +17,8 @@ from typing import Any
 
 LATENCY_BOUNDARIES = [0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64]
 TPOT_BOUNDARIES = [0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0]
+BATCH_BOUNDARIES = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+ROWS_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256]
 
 
 class ServeMetrics:
@@ -48,6 +50,13 @@ class ServeMetrics:
         # 1 for the version in each role now, 0 for one that left it (Grafana joins on it).
         self.draft_info = m.Gauge("osd_draft_info", "Draft version serving in each role (1 = now)",
                                   tag_keys=("draft_version", "role"))
+        # Continuous batching: per target forward, the requests it carried and its rows (tokens:
+        # decode rows, verify blocks, prompt chunks). Not by draft version: a forward mixes them.
+        self.batch_size = m.Histogram("osd_batch_size", "Requests per target forward",
+                                      boundaries=BATCH_BOUNDARIES)
+        self.batch_rows = m.Histogram("osd_batch_tokens", "Tokens (rows) per target forward",
+                                      boundaries=ROWS_BOUNDARIES)
+        self._seen_steps = 0
         self._roles: dict[str, str | None] = {"stable": None, "canary": None}
         self._seen_written = 0
         self._seen_dropped: dict[str, int] = {}
@@ -71,6 +80,14 @@ class ServeMetrics:
                 self.accepted_per_pos.inc(n, {"draft_version": version, "position": str(pos)})
         self.latency.observe(latency_s, tags)
         self.recent.add(version, latency_s, len(result.output_ids or ()), result.decode_s, None)
+
+    def sync_steps(self, log: Any) -> None:
+        """Fold the engine's new target forwards (serve/scheduler.py StepLog) into the histograms
+        (the engine logs them on its own thread)."""
+        for _, seqs, rows in log.since(self._seen_steps):
+            self.batch_size.observe(seqs)
+            self.batch_rows.observe(rows)
+        self._seen_steps = log.total
 
     def error(self, version: str, reason: str) -> None:
         self.errors.inc(1, {"draft_version": version, "reason": reason})

@@ -8,6 +8,7 @@ demo's static snapshot is the same render without the script.
 from __future__ import annotations
 
 import html
+import math
 import time
 from typing import Any
 
@@ -124,10 +125,13 @@ def _charts(s: dict[str, Any]) -> str:
     acc = ops_svg.line_chart("Acceptance over time, per version", ch["acceptance"], t0, t1, markers=ch["markers"])
     pos = ops_svg.bar_chart("Acceptance per draft position (accepted / drafting steps)", ch["per_position"])
     wgt = ops_svg.step_chart("Canary weight", ch["canary_weight"], t0, t1)
+    batch = ch.get("batch_size") or {}
+    top = max([v for pts in batch.values() for _, v in pts] + [1.0])
+    bat = ops_svg.line_chart("Requests per target forward", batch, t0, t1, lo=0.0, hi=float(math.ceil(top)))
     return ("<h2>Charts</h2><div class=cards>" + "".join(
         f"<div class=card><div>{title}</div>{svg}</div>" for title, svg in
         (("Acceptance over time (markers: rollout decisions)", acc), ("Acceptance per draft position", pos),
-         ("Canary weight", wgt))) + "</div>")
+         ("Canary weight", wgt), ("Batch size over time (requests per target forward)", bat))) + "</div>")
 
 
 def _loop(lp: dict[str, Any]) -> str:

@@ -215,3 +215,14 @@ def window_start(audit: Sequence[dict[str, Any]], canary: str | None) -> float |
     times = [float(e["time"]) for e in audit if canary and e.get("version") == canary
              and e.get("action") in ("start", "advance")]
     return max(times) if times else None
+
+
+def batch_series(replicas: Sequence[dict[str, Any]], t0: float) -> dict[str, list[list[float]]]:
+    """Requests per target forward over time, per replica (continuous batching: how many
+    requests each step carried), from each replica's `batch_series` buckets."""
+    out: dict[str, list[list[float]]] = {}
+    for r in replicas:
+        points = [[t, seqs] for t, seqs, _, _ in r.get("batch_series", []) if t >= t0]
+        if points:
+            out[f"replica {r.get('replica', '?')}"[:40]] = points
+    return out

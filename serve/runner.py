@@ -55,10 +55,16 @@ class StaticKVCache:
     Rollback is O(1): only `length` moves; stale slots past it are overwritten later.
     """
 
-    def __init__(self, layers: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        shape = (layers, kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+    def __init__(self, layers: int, kv_heads: int, max_len: int, head_dim: int, dtype, device,
+                 pool: "KVPool | None" = None, index: int = 0):
+        if pool is None:
+            shape = (layers, kv_heads, max_len, head_dim)
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+        else:  # a view of one slot of the pool: [layers, kv_heads, max_len, head_dim]
+            self.k, self.v = pool.k[:, index], pool.v[:, index]
+        self.pool = pool
+        self.index = index
         self.length = 0
         self.max_len = max_len
 
@@ -66,6 +72,19 @@ class StaticKVCache:
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
         self.length = n
+
+
+class KVPool:
+    """The caches of several sequences in one tensor each for keys and values, [layers, slots,
+    kv_heads, max_len, head_dim], so a batched forward attends for all its one-row sequences
+    at once over a view of adjacent slots (serve/batch_forward.py) instead of one call each."""
+
+    def __init__(self, slots: int, layers: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (layers, slots, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.caches = [StaticKVCache(layers, kv_heads, max_len, head_dim, dtype, device, self, i)
+                       for i in range(slots)]
 
 
 # Context bound of an HFRunner whose model config declares no max_position_embeddings (a
@@ -215,6 +234,9 @@ class LlamaRunner:
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.head = self._make_head(model.lm_head.weight, quant)
+        # Many rows at once (a batched step): the model's own weights, which oneDNN multiplies
+        # with reuse across rows, where the int4/int8 kernels cost about as much per row as alone.
+        self.wide_head = self.head if quant == "none" else _shared_head(model.lm_head.weight, "none", self.dtype)
         if any(getattr(layer.self_attn.q_proj, "bias", None) is not None for layer in inner.layers):
             raise TypeError("LlamaRunner does not support attention biases; use HFRunner")
 
@@ -264,6 +286,11 @@ class LlamaRunner:
 
     def new_cache(self) -> StaticKVCache:
         return StaticKVCache(len(self.blocks), self.n_kv, self.max_seq_len, self.head_dim, self.dtype, self.device)
+
+    def new_caches(self, n: int) -> list[StaticKVCache]:
+        """n caches in one pool (KVPool): the engine's request slots."""
+        return KVPool(n, len(self.blocks), self.n_kv, self.max_seq_len, self.head_dim, self.dtype,
+                      self.device).caches
 
     @property
     def cache_key(self) -> tuple:
@@ -360,16 +387,21 @@ class LlamaRunner:
         """The decoder stack over T rows (cos/sin [T, 1, hd]); `attend(i, q, k, v)` stores layer
         i's new K/V and returns its attention output [T, H*hd]. Returns (logits [T, V] float32
         or None when not asked for, the features of `layers` or None)."""
+        h, feats = self.stack(tokens, cos, sin, attend, layers, blocks)
+        if not logits:
+            return None, feats
+        return self.head(F.rms_norm(h, self.hidden, self.norm, self.eps)).float(), feats
+
+    def stack(self, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend,
+              layers: tuple[int, ...], blocks: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder layers alone: (the last layer's output [T, D], the features of `layers`)."""
         h = F.embedding(tokens, self.embed)  # [T, D]
         kept: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.blocks if blocks is None else blocks):
             h = decoder_layer(h, block, cos, sin, attend, i, self.n_heads, self.n_kv, self.head_dim, self.eps)
             if i in layers:
                 kept[i] = h
-        feats = torch.cat([kept[i] for i in layers], dim=-1) if layers else None
-        if not logits:
-            return None, feats
-        return self.head(F.rms_norm(h, self.hidden, self.norm, self.eps)).float(), feats
+        return h, torch.cat([kept[i] for i in layers], dim=-1) if layers else None
 
 
 class _Split(AddAfter):
@@ -410,6 +442,9 @@ class HFRunner:
 
     def new_cache(self) -> _HFCache:
         return _HFCache()
+
+    def new_caches(self, n: int) -> list[_HFCache]:
+        return [_HFCache() for _ in range(n)]
 
     @property
     def cache_key(self) -> tuple:

@@ -105,8 +105,8 @@ def test_abandoned_admission_returns_the_slot(target):
 def test_health_reports_a_stalled_request(target):
     eng = engine(target, max_concurrency=1)
     gate = threading.Event()
-    real_step = eng._step
-    eng._step = lambda seq: (gate.wait(10), real_step(seq))[1]  # the engine thread hangs in a step
+    real_step = eng.scheduler.step
+    eng.scheduler.step = lambda seqs: (gate.wait(10), real_step(seqs))[1]  # the engine thread hangs in a step
 
     async def run():
         task = asyncio.create_task(run_stream(eng, [1, 2, 3], n=4))

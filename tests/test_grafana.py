@@ -124,6 +124,11 @@ class _Emitter:
         sm.error("v1", "internal")
         sm.sync_records("v1", 2, {"queue_full": 1})
         sm.roles("v1", "v2")
+        from serve.scheduler import StepLog
+
+        log = StepLog()
+        log.add(3, 7)
+        sm.sync_steps(log)
         StreamMetrics().set("s", 5, [{"group": "trainers", "lag": 3, "pending": 1}])
         tm = TrainerMetrics(0)
         tm.step(1.0, 4)

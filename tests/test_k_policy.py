@@ -162,7 +162,8 @@ def test_engine_profiles_the_target_once_on_first_use():
     assert eng._kpolicy is None
     eng.generate([5, 17], GenerationParams(max_new_tokens=4, capture=False))
     policy = eng._kpolicy
-    assert policy is not None and len(policy.costs.verify_s) == 4 and all(v > 0 for v in policy.costs.verify_s)
+    # Rows 1..k+1 (a request alone) and on to a full batch's verify rows: 2 slots x (k+1).
+    assert policy is not None and len(policy.costs.verify_s) == 8 and all(v > 0 for v in policy.costs.verify_s)
     eng.generate([5, 17], GenerationParams(max_new_tokens=4, capture=False))
     assert eng._kpolicy is policy
     assert torch.get_num_threads() >= 1

@@ -170,8 +170,20 @@ def test_no_promote_check_before_the_last_step_and_page_renders(loop):
     s2 = OpsSource(cfg, client=client).summary([], now=now)
     assert s2["comparison"] is None and s2["header"]["canary"] is None
     html = ops_page.page(s, live=False)
-    assert html.count("class='version-row") == 2 and html.count("<svg") == 3 and "<script" not in html
+    assert html.count("class='version-row") == 2 and html.count("<svg") == 4 and "<script" not in html
     assert "<script" in ops_page.page(s)  # the live page refreshes itself
+
+
+def test_batch_size_over_time_comes_from_the_replicas_step_logs(loop):
+    from serve import ops_page
+    from serve.ops import OpsSource
+
+    cfg, reg, client, now = loop
+    replicas = [{"replica": "r1", "batch_series": [[now - 7200, 9.0, 9.0, 3], [now - 20, 3.0, 7.5, 40]]},
+                {"replica": "r2", "batch_series": []}]
+    s = OpsSource(cfg, client=client).summary(replicas, now=now)
+    assert s["charts"]["batch_size"] == {"replica r1": [[now - 20, 3.0]]}  # the window's only
+    assert "Batch size over time" in ops_page.page(s, live=False)
 
 
 @pytest.mark.redis

@@ -120,7 +120,7 @@ def test_real_browser_signs_in_and_sees_rows_and_charts(app):
             assert page.url.endswith("/ops") and KEY not in page.url
             versions = page.eval_on_selector_all("tr.version-row", "rs => rs.map(r => r.dataset.version)")
             assert versions[:2] == ["v1", "v2"]
-            assert page.locator("svg.chart").count() == 3
+            assert page.locator("svg.chart").count() == 4  # acceptance, positions, canary weight, batch size
             assert page.locator("svg.chart .point").count() >= 2  # acceptance of each version
             assert page.locator("svg.chart polyline.series").count() >= 1  # the canary weight
             assert page.locator("svg.chart rect.bar").count() >= 2  # per-position bars

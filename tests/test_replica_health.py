@@ -37,8 +37,8 @@ def test_healthy_replica_passes(replica):
 
 def test_stalled_request_fails_health(replica):
     gate = threading.Event()
-    step = replica.engine._step
-    replica.engine._step = lambda seq: (gate.wait(10), step(seq))[1]
+    step = replica.engine.scheduler.step
+    replica.engine.scheduler.step = lambda seqs: (gate.wait(10), step(seqs))[1]
 
     async def run():
         task = asyncio.create_task(replica.generate(_req(1)))

@@ -26,8 +26,8 @@ QUEUE = 4  # requests waiting for a KV slot (2 slots): the 7th concurrent one ge
 def app(tmp_path_factory):
     # k_policy fixed: a served record is compared with a local engine's, and the cost rule's
     # choices follow measured timings, which two processes need not share.
-    serve = {"draft": "truncate:1", "max_new_tokens": MAX_NEW, "k": 3, "max_queue": QUEUE, "queue_timeout_s": 20,
-             "k_policy": "fixed"}
+    serve = {"draft": "truncate:1", "max_new_tokens": MAX_NEW, "k": 3, "max_queue": QUEUE, "max_concurrency": 2,
+             "queue_timeout_s": 20, "k_policy": "fixed"}
     with running_app(tmp_path_factory.mktemp("app-redis"), key=KEY, name="osd-test", serve=serve,
                      stream_name="test:records") as app:
         yield app

@@ -1,0 +1,196 @@
+"""Continuous batching: one target forward per step for every active request.
+
+One thread per engine runs steps while any request is active, and exits when none is (an
+idle engine holds no thread). Each step:
+1. admits submitted requests and drops cancelled ones (their slots go back here, after the
+   last forward that wrote them);
+2. gives prompt chunks: requests still prefilling get chunks of `prefill_chunk` tokens,
+   first come first served, at most one chunk's rows a step, so a long prompt delays the
+   running streams by one chunk's rows a step, never by a whole prefill (with no stream
+   running, longer chunks);
+3. sizes each decoding request's draft (the engine's plan: for the cost rule, the lengths
+   with the most expected tokens per second over the whole batch, serve/k_policy.py);
+4. drafts for each request;
+5. runs one target forward over every request's rows (serve/batch_forward.py);
+6. verifies and commits per request, as a request alone does, and delivers its tokens.
+A request the batch cannot carry (a draft tree, the CUDA path) steps alone in the same loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+import torch
+
+from serve.batch_forward import Item, forward_batch
+from serve.head_runner import is_head
+from serve.seq import Seq
+from serve.stages import commit, end_prefill, prefill_tokens, prefilled_chunk, verify
+
+DONE = object()  # delivered after a request's last tokens
+ALONE_CHUNKS = 8  # a prompt's chunk, in prefill_chunks, while no request decodes
+
+
+class StepLog:
+    """The target forwards of recent steps, for metrics, /osd/stats and the ops page: each
+    (unix time, sequences in the forward, rows), plus running totals."""
+
+    def __init__(self, maxlen: int = 8192):
+        self.steps: collections.deque[tuple[float, int, int]] = collections.deque(maxlen=maxlen)
+        self.total = 0
+        self.rows = 0
+        self.sequences = 0
+
+    def add(self, sequences: int, rows: int) -> None:
+        self.steps.append((time.time(), sequences, rows))
+        self.total += 1
+        self.rows += rows
+        self.sequences += sequences
+
+    def since(self, seen: int) -> list[tuple[float, int, int]]:
+        """Steps after the first `seen` ever logged (those still kept)."""
+        new = min(self.total - seen, len(self.steps))
+        return list(self.steps)[len(self.steps) - new:] if new > 0 else []
+
+    def series(self, bucket_s: float = 10.0) -> list[list[float]]:
+        """[[bucket start, mean sequences per forward, mean rows per forward, forwards]]."""
+        out: dict[float, list[float]] = {}
+        for t, seqs, rows in list(self.steps):
+            b = out.setdefault(t - t % bucket_s, [0.0, 0.0, 0.0])
+            b[0] += seqs
+            b[1] += rows
+            b[2] += 1
+        return [[t, s / n, r / n, n] for t, (s, r, n) in sorted(out.items())]
+
+    def totals(self) -> dict[str, int]:
+        return {"forwards": self.total, "rows": self.rows, "sequences": self.sequences}
+
+
+class Scheduler:
+    def __init__(self, engine: Any, prefill_chunk: int):
+        self.engine = engine
+        self.prefill_chunk = prefill_chunk
+        self._mu = threading.Lock()
+        self._incoming: list[Seq] = []
+        self._running = False
+        self.active: list[Seq] = []
+        self.log = StepLog()
+
+    def submit(self, seq: Seq) -> None:
+        seq.progress = time.monotonic()
+        with self._mu:
+            self._incoming.append(seq)
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._loop, name="osd-engine", daemon=True).start()
+
+    def waiting(self) -> list[Seq]:
+        with self._mu:
+            return self.active + self._incoming
+
+    def _loop(self) -> None:
+        while True:
+            with self._mu:
+                self.active += self._incoming
+                self._incoming.clear()
+                if not self.active:
+                    self._running = False
+                    return
+            self._retire(lambda s: s.cancelled)
+            if not self.active:
+                continue
+            try:
+                self.step(self.active)
+            except BaseException as e:  # a failed forward fails the requests it carried, not the engine
+                for seq in self.active:
+                    seq.error = e
+            self._retire(lambda s: s.finish is not None or s.error is not None)
+
+    def _retire(self, done) -> None:
+        keep = []
+        for seq in self.active:
+            if not done(seq):
+                keep.append(seq)
+                continue
+            self.engine.slots.release(seq.slot)
+            seq.deliver(seq.error if seq.error is not None else DONE)
+        self.active = keep
+
+    # -- one step ---------------------------------------------------------------
+
+    def step(self, seqs: list[Seq]) -> None:
+        eng = self.engine
+        now = time.monotonic()
+        for seq in seqs:
+            seq.progress = now
+        decoding = [s for s in seqs if not s.prefilling]
+        alone = [s for s in decoding if not eng.batchable(s)]
+        batch = [s for s in decoding if eng.batchable(s)]
+        for seq in alone:
+            seq.deliver(eng._step(seq))
+        chunks = self._chunks([s for s in seqs if s.prefilling], len(decoding))
+        if not batch and not chunks:
+            return
+        ks = eng.plan(batch, sum(t.numel() for _, t in chunks))
+        props = [eng.propose_timed(s, k) for s, k in zip(batch, ks)]
+        items = [Item(torch.cat([s.pending(s.slot.target), p[0]]), s.slot.target) for s, p in zip(batch, props)]
+        items += [Item(toks, s.slot.target, logits=False) for s, toks in chunks]
+        layers = _feature_layers([s for s in batch] + [s for s, _ in chunks])
+        t1 = time.perf_counter()
+        outs = forward_batch(eng.target, items, layers)
+        t2 = time.perf_counter()
+        rows = sum(it.tokens.numel() for it in items)
+        for seq, (drafts, q, own, draft_s), (logits, feats) in zip(batch, props, outs):
+            if is_head(seq.draft):
+                seq.step_feats = _pick(feats, layers, seq.draft.feature_layers)
+            t3 = time.perf_counter()
+            n, nxt = verify(seq, drafts, q, logits)
+            emitted = commit(seq, drafts.tolist(), own, logits, n, nxt)
+            eng.after_step(seq, drafts.numel(), n, rows, draft_s, t2 - t1, time.perf_counter() - t3)
+            seq.deliver(emitted)
+        for (seq, toks), (_, feats) in zip(chunks, outs[len(batch):]):
+            prefilled_chunk(seq, toks.numel(), _pick(feats, layers, seq.draft.feature_layers)
+                            if is_head(seq.draft) else None)
+            if not seq.prefilling:
+                end_prefill(seq.draft, seq)
+                seq.t_decode = time.perf_counter()
+        if batch and eng.kpolicy_ready():
+            costs = eng.k_policy().costs
+            if len(items) == 1:  # a request alone: the profile's own entry
+                costs.observe_verify(rows, t2 - t1)
+            else:
+                costs.observe_batch(rows, t2 - t1)
+        self.log.add(len(batch) + len(chunks), rows)
+
+    def _chunks(self, prefilling: list[Seq], decoding: int) -> list[tuple[Seq, torch.Tensor]]:
+        """Whole chunks, first come first served, within one chunk's rows per step (at least
+        one chunk, so every prompt advances). With nothing decoding, no stream waits on the
+        prompt: chunks are ALONE_CHUNKS times longer, for fewer passes over the weights."""
+        out: list[tuple[Seq, torch.Tensor]] = []
+        chunk = self.prefill_chunk * (1 if decoding else ALONE_CHUNKS)
+        budget = chunk
+        for seq in prefilling:
+            toks = prefill_tokens(seq, chunk)
+            if out and toks.numel() > budget:
+                break
+            out.append((seq, toks))
+            budget -= toks.numel()
+            if budget <= 0:
+                break
+        return out
+
+
+def _feature_layers(seqs: list[Seq]) -> tuple[int, ...]:
+    """Every layer a head draft in the step reads (heads of one family read the same)."""
+    return tuple(sorted({i for s in seqs if is_head(s.draft) for i in s.draft.feature_layers}))
+
+
+def _pick(feats: torch.Tensor | None, have: tuple[int, ...], want: tuple[int, ...]) -> torch.Tensor | None:
+    """The columns of `want` layers out of features of `have` layers, concatenated."""
+    if feats is None or have == want:
+        return feats
+    width = feats.shape[-1] // len(have)
+    return torch.cat([feats[:, have.index(i) * width:(have.index(i) + 1) * width] for i in want], dim=-1)

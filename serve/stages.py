@@ -1,0 +1,190 @@
+"""The stages of one speculative step for one sequence (serve/engine.py's module doc):
+
+    prefill -> propose -> score -> verify -> commit
+
+Pure functions over a `Seq` and the runners: the scheduler composes them per step, alone
+(trees, the CUDA path) or with the score stage batched across sequences.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from serve.detokenize import StopScanner
+from serve.head_runner import commit_head, is_head, prefill_head
+from serve.runner import Runner
+from serve.seq import STAGES, Seq
+from serve.verify import verify_greedy, verify_sampling, warp_probs
+
+
+def begin_prefill(seq: Seq) -> None:
+    """Empty the slot's caches for a new prompt (its chunks then go through the target's
+    forwards: serve/scheduler.py)."""
+    seq.slot.target.truncate(0)
+    seq.prefilled = 0
+    seq.prefill_feats = []
+    if seq.dcache is not None:
+        seq.dcache.truncate(0)
+
+
+def prefill_tokens(seq: Seq, chunk: int) -> torch.Tensor:
+    """The next prompt chunk (at most `chunk` tokens of all but the prompt's last)."""
+    end = min(seq.prefilled + chunk, seq.n_prompt - 1)
+    return torch.tensor(seq.tokens[seq.prefilled:end], dtype=torch.long, device=seq.device)
+
+
+def prefilled_chunk(seq: Seq, n: int, feats: torch.Tensor | None) -> None:
+    seq.prefilled += n
+    if feats is not None:
+        seq.prefill_feats.append(feats)
+
+
+def end_prefill(draft: Runner | None, seq: Seq) -> None:
+    """After the target's last prompt chunk: the draft's own prefill. A head reads the chunks'
+    features: all but the last of its rows run now, the last at the first propose (which then
+    drafts from one row, as every later step). A layer draft runs the prompt itself."""
+    feats, seq.prefill_feats = seq.prefill_feats, []
+    if is_head(draft):
+        seq.feats = (feats[0] if len(feats) == 1 else torch.cat(feats)) if feats else None
+        seq.feat_start = 0
+        prefill_head(draft, seq)
+    elif draft is not None and seq.dcache is not None and seq.n_prompt > 1:
+        draft.prefill(torch.tensor(seq.tokens[:seq.n_prompt - 1], dtype=torch.long, device=seq.device), seq.dcache)
+
+
+def propose(draft: Runner, seq: Seq, k: int, confidence: float):
+    """Draft up to k tokens. Returns (tokens [n] long, q [n, V] probs or None, own-probs list)."""
+    params = seq.params.sampling
+    cache = seq.dcache
+    inp = seq.pending(cache)
+    tokens: list[int] = []
+    qs: list[torch.Tensor] = []
+    own: list[float] = []
+    if inp.numel() > 1:
+        # Tokens committed while the draft sat out (the cost rule's k = 0, a full acceptance):
+        # into its cache without an output projection over every one of them.
+        draft.prefill(inp[:-1], cache)
+        inp = inp[-1:]
+    for i in range(k):
+        logits = draft.forward(inp, cache)[-1]
+        probs = torch.softmax(logits, dim=-1) if params.greedy else warp_probs(logits, params)
+        # The first proposal is always made; later ones only while the draft is confident.
+        # Decided on the draft's top probability *before* drawing: stopping on the drawn token's
+        # own probability biases kept drafts away from q and made sampling lossy (greedy: same).
+        if i > 0 and float(probs.max()) < confidence:
+            break  # the cache keeps the proposals fed so far; commit trims what is rejected
+        if params.greedy:
+            tok = int(torch.argmax(probs))
+        else:
+            tok = int(torch.multinomial(probs, 1, generator=seq.gen))
+        p_tok = float(probs[tok])
+        tokens.append(tok)
+        own.append(p_tok)
+        if not params.greedy:
+            qs.append(probs)
+        inp = torch.tensor([tok], dtype=torch.long, device=seq.device)
+    drafts = torch.tensor(tokens, dtype=torch.long, device=seq.device)
+    q = torch.stack(qs) if qs else None
+    return drafts, q, own
+
+
+def score(target: Runner, seq: Seq, drafts: torch.Tensor) -> torch.Tensor:
+    """One target forward over [last committed token, drafts...] -> logits [len(drafts)+1, V]."""
+    inp = torch.cat([seq.pending(seq.slot.target), drafts])
+    if is_head(seq.draft):
+        logits, seq.step_feats = target.forward_features(inp, seq.slot.target, seq.draft.feature_layers)
+        return logits
+    return target.forward(inp, seq.slot.target)
+
+
+def verify(seq: Seq, drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor) -> tuple[int, int]:
+    params = seq.params.sampling
+    if params.greedy:
+        return verify_greedy(drafts, torch.argmax(logits, dim=-1))
+    return verify_sampling(drafts, q if q is not None else logits.new_zeros(0, logits.shape[-1]),
+                           warp_probs(logits, params), seq.gen)
+
+
+def commit(seq: Seq, drafts: list[int], own: list[float], logits: torch.Tensor, n: int,
+           nxt: int) -> list[int]:
+    """Accept n drafts (host ints) plus `nxt`, roll both caches back to the committed prefix,
+    record capture rows, apply stop rules. Returns the tokens this step emitted."""
+    k = len(drafts)
+    base = len(seq.tokens)
+    new = drafts[:n] + [nxt]
+    # score() fed the target [last committed, drafts...] on top of base - 1 cached tokens. Keep
+    # all committed tokens plus the n accepted drafts; `nxt` is the next forward's first input.
+    seq.slot.target.truncate(base + n)
+    if is_head(seq.draft):
+        commit_head(seq, base, seq.step_feats[: n + 1])
+        seq.step_feats = None
+    elif seq.dcache is not None and k:
+        seq.dcache.truncate(min(seq.dcache.length, base + n))
+    st = seq.stats
+    st.num_steps += 1
+    st.num_emitted_tokens += n + 1
+    if k:
+        st.num_drafts += 1
+        st.num_draft_tokens += k
+        st.num_accepted_tokens += n
+        for per_pos in (st.accepted_per_pos, st.drafted_per_pos, st.reached_per_pos):  # a tree can go deeper than k
+            per_pos.extend([0] * (k - len(per_pos)))
+        for i in range(k):
+            st.accepted_per_pos[i] += i < n
+            st.drafted_per_pos[i] += 1
+            st.reached_per_pos[i] += i <= n
+    if seq.capture is not None:
+        seq.capture.add(logits[: n + 1])
+        seq.cap_accepted += [True] * n + [False]
+        seq.cap_draft_tokens += new[:n] + ([drafts[n]] if n < k else [-1])
+        seq.cap_draft_probs += own[:n] + ([own[n]] if n < k else [float("nan")])
+    emitted = []
+    for tok in new:
+        seq.tokens.append(tok)
+        seq.out.append(tok)
+        emitted.append(tok)
+        if tok in seq.eos:
+            seq.finish = "stop"
+            break
+        if len(seq.out) >= seq.params.max_new_tokens:
+            seq.finish = "length"
+            break
+    if seq.stops is not None:
+        _apply_stop_strings(seq, seq.stops, emitted)
+    return emitted
+
+
+def _event() -> Any:
+    """A stage boundary: a recorded CUDA event, or the clock where there is no GPU (tests run
+    the device-path stages on CPU)."""
+    if not torch.cuda.is_available():
+        return time.perf_counter()
+    e = torch.cuda.Event(enable_timing=True)
+    e.record()
+    return e
+
+
+def _settle_stamps(seq: Seq) -> None:
+    """Add the CUDA path's stage times (events recorded per step) to the stats."""
+    if not seq.stamps:
+        return
+    last = seq.stamps[-1][-1]
+    if not isinstance(last, float):
+        last.synchronize()
+    clock = seq.stats.stage_s
+    for stamps in seq.stamps:
+        for name, a, b in zip(STAGES, stamps, stamps[1:]):
+            clock[name] += b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
+    seq.stamps.clear()
+
+
+def _apply_stop_strings(seq: Seq, stops: StopScanner, emitted: list[int]) -> None:
+    stops.push(emitted)
+    if stops.stop_at is not None:
+        seq.finish = "stop"
+        seq.text = stops.text_before_stop()
+
+

@@ -1,0 +1,62 @@
+"""`osd bench load` against a real server (tiny target): streaming levels with speculation on
+and off, TTFT/ITL, tokens per target forward from the server's batch counters, JSON and PNG;
+bad arguments and an unreachable server get clear errors."""
+
+import json
+
+import pytest
+import requests
+from apps import running_app
+
+from pipeline.bench_load import LoadBenchError, load_prompts, ratios, run_load_bench
+
+pytestmark = [pytest.mark.ray, pytest.mark.redis]
+
+KEY = "bench-load-key"
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    serve = {"draft": "truncate:1", "max_new_tokens": 16, "k": 2, "max_concurrency": 4, "prefill_chunk": 16}
+    with running_app(tmp_path_factory.mktemp("bench-load-redis"), key=KEY, name="osd-bench-load", serve=serve,
+                     stream_name="test:bench-load") as app:
+        yield app
+
+
+def test_a_sweep_streams_both_modes_and_writes_json_and_a_chart(app, tmp_path):
+    out, png = tmp_path / "load.json", tmp_path / "load.png"
+    prompts = [f"prompt number {i} about batching" for i in range(8)]
+    res = run_load_bench(app["url"], api_key=KEY, levels=(1, 3), seconds=2.0, max_tokens=6, speculation="both",
+                         prompts=prompts, json_path=out, png_path=png)
+    assert json.loads(out.read_text())["levels"] == res["levels"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [(r["concurrency"], r["speculation"]) for r in res["levels"]] == [(1, True), (1, False), (3, False),
+                                                                            (3, True)]
+    for r in res["levels"]:
+        assert r["ok"] > 0 and r["errors"] == 0 and r["timeouts"] == 0, r
+        assert r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0 and r["completion_tok_per_s"] > 0
+        assert r["tokens_per_forward"] > 0
+    assert set(res["ratios"]["spec_on_vs_off"]) == {"1", "3"}
+    stats = requests.get(app["url"] + "/osd/stats", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert stats["target_forwards"] > 0 and stats["target_rows"] >= stats["target_forwards"]
+
+
+def test_ratios_are_taken_within_one_run():
+    rows = [{"concurrency": c, "speculation": s, "completion_tok_per_s": tps, "itl_p50_ms": p50, "itl_p99_ms": p99}
+            for c, s, tps, p50, p99 in ((1, True, 10.0, 20.0, 30.0), (1, False, 8.0, 25.0, 40.0),
+                                        (8, True, 50.0, 30.0, 60.0), (8, False, 48.0, 30.0, 50.0))]
+    r = ratios(rows)
+    assert r["throughput_vs_1"]["8/on"] == 5.0 and r["throughput_vs_1"]["8/off"] == 6.0
+    assert r["spec_on_vs_off"] == {"1": 10.0 / 8.0, "8": 50.0 / 48.0}
+    assert r["itl_p99_vs_p50_at_1"]["8/on"] == 3.0
+
+
+def test_bad_arguments_and_a_dead_server_are_clear_errors(tmp_path):
+    with pytest.raises(LoadBenchError, match="speculation"):
+        run_load_bench("http://127.0.0.1:9", speculation="sometimes")
+    with pytest.raises(LoadBenchError, match="levels"):
+        run_load_bench("http://127.0.0.1:9", levels=(0,))
+    with pytest.raises(LoadBenchError, match="cannot reach"):
+        run_load_bench("http://127.0.0.1:9", levels=(1,), seconds=0.1)
+    with pytest.raises(LoadBenchError, match="cannot read prompts"):
+        load_prompts(str(tmp_path / "missing.jsonl"))
