@@ -9,9 +9,9 @@ step instead of once per sequence. Attention stays per sequence, over its own ca
   a solo forward of their rows does (runner.attention).
 
 Weights by rows: up to WIDE_ROWS rows the runner's step weights (int4 for an int4 target),
-beyond that its prompt weights (the model's own bfloat16), because the weight-only int4
-and int8 kernels cost about as much per row as for one row while oneDNN's dense GEMM reuses
-each weight across rows (2 cores, SmolLM2 shape: int4 16 rows ~ 8x one row, bfloat16 ~ 3x).
+beyond that its prompt weights (the model's own bfloat16, fused), because the weight-only
+int4 and int8 kernels cost about as much per row at any row count, while oneDNN's dense
+GEMM reuses each weight across rows; the head likewise beyond WIDE_HEAD_ROWS rows.
 A target that is not the CPU LlamaRunner (HFRunner, the CUDA-graph runner) runs its
 sequences one forward each.
 """
@@ -26,9 +26,12 @@ import torch.nn.functional as F
 
 from serve.runner import LlamaRunner, StaticKVCache, attention
 
-# Rows up to which a batched forward uses the step weights (module doc). At least k + 1 of
-# the default k, so one request's verify rounds as its decode steps do.
-WIDE_ROWS = 8
+# Rows up to which a batched forward uses the step weights (module doc): the int4 decoder
+# up to 24 rows (2 cores, SmolLM2: 16 rows 22 vs 26 ms in bfloat16, 32 rows 43 vs 35), the
+# int8 head up to 8 (8 rows 5.8 vs 4.2 ms, 16 rows 11.4 vs 5.4; kept at k + 1 and above, so
+# a verify block beside a decode row still reads the head a decode step reads).
+WIDE_ROWS = 24
+WIDE_HEAD_ROWS = 8
 
 
 @dataclass
@@ -71,6 +74,8 @@ def _batched(r: LlamaRunner, items: list[Item], layers: tuple[int, ...]) -> list
     for it, t in zip(its, sizes):
         if it.cache.length + t > it.cache.max_len:
             raise ValueError(f"sequence of {it.cache.length + t} tokens exceeds the cache's {it.cache.max_len}")
+    for it, t in zip(its, sizes):
+        it.cache.reserve(it.cache.length + t)
     n = sum(sizes)
     tokens = torch.cat([it.tokens for it in its])
     pos = torch.cat([r.arange[s:s + t] for s, t in zip(starts, sizes)])
@@ -85,7 +90,7 @@ def _batched(r: LlamaRunner, items: list[Item], layers: tuple[int, ...]) -> list
     if rows:
         idx = torch.cat([r.arange[offsets[j]:offsets[j] + sizes[j]] for j in rows])
         x = h if idx.numel() == n else h.index_select(0, idx)
-        head = r.wide_head if idx.numel() > WIDE_ROWS else r.head
+        head = r.wide_head if idx.numel() > WIDE_HEAD_ROWS else r.head
         logits = head(F.rms_norm(x, r.hidden, r.norm, r.eps)).float()
     out: list[Output] = [(None, None)] * len(items)
     lo = 0
@@ -121,6 +126,8 @@ def _attend(r: LlamaRunner, its: list[Item], sizes: list[int], starts: list[int]
         slot_t = torch.tensor(slot_ids, dtype=torch.long, device=r.device)
         write_pos = pos[:n_pooled]
         span = max(s + 1 for s in starts[:n_pooled])
+        if 2 * span >= pool.capacity:  # whole slot rows: contiguous for bmm, at most 2x the positions
+            span = pool.capacity
         lengths = torch.ones(hi - lo, dtype=torch.long, device=r.device)
         lengths[slot_t - lo] = torch.tensor([s + 1 for s in starts[:n_pooled]], device=r.device)
         visible = (r.arange[:span].unsqueeze(0) < lengths.unsqueeze(1))  # [slots, span]
@@ -130,8 +137,10 @@ def _attend(r: LlamaRunner, its: list[Item], sizes: list[int], starts: list[int]
         if pooled:
             pool.k[i, slot_t, :, write_pos] = k[:n_pooled]
             pool.v[i, slot_t, :, write_pos] = v[:n_pooled]
-            parts.append(_pooled_attention(q[:n_pooled], pool.k[i, lo:hi, :, :span], pool.v[i, lo:hi, :, :span],
-                                           slot_t - lo, visible, r.n_kv))
+            k_view, v_view = pool.k[i, lo:hi], pool.v[i, lo:hi]
+            if span < pool.capacity:
+                k_view, v_view = k_view[:, :, :span], v_view[:, :, :span]
+            parts.append(_pooled_attention(q[:n_pooled], k_view, v_view, slot_t - lo, visible, r.n_kv))
         for j in range(n_pooled, len(its)):
             c, a, t = caches[j], offsets[j], sizes[j]
             end = starts[j] + t

@@ -167,7 +167,10 @@ class SpecEngine:
         self.device = self.target.device
         self.eos = frozenset(eos_token_ids(tokenizer, getattr(target_model.config, "eos_token_id", None)))
         slots = []
-        for cache in self.target.new_caches(self.options.max_concurrency):  # one pool: batched attention
+        # One pool: batched attention. Its positions grow as requests need them, except where
+        # forwards address the whole cache (CUDA graphs, draft trees).
+        growable = not self.gpu and self.tree is None
+        for cache in self.target.new_caches(self.options.max_concurrency, growable):
             slot = Slot(cache)
             if self.draft is not None:
                 slot.draft_cache(self.draft)  # preallocate, as before hot swap existed

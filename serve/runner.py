@@ -20,7 +20,7 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from serve.linear import QUANT_MODES, AddAfter, Dense, Int4, Int8, make_linear
+from serve.linear import QUANT_MODES, Dense, Int4, Int8, make_linear
 
 
 class KVCache(Protocol):
@@ -52,7 +52,8 @@ class Runner(Protocol):
 class StaticKVCache:
     """Preallocated keys/values for one sequence: [layers, kv_heads, max_len, head_dim].
 
-    Rollback is O(1): only `length` moves; stale slots past it are overwritten later.
+    Rollback is O(1): only `length` moves; stale slots past it are overwritten later. A cache
+    in a KVPool is a view of one of its slots, whose positions may grow (reserve) up to max_len.
     """
 
     def __init__(self, layers: int, kv_heads: int, max_len: int, head_dim: int, dtype, device,
@@ -61,7 +62,7 @@ class StaticKVCache:
             shape = (layers, kv_heads, max_len, head_dim)
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
-        else:  # a view of one slot of the pool: [layers, kv_heads, max_len, head_dim]
+        else:
             self.k, self.v = pool.k[:, index], pool.v[:, index]
         self.pool = pool
         self.index = index
@@ -73,18 +74,49 @@ class StaticKVCache:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
         self.length = n
 
+    def reserve(self, n: int) -> None:
+        """Room for n positions (a pooled cache's slot grows; others have it from the start)."""
+        if self.pool is not None and n > self.pool.capacity:
+            self.pool.grow(n)
+
 
 class KVPool:
     """The caches of several sequences in one tensor each for keys and values, [layers, slots,
-    kv_heads, max_len, head_dim], so a batched forward attends for all its one-row sequences
-    at once over a view of adjacent slots (serve/batch_forward.py) instead of one call each."""
+    kv_heads, capacity, head_dim], so a batched forward attends for all its one-row sequences
+    at once (serve/batch_forward.py) instead of one call each. Growable pools start with a
+    small capacity and double it as sequences need (up to max_len, all slots copied once):
+    the batched attention then runs over whole, contiguous slot rows (bmm would otherwise
+    copy every slot's prefix each layer); a fixed pool (CUDA graphs, draft trees, which
+    address every position of max_len) has max_len from the start."""
 
-    def __init__(self, slots: int, layers: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        shape = (layers, slots, kv_heads, max_len, head_dim)
+    MIN_CAPACITY = 256
+
+    def __init__(self, slots: int, layers: int, kv_heads: int, max_len: int, head_dim: int, dtype, device,
+                 growable: bool = False):
+        self.max_len = max_len
+        self.capacity = min(self.MIN_CAPACITY, max_len) if growable else max_len
+        shape = (layers, slots, kv_heads, self.capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.caches = [StaticKVCache(layers, kv_heads, max_len, head_dim, dtype, device, self, i)
                        for i in range(slots)]
+
+    def grow(self, n: int) -> None:
+        if n > self.max_len:
+            raise ValueError(f"sequence of {n} tokens exceeds the cache's {self.max_len}")
+        cap = self.capacity
+        while cap < n:
+            cap *= 2
+        cap = min(cap, self.max_len)
+        old_k, old_v = self.k, self.v
+        shape = old_k.shape[:3] + (cap,) + old_k.shape[4:]
+        self.k = old_k.new_zeros(shape)
+        self.v = old_v.new_zeros(shape)
+        self.k[:, :, :, :self.capacity] = old_k
+        self.v[:, :, :, :self.capacity] = old_v
+        self.capacity = cap
+        for c in self.caches:
+            c.k, c.v = self.k[:, c.index], self.v[:, c.index]
 
 
 # Context bound of an HFRunner whose model config declares no max_position_embeddings (a
@@ -240,26 +272,24 @@ class LlamaRunner:
         if any(getattr(layer.self_attn.q_proj, "bias", None) is not None for layer in inner.layers):
             raise TypeError("LlamaRunner does not support attention biases; use HFRunner")
 
-        def linear(*ws: torch.Tensor) -> Dense | Int4:
-            return shared_linear(ws, quant, self.dtype)
+        def stack(q: str) -> list[tuple]:
+            """Per layer (ln1, q|k|v, o, ln2, gate|up, down) with the weights in format q."""
+            def linear(*ws: torch.Tensor) -> Dense | Int4:
+                return shared_linear(ws, q, self.dtype)
 
-        # Per layer (ln1, q|k|v, o, ln2, gate|up, down).
-        self.blocks = [
-            (layer.input_layernorm.weight,
-             linear(layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight),
-             linear(layer.self_attn.o_proj.weight),
-             layer.post_attention_layernorm.weight,
-             linear(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight),
-             linear(layer.mlp.down_proj.weight))
-            for layer in inner.layers
-        ]
-        # Prompt blocks: the same stack over the model's own weights when int4 is slower there.
-        self.prefill_blocks = self.blocks if quant == "none" else [
-            (layer.input_layernorm.weight,
-             _Split(layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight),
-             _Split(layer.self_attn.o_proj.weight), layer.post_attention_layernorm.weight,
-             _Split(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight), _Split(layer.mlp.down_proj.weight))
-            for layer in inner.layers]
+            return [(layer.input_layernorm.weight,
+                     linear(layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
+                            layer.self_attn.v_proj.weight),
+                     linear(layer.self_attn.o_proj.weight), layer.post_attention_layernorm.weight,
+                     linear(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight), linear(layer.mlp.down_proj.weight))
+                    for layer in inner.layers]
+
+        self.blocks = stack(quant)
+        # Wide blocks (prompts; batched steps of many rows): the model's own weights, fused, when
+        # int4 is slower there. oneDNN's bf16 GEMM reuses each weight across rows, the int4
+        # kernel costs about as much per row at any count (2 cores, SmolLM2 decoder: 64 rows
+        # 59 vs 83 ms; 16 rows 26 vs 22 ms; 8 rows 22 vs 12 ms).
+        self.prefill_blocks = self.blocks if quant == "none" else stack("none")
         # RoPE tables from the model's own rotary module, so any rope scaling it applies is kept.
         with torch.no_grad():
             pos = torch.arange(self.max_seq_len, device=self.device).unsqueeze(0)
@@ -287,10 +317,10 @@ class LlamaRunner:
     def new_cache(self) -> StaticKVCache:
         return StaticKVCache(len(self.blocks), self.n_kv, self.max_seq_len, self.head_dim, self.dtype, self.device)
 
-    def new_caches(self, n: int) -> list[StaticKVCache]:
+    def new_caches(self, n: int, growable: bool = False) -> list[StaticKVCache]:
         """n caches in one pool (KVPool): the engine's request slots."""
         return KVPool(n, len(self.blocks), self.n_kv, self.max_seq_len, self.head_dim, self.dtype,
-                      self.device).caches
+                      self.device, growable).caches
 
     @property
     def cache_key(self) -> tuple:
@@ -327,6 +357,7 @@ class LlamaRunner:
         end = start + t
         if end > cache.max_len:
             raise ValueError(f"sequence of {end} tokens exceeds the cache's {cache.max_len}")
+        cache.reserve(end)
         # One query block attends to everything cached plus itself, causally; one mask per forward.
         mask = None if t == 1 else self.causal[start:end, :end]
 
@@ -404,17 +435,6 @@ class LlamaRunner:
         return h, torch.cat([kept[i] for i in layers], dim=-1) if layers else None
 
 
-class _Split(AddAfter):
-    """Linears side by side without a fused copy: an int4 target's prompt blocks multiply by
-    the model's own bfloat16 q, k, v (gate, up) weights and concatenate the outputs."""
-
-    def __init__(self, *weights: torch.Tensor):
-        self.weights = tuple(w.detach() for w in weights)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([F.linear(x, w) for w in self.weights], dim=-1)
-
-
 class _HFCache:
     def __init__(self):
         from transformers import DynamicCache
@@ -443,7 +463,7 @@ class HFRunner:
     def new_cache(self) -> _HFCache:
         return _HFCache()
 
-    def new_caches(self, n: int) -> list[_HFCache]:
+    def new_caches(self, n: int, growable: bool = False) -> list[_HFCache]:
         return [_HFCache() for _ in range(n)]
 
     @property

@@ -87,3 +87,27 @@ def test_a_sequence_that_would_overflow_its_cache_fails_the_forward_before_any_w
     with pytest.raises(ValueError, match="exceeds"):
         forward_batch(runner, [Item(torch.arange(3), caches[0]), Item(torch.arange(1), caches[1])])
     assert caches[0].length == 15 and caches[1].length == 0
+
+
+def test_a_growing_pool_keeps_what_its_slots_hold(monkeypatch):
+    """A pool's positions double as a sequence needs them; every slot's cache is carried over,
+    and a batched step over the grown pool still equals each sequence alone."""
+    from serve.runner import KVPool
+
+    monkeypatch.setattr(KVPool, "MIN_CAPACITY", 8)
+    runner = LlamaRunner(tiny(), 128)
+    caches = runner.new_caches(3, growable=True)
+    assert caches[0].pool.capacity == 8
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 300, (n,), generator=gen) for n in (6, 41, 3)]
+    for p, c in zip(prompts, caches):
+        runner.forward(p, c)  # the 41-token prompt grows the pool to 64, under the others
+    assert caches[0].pool.capacity == 64 and all(c.k.shape[2] == 64 for c in caches)
+    toks = [torch.randint(0, 300, (1,), generator=gen) for _ in caches]
+    got = forward_batch(runner, [Item(t, c) for t, c in zip(toks, caches)])
+    for p, t, (logits, _) in zip(prompts, toks, got):
+        alone = runner.new_cache()
+        runner.forward(p, alone)
+        torch.testing.assert_close(logits, runner.forward(t, alone), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="exceeds"):
+        caches[1].reserve(129)
