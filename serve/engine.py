@@ -176,8 +176,7 @@ class SpecEngine:
                 slot.draft_cache(self.draft)  # preallocate, as before hot swap existed
             slots.append(slot)
         self.slots: SlotPool[Slot] = SlotPool(slots, self.options.max_queue, self.options.queue_timeout_s)
-        # Every forward runs on the scheduler's thread, so the event loop keeps serving, and a
-        # busy engine never takes threads other work needs.
+        # Steps run on the threads that wait for them (serve/scheduler.py).
         self.scheduler = Scheduler(self, self.options.prefill_chunk)
         self._kpolicy: KPolicy | None = None  # k_policy cost: made at the first speculative request
 
@@ -258,8 +257,9 @@ class SpecEngine:
         return seq
 
     def _submit(self, prompt: list[int], params: GenerationParams, slot: Slot, draft: Any, deliver) -> Seq:
-        """Hand a request to the scheduler; its slot is the scheduler's until it finishes,
-        fails or is cancelled (Seq.cancelled), when the scheduler returns it."""
+        """Hand a request to the scheduler (the caller then drives it: serve/scheduler.py); its
+        slot is the scheduler's until it finishes, fails or is cancelled (Seq.cancelled), when
+        the scheduler returns it."""
         try:
             seq = self._start(prompt, params, slot, draft)
         except BaseException:
@@ -456,10 +456,24 @@ class SpecEngine:
         prompt = self.check_request(prompt_ids, params)
         box: queue.SimpleQueue = queue.SimpleQueue()
         seq = self._submit(prompt, params, self.slots.acquire_blocking(), draft, box.put)
-        while (item := box.get()) is not DONE:
+        while (item := self._next(box)) is not DONE:
             if isinstance(item, BaseException):
                 raise item
         return self._result(seq)
+
+    def _next(self, box: queue.SimpleQueue) -> Any:
+        """The next item for a blocking caller, stepping the batch in its thread until one comes
+        (another thread may be stepping it: then wait for that)."""
+        while True:
+            try:
+                return box.get_nowait()
+            except queue.Empty:
+                pass
+            if not self.scheduler.run_once():
+                try:
+                    return box.get(timeout=0.05)
+                except queue.Empty:
+                    continue
 
     def generate_many(self, prompts: Sequence[Sequence[int]], params: GenerationParams | None = None,
                       draft: Any = DEFAULT, on_result=None) -> list[GenerationResult]:
@@ -478,7 +492,7 @@ class SpecEngine:
                 seqs[i] = self._submit(checked[i], params, self.slots.acquire_blocking(), draft,
                                        lambda item, i=i: box.put((i, item)))
                 nxt, free = nxt + 1, free - 1
-            i, item = box.get()
+            i, item = self._next(box)
             if isinstance(item, BaseException):
                 for s in seqs.values():
                     s.cancelled = True
@@ -551,6 +565,7 @@ class RequestStream:
 
         seq = eng._submit(self.prompt, self.params, slot, self.draft, post)
         ended = False
+        eng.scheduler.ensure_driver()
         try:
             while True:
                 item = await box.get()

@@ -1,7 +1,6 @@
 """Continuous batching: one target forward per step for every active request.
 
-One thread per engine runs steps while any request is active, and exits when none is (an
-idle engine holds no thread). Each step:
+Each step (run by whoever waits for it: Scheduler's doc):
 1. admits submitted requests and drops cancelled ones (their slots go back here, after the
    last forward that wrote them);
 2. gives prompt chunks: requests still prefilling get chunks of `prefill_chunk` tokens,
@@ -18,6 +17,7 @@ A request the batch cannot carry (a draft tree, the CUDA path) steps alone in th
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import threading
 import time
@@ -70,12 +70,26 @@ class StepLog:
 
 
 class Scheduler:
+    """Steps run on the threads that wait for them, one at a time (`run_once` under a lock): a
+    blocking caller (generate) steps in its own thread until its request is done; streams
+    step on their event loop, in a driver task that yields to the loop between steps.
+
+    Why not a thread of its own: libgomp gives every thread that starts parallel regions its
+    own worker team, and spins a team's workers only while the process has no more OpenMP
+    threads than cores. A second team (a stepping thread beside the thread that loaded the
+    model) makes every parallel op wait on a sleeping worker: one decode forward took 23-28 ms
+    on a second thread against 13 ms on the loading thread (2 cores, SmolLM2 int4). Ray Serve
+    constructs a replica and runs its async methods on one thread, its user-code event loop,
+    so stepping on the loop keeps the process at one team. A step blocks that loop for one
+    forward; the replica serves nothing but its engine's requests."""
+
     def __init__(self, engine: Any, prefill_chunk: int):
         self.engine = engine
         self.prefill_chunk = prefill_chunk
-        self._mu = threading.Lock()
+        self._mu = threading.Lock()  # the incoming list
+        self._stepping = threading.Lock()  # one round at a time, whoever drives it
         self._incoming: list[Seq] = []
-        self._running = False
+        self._drivers: dict[int, asyncio.Task] = {}  # event loop id -> its driver task
         self.active: list[Seq] = []
         self.log = StepLog()
 
@@ -83,31 +97,39 @@ class Scheduler:
         seq.progress = time.monotonic()
         with self._mu:
             self._incoming.append(seq)
-            if not self._running:
-                self._running = True
-                threading.Thread(target=self._loop, name="osd-engine", daemon=True).start()
 
     def waiting(self) -> list[Seq]:
         with self._mu:
             return self.active + self._incoming
 
-    def _loop(self) -> None:
-        while True:
+    def run_once(self) -> bool:
+        """One round: admit the submitted requests, drop the cancelled ones, step, retire the
+        finished. False when there was nothing to run."""
+        with self._stepping:
             with self._mu:
                 self.active += self._incoming
                 self._incoming.clear()
-                if not self.active:
-                    self._running = False
-                    return
             self._retire(lambda s: s.cancelled)
             if not self.active:
-                continue
+                return False
             try:
                 self.step(self.active)
-            except BaseException as e:  # a failed forward fails the requests it carried, not the engine
+            except Exception as e:  # a failed forward fails the requests it carried, not the engine
                 for seq in self.active:
                     seq.error = e
             self._retire(lambda s: s.finish is not None or s.error is not None)
+            return True
+
+    def ensure_driver(self) -> None:
+        """A task on the running event loop that steps while there is work."""
+        loop = asyncio.get_running_loop()
+        task = self._drivers.get(id(loop))
+        if task is None or task.done():
+            self._drivers[id(loop)] = loop.create_task(self._drive())
+
+    async def _drive(self) -> None:
+        while self.run_once():
+            await asyncio.sleep(0)  # deliver tokens, admit requests, serve cancellations
 
     def _retire(self, done) -> None:
         keep = []

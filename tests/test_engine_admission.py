@@ -3,6 +3,7 @@ and a request cancelled while queued or mid-step never leaks its slot (issue 18,
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -103,19 +104,19 @@ def test_abandoned_admission_returns_the_slot(target):
 
 
 def test_health_reports_a_stalled_request(target):
+    """A step that hangs, on the thread that drives it; health is asked from another."""
     eng = engine(target, max_concurrency=1)
     gate = threading.Event()
     real_step = eng.scheduler.step
-    eng.scheduler.step = lambda seqs: (gate.wait(10), real_step(seqs))[1]  # the engine thread hangs in a step
-
-    async def run():
-        task = asyncio.create_task(run_stream(eng, [1, 2, 3], n=4))
-        await asyncio.sleep(0.3)
-        eng.check_health(stall_timeout_s=5)  # a young stall is fine
-        with pytest.raises(RuntimeError, match="no progress"):
-            eng.check_health(stall_timeout_s=0.1)
-        gate.set()
-        return await task
-
-    assert len(asyncio.run(run())) == 4
+    eng.scheduler.step = lambda seqs: (gate.wait(10), real_step(seqs))[1]  # the driving thread hangs in a step
+    out = []
+    driver = threading.Thread(target=lambda: out.append(eng.generate([1, 2, 3], GenerationParams(max_new_tokens=4))))
+    driver.start()
+    time.sleep(0.3)
+    eng.check_health(stall_timeout_s=5)  # a young stall is fine
+    with pytest.raises(RuntimeError, match="no progress"):
+        eng.check_health(stall_timeout_s=0.1)
+    gate.set()
+    driver.join(30)
+    assert len(out[0].output_ids) == 4
     eng.check_health(stall_timeout_s=0.1)  # nothing running: healthy again

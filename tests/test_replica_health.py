@@ -3,6 +3,7 @@ a stalled request, a dead record producer or a dead alias poller fails it (issue
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -36,19 +37,20 @@ def test_healthy_replica_passes(replica):
 
 
 def test_stalled_request_fails_health(replica):
+    """A step that hangs on the event loop driving it; health is asked from another thread
+    (in Serve, the controller's health call then times out on that loop, with the same end)."""
     gate = threading.Event()
     step = replica.engine.scheduler.step
     replica.engine.scheduler.step = lambda seqs: (gate.wait(10), step(seqs))[1]
-
-    async def run():
-        task = asyncio.create_task(replica.generate(_req(1)))
-        await asyncio.sleep(0.6)
-        with pytest.raises(RuntimeError, match="no progress"):
-            replica.health()
-        gate.set()
-        return await task
-
-    assert "output_ids" in asyncio.run(run())
+    out = []
+    driver = threading.Thread(target=lambda: out.append(asyncio.run(replica.generate(_req(1)))))
+    driver.start()
+    time.sleep(0.6)
+    with pytest.raises(RuntimeError, match="no progress"):
+        replica.health()
+    gate.set()
+    driver.join(30)
+    assert "output_ids" in out[0]
     replica.check_health()
 
 
