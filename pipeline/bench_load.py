@@ -56,6 +56,7 @@ class Outcome:
     # Gaps between streamed chunks: one per step (a speculative step's tokens share a chunk),
     # so a stall (a prefill in the way) shows whole, as vLLM's benchmark counts it.
     itl_s: list[float] = field(default_factory=list)
+    chunk_at: list[float] = field(default_factory=list)  # perf_counter of each chunk after the first
 
 
 def _retry_after(resp: requests.Response) -> float | None:
@@ -86,6 +87,7 @@ def send_chat(session: requests.Session, url: str, headers: dict[str, str], body
 def _read_stream(resp: requests.Response, t0: float) -> Outcome:
     ttft = last = None
     itl: list[float] = []
+    at: list[float] = []
     tokens = 0
     for line in resp.iter_lines():
         if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -102,10 +104,11 @@ def _read_stream(resp: requests.Response, t0: float) -> Outcome:
             ttft = now - t0
         else:
             itl.append(now - last)
+            at.append(now)
         last = now
     if ttft is None and tokens:
         return Outcome(TRANSPORT, time.perf_counter() - t0)  # tokens counted but never streamed
-    return Outcome(resp.status_code, time.perf_counter() - t0, tokens, None, ttft, itl)
+    return Outcome(resp.status_code, time.perf_counter() - t0, tokens, None, ttft, itl, at)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -280,6 +283,49 @@ def write_chart(result: dict[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
+def long_prompt_probe(url: str, headers: dict[str, str], *, streams: int = 7, prompt_words: int = 1900,
+                      max_tokens: int = 128, timeout_s: float = 120.0,
+                      prompts: Sequence[str] = ("Tell me a long story.",)) -> dict[str, Any]:
+    """`streams` clients stream replies; then one request with a prompt of `prompt_words`
+    words (about as many tokens) arrives. Reported: the streams' median gap between chunks
+    before it, their largest gap while it prefills (until its first token), and the ratio:
+    how many decode steps a long prompt costs the running streams."""
+    stop = threading.Event()
+    per_client: list[list[Outcome]] = [[] for _ in range(streams)]
+
+    def client(w: int) -> None:
+        with requests.Session() as session:
+            while not stop.is_set():
+                body = json.dumps({"messages": [{"role": "user", "content": prompts[w % len(prompts)]}],
+                                   "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
+                per_client[w].append(send_chat(session, url, headers, body, timeout_s))
+
+    threads = [threading.Thread(target=client, args=(w,), daemon=True) for w in range(streams)]
+    for t in threads:
+        t.start()
+    time.sleep(4.0)
+    sent = time.perf_counter()
+    with requests.Session() as session:
+        body = json.dumps({"messages": [{"role": "user", "content": "word " * prompt_words}], "max_tokens": 8,
+                           "temperature": 0, "stream": True}).encode()
+        long = send_chat(session, url, headers, body, timeout_s)
+    first = sent + (long.ttft_s or long.latency_s)
+    time.sleep(0.5)
+    stop.set()
+    for t in threads:
+        t.join(timeout_s)
+    gaps = [(at, g) for c in per_client for o in c for at, g in zip(o.chunk_at, o.itl_s)]
+    before = [g for at, g in gaps if sent - 3.0 <= at < sent]
+    during = [g for at, g in gaps if sent < at <= first]
+    base = percentile(before, 50)
+    worst = max(during) if during else None
+    return {"streams": streams, "prompt_words": prompt_words, "long_status": long.status,
+            "stream_statuses": dict(Counter(str(o.status) for c in per_client for o in c)),
+            "long_ttft_ms": _ms(long.ttft_s), "gap_before_p50_ms": _ms(base), "gap_during_max_ms": _ms(worst),
+            "gap_during_p50_ms": _ms(percentile(during, 50)),
+            "max_gap_in_decode_steps": worst / base if base and worst is not None else None}
+
+
 def load_prompts(source: str, limit: int = 512) -> list[str]:
     """`sharegpt`: first user turns of held-out ShareGPT conversations (the data the head is
     warm-started on is kept out); else a JSONL file of {"prompt": ...} lines."""
@@ -298,10 +344,11 @@ def load_prompts(source: str, limit: int = 512) -> list[str]:
 def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int] = (1, 2, 4, 8, 16),
                    seconds: float = 20.0, max_tokens: int = 64, timeout_s: float = 60.0,
                    speculation: str = "both", prompts: Sequence[str] | None = None,
-                   json_path: str | Path | None = None, png_path: str | Path | None = None) -> dict[str, Any]:
-    """Run every level (with speculation on, off or both, interleaved per level) in order;
-    print a table, return (and optionally write as JSON and a PNG) the figures. Raises
-    LoadBenchError if nothing answers at `url`."""
+                   json_path: str | Path | None = None, png_path: str | Path | None = None,
+                   long_prompt: bool = False) -> dict[str, Any]:
+    """Run every level (with speculation on, off or both, interleaved per level) in order,
+    then with `long_prompt` the long-prompt probe; print a table, return (and optionally
+    write as JSON and a PNG) the figures. Raises LoadBenchError if nothing answers at `url`."""
     if not levels or min(levels) < 1 or seconds <= 0 or max_tokens < 1 or timeout_s <= 0:
         raise LoadBenchError("levels must be >= 1, and seconds, max_tokens and timeout positive")
     if speculation not in MODES:
@@ -330,6 +377,13 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
     result = {"url": url, "path": CHAT_PATH, "max_tokens": max_tokens, "seconds_per_level": seconds,
               "timeout_s": timeout_s, "prompts": len(prompts), "levels": rows}
     result["ratios"] = ratios(rows)
+    if long_prompt:
+        result["long_prompt"] = long_prompt_probe(url, headers, timeout_s=max(timeout_s, 120.0), prompts=prompts)
+        lp = result["long_prompt"]
+        print(f"long prompt ({lp['prompt_words']} words) beside {lp['streams']} streams: TTFT "
+              f"{_fmt(lp['long_ttft_ms'], '.0f')} ms; the streams' gap {_fmt(lp['gap_before_p50_ms'], '.0f')} ms "
+              f"before, at most {_fmt(lp['gap_during_max_ms'], '.0f')} ms during its prefill "
+              f"({_fmt(lp['max_gap_in_decode_steps'], '.2f')} decode steps)", flush=True)
     if json_path is not None:
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -262,7 +262,7 @@ def _cmd_bench_load(cfg: OSDConfig, args: argparse.Namespace) -> int:
         png = args.png or str(Path(args.out).with_suffix(".png"))
         run_load_bench(url, api_key=args.api_key, levels=levels, seconds=args.seconds, max_tokens=args.max_tokens,
                        timeout_s=args.timeout, speculation=args.speculation, prompts=prompts, json_path=args.out,
-                       png_path=png)
+                       png_path=png, long_prompt=args.long_prompt)
     except LoadBenchError as e:
         print(f"osd: error: {e}", file=sys.stderr)
         return 2
@@ -409,6 +409,8 @@ def _add_bench_load_parser(bench_sub: argparse._SubParsersAction) -> None:
     bl.add_argument("--out", "--json", dest="out", default="reports/bench/load.json", metavar="PATH",
                     help="where to write JSON")
     bl.add_argument("--png", metavar="PATH", help="the chart (default: the JSON's path with .png)")
+    bl.add_argument("--long-prompt", action="store_true",
+                    help="then: 7 streams and one ~1,900-token prompt; how long its prefill stalls them")
     bl.set_defaults(func=_cmd_bench_load)
 
 

@@ -3,9 +3,10 @@
 Each step (run by whoever waits for it: Scheduler's doc):
 1. admits submitted requests and drops cancelled ones (their slots go back here, after the
    last forward that wrote them);
-2. gives prompt chunks: requests still prefilling get chunks of `prefill_chunk` tokens,
-   first come first served, at most one chunk's rows a step, so a long prompt delays the
-   running streams by one chunk's rows a step, never by a whole prefill (with no stream
+2. gives prompt chunks: requests still prefilling get chunks of up to `prefill_chunk`
+   tokens, first come first served, at most one chunk's rows a step, paced so a step that
+   carries one takes at most PREFILL_DELAY decode steps: a long prompt slows the running
+   streams by a bounded factor, never stalls them for a whole prefill (with no stream
    running, longer chunks);
 3. sizes each decoding request's draft (the engine's plan: for the cost rule, the lengths
    with the most expected tokens per second over the whole batch, serve/k_policy.py);
@@ -32,6 +33,9 @@ from serve.stages import commit, end_prefill, prefill_tokens, prefilled_chunk, v
 
 DONE = object()  # delivered after a request's last tokens
 ALONE_CHUNKS = 8  # a prompt's chunk, in prefill_chunks, while no request decodes
+PREFILL_DELAY = 2.0  # a step with a prompt chunk: at most this many decode steps' time
+MIN_CHUNK = 4
+EWMA_STEP = 0.2
 
 
 class StepLog:
@@ -92,6 +96,8 @@ class Scheduler:
         self._drivers: dict[int, asyncio.Task] = {}  # event loop id -> its driver task
         self.active: list[Seq] = []
         self.log = StepLog()
+        self.chunk = prefill_chunk  # paced (_pace) between MIN_CHUNK and prefill_chunk
+        self.decode_s = 0.0  # recent seconds of a step without a prompt chunk
 
     def submit(self, seq: Seq) -> None:
         seq.progress = time.monotonic()
@@ -156,6 +162,7 @@ class Scheduler:
         chunks = self._chunks([s for s in seqs if s.prefilling], len(decoding))
         if not batch and not chunks:
             return
+        t_step = time.perf_counter()
         ks = eng.plan(batch, sum(t.numel() for _, t in chunks))
         props = [eng.propose_timed(s, k) for s, k in zip(batch, ks)]
         items = [Item(torch.cat([s.pending(s.slot.target), p[0]]), s.slot.target) for s, p in zip(batch, props)]
@@ -186,13 +193,26 @@ class Scheduler:
             else:
                 costs.observe_batch(rows, t2 - t1)
         self.log.add(len(batch) + len(chunks), rows)
+        if batch:
+            self._pace(time.perf_counter() - t_step, bool(chunks))
+
+    def _pace(self, seconds: float, chunked: bool) -> None:
+        """Size prompt chunks so a step that carries one takes at most PREFILL_DELAY times a
+        step without: prompt rows are compute-bound on a CPU (a 64-row chunk beside 7 decode
+        rows took 4x their step on 2 cores), so a fixed chunk would stall the streams."""
+        if not chunked:
+            self.decode_s += EWMA_STEP * (seconds - self.decode_s) if self.decode_s else seconds
+        elif self.decode_s:
+            ratio = seconds / self.decode_s
+            scale = min(1.25, max(0.5, PREFILL_DELAY / ratio * 0.9))
+            self.chunk = int(min(self.prefill_chunk, max(MIN_CHUNK, self.chunk * scale)))
 
     def _chunks(self, prefilling: list[Seq], decoding: int) -> list[tuple[Seq, torch.Tensor]]:
         """Whole chunks, first come first served, within one chunk's rows per step (at least
         one chunk, so every prompt advances). With nothing decoding, no stream waits on the
-        prompt: chunks are ALONE_CHUNKS times longer, for fewer passes over the weights."""
+        prompt: chunks are ALONE_CHUNKS times prefill_chunk, for fewer passes over the weights."""
         out: list[tuple[Seq, torch.Tensor]] = []
-        chunk = self.prefill_chunk * (1 if decoding else ALONE_CHUNKS)
+        chunk = self.chunk if decoding else self.prefill_chunk * ALONE_CHUNKS
         budget = chunk
         for seq in prefilling:
             toks = prefill_tokens(seq, chunk)

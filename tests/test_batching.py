@@ -254,3 +254,18 @@ def test_a_plan_never_models_a_lower_rate_than_not_drafting():
 
     assert rate(ks) >= rate([0] * 4)
     assert ks[3] == 0 and ks[0] >= ks[2] >= ks[1]
+
+
+def test_prompt_chunks_shrink_while_they_slow_the_streams_and_grow_back(target):
+    from serve.scheduler import MIN_CHUNK, PREFILL_DELAY
+
+    sched = _engine(target, prefill_chunk=64).scheduler
+    sched._pace(0.030, chunked=False)  # a decode step: 30 ms
+    seen = []
+    for _ in range(6):  # steps with a chunk take 4 decode steps
+        sched._pace(0.120, chunked=True)
+        seen.append(sched.chunk)
+    assert seen == sorted(seen, reverse=True) and seen[0] < 64 and seen[-1] >= MIN_CHUNK
+    for _ in range(20):  # now they take 1.2: chunks grow, never past prefill_chunk
+        sched._pace(0.030 * (PREFILL_DELAY - 0.8), chunked=True)
+    assert sched.chunk == 64

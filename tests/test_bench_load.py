@@ -60,3 +60,12 @@ def test_bad_arguments_and_a_dead_server_are_clear_errors(tmp_path):
         run_load_bench("http://127.0.0.1:9", levels=(1,), seconds=0.1)
     with pytest.raises(LoadBenchError, match="cannot read prompts"):
         load_prompts(str(tmp_path / "missing.jsonl"))
+
+
+def test_the_long_prompt_probe_measures_the_streams_gaps_around_a_prefill(app):
+    from pipeline.bench_load import long_prompt_probe
+
+    r = long_prompt_probe(app["url"], {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+                          streams=2, prompt_words=40, max_tokens=16, timeout_s=60)
+    assert r["long_status"] == 200 and r["long_ttft_ms"] > 0 and set(r["stream_statuses"]) == {"200"}
+    assert r["gap_before_p50_ms"] > 0
