@@ -66,6 +66,10 @@ def _batched(r: LlamaRunner, items: list[Item], layers: tuple[int, ...]) -> list
     pools = {id(items[i].cache.pool) for i in pooled}
     if len(pools) > 1:
         pooled = [i for i in pooled if id(items[i].cache.pool) == id(items[pooled[0]].cache.pool)]
+    if pooled:  # a context far longer than the others' attends alone: the rest need not pad to it
+        lengths = sorted(items[i].cache.length for i in pooled)
+        cap = 2 * lengths[len(lengths) // 2] + 64
+        pooled = [i for i in pooled if items[i].cache.length <= cap]
     pooled_set = set(pooled)
     order = pooled + [i for i in range(len(items)) if i not in pooled_set]
     its = [items[i] for i in order]

@@ -4,10 +4,11 @@ Each step (run by whoever waits for it: Scheduler's doc):
 1. admits submitted requests and drops cancelled ones (their slots go back here, after the
    last forward that wrote them);
 2. gives prompt chunks: requests still prefilling get chunks of up to `prefill_chunk`
-   tokens, first come first served, at most one chunk's rows a step, paced so a step that
-   carries one takes at most PREFILL_DELAY decode steps: a long prompt slows the running
-   streams by a bounded factor, never stalls them for a whole prefill (with no stream
-   running, longer chunks);
+   tokens, first come first served, at most one chunk's rows a step; a lone prompt among
+   running streams is paced so a step that carries its chunk takes at most PREFILL_DELAY
+   decode steps: a long prompt slows the running streams by a bounded factor, never stalls
+   them for a whole prefill (with several prompts waiting, whole chunks; with no stream
+   running, longer ones);
 3. sizes each decoding request's draft (the engine's plan: for the cost rule, the lengths
    with the most expected tokens per second over the whole batch, serve/k_policy.py);
 4. drafts for each request;
@@ -34,7 +35,7 @@ from serve.stages import commit, end_prefill, prefill_tokens, prefilled_chunk, v
 DONE = object()  # delivered after a request's last tokens
 ALONE_CHUNKS = 8  # a prompt's chunk, in prefill_chunks, while no request decodes
 PREFILL_DELAY = 2.0  # a step with a prompt chunk: at most this many decode steps' time
-MIN_CHUNK = 4
+MIN_CHUNK = 8
 EWMA_STEP = 0.2
 
 
@@ -212,7 +213,11 @@ class Scheduler:
         one chunk, so every prompt advances). With nothing decoding, no stream waits on the
         prompt: chunks are ALONE_CHUNKS times prefill_chunk, for fewer passes over the weights."""
         out: list[tuple[Seq, torch.Tensor]] = []
-        chunk = self.chunk if decoding else self.prefill_chunk * ALONE_CHUNKS
+        # Paced chunks while one prompt arrives among running streams; with more prompts
+        # waiting, whole chunks: prefill throughput then decides how many requests decode at
+        # all (paced 4-token chunks starved a 16-client load: 3 requests per forward).
+        chunk = (self.prefill_chunk * ALONE_CHUNKS if not decoding
+                 else self.chunk if len(prefilling) == 1 else self.prefill_chunk)
         budget = chunk
         for seq in prefilling:
             toks = prefill_tokens(seq, chunk)
