@@ -43,16 +43,16 @@ def prefilled_chunk(seq: Seq, n: int, feats: torch.Tensor | None) -> None:
 
 
 def end_prefill(draft: Runner | None, seq: Seq) -> None:
-    """After the target's last prompt chunk: the draft's own prefill. A head reads the chunks'
-    features: all but the last of its rows run now, the last at the first propose (which then
-    drafts from one row, as every later step). A layer draft runs the prompt itself."""
+    """After the target's last prompt chunk: a head draft's prefill, from the chunks' features:
+    all but the last of its rows run now, the last at the first propose (which then drafts
+    from one row, as every later step). A layer draft runs the prompt at its first proposal
+    (every propose stage feeds the draft what its cache lacks), so a request that never
+    drafts (the cost rule's k = 0) never pays for it."""
     feats, seq.prefill_feats = seq.prefill_feats, []
     if is_head(draft):
         seq.feats = (feats[0] if len(feats) == 1 else torch.cat(feats)) if feats else None
         seq.feat_start = 0
         prefill_head(draft, seq)
-    elif draft is not None and seq.dcache is not None and seq.n_prompt > 1:
-        draft.prefill(torch.tensor(seq.tokens[:seq.n_prompt - 1], dtype=torch.long, device=seq.device), seq.dcache)
 
 
 def propose(draft: Runner, seq: Seq, k: int, confidence: float):
