@@ -1,10 +1,14 @@
 """The speculative decoding engine.
 
-One step is a chain of named stages, each a module-level function that can be timed alone:
+One step is a chain of named stages, each a module-level function that can be timed alone
+(serve/stages.py):
 
     prefill  -> propose -> score -> verify -> commit
-    (once)      draft:     target:  pure      accept tokens, roll both KV caches back,
+    (chunks)    draft:     target:  pure      accept tokens, roll both KV caches back,
                 k tokens   k+1 rows rule      record the target's top-k
+
+Requests run together: each step's score stage is one target forward over every active
+request's rows (serve/scheduler.py, serve/batch_forward.py); the other stages run per request.
 
 Autoregressive decoding is the same loop with no draft (k = 0), so the baseline and the
 speculative path share every line that is not speculation.
@@ -17,7 +21,8 @@ Draft length: at most k tokens per step (config `serve.k`), chosen per step by `
 - cost (the serving default, serve/k_policy.py): the length in 0..k with the most expected
   tokens per second, from the target's forward cost by token count (profiled at the first
   speculative step, then measured from every step), the draft's measured cost per token,
-  and the request's running acceptance. A draft that cannot pay for its verify drafts
+  and the request's running acceptance; in a batch, the lengths with the most expected
+  tokens per second over the whole batch (plan_batch), so drafting shrinks as load grows. A draft that cannot pay for its verify drafts
   nothing but a probe token now and then (after 16 idle steps, doubling after each rejected
   probe), so speculation never costs much more than AR.
 - schedule: the budget grows by 2 after a step whose drafts were all accepted and shrinks
