@@ -51,7 +51,7 @@ from serve.batch_forward import Item, forward_batch
 from serve.capture import Capture, CaptureBuffer
 from serve.detokenize import StopScanner
 from serve import gpu_stages
-from serve.head_runner import is_head, propose_head
+from serve.head_runner import is_head, propose_head, propose_heads
 from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
 from serve.k_policy import KPolicy, StepCosts, profile_forward
 from serve.linear import QUANT_MODES
@@ -349,6 +349,26 @@ class SpecEngine:
         if seq.kreq is not None and seq.params.min_draft:
             return max(k, min(seq.params.min_draft, limit, self.options.k))
         return k
+
+    def propose_all(self, seqs: list[Seq], ks: list[int]) -> list[tuple]:
+        """The propose stage of a batched step: head drafts of one runner draft together, one
+        head forward per draft position (propose_heads), their time shared out evenly; other
+        drafts one request at a time. Per request (tokens, q, own probs, seconds)."""
+        out: list[tuple | None] = [None] * len(seqs)
+        groups: dict[int, list[int]] = {}
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            if k > 0 and is_head(seq.draft):
+                groups.setdefault(id(seq.draft), []).append(i)
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            t0 = time.perf_counter()
+            got = propose_heads(seqs[members[0]].draft, [seqs[i] for i in members], [ks[i] for i in members],
+                                self.options.draft_confidence)
+            share = (time.perf_counter() - t0) / len(members)
+            for i, (drafts, q, own) in zip(members, got):
+                out[i] = (drafts, q, own, share)
+        return [o if o is not None else self.propose_timed(seq, k) for o, seq, k in zip(out, seqs, ks)]
 
     def propose_timed(self, seq: Seq, k: int) -> tuple[torch.Tensor, torch.Tensor | None, list[float], float]:
         t0 = time.perf_counter()

@@ -62,3 +62,29 @@ class LeanHead:
                           self.n_heads, self.n_kv, self.head_dim, self.eps)
         last = x[-1:]
         return self.lm_head(self._rms(last, self.norm)).float()[0], last
+
+    def rows_batch(self, gs: list[torch.Tensor], nexts: list[torch.Tensor], caches: list[StaticKVCache],
+                   masks: list[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows() for several sequences in one pass (batched drafting): each sequence's rows
+        at its own cache's next slots, attending to its own cache. Returns each sequence's last
+        row's draft-vocab logits [B, V_d] fp32 and output state [B, h]; leaves the caches'
+        lengths to the caller."""
+        sizes = [n.shape[0] for n in nexts]
+        starts = [c.length for c in caches]
+        e = F.embedding(torch.cat(nexts), self.embed)
+        x = self.in_proj(torch.cat([self._rms(e, self.norm_e), self._rms(torch.cat(gs), self.norm_g)], dim=-1))
+        pos = torch.cat([torch.arange(s, s + t, device=x.device) for s, t in zip(starts, sizes)])
+        attends = [prefix_attend(c, s, s + t, m, self.n_kv != self.n_heads)
+                   for c, s, t, m in zip(caches, starts, sizes, masks)]
+
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            out, a = [], 0
+            for fn, t in zip(attends, sizes):
+                out.append(fn(i, q[a:a + t], k[a:a + t], v[a:a + t]))
+                a += t
+            return torch.cat(out)
+
+        x = decoder_layer(x, self.block, self.cos.index_select(0, pos), self.sin_signed.index_select(0, pos),
+                          attend, 0, self.n_heads, self.n_kv, self.head_dim, self.eps)
+        last = x.index_select(0, torch.tensor(sizes, device=x.device).cumsum(0) - 1)
+        return self.lm_head(self._rms(last, self.norm)).float(), last

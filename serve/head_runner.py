@@ -79,6 +79,21 @@ class HeadRunner:
         return logits, state
 
     @torch.inference_mode()
+    def rows_batch(self, gs: list[torch.Tensor], nexts: list[torch.Tensor],
+                   caches: list[StaticKVCache]) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows() for several sequences in one head forward: (last-row logits [B, V_d], states [B, h])."""
+        masks = []
+        for n, c in zip(nexts, caches):
+            start, end = c.length, c.length + n.shape[0]
+            if end > c.max_len:
+                raise ValueError(f"sequence of {end} rows exceeds the head cache's {c.max_len}")
+            masks.append(None if n.shape[0] == 1 else self.causal[start:end, :end])
+        logits, states = self.lean.rows_batch(gs, nexts, caches, masks)
+        for n, c in zip(nexts, caches):
+            c.length += n.shape[0]
+        return logits, states
+
+    @torch.inference_mode()
     def rows_static(self, cache: StaticKVCache, g: torch.Tensor, next_ids: torch.Tensor,
                     start: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """rows() with shapes fixed by T alone (start a [1] tensor; full-cache attention under
@@ -167,6 +182,51 @@ def propose_head(runner: HeadRunner, seq: Any, k: int, confidence: float):
         nxt = torch.tensor([tok], dtype=torch.long, device=seq.device)
     q = torch.stack(qs) if qs else None
     return torch.tensor(tokens, dtype=torch.long, device=seq.device), q, own
+
+
+def propose_heads(runner: HeadRunner, seqs: list[Any], ks: list[int], confidence: float) -> list[tuple]:
+    """propose_head for several requests with one head forward per draft position (batched
+    drafting): the same proposals each would make alone, to the rounding of the batched rows."""
+    empty = (torch.empty(0, dtype=torch.long, device=runner.device), None, [])
+    out: list[tuple] = [empty] * len(seqs)
+    d2t = runner.head.d2t
+    live, g, nxt = [], {}, {}
+    for i, (seq, k) in enumerate(zip(seqs, ks)):
+        start = seq.dcache.length
+        if k <= 0 or len(seq.tokens) - 1 <= start:  # nothing to draft, or no target features yet
+            continue
+        live.append(i)
+        g[i] = runner.fuse(seq.feats[start - seq.feat_start:])
+        nxt[i] = torch.tensor(seq.tokens[start + 1:], dtype=torch.long, device=seq.device)
+    tokens: dict[int, list[int]] = {i: [] for i in live}
+    qs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
+    own: dict[int, list[float]] = {i: [] for i in live}
+    for pos in range(max(ks, default=0)):
+        live = [i for i in live if pos < ks[i]]
+        if not live:
+            break
+        logits, states = runner.rows_batch([g[i] for i in live], [nxt[i] for i in live],
+                                           [seqs[i].dcache for i in live])
+        going = []
+        for row, i in enumerate(live):
+            params = seqs[i].params.sampling
+            probs = torch.softmax(logits[row], dim=-1) if params.greedy else warp_probs(logits[row], params)
+            if pos > 0 and float(probs.max()) < confidence:  # decided before drawing, as propose()
+                continue
+            j = int(torch.argmax(probs)) if params.greedy else int(torch.multinomial(probs, 1, generator=seqs[i].gen))
+            tok = int(d2t[j])
+            tokens[i].append(tok)
+            own[i].append(float(probs[j]))
+            if not params.greedy:
+                qs[i].append(torch.zeros(runner.vocab_size, dtype=probs.dtype, device=probs.device
+                                         ).index_copy_(0, d2t, probs))
+            g[i], nxt[i] = states[row:row + 1], torch.tensor([tok], dtype=torch.long, device=seqs[i].device)
+            going.append(i)
+        live = going
+    for i in tokens:
+        out[i] = (torch.tensor(tokens[i], dtype=torch.long, device=runner.device),
+                  torch.stack(qs[i]) if qs[i] else None, own[i])
+    return out
 
 
 def commit_head(seq: Any, base: int, feats: torch.Tensor) -> None:

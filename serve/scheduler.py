@@ -11,7 +11,7 @@ Each step (run by whoever waits for it: Scheduler's doc):
    running, longer ones);
 3. sizes each decoding request's draft (the engine's plan: for the cost rule, the lengths
    with the most expected tokens per second over the whole batch, serve/k_policy.py);
-4. drafts for each request;
+4. drafts for each request (head drafts together, one head forward per draft position);
 5. runs one target forward over every request's rows (serve/batch_forward.py);
 6. verifies and commits per request, as a request alone does, and delivers its tokens.
 A request the batch cannot carry (a draft tree, the CUDA path) steps alone in the same loop.
@@ -165,7 +165,7 @@ class Scheduler:
             return
         t_step = time.perf_counter()
         ks = eng.plan(batch, sum(t.numel() for _, t in chunks))
-        props = [eng.propose_timed(s, k) for s, k in zip(batch, ks)]
+        props = eng.propose_all(batch, ks)
         items = [Item(torch.cat([s.pending(s.slot.target), p[0]]), s.slot.target) for s, p in zip(batch, props)]
         items += [Item(toks, s.slot.target, logits=False) for s, toks in chunks]
         layers = _feature_layers([s for s in batch] + [s for s, _ in chunks])

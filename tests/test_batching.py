@@ -125,10 +125,24 @@ V8 = dict(vocab=8, layers=2, max_positions=32)
 PROMPT = [1, 2, 3]
 
 
-def test_sampled_requests_in_a_batch_follow_the_target_and_reproduce_their_seeds():
+def _head_draft(target, d2t):
+    from infra.draft_head import build_head
+    from infra.draft_spec import DraftSpec
+
+    head = build_head(target, DraftSpec(family="head", feature_layers=(0, 1)), d2t)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
+    return head
+
+
+@pytest.mark.parametrize("draft", ["truncate:1", "head"])
+def test_sampled_requests_in_a_batch_follow_the_target_and_reproduce_their_seeds(draft):
+    """Head drafts propose together (one head forward per position); its q covers 5 of the 8
+    target tokens, so the residual path is exercised too."""
     target = tiny(seed=3, **V8)
-    eng = SpecEngine(target, build_draft("truncate:1", target),
-                     options=EngineOptions(k=2, max_seq_len=32, max_concurrency=4, k_policy="fixed"))
+    d = build_draft(draft, target) if draft != "head" else _head_draft(target, torch.tensor([0, 2, 3, 5, 6]))
+    eng = SpecEngine(target, d, options=EngineOptions(k=2, max_seq_len=32, max_concurrency=4, k_policy="fixed"))
     sp = SamplingParams(temperature=1.0)
     n = 1200
     prompts = [PROMPT] * n
@@ -269,3 +283,32 @@ def test_prompt_chunks_shrink_while_they_slow_the_streams_and_grow_back(target):
     for _ in range(20):  # now they take 1.2: chunks grow, never past prefill_chunk
         sched._pace(0.030 * (PREFILL_DELAY - 0.8), chunked=True)
     assert sched.chunk == 64
+
+
+def test_head_drafts_of_a_batch_draft_together_and_stay_exact(monkeypatch):
+    """Three requests with one head draft: one head forward per draft position for all of them,
+    and each output equals the request alone (greedy), as the target's own greedy."""
+    from infra.draft_head import build_head
+    from infra.draft_spec import DraftSpec
+    from serve import head_runner
+
+    target = tiny(seed=11, layers=4)
+    head = build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 3)), torch.arange(300))
+    with torch.no_grad():  # a random head that proposes something
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    eng = SpecEngine(target, head, options=EngineOptions(k=3, max_seq_len=160, max_concurrency=3, k_policy="fixed"))
+    gp = GenerationParams(max_new_tokens=20)
+    prompts = [[5, 9, 13, 200], [42, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
+    alone = [eng.generate(p, gp).output_ids for p in prompts]
+    widths = []
+    real = head_runner.HeadRunner.rows_batch
+    monkeypatch.setattr(head_runner.HeadRunner, "rows_batch",
+                        lambda self, gs, nexts, caches: (widths.append(len(gs)), real(self, gs, nexts, caches))[1])
+    together = _many(eng, prompts, [gp] * 3)
+    assert [r.output_ids for r in together] == alone
+    assert max(widths) == 3 and sum(r.stats.num_draft_tokens for r in together) > 0
+    with torch.no_grad():
+        ref = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=20)[0, len(p):].tolist()
+               for p in prompts]
+    assert alone == ref
