@@ -25,15 +25,19 @@ def first_stop(text, stops):
 
 
 def check_pushes(ids, cuts, stops, tok=TOK):
-    """Push ids in the chunks `cuts` marks; after each push compare with the full decode."""
+    """Push ids in the chunks `cuts` marks; after each push compare with the full decode. The
+    first stop found stays (the engine ends the request there and pushes nothing more), even
+    where later text completes a longer stop string that starts earlier ('010' after '1')."""
     scan = StopScanner(tok, stops)
     bounds = [0, *sorted(set(cuts)), len(ids)]
+    want = None
     for a, b in zip(bounds, bounds[1:]):
         scan.push(ids[a:b])
         text = tok.decode(ids[:b], skip_special_tokens=True)
         assert scan.decoder.text == text
         assert len(scan.decoder) == len(text)
-        assert scan.stop_at == first_stop(text, stops)
+        want = first_stop(text, stops) if want is None else want
+        assert scan.stop_at == want
     return scan
 
 
@@ -134,3 +138,12 @@ def test_streamed_deltas_add_up_to_the_text_cut_at_the_stop():
             break  # where the engine stops
     assert sent == text[:cut]
     assert sent + inc.finish(text[:cut]) == text[:cut]
+
+
+def test_the_first_stop_found_stays_when_a_longer_one_completes_earlier_later():
+    """Found by the property test: '1' ends the request after "01"; the '010' that the next
+    token would complete never gets to count (the engine pushes nothing after a stop)."""
+    ids = TOK.encode("010", add_special_tokens=False)
+    scan = check_pushes(ids, [2], ("010", "1"))
+    assert scan.stop_at == 1 and scan.text_before_stop() == "0"
+    assert check_pushes(ids, [], ("010", "1")).stop_at == 0  # all at once: the earlier start wins
