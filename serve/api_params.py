@@ -49,6 +49,7 @@ def _text_modality(v: Any) -> bool:
 _ENGINE = "it needs a logits processor in the engine, which this server does not have yet"
 _LOGPROBS = "log-probabilities are not returned by this server yet"
 _TOOLS = "this server does not do tool calling"
+_GRAMMAR = "constrained decoding is not implemented by this server"
 _NO = "this server does not support it"
 
 # name -> (is the value neutral?, why any other value is refused)
@@ -65,11 +66,11 @@ _SAMPLING: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bad_words": (_empty, _ENGINE),
     "logits_processors": (_empty, _ENGINE),
     "response_format": (_text_format, "constrained (JSON) decoding is not implemented by this server"),
-    "structured_outputs": (_empty, "constrained decoding is not implemented by this server"),
-    "guided_json": (_null, "constrained decoding is not implemented by this server"),
-    "guided_regex": (_null, "constrained decoding is not implemented by this server"),
-    "guided_choice": (_null, "constrained decoding is not implemented by this server"),
-    "guided_grammar": (_null, "constrained decoding is not implemented by this server"),
+    "structured_outputs": (_empty, _GRAMMAR),
+    "guided_json": (_null, _GRAMMAR),
+    "guided_regex": (_null, _GRAMMAR),
+    "guided_choice": (_null, _GRAMMAR),
+    "guided_grammar": (_null, _GRAMMAR),
     "prompt_logprobs": (_null, _LOGPROBS),
     "return_tokens_as_token_ids": (_false, _LOGPROBS),
     "include_stop_str_in_output": (_false, "stop strings are always cut from the output"),

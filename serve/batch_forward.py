@@ -83,12 +83,12 @@ def _batched(r: LlamaRunner, items: list[Item], layers: tuple[int, ...]) -> list
     n = sum(sizes)
     tokens = torch.cat([it.tokens for it in its])
     pos = torch.cat([r.arange[s:s + t] for s, t in zip(starts, sizes)])
-    attend = _attend(r, its, sizes, starts, len(pooled), pos)
+    offsets = _offsets(sizes)
+    attend = _attend(r, its, sizes, offsets, starts, len(pooled), pos)
     blocks = r.prefill_blocks if n > WIDE_ROWS else r.blocks
     h, feats = r.stack(tokens, r.cos.index_select(0, pos), r.sin_signed.index_select(0, pos), attend, layers, blocks)
     for it, t in zip(its, sizes):
         it.cache.length += t
-    offsets = _offsets(sizes)
     rows = [j for j, it in enumerate(its) if it.logits]
     logits = None
     if rows:
@@ -114,12 +114,11 @@ def _offsets(sizes: list[int]) -> list[int]:
     return out
 
 
-def _attend(r: LlamaRunner, its: list[Item], sizes: list[int], starts: list[int], n_pooled: int,
-            pos: torch.Tensor):
+def _attend(r: LlamaRunner, its: list[Item], sizes: list[int], offsets: list[int], starts: list[int],
+            n_pooled: int, pos: torch.Tensor):
     """decoder_layer's attend over the ragged rows: writes each row's K/V into its cache and
     returns the attention outputs [N, H*hd] in row order."""
     gqa = r.n_kv != r.n_heads
-    offsets = _offsets(sizes)
     caches: list[StaticKVCache] = [it.cache for it in its]
     masks = [None if t == 1 else r.causal[s:s + t, :s + t] for s, t in zip(starts, sizes)]
     pooled = caches[:n_pooled]

@@ -55,10 +55,10 @@ from serve.head_runner import is_head, propose_head, propose_heads
 from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
 from serve.k_policy import KPolicy, StepCosts, profile_forward
 from serve.linear import QUANT_MODES
-from serve.runner import KVPool, LlamaRunner, Runner, make_runner
+from serve.runner import LlamaRunner, Runner, make_runner
 from serve.graphs import GraphLlamaRunner, StagingRing
 from serve.scheduler import DONE, Scheduler
-from serve.seq import STAGES, GenerationParams, Seq, Slot, SpecStats  # noqa: F401 (re-exported)
+from serve.seq import GenerationParams, Seq, Slot, SpecStats  # noqa: F401 (re-exported)
 from serve.stages import _event, _settle_stamps, begin_prefill, commit, end_prefill, propose, score
 from serve.tree_stages import TreeShape, can_expand, tree_step
 
@@ -295,11 +295,7 @@ class SpecEngine:
         slots = min(self.options.max_concurrency, 16)
         context = max(1, min(64, self.max_seq_len - k - 2))
         span = min(self.max_seq_len, context + k + 2)
-        if isinstance(self.target, LlamaRunner):
-            t = self.target
-            caches = KVPool(slots, len(t.blocks), t.n_kv, span, t.head_dim, t.dtype, self.device).caches
-        else:
-            caches = self.target.new_caches(slots)
+        caches = self.target.new_caches(slots, growable=True)  # growable: only the profile's positions
         gen = torch.Generator().manual_seed(0)
 
         def tokens(n: int) -> torch.Tensor:

@@ -157,31 +157,7 @@ def propose_head(runner: HeadRunner, seq: Any, k: int, confidence: float):
     """Draft up to k tokens (engine.propose's contract): (tokens [n], q [n, V] or None, own probs).
     q is the head's distribution over its vocabulary scattered into the target's: 0 outside it,
     which verify() handles (a target token there is reached only through the residual)."""
-    params = seq.params.sampling
-    cache = seq.dcache
-    start = cache.length
-    if len(seq.tokens) - 1 <= start:  # a one-token prompt: no target features yet
-        return torch.empty(0, dtype=torch.long, device=seq.device), None, []
-    g = runner.fuse(seq.feats[start - seq.feat_start:])
-    nxt = torch.tensor(seq.tokens[start + 1:], dtype=torch.long, device=seq.device)
-    d2t = runner.head.d2t
-    tokens: list[int] = []
-    qs: list[torch.Tensor] = []
-    own: list[float] = []
-    for i in range(k):
-        logits, g = runner.rows(g, nxt, cache)
-        probs = torch.softmax(logits, dim=-1) if params.greedy else warp_probs(logits, params)
-        if i > 0 and float(probs.max()) < confidence:  # decided before drawing, as propose()
-            break
-        j = int(torch.argmax(probs)) if params.greedy else int(torch.multinomial(probs, 1, generator=seq.gen))
-        tok = int(d2t[j])
-        tokens.append(tok)
-        own.append(float(probs[j]))
-        if not params.greedy:
-            qs.append(torch.zeros(runner.vocab_size, dtype=probs.dtype, device=probs.device).index_copy_(0, d2t, probs))
-        nxt = torch.tensor([tok], dtype=torch.long, device=seq.device)
-    q = torch.stack(qs) if qs else None
-    return torch.tensor(tokens, dtype=torch.long, device=seq.device), q, own
+    return propose_heads(runner, [seq], [k], confidence)[0]
 
 
 def propose_heads(runner: HeadRunner, seqs: list[Any], ks: list[int], confidence: float) -> list[tuple]:

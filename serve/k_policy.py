@@ -44,15 +44,7 @@ def best_k(verify_s: Sequence[float], draft_s: float, step_s: float, alpha: floa
     drafted token; step_s: fixed seconds per step. Ties go to the shorter draft. A forward of
     fewer tokens never costs more than one of more: the profile is read through its lower
     envelope from the right, so one noisy measurement does not rule a length out."""
-    v = list(verify_s)
-    for i in range(len(v) - 2, -1, -1):
-        v[i] = min(v[i], v[i + 1])
-    best, best_rate = 0, 1.0 / (v[0] + step_s)
-    for k in range(1, min(k_max, len(v) - 1) + 1):
-        rate = expected_tokens(alpha, k) / (v[k] + k * draft_s + step_s)
-        if rate > best_rate:
-            best, best_rate = k, rate
-    return best
+    return plan_batch(verify_s, 1, [alpha], [min(k_max, len(verify_s) - 1)], [draft_s], step_s)[0]
 
 
 def rows_cost(verify_s: Sequence[float], rows: int) -> float:

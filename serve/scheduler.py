@@ -132,6 +132,8 @@ class Scheduler:
         loop = asyncio.get_running_loop()
         task = self._drivers.get(id(loop))
         if task is None or task.done():
+            # Finished drivers go (each asyncio.run is a new loop): the map holds live loops only.
+            self._drivers = {k: t for k, t in self._drivers.items() if not t.done()}
             self._drivers[id(loop)] = loop.create_task(self._drive())
 
     async def _drive(self) -> None:
@@ -156,10 +158,12 @@ class Scheduler:
         for seq in seqs:
             seq.progress = now
         decoding = [s for s in seqs if not s.prefilling]
-        alone = [s for s in decoding if not eng.batchable(s)]
-        batch = [s for s in decoding if eng.batchable(s)]
-        for seq in alone:
-            seq.deliver(eng._step(seq))
+        batch = []
+        for seq in decoding:
+            if eng.batchable(seq):
+                batch.append(seq)
+            else:
+                seq.deliver(eng._step(seq))
         chunks = self._chunks([s for s in seqs if s.prefilling], len(decoding))
         if not batch and not chunks:
             return
@@ -168,7 +172,7 @@ class Scheduler:
         props = eng.propose_all(batch, ks)
         items = [Item(torch.cat([s.pending(s.slot.target), p[0]]), s.slot.target) for s, p in zip(batch, props)]
         items += [Item(toks, s.slot.target, logits=False) for s, toks in chunks]
-        layers = _feature_layers([s for s in batch] + [s for s, _ in chunks])
+        layers = _feature_layers(batch + [s for s, _ in chunks])
         t1 = time.perf_counter()
         outs = forward_batch(eng.target, items, layers)
         t2 = time.perf_counter()
