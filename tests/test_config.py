@@ -121,3 +121,9 @@ def test_cli_config_show_hides_passwords(capsys, monkeypatch, flag):
     assert main(["config", "show", *flag]) == 0
     out = capsys.readouterr().out
     assert "redis://:***@db.example:6379/0" in out and "s3cret-pw" not in out
+
+
+@pytest.mark.parametrize("key", ["prefill_chunk", "max_concurrency"])
+def test_batching_sizes_below_one_are_refused_by_name(key):
+    with pytest.raises(ConfigError, match=rf"serve\.{key}: Input should be greater than or equal to 1"):
+        load_config(environ={}, overrides={"serve": {key: 0}})

@@ -416,6 +416,8 @@ def test_engine_options_validation():
                 dict(max_concurrency=0), dict(max_seq_len=1)):
         with pytest.raises(EngineError):
             EngineOptions(**bad)
+    with pytest.raises(EngineError, match="prefill_chunk"):
+        EngineOptions(prefill_chunk=0)
 
 
 def test_bad_requests_raise_at_the_call(greedy_targets):
