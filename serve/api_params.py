@@ -2,8 +2,8 @@
 
 Every field of the OpenAI chat and completions request schemas (and vLLM's common sampling
 extensions) is either a field of the request models in serve/openai_api.py, and honoured, or
-listed here. A listed field is accepted only at its neutral value (a 0 penalty, `logprobs:
-false`, `response_format: {"type": "text"}`, ...); any other value is a 400 naming it, so no
+listed here. A listed field is accepted only at its neutral value (`min_p: 0`, `tools: []`,
+`response_format: {"type": "text"}`, ...); any other value is a 400 naming it, so no
 client gets output that silently ignored what it asked for. Fields in neither place are
 unknown and ignored, as OpenAI and vLLM ignore them.
 """
@@ -11,6 +11,10 @@ unknown and ignored, as OpenAI and vLLM ignore them.
 from __future__ import annotations
 
 from typing import Any, Callable
+
+# The OpenAI schema's bounds, which the engine's processors check too (serve/processors.py).
+PENALTY_RANGE = 2.0  # |presence_penalty| and |frequency_penalty| (vLLM's bound as well)
+BIAS_RANGE = 100.0  # |logit_bias| values
 
 
 def _null(v: Any) -> bool:
@@ -46,20 +50,14 @@ def _text_modality(v: Any) -> bool:
     return v is None or v == ["text"]
 
 
-_ENGINE = "it needs a logits processor in the engine, which this server does not have yet"
-_LOGPROBS = "log-probabilities are not returned by this server yet"
+_ENGINE = "this server's engine does not implement that logits processor"
+_LOGPROBS = "prompt log-probabilities are not computed by this server (logprobs of the output are)"
 _TOOLS = "this server does not do tool calling"
 _GRAMMAR = "constrained decoding is not implemented by this server"
 _NO = "this server does not support it"
 
 # name -> (is the value neutral?, why any other value is refused)
 _SAMPLING: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "frequency_penalty": (_number(0), _ENGINE),
-    "presence_penalty": (_number(0), _ENGINE),
-    "repetition_penalty": (_number(1), _ENGINE),
-    "logit_bias": (_empty, _ENGINE),
-    "min_tokens": (_number(0), _ENGINE),
-    "ignore_eos": (_false, _ENGINE),
     "min_p": (_number(0), _ENGINE),
     "stop_token_ids": (_empty, _ENGINE),
     "allowed_token_ids": (_empty, _ENGINE),
@@ -72,7 +70,7 @@ _SAMPLING: dict[str, tuple[Callable[[Any], bool], str]] = {
     "guided_choice": (_null, _GRAMMAR),
     "guided_grammar": (_null, _GRAMMAR),
     "prompt_logprobs": (_null, _LOGPROBS),
-    "return_tokens_as_token_ids": (_false, _LOGPROBS),
+    "return_tokens_as_token_ids": (_false, "log-probs always name their tokens as text"),
     "include_stop_str_in_output": (_false, "stop strings are always cut from the output"),
     "skip_special_tokens": (_true, "special tokens are always left out of the text"),
     "use_beam_search": (_false, _NO),
@@ -83,8 +81,6 @@ _SAMPLING: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 _CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
     **_SAMPLING,
-    "logprobs": (_false, _LOGPROBS),
-    "top_logprobs": (_number(0), _LOGPROBS),
     "tools": (_empty, _TOOLS),
     "tool_choice": (_no_tool_choice, _TOOLS),
     "functions": (_empty, _TOOLS),
@@ -106,7 +102,6 @@ _CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 _COMPLETION: dict[str, tuple[Callable[[Any], bool], str]] = {
     **_SAMPLING,
-    "logprobs": (_null, _LOGPROBS),
     "suffix": (_empty, "insertion (a suffix after the completion) is not implemented"),
     "best_of": (_number(1), "only one completion per request is generated"),
 }

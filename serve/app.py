@@ -34,6 +34,8 @@ from serve.openai_api import (
     CompletionRequest,
     IncrementalText,
     DetokenizeRequest,
+    chat_logprobs,
+    completion_logprobs,
     TokenizeRequest,
     chat_body,
     chat_chunk,
@@ -71,6 +73,7 @@ class TargetReplica:
         torch.set_num_threads(threads)
         loaded = load_target(cfg.model.target, cfg.model, progress=False)
         self.tokenizer = loaded.tokenizer
+        self._token_texts: dict[int, str] = {}
         self.target = loaded.model
         self.engine = SpecEngine(loaded.model, None, loaded.tokenizer, EngineOptions.from_config(cfg.serve, cfg.model))
         self.router = self._make_router(cfg, build_draft)
@@ -189,6 +192,9 @@ class TargetReplica:
             # While a canary runs, both arms draft every step, so the controller gets served
             # acceptance to compare even where the cost rule would draft nothing.
             min_draft=1 if self.router.routing.canary is not None else 0,
+            processors=_processors(req.get("processors")),
+            ignore_eos=bool(req.get("ignore_eos")),
+            logprobs=req.get("logprobs"),
         )
         return list(ids), params, (domain_of(user_text) if user_text else None), record
 
@@ -212,6 +218,8 @@ class TargetReplica:
         self._sync_record_metrics()
         st = result.stats
         return {
+            "logprobs": (self._logprob_entries(result.output_ids, result.logprobs)
+                         if result.logprobs is not None else None),
             "text": result.text or "",
             "finish_reason": result.finish_reason,
             "output_ids": result.output_ids,
@@ -226,6 +234,21 @@ class TargetReplica:
             "replica": self.replica_id,
             "latency_s": latency,
         }
+
+    def _logprob_entries(self, tokens: list[int],
+                         logprobs: list[tuple[float, list[tuple[int, float]]]]) -> list[dict[str, Any]]:
+        """The engine's log-probs of `tokens` as the ingress formats them, each token as its text:
+        [{"token", "logprob", "top": [[token, logprob]...]}]."""
+        text = self._token_text
+        return [{"token": text(t), "logprob": lp, "top": [[text(i), v] for i, v in top]}
+                for t, (lp, top) in zip(tokens, logprobs)]
+
+    def _token_text(self, token: int) -> str:
+        # Memoised: a response names up to capture_top_k + 1 tokens per position.
+        got = self._token_texts.get(token)
+        if got is None:
+            got = self._token_texts[token] = self.tokenizer.decode([token])
+        return got
 
     def _sync_record_metrics(self) -> None:
         if self.producer is not None:
@@ -294,8 +317,11 @@ class TargetReplica:
             emitted = 0
             try:
                 async for toks in stream:
+                    item: dict[str, Any] = {"text": text.push(toks), "completion_tokens": emitted + len(toks)}
+                    if params.logprobs is not None:  # this step's tokens' (the engine wrote them before yielding)
+                        item["logprobs"] = self._logprob_entries(toks, stream.logprobs[emitted:emitted + len(toks)])
                     emitted += len(toks)
-                    yield {"text": text.push(toks), "completion_tokens": emitted}
+                    yield item
                 result = stream.result
                 yield {"text": text.finish(result.text or "")}
                 yield {"done": self._finish(req, version, result, domain, record, t0)}
@@ -372,6 +398,20 @@ class TargetReplica:
         producer = getattr(self, "producer", None)
         if producer is not None:
             producer.close(timeout=2.0)
+
+
+def _processors(fields: dict[str, Any] | None) -> Any:
+    """ProcessorParams from the ingress's JSON (absent: none; a caller inside the cluster may
+    send a request without them)."""
+    from serve.engine import RequestError
+    from serve.processors import ProcessorParams
+
+    if not fields:
+        return ProcessorParams()
+    try:
+        return ProcessorParams(**{**fields, "logit_bias": tuple((int(t), float(b)) for t, b in fields["logit_bias"])})
+    except ValueError as e:  # the ingress checks these bounds; a direct caller gets a 400 too
+        raise RequestError(str(e)) from None
 
 
 # ---------------------------------------------------------------- ingress
@@ -465,6 +505,9 @@ class OpenAIIngress:
             "stop": list(req.stop_list()),
             "record": req.osd_record,
             "speculate": req.osd_speculate,
+            "processors": req.processors(),
+            "ignore_eos": req.ignore_eos,
+            "logprobs": req.top_logprobs_n(),
         }
         if isinstance(req, ChatCompletionRequest):
             out.update(kind="chat", messages=req.flat_messages(), max_tokens=req.token_budget(),
@@ -496,7 +539,8 @@ class OpenAIIngress:
                                             code="internal_error"))
 
     async def _complete(self, request: Request, kind: type) -> Any:
-        req = parse_request(kind, await self._body(request), self.cfg.serve.max_new_tokens)
+        req = parse_request(kind, await self._body(request), self.cfg.serve.max_new_tokens,
+                            self.cfg.serve.capture_top_k)
         self._check_model(req.model)
         ereq = self._engine_request(req, _request_id(request))
         # completions' echo: the prompt's text first (token-id prompts are decoded by a replica).
@@ -532,17 +576,20 @@ class OpenAIIngress:
         rid, created = ereq["request_id"], int(time.time())
         is_chat = isinstance(req, ChatCompletionRequest)
         completion_tokens = 0
+        offset = len(echo)  # completions' text_offset of the next token
 
         def chunk(text: str | None, finish_reason: str | None = None, extra: dict[str, Any] | None = None,
-                  delta: dict[str, Any] | None = None) -> str:
+                  delta: dict[str, Any] | None = None, logprobs: list[dict[str, Any]] | None = None) -> str:
             if req.continuous_usage():  # vLLM's running usage on every chunk
                 extra = {**(extra or {}), "usage": {"prompt_tokens": prompt_tokens,
                                                     "completion_tokens": completion_tokens,
                                                     "total_tokens": prompt_tokens + completion_tokens}}
             if is_chat:
                 delta = delta or ({"content": text} if text is not None else {})
-                return chat_chunk(rid, self.model_id, created, delta, finish_reason, extra)
-            return completion_chunk(rid, self.model_id, created, text or "", finish_reason, extra)
+                return chat_chunk(rid, self.model_id, created, delta, finish_reason, extra,
+                                  chat_logprobs(logprobs) if logprobs else None)
+            return completion_chunk(rid, self.model_id, created, text or "", finish_reason, extra,
+                                    completion_logprobs(logprobs, offset) if logprobs else None)
 
         if is_chat:
             yield chunk(None, delta={"role": "assistant", "content": ""})
@@ -552,8 +599,11 @@ class OpenAIIngress:
             async for item in gen:
                 if "text" in item:
                     completion_tokens = item.get("completion_tokens", completion_tokens)
-                    if item["text"]:
-                        yield chunk(item["text"])
+                    # A step's log-probs ride with its text, or alone where the text is held back.
+                    lps = item.get("logprobs")
+                    if item["text"] or lps:
+                        yield chunk(item["text"], logprobs=lps)
+                        offset += sum(len(e["token"]) for e in lps or ())
                 elif "done" in item:
                     result = item["done"]
                     completion_tokens = result["usage"]["completion_tokens"]

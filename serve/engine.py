@@ -54,6 +54,7 @@ from serve import gpu_stages
 from serve.head_runner import is_head, propose_head, propose_heads
 from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
 from serve.k_policy import KPolicy, StepCosts, profile_forward
+from serve.processors import LogitsProcessor
 from serve.linear import QUANT_MODES
 from serve.runner import LlamaRunner, Runner, make_runner
 from serve.graphs import GraphLlamaRunner, StagingRing
@@ -134,6 +135,9 @@ class GenerationResult:
     capture: Capture | None
     prefill_s: float
     decode_s: float
+    # Per output token (its logprob, [(id, logprob)] of the most likely), raw target
+    # distribution; None unless GenerationParams.logprobs was set.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     @property
     def usage(self) -> dict[str, int]:
@@ -239,7 +243,21 @@ class SpecEngine:
             raise RequestError(
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
                 f"the context of {self.max_seq_len} tokens", code="context_length_exceeded")
+        self._check_processing(params)
         return prompt
+
+    def _check_processing(self, params: GenerationParams) -> None:
+        """What the vocab and the budget bound: logit_bias ids, min_tokens, logprobs."""
+        vocab = self.target.vocab_size
+        bad = [t for t, _ in params.processors.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"logit_bias has token ids outside the vocab [0, {vocab}): {bad[:5]}",
+                               code="invalid_logit_bias")
+        if params.processors.min_tokens > params.max_new_tokens:
+            raise RequestError(f"min_tokens ({params.processors.min_tokens}) is over max_new_tokens "
+                               f"({params.max_new_tokens})")
+        if params.logprobs is not None and not 0 <= params.logprobs <= vocab:
+            raise RequestError(f"logprobs must be in [0, {vocab}], got {params.logprobs}")
 
     # -- the loop ---------------------------------------------------------------
 
@@ -252,6 +270,8 @@ class SpecEngine:
             cap = CaptureBuffer(params.max_new_tokens, min(self.options.capture_top_k, self.target.vocab_size),
                                 self.device)
         seq = Seq(prompt, params, slot, k, self.eos, cap, self.device, draft if use_draft else None, self.ring)
+        if params.processors.active:
+            seq.proc = LogitsProcessor(params.processors, prompt, seq.eos, self.target.vocab_size, self.device)
         if params.stop and self.tokenizer is not None:
             seq.stops = StopScanner(self.tokenizer, params.stop)
         if seq.draft is not None and self.options.k_policy == "cost":
@@ -415,7 +435,9 @@ class SpecEngine:
         """Trees while the whole tree fits the context and its deepest path fits the token
         budget; chains otherwise (and for a runner without masked blocks)."""
         t = self.tree
-        return (t is not None and seq.draft is not None
+        # Processors make each tree node's distribution depend on its own path: such requests
+        # verify chains (serve/stages.py), which process every row by its prefix.
+        return (t is not None and seq.draft is not None and seq.proc is None
                 and (hasattr(seq.draft, "forward_masked") or is_head(seq.draft)) and can_expand(seq)
                 and remaining > t.depth and len(seq.tokens) - 1 + t.total <= self.max_seq_len)
 
@@ -467,7 +489,7 @@ class SpecEngine:
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.out, skip_special_tokens=True)
         return GenerationResult(seq.tokens[: seq.n_prompt], seq.out, seq.finish or "length", text, seq.stats,
-                                capture, prefill_s, decode_s)
+                                capture, prefill_s, decode_s, seq.logprobs)
 
     def generate(self, prompt_ids: Sequence[int], params: GenerationParams | None = None,
                  draft: Any = DEFAULT) -> GenerationResult:
@@ -555,6 +577,14 @@ class RequestStream:
         self.draft = draft  # fixed at the call: a hot swap never changes a request in flight
         self.result: GenerationResult | None = None
         self._slot: Slot | None = None
+        self._seq: Seq | None = None
+
+    @property
+    def logprobs(self) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Log-probabilities of the tokens yielded so far (GenerationResult.logprobs' form; []
+        unless asked): a consumer reads those of a step's tokens after the step is yielded."""
+        seq = self._seq
+        return seq.logprobs if seq is not None and seq.logprobs is not None else []
 
     async def admit(self) -> None:
         """Wait for a KV slot (bounded: serve.admission.Overloaded or QueueTimeout). Lets a
@@ -584,7 +614,7 @@ class RequestStream:
                 if seq is not None:
                     seq.cancelled = True
 
-        seq = eng._submit(self.prompt, self.params, slot, self.draft, post)
+        seq = self._seq = eng._submit(self.prompt, self.params, slot, self.draft, post)
         ended = False
         eng.scheduler.ensure_driver()
         try:

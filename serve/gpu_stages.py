@@ -34,6 +34,14 @@ def _choose(logits: torch.Tensor, params: Any, gen: torch.Generator | None):
     return j, probs.gather(0, j), probs
 
 
+def _so_far(seq: Any, toks: list[torch.Tensor]) -> torch.Tensor | None:
+    """This step's drafts so far, on the device, for the request's processors (no host read);
+    None without processors, which never read them."""
+    if seq.proc is None:
+        return None
+    return torch.cat(toks) if toks else torch.empty(0, dtype=torch.long, device=seq.device)
+
+
 def propose_layers(draft: Any, seq: Any, k: int):
     """Draft k tokens with a layer draft. Returns (tokens [k], q [k, V] or None, own probs [k]),
     every one a device tensor."""
@@ -42,7 +50,8 @@ def propose_layers(draft: Any, seq: Any, k: int):
     inp = seq.pending(cache)
     toks, owns, qs = [], [], []
     for _ in range(k):
-        j, p, probs = _choose(draft.forward(inp, cache)[-1], params, seq.gen)
+        logits = seq.draft_logits(draft.forward(inp, cache)[-1], _so_far(seq, toks))
+        j, p, probs = _choose(logits, params, seq.gen)
         toks.append(j)
         owns.append(p)
         if probs is not None:
@@ -65,7 +74,7 @@ def propose_head(runner: Any, seq: Any, k: int):
     toks, owns, qs = [], [], []
     for _ in range(k):
         logits, g = runner.rows(g, nxt, cache)
-        j, p, probs = _choose(logits, params, seq.gen)
+        j, p, probs = _choose(seq.draft_logits(logits, _so_far(seq, toks), d2t), params, seq.gen)
         nxt = d2t[j]
         toks.append(nxt)
         owns.append(p)
@@ -79,6 +88,7 @@ def verify(seq: Any, drafts: torch.Tensor, q: torch.Tensor | None,
     """(accepted count, next token, the drafts as host ints), with one read from the device."""
     k = drafts.shape[0]
     params = seq.params.sampling
+    logits = seq.target_logits(logits, drafts)  # the raw ones still reach commit (capture, logprobs)
     if params.greedy:
         am = torch.argmax(logits, dim=-1)
         n = (drafts == am[:k]).long().cumprod(0).sum().view(1)

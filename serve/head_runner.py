@@ -186,7 +186,8 @@ def propose_heads(runner: HeadRunner, seqs: list[Any], ks: list[int], confidence
         going = []
         for row, i in enumerate(live):
             params = seqs[i].params.sampling
-            probs = torch.softmax(logits[row], dim=-1) if params.greedy else warp_probs(logits[row], params)
+            lg = seqs[i].draft_logits(logits[row], tokens[i], d2t)  # the request's processors, as the target's
+            probs = torch.softmax(lg, dim=-1) if params.greedy else warp_probs(lg, params)
             if pos > 0 and float(probs.max()) < confidence:  # decided before drawing, as propose()
                 continue
             j = int(torch.argmax(probs)) if params.greedy else int(torch.multinomial(probs, 1, generator=seqs[i].gen))

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from serve.api_params import unsupported_field
+from serve.api_params import BIAS_RANGE, PENALTY_RANGE, unsupported_field
 from serve.detokenize import REPLACEMENT, StopScanner
 
 
@@ -70,6 +70,14 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
+    # Logits processors, applied to the target's and the draft's logits alike (serve/processors.py).
+    presence_penalty: float = Field(0.0, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
+    frequency_penalty: float = Field(0.0, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias in [-100, 100]
+    # vLLM's extensions.
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
     # Informational, with no effect on the output (OpenAI's own use is abuse monitoring,
     # caching and billing): accepted, and changes nothing.
     user: str | None = None
@@ -88,6 +96,16 @@ class _Request(BaseModel):
     @classmethod
     def _nulls_are_defaults(cls, data: Any) -> Any:
         return _drop_nulls(cls, data)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids (integers >= 0), got {key!r}")
+            if not -BIAS_RANGE <= bias <= BIAS_RANGE:
+                raise ValueError(f"values must be in [-{BIAS_RANGE:g}, {BIAS_RANGE:g}], got {bias} for {key}")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -111,6 +129,19 @@ class _Request(BaseModel):
     def token_budget(self) -> int | None:
         return self.max_tokens
 
+    def processors(self) -> dict[str, Any]:
+        """serve.processors.ProcessorParams' fields, as plain JSON for the replica."""
+        return {"presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                "repetition_penalty": self.repetition_penalty, "min_tokens": self.min_tokens,
+                "logit_bias": [[int(k), b] for k, b in (self.logit_bias or {}).items()]}
+
+    def top_logprobs_n(self) -> int | None:
+        """None: no log-probs; n: each token's and the n most likely at its position."""
+        return None
+
+    def logprobs_param(self) -> str:
+        return "logprobs"
+
     def check(self) -> None:
         """Checks past the field types: APIError(400) naming the field."""
 
@@ -122,8 +153,15 @@ class CompletionRequest(_Request):
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     echo: bool = False  # the prompt's text before the completion
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS etc. around the prompt
+    logprobs: int | None = Field(None, ge=0)  # the chosen token's and this many most likely
+
+    def top_logprobs_n(self) -> int | None:
+        return self.logprobs
 
     def check(self) -> None:
+        if self.echo and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs would need the prompt's log-probs, which this server does not "
+                           "compute; ask for one or the other", param="logprobs", code="unsupported_parameter")
         p = self.prompt
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]  # a batch of one prompt
@@ -195,9 +233,17 @@ class ChatCompletionRequest(_Request):
     # (assistant) message as it stands.
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def top_logprobs_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def logprobs_param(self) -> str:
+        return "top_logprobs" if self.top_logprobs else "logprobs"
 
     def budget_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
@@ -207,6 +253,8 @@ class ChatCompletionRequest(_Request):
 
     def check(self) -> None:
         self.flat_messages()
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.continue_final_message:
             if self.add_generation_prompt:
                 raise APIError(400, "continue_final_message needs add_generation_prompt: false",
@@ -283,8 +331,9 @@ def parse_body(kind: type[M], raw: bytes, refused: str | None = None) -> M:
     return req
 
 
-def parse_request(kind: type[_Request], raw: bytes, max_new_tokens: int) -> _Request:
-    """Bytes of the HTTP body -> a validated completion request, or APIError(400)."""
+def parse_request(kind: type[_Request], raw: bytes, max_new_tokens: int, max_logprobs: int | None = None) -> _Request:
+    """Bytes of the HTTP body -> a validated completion request, or APIError(400).
+    max_logprobs: the most log-probs a position may return (serve.capture_top_k); None: no cap."""
     req = parse_body(kind, raw, "chat" if kind is ChatCompletionRequest else "completion")
     if req.n != 1:
         raise APIError(400, "only n=1 is supported", param="n")
@@ -294,6 +343,12 @@ def parse_request(kind: type[_Request], raw: bytes, max_new_tokens: int) -> _Req
     if budget is not None and budget > max_new_tokens:
         param = req.budget_param() if isinstance(req, ChatCompletionRequest) else "max_tokens"
         raise APIError(400, f"{param} ({budget}) is over this server's limit of {max_new_tokens}", param=param)
+    if budget is not None and req.min_tokens > budget:
+        raise APIError(400, f"min_tokens ({req.min_tokens}) is over the token budget ({budget})", param="min_tokens")
+    top = req.top_logprobs_n()
+    if top is not None and max_logprobs is not None and top > max_logprobs:
+        raise APIError(400, f"{req.logprobs_param()} ({top}) is over this server's limit of {max_logprobs} "
+                       f"(serve.capture_top_k)", param=req.logprobs_param())
     return req
 
 
@@ -342,44 +397,87 @@ def osd_extension(result: dict[str, Any]) -> dict[str, Any]:
                                    "num_draft_tokens", "num_accepted_tokens", "record_id")}
 
 
+# vLLM's stand-in for a log-prob of -inf, which JSON cannot carry.
+LOGPROB_FLOOR = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def _token_lp(token: str, logprob: float) -> dict[str, Any]:
+    # bytes of the token's text, as vLLM sends them (a token cut inside a character reads U+FFFD).
+    return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode("utf-8", errors="replace"))}
+
+
+def chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """A chat choice's `logprobs` from the replica's entries ({"token", "logprob", "top": [[token,
+    logprob]...]} per output token)."""
+    return {"content": [{**_token_lp(e["token"], e["logprob"]),
+                         "top_logprobs": [_token_lp(t, v) for t, v in e["top"]]} for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: list[dict[str, Any]], offset: int = 0) -> dict[str, Any]:
+    """A completion choice's `logprobs` (the legacy shape); offset: characters of text before the
+    first token (a stream's earlier chunks). top_logprobs holds the chosen token too, as vLLM's."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for e in entries:
+        top = {t: _lp(v) for t, v in e["top"]}
+        top.setdefault(e["token"], _lp(e["logprob"]))
+        out["tokens"].append(e["token"])
+        out["token_logprobs"].append(_lp(e["logprob"]))
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(e["token"])
+    return out
+
+
 def completion_body(req_id: str, model: str, result: dict[str, Any]) -> dict[str, Any]:
+    lps = result.get("logprobs")
     return {
         "id": req_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": result["text"], "finish_reason": result["finish_reason"], "logprobs": None}],
+        "choices": [{"index": 0, "text": result["text"], "finish_reason": result["finish_reason"],
+                     "logprobs": completion_logprobs(lps) if lps is not None else None}],
         "usage": result["usage"],
         "osd": osd_extension(result),
     }
 
 
 def chat_body(req_id: str, model: str, result: dict[str, Any]) -> dict[str, Any]:
+    lps = result.get("logprobs")
     return {
         "id": req_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": result["text"], "refusal": None},
-                     "logprobs": None, "finish_reason": result["finish_reason"]}],
+                     "logprobs": chat_logprobs(lps) if lps is not None else None,
+                     "finish_reason": result["finish_reason"]}],
         "usage": result["usage"],
         "osd": osd_extension(result),
     }
 
 
 def chat_chunk(req_id: str, model: str, created: int, delta: dict[str, Any], finish_reason: str | None = None,
-               extra: dict[str, Any] | None = None) -> str:
+               extra: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None) -> str:
+    choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+    if logprobs is not None:
+        choice["logprobs"] = logprobs
     body = {"id": req_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish_reason}]}
+            "choices": [choice]}
     if extra:
         body.update(extra)
     return f"data: {json.dumps(body)}\n\n"
 
 
 def completion_chunk(req_id: str, model: str, created: int, text: str, finish_reason: str | None = None,
-                     extra: dict[str, Any] | None = None) -> str:
+                     extra: dict[str, Any] | None = None, logprobs: dict[str, Any] | None = None) -> str:
     body = {"id": req_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
     if extra:
         body.update(extra)
     return f"data: {json.dumps(body)}\n\n"

@@ -15,6 +15,7 @@ from serve.capture import CaptureBuffer
 from serve.detokenize import StopScanner
 from serve.graphs import StagingRing
 from serve.k_policy import RequestK
+from serve.processors import LogitsProcessor, ProcessorParams
 from serve.runner import KVCache, Runner
 from serve.verify import SamplingParams
 
@@ -31,6 +32,13 @@ class GenerationParams:
     # says: a canary comparison needs served acceptance from both arms, even where drafting
     # does not pay.
     min_draft: int = 0
+    # Penalties, logit bias and min_tokens, applied to the target's and the draft's logits
+    # alike (serve/processors.py); records still capture the raw target distribution.
+    processors: ProcessorParams = ProcessorParams()
+    ignore_eos: bool = False  # never stop on EOS (min_tokens then holds nothing back)
+    # None: no log-probabilities; n >= 0: each emitted token's and the n most likely at its
+    # position, of the raw target distribution (GenerationResult.logprobs).
+    logprobs: int | None = None
 
 
 STAGES = ("propose", "score", "verify", "commit")
@@ -126,7 +134,12 @@ class Seq:
         self.dcache = slot.draft_cache(draft) if draft is not None else None
         self.k = k  # this request's current draft budget (k_policy schedule moves it within [1, k])
         self.kreq: RequestK | None = None  # k_policy cost: this request's choice of k
-        self.eos = eos
+        self.eos = frozenset() if params.ignore_eos else eos
+        # Set by the engine when params.processors is active (it knows the vocab).
+        self.proc: LogitsProcessor | None = None
+        # Per emitted token (logprob, [(id, logprob)...]) when params.logprobs is set.
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] | None = (
+            [] if params.logprobs is not None else None)
         self.out: list[int] = []
         self.finish: str | None = None
         self.text: str | None = None  # set when a stop string cut the output
@@ -166,6 +179,22 @@ class Seq:
     def pending(self, cache: KVCache) -> torch.Tensor:
         """Committed tokens the cache has not seen yet (1, or 2 after a full acceptance)."""
         return self.to_device(self.tokens[cache.length:])
+
+    def draft_logits(self, logits: torch.Tensor, drafted: list[int] | torch.Tensor | None,
+                     columns: torch.Tensor | None = None) -> torch.Tensor:
+        """A draft's logits [C] for its next token through the request's processors, seeing the
+        tokens drafted so far this step, as the target's are at that position; unchanged when
+        the request has none. columns: the target ids of a reduced-vocabulary draft's logits."""
+        if self.proc is None or drafted is None:
+            return logits
+        if not isinstance(drafted, torch.Tensor):
+            drafted = torch.tensor(drafted, dtype=torch.long, device=logits.device)
+        return self.proc.apply(logits.unsqueeze(0), drafted, columns)[0]
+
+    def target_logits(self, logits: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+        """The target's logits [k+1, V] the sampling rule reads: through the request's processors
+        (row j seeing drafts 0..j-1) when it has any. Capture and log-probabilities read the raw ones."""
+        return logits if self.proc is None else self.proc.apply(logits, drafts)
 
     def to_device(self, values: list[int]) -> torch.Tensor:
         if self.ring is not None:

@@ -15,6 +15,7 @@ import torch
 
 from serve.detokenize import StopScanner
 from serve.head_runner import commit_head, is_head, prefill_head
+from serve.processors import token_logprobs
 from serve.runner import Runner
 from serve.seq import STAGES, Seq
 from serve.verify import verify_greedy, verify_sampling, warp_probs
@@ -69,7 +70,7 @@ def propose(draft: Runner, seq: Seq, k: int, confidence: float):
         draft.prefill(inp[:-1], cache)
         inp = inp[-1:]
     for i in range(k):
-        logits = draft.forward(inp, cache)[-1]
+        logits = seq.draft_logits(draft.forward(inp, cache)[-1], tokens)
         probs = torch.softmax(logits, dim=-1) if params.greedy else warp_probs(logits, params)
         # The first proposal is always made; later ones only while the draft is confident.
         # Decided on the draft's top probability *before* drawing: stopping on the drawn token's
@@ -102,6 +103,7 @@ def score(target: Runner, seq: Seq, drafts: torch.Tensor) -> torch.Tensor:
 
 def verify(seq: Seq, drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor) -> tuple[int, int]:
     params = seq.params.sampling
+    logits = seq.target_logits(logits, drafts)
     if params.greedy:
         return verify_greedy(drafts, torch.argmax(logits, dim=-1))
     return verify_sampling(drafts, q if q is not None else logits.new_zeros(0, logits.shape[-1]),
@@ -152,6 +154,10 @@ def commit(seq: Seq, drafts: list[int], own: list[float], logits: torch.Tensor, 
         if len(seq.out) >= seq.params.max_new_tokens:
             seq.finish = "length"
             break
+    if seq.proc is not None:
+        seq.proc.add(emitted)
+    if seq.logprobs is not None:
+        seq.logprobs += token_logprobs(logits, emitted, seq.params.logprobs)
     if seq.stops is not None:
         _apply_stop_strings(seq, seq.stops, emitted)
     return emitted

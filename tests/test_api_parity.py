@@ -120,6 +120,69 @@ def test_continue_final_message_needs_an_assistant_last_and_no_generation_prompt
         assert e.value.param == "continue_final_message"
 
 
+# ---------------------------------------------------------------- processors and log-probs
+
+def test_processor_fields_reach_the_engine_request_as_given():
+    req = parse("chat", presence_penalty=0.5, frequency_penalty=-1.5, repetition_penalty=1.2, min_tokens=3,
+                logit_bias={"10": 5, " 7": -100}, ignore_eos=True, max_tokens=8)
+    assert req.processors() == {"presence_penalty": 0.5, "frequency_penalty": -1.5, "repetition_penalty": 1.2,
+                                "min_tokens": 3, "logit_bias": [[10, 5.0], [7, -100.0]]}
+    assert req.ignore_eos and req.top_logprobs_n() is None
+    assert parse("chat", logprobs=True).top_logprobs_n() == 0
+    assert parse("chat", logprobs=True, top_logprobs=5).top_logprobs_n() == 5
+    assert parse("completion", logprobs=0).top_logprobs_n() == 0
+    assert parse("completion", logprobs=3).top_logprobs_n() == 3
+
+
+@pytest.mark.parametrize("kind,fields,param", [
+    ("chat", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("chat", {"frequency_penalty": -2.01}, "frequency_penalty"),
+    ("completion", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("chat", {"repetition_penalty": -1}, "repetition_penalty"),
+    ("chat", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("chat", {"logit_bias": {"-3": 1}}, "logit_bias"),
+    ("completion", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("chat", {"logit_bias": {"5": "high"}}, "logit_bias.5"),
+    ("chat", {"min_tokens": -1}, "min_tokens"),
+    ("chat", {"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 33}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("completion", {"logprobs": 33}, "logprobs"),
+    ("completion", {"logprobs": -1}, "logprobs"),
+    ("completion", {"logprobs": 2, "echo": True}, "logprobs"),
+])
+def test_bad_processor_and_logprob_values_are_400s_naming_the_field(kind, fields, param):
+    with pytest.raises(APIError) as e:
+        parse_request(KINDS[kind], json.dumps({**BASE[kind], **fields}).encode(), 64, 32)
+    assert e.value.status == 400 and e.value.param.startswith(param), (e.value.param, e.value.message)
+
+
+def test_logprobs_up_to_the_capture_top_k_are_accepted():
+    body = json.dumps({**BASE["chat"], "logprobs": True, "top_logprobs": 32}).encode()
+    assert parse_request(ChatCompletionRequest, body, 64, 32).top_logprobs_n() == 32
+
+
+def test_logprob_shapes_are_openais():
+    from serve.openai_api import chat_body, completion_chunk, completion_logprobs
+
+    entries = [{"token": "hé", "logprob": -0.5, "top": [["hé", -0.5], ["a", -1.5]]},
+               {"token": "!", "logprob": float("-inf"), "top": [["x", -0.1]]}]
+    result = {"text": "hé!", "finish_reason": "length", "usage": {}, "logprobs": entries,
+              **dict.fromkeys(["draft_version", "acceptance_rate", "mean_accepted_len", "num_drafts",
+                               "num_draft_tokens", "num_accepted_tokens", "record_id"])}
+    content = chat_body("id", "m", result)["choices"][0]["logprobs"]["content"]
+    assert content[0] == {"token": "hé", "logprob": -0.5, "bytes": [104, 195, 169],
+                          "top_logprobs": [{"token": "hé", "logprob": -0.5, "bytes": [104, 195, 169]},
+                                           {"token": "a", "logprob": -1.5, "bytes": [97]}]}
+    assert content[1]["logprob"] == -9999.0  # JSON has no -inf (vLLM's floor)
+    legacy = completion_logprobs(entries, offset=4)
+    assert legacy == {"tokens": ["hé", "!"], "token_logprobs": [-0.5, -9999.0],
+                      "top_logprobs": [{"hé": -0.5, "a": -1.5}, {"x": -0.1, "!": -9999.0}], "text_offset": [4, 6]}
+    chunk = json.loads(completion_chunk("id", "m", 0, "hé!", logprobs=legacy)[len("data: "):])
+    assert chunk["choices"][0]["logprobs"] == legacy
+
+
 # ---------------------------------------------------------------- the chat template
 
 def test_developer_renders_as_system_unless_the_template_knows_it():

@@ -208,11 +208,6 @@ def test_n_above_one_is_refused(client):
 
 # Each parameter the engine cannot honour yet: refused, naming it, never silently ignored.
 REFUSED_CHAT = [
-    ("frequency_penalty", {"frequency_penalty": 0.5}),
-    ("presence_penalty", {"presence_penalty": -1.0}),
-    ("logit_bias", {"logit_bias": {"10": 5}}),
-    ("logprobs", {"logprobs": True}),
-    ("top_logprobs", {"top_logprobs": 2}),
     ("response_format", {"response_format": {"type": "json_object"}}),
     ("response_format", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
     ("tools", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}),
@@ -223,9 +218,6 @@ REFUSED_CHAT = [
     ("prediction", {"prediction": {"type": "content", "content": "x"}}),
     ("store", {"store": True}),
     ("web_search_options", {"web_search_options": {}}),
-    ("repetition_penalty", {"extra_body": {"repetition_penalty": 1.2}}),
-    ("min_tokens", {"extra_body": {"min_tokens": 4}}),
-    ("ignore_eos", {"extra_body": {"ignore_eos": True}}),
     ("min_p", {"extra_body": {"min_p": 0.1}}),
     ("guided_json", {"extra_body": {"guided_json": {"type": "object"}}}),
     ("echo", {"extra_body": {"echo": True}}),
@@ -251,8 +243,8 @@ def test_neutral_values_of_unsupported_parameters_change_nothing(client):
 
 def test_stream_with_a_bad_parameter_is_an_error_before_any_chunk(client):
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="tiny-random", messages=user("x"), stream=True, logprobs=True,
-                                       **GREEDY)
+        client.chat.completions.create(model="tiny-random", messages=user("x"), stream=True,
+                                       response_format={"type": "json_object"}, **GREEDY)
 
 
 def test_prompt_over_the_context_is_a_400(client):
@@ -318,12 +310,10 @@ def test_a_batch_of_prompts_is_a_clear_400(client):
 
 
 REFUSED_COMPLETION = [
-    ("logprobs", {"logprobs": 2}),
     ("suffix", {"suffix": " end"}),
     ("best_of", {"best_of": 3}),
-    ("frequency_penalty", {"frequency_penalty": 1.0}),
-    ("logit_bias", {"logit_bias": {"5": -100}}),
-    ("ignore_eos", {"extra_body": {"ignore_eos": True}}),
+    ("min_p", {"extra_body": {"min_p": 0.2}}),
+    ("prompt_logprobs", {"extra_body": {"prompt_logprobs": 1}}),
 ]
 
 
@@ -338,6 +328,129 @@ def test_completion_neutral_values_are_accepted(client):
     a = client.completions.create(model="tiny-random", prompt="n", logprobs=None, suffix=None, best_of=1,
                                   presence_penalty=0, echo=False, **GREEDY).choices[0].text
     assert a == client.completions.create(model="tiny-random", prompt="n", **GREEDY).choices[0].text
+
+
+# ---------------------------------------------------------------- log-probs and logits processors
+
+def token_id(http, text):
+    (tok,) = http.post("/tokenize", {"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    return tok
+
+
+def test_chat_logprobs_are_the_targets_with_or_without_speculation(client):
+    kw = dict(logprobs=True, top_logprobs=3, **GREEDY)
+    sd = client.chat.completions.create(model="tiny-random", messages=user("log"), **kw)
+    ar = client.chat.completions.create(model="tiny-random", messages=user("log"),
+                                        extra_body={"osd_speculate": False}, **kw)
+    assert sd.model_extra["osd"]["num_draft_tokens"] > 0
+    content = sd.choices[0].logprobs.content
+    assert len(content) == sd.usage.completion_tokens
+    for got, want in zip(content, ar.choices[0].logprobs.content):
+        assert got.token == want.token and got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert got.bytes == list(got.token.encode("utf-8")) and len(got.top_logprobs) == 3
+        # greedy with no processors: the emitted token is the most likely one
+        assert got.top_logprobs[0].token == got.token and got.top_logprobs[0].logprob == pytest.approx(got.logprob)
+        assert [t.logprob for t in got.top_logprobs] == sorted((t.logprob for t in got.top_logprobs), reverse=True)
+
+
+def test_chat_logprobs_without_top_logprobs_and_off_by_default(client):
+    r = client.chat.completions.create(model="tiny-random", messages=user("lp"), logprobs=True, **GREEDY)
+    assert all(c.top_logprobs == [] and c.logprob <= 0 for c in r.choices[0].logprobs.content)
+    assert client.chat.completions.create(model="tiny-random", messages=user("lp"), **GREEDY).choices[0].logprobs is None
+
+
+def test_streamed_chat_logprobs_equal_the_plain_ones(client):
+    kw = dict(logprobs=True, top_logprobs=2, **GREEDY)
+    plain = client.chat.completions.create(model="tiny-random", messages=user("stream lp"), **kw)
+    chunks = list(client.chat.completions.create(model="tiny-random", messages=user("stream lp"), stream=True, **kw))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    want = plain.choices[0].logprobs.content
+    assert [c.token for c in streamed] == [c.token for c in want]
+    assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in want], abs=1e-4)
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == plain.choices[0].message.content
+
+
+def test_completion_logprobs_shape_and_stream(client):
+    plain = client.completions.create(model="tiny-random", prompt="legacy", logprobs=2, **GREEDY)
+    lp = plain.choices[0].logprobs
+    n = plain.usage.completion_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    # The 2 most likely plus the chosen one, keyed by text (byte tokens cut inside a character share U+FFFD).
+    assert all(1 <= len(top) <= 3 and tok in top for tok, top in zip(lp.tokens, lp.top_logprobs))
+    chunks = list(client.completions.create(model="tiny-random", prompt="legacy", logprobs=2, stream=True, **GREEDY))
+    tokens = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    offsets = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert tokens == lp.tokens and offsets == lp.text_offset
+
+
+def test_penalties_change_greedy_output_and_stay_lossless(client):
+    base = chat_text(client, user("repeat repeat repeat"), max_tokens=24)
+    kw = dict(presence_penalty=1.5, frequency_penalty=1.0, max_tokens=24)
+    pen = chat_text(client, user("repeat repeat repeat"), **kw)
+    assert pen != base
+    assert pen == chat_text(client, user("repeat repeat repeat"), extra_body={"osd_speculate": False}, **kw)
+    rep = dict(max_tokens=24, extra_body={"repetition_penalty": 1.8})
+    rep_sd = chat_text(client, user("repeat repeat repeat"), **rep)
+    assert rep_sd != base
+    assert rep_sd == chat_text(client, user("repeat repeat repeat"),
+                               **{**rep, "extra_body": {"repetition_penalty": 1.8, "osd_speculate": False}})
+
+
+def test_logit_bias_forces_and_forbids_tokens(client, http):
+    a = token_id(http, "a")
+    forced = client.completions.create(model="tiny-random", prompt="bias", logit_bias={str(a): 100}, **GREEDY)
+    assert forced.choices[0].text == "a" * 8
+    plain = client.completions.create(model="tiny-random", prompt="bias", **GREEDY).choices[0].text
+    first = token_id(http, plain[0]) if plain and plain[0].isascii() else None
+    if first is not None:
+        banned = client.completions.create(model="tiny-random", prompt="bias", logit_bias={str(first): -100},
+                                           **GREEDY).choices[0].text
+        assert not banned.startswith(plain[0])
+
+
+def test_ignore_eos_and_min_tokens(client, http):
+    eos = str(token_id(http, "<|im_end|>"))
+    kw = dict(model="tiny-random", messages=user("end"), temperature=0, max_tokens=6, logit_bias={eos: 100})
+    stops = client.chat.completions.create(**kw)
+    assert stops.choices[0].finish_reason == "stop" and stops.usage.completion_tokens == 1
+    through = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert through.choices[0].finish_reason == "length" and through.usage.completion_tokens == 6
+    held = client.chat.completions.create(**kw, extra_body={"min_tokens": 3})
+    assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 4
+
+
+def test_sampling_with_penalties_reproduces_with_a_seed(client):
+    kw = dict(temperature=1.0, seed=11, max_tokens=16, presence_penalty=0.5, logit_bias={"40": 2})
+    assert chat_text(client, user("seeded"), **kw) == chat_text(client, user("seeded"), **kw)
+
+
+BAD_VALUES = [
+    ("top_logprobs", {"logprobs": True, "top_logprobs": 33}),
+    ("top_logprobs", {"top_logprobs": 2}),
+    ("logit_bias", {"logit_bias": {"ten": 1}}),
+    ("logit_bias", {"logit_bias": {"5": 150}}),
+    ("presence_penalty", {"presence_penalty": 3}),
+    ("frequency_penalty", {"frequency_penalty": -2.5}),
+    ("repetition_penalty", {"extra_body": {"repetition_penalty": 0}}),
+    ("min_tokens", {"extra_body": {"min_tokens": 9}}),
+]
+
+
+@pytest.mark.parametrize("param,kw", BAD_VALUES, ids=[f"{p}-{i}" for i, (p, _) in enumerate(BAD_VALUES)])
+def test_bad_processor_values_are_400s_naming_them(client, param, kw):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny-random", messages=user("x"), **{**GREEDY, **kw})
+    assert e.value.body["param"].startswith(param)
+
+
+def test_out_of_vocab_logit_bias_and_echo_with_logprobs_are_400s(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny-random", messages=user("x"), logit_bias={"100000": 1}, **GREEDY)
+    assert "logit_bias" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-random", prompt="x", echo=True, logprobs=1, **GREEDY)
+    assert e.value.body["param"] == "logprobs"
 
 
 # ---------------------------------------------------------------- models, auth, errors
