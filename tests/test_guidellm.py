@@ -42,8 +42,8 @@ def guidellm(app, tmp_path, request_format: str, profile: str) -> dict:
            "--backend", f"kind=openai_http,target={app['url']},model=tiny-random,api_key={KEY},max_tokens=16,"
                         f"request_format={request_format}",
            "--profile", profile, "--constraint", f"kind=max_requests,count={REQUESTS}",
-           # No output_tokens: with it guidellm sends ignore_eos, which this server refuses for now.
-           "--data", "kind=synthetic_text,prompt_tokens=32",
+           # output_tokens makes guidellm send ignore_eos, as its default benchmark does (honoured).
+           "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
            "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
            "--output", f"kind=json,path={out}", "--disable-console"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
