@@ -298,6 +298,10 @@ class TrainConfig(_Section):
     warm_max_new_tokens: int = Field(64, ge=1)
     warm_epochs: int = Field(6, ge=1)
     warm_batch_size: int = Field(16, ge=1)
+    # Who writes the teacher answers: "engine", the serving engine's continuous batching in the
+    # serving weight format (pipeline/teacher_engine.py), or "hf", Hugging Face `generate` in
+    # the training dtype. warm_batch_size is the engine's concurrency, or hf's batch.
+    warm_teacher: Literal["engine", "hf"] = "engine"
     # The head's warm start (`osd draft init --family head`) adds ShareGPT conversations as
     # fixed text to the teacher records and makes its own number of passes: 400 and 2 gave
     # 220,644 tokens in 27-34 minutes on 2 cores (README, "Head against the layer draft").

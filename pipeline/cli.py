@@ -114,23 +114,27 @@ def _cmd_serve(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_draft_init(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from pipeline.teacher_engine import teacher_for
     from train.warm_start import run_warm_start
 
     if args.family == "head":
         from train.head_warm_start import run_head_warm_start
 
         updates = {k: v for k, v in (("head_warm_epochs", args.epochs), ("warm_prompts", args.prompts),
+                                     ("warm_max_new_tokens", args.max_new_tokens), ("warm_teacher", args.teacher),
                                      ("head_warm_conversations", args.conversations)) if v is not None}
         if updates:
             cfg = load_config(args.config, overrides={"train": updates})
-        result = run_head_warm_start(cfg, out_dir=args.out, force=args.force, draft_vocab=args.draft_vocab)
+        result = run_head_warm_start(cfg, out_dir=args.out, force=args.force, draft_vocab=args.draft_vocab,
+                                     generate=teacher_for(cfg))
         print(json.dumps({k: result.get(k) for k in ("path", "alpha_est_before", "alpha_est", "coverage")}, indent=2))
         return 0
     updates = {k: v for k, v in (("warm_prompts", args.prompts), ("warm_epochs", args.epochs),
-                                 ("warm_max_new_tokens", args.max_new_tokens)) if v is not None}
+                                 ("warm_max_new_tokens", args.max_new_tokens), ("warm_teacher", args.teacher))
+               if v is not None}
     if updates:
         cfg = load_config(args.config, overrides={"train": updates})
-    result = run_warm_start(cfg, out_dir=args.out, force=args.force)
+    result = run_warm_start(cfg, out_dir=args.out, force=args.force, generate=teacher_for(cfg))
     print(json.dumps({k: result.get(k) for k in ("version", "path", "alpha_est_before", "alpha_est")}, indent=2))
     return 0
 
@@ -174,6 +178,18 @@ def _cmd_bench_adapt(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
     run_adapt_bench(cfg, records=args.records, eval_prompts=args.eval_prompts, checkpoints=tuple(args.checkpoints),
                     arrive=args.arrive, variants=tuple(args.variants), json_path=args.json)
+    return 0
+
+
+def _cmd_bench_teacher(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from pipeline.bench_teacher import run_teacher_bench
+
+    try:
+        run_teacher_bench(cfg, prompts=args.prompts, rounds=args.rounds, max_new_tokens=args.max_new_tokens,
+                          json_path=args.json)
+    except ValueError as e:
+        print(f"osd: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -393,6 +409,16 @@ def _add_bench_stream_parser(bench_sub: argparse._SubParsersAction) -> None:
     bs.set_defaults(func=_cmd_bench_stream)
 
 
+def _add_bench_teacher_parser(bench_sub: argparse._SubParsersAction) -> None:
+    bt = bench_sub.add_parser("teacher", help="warm-start teacher answers: Hugging Face generate against the "
+                                              "serving engine's continuous batching, interleaved rounds")
+    bt.add_argument("--prompts", type=int, default=32, metavar="N", help="ShareGPT train prompts a round (default 32)")
+    bt.add_argument("--rounds", type=int, default=3, metavar="R", help="interleaved rounds (default 3)")
+    bt.add_argument("--max-new-tokens", type=int, metavar="M", help="default train.warm_max_new_tokens")
+    bt.add_argument("--json", metavar="PATH", default="reports/bench/teacher.json", help="where to write JSON")
+    bt.set_defaults(func=_cmd_bench_teacher)
+
+
 def _add_bench_load_parser(bench_sub: argparse._SubParsersAction) -> None:
     bl = bench_sub.add_parser("load", help="closed-loop streaming chat load on a running server at rising "
                                            "concurrency, speculation on and off")
@@ -521,6 +547,7 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     _add_bench_stream_parser(bench_sub)
     _add_bench_forward_parser(bench_sub)
     _add_bench_load_parser(bench_sub)
+    _add_bench_teacher_parser(bench_sub)
 
 
 def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
@@ -532,6 +559,9 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
     di.add_argument("--epochs", type=int, help="passes over the training data (default train.head_warm_epochs, "
                                                "train.warm_epochs for layer)")
     di.add_argument("--max-new-tokens", type=int, help="teacher tokens per prompt (default train.warm_max_new_tokens)")
+    di.add_argument("--teacher", choices=("engine", "hf"),
+                    help="who writes the teacher answers: the serving engine, continuously batched in the "
+                         "serving weight format, or Hugging Face generate (default train.warm_teacher: engine)")
     di.add_argument("--out", help="where to publish (default <state_dir>/drafts/head-v1, or v1 for layer)")
     di.add_argument("--force", action="store_true", help="rebuild even if published; ignore checkpoints")
     di.add_argument("--family", choices=DRAFT_FAMILIES, default="head",

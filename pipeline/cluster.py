@@ -115,13 +115,14 @@ def loop_app(args: dict[str, Any]) -> Any:
 def _warm_start_and_promote(cfg_dict: dict[str, Any], family: str = "head") -> str:
     """On a trainer node: make v1 of `family` (skipped when a retry finds it made) and make it
     stable. The head takes `osd draft init --family head`'s defaults."""
+    from pipeline.teacher_engine import teacher_for
     from pipeline.up import ensure_stable
     from infra.draft_spec import warm_start_path
     from train.warm_start import warm_start_family
 
     cfg = OSDConfig.model_validate(cfg_dict)
     out = warm_start_path(cfg, family)
-    warm_start_family(cfg, family, out_dir=out, progress=False)
+    warm_start_family(cfg, family, out_dir=out, progress=False, generate=teacher_for(cfg))
     return ensure_stable(cfg, out)
 
 

@@ -307,11 +307,12 @@ def prepare(cfg: OSDConfig, family: str = "head") -> tuple[Any, Path]:
     _log(f"target {cfg.model.target}: preparing (cached after the first run)")
     loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=True)
     if not v1.is_dir():
+        from pipeline.teacher_engine import teacher_for
         from train.warm_start import warm_start_family
 
         _log(f"no warm-started {family} draft yet: running `osd draft init --family {family}` once "
              f"({'about half an hour' if family == 'head' else 'about 9 minutes'} on 2 cores; cached for later runs)")
-        warm_start_family(cfg, family)
+        warm_start_family(cfg, family, generate=teacher_for(cfg))
     return loaded, v1
 
 

@@ -78,9 +78,11 @@ def cached_features(cfg: OSDConfig, loaded: Any, name: str, seqs: list[list[int]
 def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progress: bool = True,
                         force: bool = False, conversations: int | None = None, max_len: int = 512,
                         draft_vocab: int | None = None, feature_layers: tuple[int, ...] | None = None,
-                        epochs: int | None = None, token_budget: int = 512) -> dict[str, Any]:
+                        epochs: int | None = None, token_budget: int = 512,
+                        generate: Any = None) -> dict[str, Any]:
     """Teacher records + ShareGPT fixed text -> target features -> a trained head (module doc).
-    conversations and epochs default to train.head_warm_conversations and head_warm_epochs."""
+    conversations and epochs default to train.head_warm_conversations and head_warm_epochs;
+    generate: the teacher's generator (train.teacher_data.BatchGenerate; default Hugging Face)."""
     from infra.draft_head import build_head, feature_layers_of, save_head, top_tokens
     from infra.draft_model import target_ref
     from infra.draft_spec import DraftSpec, warm_start_path
@@ -100,7 +102,7 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
     layers = feature_layers_of(spec, loaded.model.config.num_hidden_layers)
     conversations = tc.head_warm_conversations if conversations is None else conversations
     epochs = epochs or tc.head_warm_epochs
-    fs_train, fs_held, n_conv = _features(cfg, loaded, layers, conversations, max_len, progress)
+    fs_train, fs_held, n_conv = _features(cfg, loaded, layers, conversations, max_len, progress, generate)
     train_am = torch.cat(fs_train.argmax)
     held_am = torch.cat([a[s + 1:] for a, s in zip(fs_held.argmax, fs_held.start)])
     vocab = loaded.model.config.vocab_size
@@ -126,13 +128,14 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
 
 
 def _features(cfg: OSDConfig, loaded: Any, layers: tuple[int, ...], conversations: int, max_len: int,
-              progress: bool):
+              progress: bool, generate: Any = None):
     """(train FeatureSet: teacher train records + conversations, held-out teacher FeatureSet, n conversations)."""
     from train.warm_start import split_held_out, teacher_records, warm_prompts
 
     tc = cfg.train
     prompts = warm_prompts(cfg, tc.warm_prompts)
-    train_recs, held = split_held_out(teacher_records(cfg, loaded, prompts, progress=progress), tc.held_out_every)
+    train_recs, held = split_held_out(teacher_records(cfg, loaded, prompts, progress=progress, generate=generate),
+                                      tc.held_out_every)
 
     def seqs(recs):
         return ([[int(t) for t in r.prompt_ids] + [int(t) for t in r.output_ids] for r in recs],

@@ -7,7 +7,8 @@ same `infra.records.Record` shape that serving captures.
 - `generate_teacher_records`: batched greedy Hugging Face `generate` (left padding,
   attention mask, `output_logits=True`), the top-k of the raw logits' log_softmax taken per
   step on the whole [B, V] batch. Each sequence is cut after its first EOS (the EOS kept);
-  pad positions are dropped.
+  pad positions are dropped. Or, given a `BatchGenerate` (the pipeline passes the serving
+  engine's continuous batching, which `train` cannot import), that generator's answers.
 - `TeacherCache`: one Arrow IPC file per key (sha256 of the key's canonical JSON). The file
   is a table with the record schema (`infra.records.record_schema(K)`), one row per
   record, and carries in its schema metadata the key and a sha256 of its content, so a
@@ -27,7 +28,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -49,6 +50,16 @@ _DIGEST = b"osd.teacher.content_sha256"
 _PART = b"osd.teacher.part"
 
 
+# (prompt ids per prompt, max_new_tokens, top_k, progress) -> per prompt, in order, the greedy
+# answer's (output ids [N], top-k ids [N, k] int32, top-k log-probs [N, k] fp16) of the raw
+# target distribution. `tag` names the generator in the cache key (dtypes give other answers).
+class BatchGenerate(Protocol):
+    tag: str
+
+    def __call__(self, rows: list[list[int]], max_new_tokens: int, top_k: int,
+                 progress: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]: ...
+
+
 class TeacherDataError(ValueError):
     """Teacher generation cannot run on these inputs (a prompt over the context, no pad id)."""
 
@@ -59,7 +70,6 @@ class CacheCorrupt(RuntimeError):
 
 # ---------------------------------------------------------------- generation
 
-@torch.inference_mode()
 def generate_teacher_records(
     target_model: Any,
     tokenizer: Any,
@@ -70,17 +80,30 @@ def generate_teacher_records(
     batch_size: int = 8,
     progress: bool = True,
     eos_token_id: int | Sequence[int] | None = None,
+    generate: BatchGenerate | None = None,
 ) -> list[Record]:
     """Greedy answers of `target_model` to `prompts` (chat template), one Record each, in
     prompt order. Prompts are batched by length (longest first) to limit padding.
 
-    eos_token_id: stop token(s); default the tokenizer's EOS, else the model's."""
-    from transformers import GenerationConfig
-
+    eos_token_id: stop token(s); default the tokenizer's EOS, else the model's.
+    generate: answer through this generator instead of Hugging Face `generate` (outside
+    inference mode: the engine builds weights it later checks the versions of)."""
     if max_new_tokens < 1 or top_k < 1 or batch_size < 1:
         raise TeacherDataError("max_new_tokens, top_k and batch_size must be >= 1")
     eos = eos_token_ids(tokenizer, getattr(target_model.generation_config, "eos_token_id", None),
                         explicit=eos_token_id)
+    if generate is not None:
+        ids = _prompt_ids(target_model, tokenizer, prompts, max_new_tokens)
+        answers = generate(ids, max_new_tokens, min(top_k, target_model.config.vocab_size), progress)
+        return [_record(p, x, *_through_eos(a, set(eos))) for p, x, a in zip(prompts, ids, answers)]
+    return _hf_records(target_model, tokenizer, prompts, max_new_tokens, top_k, batch_size, progress, eos)
+
+
+@torch.inference_mode()
+def _hf_records(target_model: Any, tokenizer: Any, prompts: Sequence[Prompt], max_new_tokens: int, top_k: int,
+                batch_size: int, progress: bool, eos: list[int]) -> list[Record]:
+    from transformers import GenerationConfig
+
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else None)
     if pad is None:
         raise TeacherDataError("the tokenizer has no pad token and there is no EOS to pad with")
@@ -155,6 +178,25 @@ def _lengths_through_eos(gen: torch.Tensor, eos_t: torch.Tensor, steps: int) -> 
     return torch.where(is_eos.any(1), first_eos, torch.full_like(first_eos, steps))
 
 
+def _through_eos(answer: tuple[np.ndarray, np.ndarray, np.ndarray],
+                 eos: set[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An answer cut after its first EOS (kept), as `generate`'s rows are."""
+    out, ids, lps = answer
+    n = next((i + 1 for i, t in enumerate(out.tolist()) if t in eos), len(out))
+    return out[:n], ids[:n], lps[:n]
+
+
+def _record(p: Prompt, prompt_ids: list[int], out: np.ndarray, top_ids: np.ndarray, top_lps: np.ndarray) -> Record:
+    n = len(out)
+    return Record(
+        request_id=str(p.id), draft_version=TEACHER_VERSION, domain=p.domain,
+        prompt_ids=np.asarray(prompt_ids, dtype=np.int32), output_ids=np.asarray(out, dtype=np.int32),
+        topk_ids=np.asarray(top_ids, dtype=np.int32), topk_logprobs=np.asarray(top_lps, dtype=np.float16),
+        accepted=np.zeros(n, dtype=bool), draft_tokens=np.full(n, -1, dtype=np.int32),
+        draft_probs=np.full(n, np.nan, dtype=np.float32),
+    )
+
+
 def _generate_batch(target_model: Any, gen_cfg: Any, rows: list[list[int]], prompts: list[Prompt], pad: int,
                     eos_t: torch.Tensor, k: int) -> list[Record]:
     """One batched greedy `generate` over `rows` (the prompts' ids), a Record per row."""
@@ -169,14 +211,7 @@ def _generate_batch(target_model: Any, gen_cfg: Any, rows: list[list[int]], prom
     out = []
     for row, (p, x) in enumerate(zip(prompts, rows)):
         n = int(lengths[row])
-        out.append(Record(
-            request_id=str(p.id), draft_version=TEACHER_VERSION, domain=p.domain,
-            prompt_ids=np.asarray(x, dtype=np.int32),
-            output_ids=gen_np[row, :n].copy(),
-            topk_ids=ids_np[row, :n].copy(), topk_logprobs=lps_np[row, :n].copy(),
-            accepted=np.zeros(n, dtype=bool), draft_tokens=np.full(n, -1, dtype=np.int32),
-            draft_probs=np.full(n, np.nan, dtype=np.float32),
-        ))
+        out.append(_record(p, x, gen_np[row, :n].copy(), ids_np[row, :n].copy(), lps_np[row, :n].copy()))
     return out
 
 
@@ -476,6 +511,6 @@ def cached_teacher_records(
 
 
 __all__ = [
-    "CacheCorrupt", "TeacherCache", "TeacherDataError", "cached_teacher_records", "content_digest",
+    "BatchGenerate", "CacheCorrupt", "TeacherCache", "TeacherDataError", "cached_teacher_records", "content_digest",
     "generate_teacher_records", "records_to_table", "table_to_records", "teacher_cache_key",
 ]

@@ -42,29 +42,40 @@ def warm_prompts(cfg: OSDConfig, n: int, max_chars: int = 600, split: str = "tra
             and (domain is None or p.domain == domain)][:n]
 
 
-def _teacher_key(cfg: OSDConfig, loaded: Any, prompts: list) -> dict[str, Any]:
+def engine_teacher_tag(cfg: OSDConfig) -> str:
+    """The cache-key name of the serving engine as teacher generator (its weight format
+    decides its answers); pipeline/teacher_engine.py generates under this name."""
+    return f"engine-{cfg.model.resolved().quant}"
+
+
+def _teacher_key(cfg: OSDConfig, loaded: Any, prompts: list, generator: str | None = None) -> dict[str, Any]:
     from infra.draft_model import target_ref
 
-    return {
+    key = {
         "target": target_ref(loaded),
         "prompts": hashlib.sha256(json.dumps([p.id for p in prompts]).encode()).hexdigest(),
         "max_new_tokens": cfg.train.warm_max_new_tokens,
         "top_k": cfg.serve.capture_top_k,
     }
+    if generator is not None:  # absent for Hugging Face generate: caches made before keep their key
+        key["generator"] = generator
+    return key
 
 
-def teacher_records(cfg: OSDConfig, loaded: Any, prompts: list, *, progress: bool = True) -> list:
-    """The target's records for `prompts`, from the on-disk cache when present."""
+def teacher_records(cfg: OSDConfig, loaded: Any, prompts: list, *, progress: bool = True,
+                    generate: Any = None) -> list:
+    """The target's records for `prompts`, from the on-disk cache when present.
+    generate: a train.teacher_data.BatchGenerate (the serving engine); default Hugging Face."""
     from train.teacher_data import TeacherCache, generate_teacher_records
 
     tc = cfg.train
-    key = _teacher_key(cfg, loaded, prompts)
+    key = _teacher_key(cfg, loaded, prompts, generate.tag if generate is not None else None)
     cache = TeacherCache(Path(cfg.state_dir) / "teacher", progress=progress)
 
     def build(chunk):
         return generate_teacher_records(loaded.model, loaded.tokenizer, chunk, max_new_tokens=tc.warm_max_new_tokens,
                                         top_k=cfg.serve.capture_top_k, batch_size=tc.warm_batch_size,
-                                        progress=progress)
+                                        progress=progress, generate=generate)
 
     return cache.get_or_build(key, build, items=prompts)
 
@@ -77,9 +88,13 @@ def cached_warm_records(cfg: OSDConfig, loaded: Any) -> list:
     from train.teacher_data import TeacherCache
 
     root = Path(cfg.train.warm_teacher_dir or Path(cfg.state_dir) / "teacher")
-    records = TeacherCache(root, progress=False).get(
-        _teacher_key(cfg, loaded, warm_prompts(cfg, cfg.train.warm_prompts)))
-    return records or []
+    prompts = warm_prompts(cfg, cfg.train.warm_prompts)
+    cache = TeacherCache(root, progress=False)
+    for generator in (engine_teacher_tag(cfg), None):  # whichever generator `osd draft init` used
+        records = cache.get(_teacher_key(cfg, loaded, prompts, generator))
+        if records:
+            return records
+    return []
 
 
 def split_held_out(records: list, every: int) -> tuple[list, list]:
@@ -101,8 +116,8 @@ class _Epochs:
 
 def warm_start_family(cfg: OSDConfig, family: str, **kw: Any) -> dict[str, Any]:
     """`osd draft init --family <family>` with the config's settings: the head (train/
-    head_warm_start.py) or the layer draft (run_warm_start); `kw` (out_dir, progress, force)
-    goes to either."""
+    head_warm_start.py) or the layer draft (run_warm_start); `kw` (out_dir, progress, force,
+    generate) goes to either."""
     if family == "head":
         from train.head_warm_start import run_head_warm_start
 
@@ -111,7 +126,7 @@ def warm_start_family(cfg: OSDConfig, family: str, **kw: Any) -> dict[str, Any]:
 
 
 def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progress: bool = True,
-                   force: bool = False) -> dict[str, Any]:
+                   force: bool = False, generate: Any = None) -> dict[str, Any]:
     """Teacher records -> a draft of target layers -> distilled -> published as v1 (module doc)."""
     from infra.draft_model import build_draft
     from infra.draft_spec import draft_spec_from_train
@@ -126,7 +141,7 @@ def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progres
     t0 = time.perf_counter()
     loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=progress)
     prompts = warm_prompts(cfg, tc.warm_prompts)
-    train_recs, held, gen_s = _teacher_split(cfg, loaded, prompts, progress)
+    train_recs, held, gen_s = _teacher_split(cfg, loaded, prompts, progress, generate)
 
     spec = draft_spec_from_train(tc)
     draft = build_draft(loaded.model, spec)
@@ -143,12 +158,13 @@ def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progres
     return {"version": "v1", "path": str(out_dir), "generate_s": gen_s, "train_s": epochs.train_s, **out}
 
 
-def _teacher_split(cfg: OSDConfig, loaded: Any, prompts: list, progress: bool) -> tuple[list, list, float]:
+def _teacher_split(cfg: OSDConfig, loaded: Any, prompts: list, progress: bool,
+                   generate: Any = None) -> tuple[list, list, float]:
     """(train records, held-out records, seconds spent getting them) for `prompts`."""
     tc = cfg.train
     _log(f"teacher outputs for {len(prompts)} ShareGPT train prompts, up to {tc.warm_max_new_tokens} tokens each")
     t_gen = time.perf_counter()
-    records = teacher_records(cfg, loaded, prompts, progress=progress)
+    records = teacher_records(cfg, loaded, prompts, progress=progress, generate=generate)
     gen_s = time.perf_counter() - t_gen
     train_recs, held = split_held_out(records, tc.held_out_every)
     _log(f"{len(records)} teacher records ({gen_s:.1f} s; cached for next time): {len(train_recs)} train, "

@@ -1,0 +1,86 @@
+"""The serving engine as the warm start's teacher.
+
+`osd draft init` asks the target for its own greedy answers. Hugging Face `generate` pads a
+batch to its longest prompt, decodes in float32 and holds every row until the slowest one
+ends. The serving engine instead batches continuously (serve/scheduler.py): a finished answer
+frees its slot for the next prompt at once, prompts are prefilled in chunks beside the
+others' decode steps, and the weights are in the serving format (int4 by default), so the
+records are the distribution users are actually served, as live capture records are.
+
+`train` cannot import `serve` (layers point down), so the pipeline builds this generator
+and hands it to `train.warm_start` as a `train.teacher_data.BatchGenerate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from infra.config import OSDConfig
+from train.warm_start import engine_teacher_tag
+
+
+class EngineTeacher:
+    """Greedy answers with top-k capture through a SpecEngine with no draft, up to
+    `train.warm_batch_size` prompts in one batch. The target loads on first use."""
+
+    def __init__(self, cfg: OSDConfig, loaded: Any = None):
+        self.cfg = cfg
+        self.tag = engine_teacher_tag(cfg)
+        self._loaded = loaded  # tests pass a tiny model; else the serving target, loaded lazily
+        self._engine_now: Any = None
+
+    def engine(self, top_k: int, max_len: int) -> Any:
+        """One engine for every call (its cost profile and caches warm up once), rebuilt only
+        for another top-k or a longer context than it was made for."""
+        from infra.target import load_target
+        from serve.engine import EngineOptions, SpecEngine
+
+        eng = self._engine_now
+        if eng is None or eng.options.capture_top_k != top_k or eng.options.max_seq_len < max_len:
+            if self._loaded is None:
+                self._loaded = load_target(self.cfg.model.target, self.cfg.model, progress=False)
+            opts = dataclasses.replace(
+                EngineOptions.from_config(self.cfg.serve, self.cfg.model), k=0, capture_top_k=top_k,
+                max_concurrency=self.cfg.train.warm_batch_size,
+                max_seq_len=max(self.cfg.serve.max_seq_len, max_len))
+            self._engine_now = eng = SpecEngine(self._loaded.model, None, self._loaded.tokenizer, opts)
+        return eng
+
+    def __call__(self, rows: list[list[int]], max_new_tokens: int, top_k: int,
+                 progress: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        from serve.seq import GenerationParams
+
+        if not rows:
+            return []
+        eng = self.engine(top_k, max(len(r) for r in rows) + max_new_tokens)
+        params = GenerationParams(max_new_tokens=max_new_tokens, capture=True, speculate=False)
+        # Counted in tokens (rate and ETA); the total is the bound, max_new_tokens a prompt, so an
+        # answer that ends at EOS moves the bar by its own tokens and takes the rest off the total.
+        bar = _token_bar(len(rows) * max_new_tokens) if progress else None
+
+        def done(_i: int, result: Any) -> None:
+            if bar is not None:
+                bar.total -= max_new_tokens - len(result.output_ids)
+                bar.update(len(result.output_ids))
+
+        try:
+            results = eng.generate_many(rows, params, draft=None, on_result=done)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [(np.asarray(r.output_ids, dtype=np.int32), r.capture.topk_ids, r.capture.topk_logprobs)
+                for r in results]
+
+
+def _token_bar(total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="tok", unit_scale=True, desc="teacher (engine)", leave=False)
+
+
+def teacher_for(cfg: OSDConfig) -> EngineTeacher | None:
+    """The generator `train.warm_teacher` names: the engine, or None for Hugging Face `generate`."""
+    return EngineTeacher(cfg) if cfg.train.warm_teacher == "engine" else None
