@@ -75,7 +75,7 @@ class _Request(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-PENALTY_RANGE, le=PENALTY_RANGE)
     logit_bias: dict[str, float] | None = None  # token id (a JSON key) -> bias in [-100, 100]
     # vLLM's extensions.
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     # Informational, with no effect on the output (OpenAI's own use is abuse monitoring,

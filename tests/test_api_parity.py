@@ -139,6 +139,8 @@ def test_processor_fields_reach_the_engine_request_as_given():
     ("chat", {"frequency_penalty": -2.01}, "frequency_penalty"),
     ("completion", {"repetition_penalty": 0}, "repetition_penalty"),
     ("chat", {"repetition_penalty": -1}, "repetition_penalty"),
+    ("chat", {"repetition_penalty": float("inf")}, "repetition_penalty"),
+    ("chat", {"presence_penalty": float("nan")}, "presence_penalty"),
     ("chat", {"logit_bias": {"abc": 1}}, "logit_bias"),
     ("chat", {"logit_bias": {"-3": 1}}, "logit_bias"),
     ("completion", {"logit_bias": {"5": 101}}, "logit_bias"),
