@@ -59,7 +59,6 @@ _NO = "this server does not support it"
 # name -> (is the value neutral?, why any other value is refused)
 _SAMPLING: dict[str, tuple[Callable[[Any], bool], str]] = {
     "min_p": (_number(0), _ENGINE),
-    "stop_token_ids": (_empty, _ENGINE),
     "allowed_token_ids": (_empty, _ENGINE),
     "bad_words": (_empty, _ENGINE),
     "logits_processors": (_empty, _ENGINE),

@@ -194,6 +194,7 @@ class TargetReplica:
             min_draft=1 if self.router.routing.canary is not None else 0,
             processors=_processors(req.get("processors")),
             ignore_eos=bool(req.get("ignore_eos")),
+            stop_token_ids=tuple(req.get("stop_token_ids") or ()),
             logprobs=req.get("logprobs"),
         )
         return list(ids), params, (domain_of(user_text) if user_text else None), record
@@ -317,7 +318,8 @@ class TargetReplica:
             emitted = 0
             try:
                 async for toks in stream:
-                    item: dict[str, Any] = {"text": text.push(toks), "completion_tokens": emitted + len(toks)}
+                    item: dict[str, Any] = {"text": text.push(params.shown(toks)),
+                                            "completion_tokens": emitted + len(toks)}
                     if params.logprobs is not None:  # this step's tokens' (the engine wrote them before yielding)
                         item["logprobs"] = self._logprob_entries(toks, stream.logprobs[emitted:emitted + len(toks)])
                     emitted += len(toks)
@@ -507,6 +509,7 @@ class OpenAIIngress:
             "speculate": req.osd_speculate,
             "processors": req.processors(),
             "ignore_eos": req.ignore_eos,
+            "stop_token_ids": list(req.stop_token_ids or ()),
             "logprobs": req.top_logprobs_n(),
         }
         if isinstance(req, ChatCompletionRequest):

@@ -247,12 +247,13 @@ class SpecEngine:
         return prompt
 
     def _check_processing(self, params: GenerationParams) -> None:
-        """What the vocab and the budget bound: logit_bias ids, min_tokens, logprobs."""
+        """What the vocab and the budget bound: logit_bias and stop ids, min_tokens, logprobs."""
         vocab = self.target.vocab_size
-        bad = [t for t, _ in params.processors.logit_bias if not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"logit_bias has token ids outside the vocab [0, {vocab}): {bad[:5]}",
-                               code="invalid_logit_bias")
+        for name, ids in (("logit_bias", [t for t, _ in params.processors.logit_bias]),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{name} has token ids outside the vocab [0, {vocab}): {bad[:5]}")
         if params.processors.min_tokens > params.max_new_tokens:
             raise RequestError(f"min_tokens ({params.processors.min_tokens}) is over max_new_tokens "
                                f"({params.max_new_tokens})")
@@ -487,7 +488,7 @@ class SpecEngine:
                                          seq.cap_draft_probs[:n])
         text = seq.text
         if text is None and self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.out, skip_special_tokens=True)
+            text = self.tokenizer.decode(seq.params.shown(seq.out), skip_special_tokens=True)
         return GenerationResult(seq.tokens[: seq.n_prompt], seq.out, seq.finish or "length", text, seq.stats,
                                 capture, prefill_s, decode_s, seq.logprobs)
 

@@ -78,6 +78,7 @@ class _Request(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     # Informational, with no effect on the output (OpenAI's own use is abuse monitoring,
     # caching and billing): accepted, and changes nothing.
     user: str | None = None

@@ -36,9 +36,15 @@ class GenerationParams:
     # alike (serve/processors.py); records still capture the raw target distribution.
     processors: ProcessorParams = ProcessorParams()
     ignore_eos: bool = False  # never stop on EOS (min_tokens then holds nothing back)
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: these stop as EOS does, ignore_eos or not
     # None: no log-probabilities; n >= 0: each emitted token's and the n most likely at its
     # position, of the raw target distribution (GenerationResult.logprobs).
     logprobs: int | None = None
+
+    def shown(self, tokens: list[int]) -> list[int]:
+        """The tokens whose text is output: all but a last one of stop_token_ids (vLLM leaves a
+        stop token's text out; a stop token can only be the last, since it ends the request)."""
+        return tokens[:-1] if tokens and tokens[-1] in self.stop_token_ids else tokens
 
 
 STAGES = ("propose", "score", "verify", "commit")
@@ -134,7 +140,7 @@ class Seq:
         self.dcache = slot.draft_cache(draft) if draft is not None else None
         self.k = k  # this request's current draft budget (k_policy schedule moves it within [1, k])
         self.kreq: RequestK | None = None  # k_policy cost: this request's choice of k
-        self.eos = frozenset() if params.ignore_eos else eos
+        self.eos = (frozenset() if params.ignore_eos else eos) | frozenset(params.stop_token_ids)
         # Set by the engine when params.processors is active (it knows the vocab).
         self.proc: LogitsProcessor | None = None
         # Per emitted token (logprob, [(id, logprob)...]) when params.logprobs is set.

@@ -128,6 +128,7 @@ def test_processor_fields_reach_the_engine_request_as_given():
     assert req.processors() == {"presence_penalty": 0.5, "frequency_penalty": -1.5, "repetition_penalty": 1.2,
                                 "min_tokens": 3, "logit_bias": [[10, 5.0], [7, -100.0]]}
     assert req.ignore_eos and req.top_logprobs_n() is None
+    assert parse("completion", stop_token_ids=[3, 4]).stop_token_ids == [3, 4]
     assert parse("chat", logprobs=True).top_logprobs_n() == 0
     assert parse("chat", logprobs=True, top_logprobs=5).top_logprobs_n() == 5
     assert parse("completion", logprobs=0).top_logprobs_n() == 0
@@ -146,6 +147,8 @@ def test_processor_fields_reach_the_engine_request_as_given():
     ("completion", {"logit_bias": {"5": 101}}, "logit_bias"),
     ("chat", {"logit_bias": {"5": "high"}}, "logit_bias.5"),
     ("chat", {"min_tokens": -1}, "min_tokens"),
+    ("completion", {"stop_token_ids": [-1]}, "stop_token_ids"),
+    ("chat", {"stop_token_ids": "5"}, "stop_token_ids"),
     ("chat", {"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
     ("chat", {"logprobs": True, "top_logprobs": 33}, "top_logprobs"),

@@ -141,10 +141,27 @@ def test_ignore_eos_decodes_through_eos_and_min_tokens_holds_it_back():
     assert r.output_ids == processed_greedy(target, [1, 2, 3], 6, held, stop=(258,))
 
 
+def test_stop_token_ids_stop_as_eos_does_and_min_tokens_holds_them_back(target, drafts):
+    eng = engine(target, drafts["truncated"])
+    five = ProcessorParams(logit_bias=((5, 100.0),))
+    r = eng.generate([1, 2, 3], GenerationParams(max_new_tokens=8, processors=five, stop_token_ids=(5,)))
+    assert r.output_ids == [5] and r.finish_reason == "stop"
+    r = eng.generate([1, 2, 3], GenerationParams(max_new_tokens=8, processors=five, stop_token_ids=(5,),
+                                                 ignore_eos=True))
+    assert r.output_ids == [5]  # ignore_eos is about EOS only
+    held = ProcessorParams(logit_bias=((5, 100.0),), min_tokens=3)
+    r = eng.generate([1, 2, 3], GenerationParams(max_new_tokens=8, processors=held, stop_token_ids=(5, 9)))
+    assert len(r.output_ids) == 4 and r.output_ids[-1] == 5 and not {5, 9} & set(r.output_ids[:3])
+    assert r.output_ids == processed_greedy(target, [1, 2, 3], 4, held, stop=(5, 9))
+    assert GenerationParams(stop_token_ids=(5, 9)).shown(r.output_ids) == r.output_ids[:3]
+    assert GenerationParams().shown(r.output_ids) == r.output_ids
+
+
 def test_bad_processing_values_raise_at_the_call(target):
     eng = engine(target)
     for gp in (GenerationParams(max_new_tokens=4, processors=ProcessorParams(logit_bias=((259, 1.0),))),
                GenerationParams(max_new_tokens=4, processors=ProcessorParams(min_tokens=5)),
+               GenerationParams(max_new_tokens=4, stop_token_ids=(259,)),
                GenerationParams(max_new_tokens=4, logprobs=10_000)):
         with pytest.raises(RequestError):
             eng.generate([1, 2], gp)

@@ -420,6 +420,21 @@ def test_ignore_eos_and_min_tokens(client, http):
     assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 4
 
 
+def test_stop_token_ids_end_the_output_and_out_of_vocab_ones_are_400s(client, http):
+    a = token_id(http, "a")
+    kw = dict(model="tiny-random", prompt="stop ids", logit_bias={str(a): 100}, **GREEDY)
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [a]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 1
+    assert r.choices[0].text == ""  # a stop token's text is left out, as vLLM leaves it
+    held = client.completions.create(**kw, extra_body={"stop_token_ids": [a], "min_tokens": 2})
+    assert held.usage.completion_tokens == 3 and "a" not in held.choices[0].text
+    streamed = list(client.completions.create(**kw, stream=True, extra_body={"stop_token_ids": [a], "min_tokens": 2}))
+    assert "".join(c.choices[0].text for c in streamed) == held.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-random", prompt="x", extra_body={"stop_token_ids": [100000]}, **GREEDY)
+    assert "stop_token_ids" in e.value.body["message"]
+
+
 def test_sampling_with_penalties_reproduces_with_a_seed(client):
     kw = dict(temperature=1.0, seed=11, max_tokens=16, presence_penalty=0.5, logit_bias={"40": 2})
     assert chat_text(client, user("seeded"), **kw) == chat_text(client, user("seeded"), **kw)
