@@ -56,7 +56,12 @@ def test_full_queue_is_refused_at_once(target):
     async def run():
         first = asyncio.create_task(run_stream(eng, [1, 2, 3], n=30))
         second = asyncio.create_task(run_stream(eng, [4, 5, 6], n=5))
-        await asyncio.sleep(0.01)
+        # A few loop turns, not a wall-clock sleep: the first stream takes the slot and the
+        # second the one queue place; the driver steps once a turn (at most 4 tokens), so the
+        # first is still running. A 10 ms sleep let a fast machine finish both first.
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert eng.slots.free == 0
         with pytest.raises(Overloaded):
             await run_stream(eng, [7, 8, 9], n=5)
         return await asyncio.gather(first, second)
