@@ -23,6 +23,9 @@ about 2-3 KB per token at depth 32 (hundreds of MB for 200k tokens), while this 
 24 bytes per slot (tok, prev, next: 12; sorted key and slot: 12), at most 1.5 slots per live
 token, with no per-token Python objects. Appends are slice writes; a whole sequence is
 evicted by marking its slots dead, and dead slots are compacted away when the arena fills.
+Measured on the 2-core box (Zipf tokens with copied spans, 300-token sequences): append 4.4 us
+per token one at a time, 0.7 us in bulk; a chain of 8 takes 26 us median at 1k indexed tokens
+and 34 us (p95 84) at 200k; 28-31 bytes per indexed token.
 
 Semantics, fixed here because the tests compare with a brute-force reference:
 - An occurrence counts only if another token follows it in its sequence.
@@ -366,30 +369,64 @@ class SuffixIndex:
         if length == n:
             return length, ends
         rest = n - length
-        cols = np.empty((ends.size, rest), np.int32)
-        for j in range(rest):  # the sentinel keeps a run that hit a sequence start at -1
-            back = prev[back]
-            cols[:, j] = back
+        cols = self._behind(back, rest)
         same = tok[cols] == np.array(ctx[rest - 1 :: -1], np.int32)
         runs = np.where(same.all(axis=1), rest, same.argmin(axis=1))
         best = int(runs.max())
         return (length + best, ends[runs == best]) if best else (length, ends)
 
-    def _followers(self, ends: np.ndarray) -> tuple[np.ndarray, list[tuple[int, int]]]:
-        """Next slots of `ends` and [(token, count)] ranked by count desc, token asc."""
+    def _behind(self, back: np.ndarray, steps: int) -> np.ndarray:
+        """[c, steps] slots 1..steps positions before `back` in their sequences (-1 past the
+        start). Sequences usually occupy consecutive slots, so try arithmetic first and check
+        it against `prev` in one gather; walk `prev` step by step only where that fails."""
+        prev = self._prev
+        cols = back[:, None] - np.arange(1, steps + 1, dtype=np.int32)
+        ahead = np.concatenate((back[:, None], cols[:, :-1]), axis=1)  # the slot after each
+        actual = prev[ahead]
+        broken = np.logical_or.accumulate(actual != cols, axis=1)
+        # Where the chain breaks, a sequence start (prev -1) just ends the row; a jump to
+        # another slot (interleaved appends) needs the walk.
+        first = broken & ~np.concatenate((np.zeros_like(broken[:, :1]), broken[:, :-1]), axis=1)
+        if (actual[first] == -1).all():
+            cols[broken] = -1
+            return cols
+        for j in range(steps):
+            back = prev[back]
+            cols[:, j] = back
+        return cols
+
+    def _followers(self, ends: np.ndarray, limit: int, min_count: float = 0.0):
+        """Next slots of `ends` and up to `limit` (token, count) with count >= min_count,
+        ranked by count desc, token asc."""
         after = self._next[ends]
         toks = self._tok[after]
         if toks.size <= 64:
-            counts = Counter(toks.tolist()).items()
-        else:
-            values, freq = np.unique(toks, return_counts=True)
-            counts = zip(values.tolist(), freq.tolist())
-        return after, sorted(counts, key=lambda tc: (-tc[1], tc[0]))
+            counts = [tc for tc in Counter(toks.tolist()).items() if tc[1] >= min_count]
+            return after, sorted(counts, key=lambda tc: (-tc[1], tc[0]))[:limit]
+        values, freq = np.unique(toks, return_counts=True)  # values ascending
+        if limit == 1:
+            best = int(freq.argmax())  # the first maximum: the smallest token among ties
+            ranked = [(int(values[best]), int(freq[best]))]
+            return after, ranked if ranked[0][1] >= min_count else []
+        keep = freq >= min_count
+        values, freq = values[keep], freq[keep]
+        order = np.lexsort((values, -freq))[:limit]
+        return after, list(zip(values[order].tolist(), freq[order].tolist()))
 
     def _step(self, after: np.ndarray, token: int) -> np.ndarray:
         """Continued occurrence ends of the pattern extended by `token`."""
         ends = after[self._tok[after] == token]
         return ends[self._next[ends] >= 0]
+
+    def _read_on(self, slot: int, n: int) -> list[int]:
+        """Up to n tokens following `slot` in its sequence."""
+        out, nxt, tok = [], self._next, self._tok
+        for _ in range(n):
+            slot = int(nxt[slot])
+            if slot < 0:
+                break
+            out.append(int(tok[slot]))
+        return out
 
     def match(self, context: Sequence[int] | np.ndarray) -> int:
         """Length of the longest suffix of context (<= max_depth) seen with a continuation."""
@@ -398,7 +435,7 @@ class SuffixIndex:
     def continuations(self, context: Sequence[int] | np.ndarray) -> dict[int, int]:
         """Next-token counts over every continued occurrence of the longest matched suffix."""
         _, ends = self._match(self._context(context))
-        return dict(self._followers(ends)[1]) if ends.size else {}
+        return dict(self._followers(ends, ends.size)[1]) if ends.size else {}
 
     def propose(
         self,
@@ -416,7 +453,13 @@ class SuffixIndex:
         out = Proposal([], [], match_len, 0.0)
         cum = 1.0
         while len(out.tokens) < limit and ends.size:
-            after, ranked = self._followers(ends)
+            if ends.size == 1:  # one occurrence left: read its continuation off, prob 1 each
+                for token in self._read_on(int(ends[0]), limit - len(out.tokens)):
+                    out.tokens.append(token)
+                    out.probs.append(1.0)
+                    out.score += cum
+                break
+            after, ranked = self._followers(ends, 1)
             token, count = ranked[0]
             prob = count / ends.size
             if cum * prob < min_prob:
@@ -469,9 +512,11 @@ class SuffixIndex:
 
     def _push_children(self, heap: list, order, node: tuple, min_prob: float, limit: int):
         index, depth, cum, ends = node
-        after, ranked = self._followers(ends)
         total = ends.size
-        for token, count in ranked[:limit]:  # more than `limit` can never all be taken
+        # More than `limit` children can never all be taken; below min_count, cum < min_prob.
+        min_count = min_prob * total / cum * (1 - 1e-9)
+        after, ranked = self._followers(ends, limit, min_count)
+        for token, count in ranked:
             prob = count / total
             child_cum = cum * prob
             if child_cum < min_prob:

@@ -88,9 +88,10 @@ class RefIndex:
             total = sum(counts.values())
             ranked = sorted(counts.items(), key=lambda tc: (-tc[1], tc[0]))[:max_nodes]
             for token, count in ranked:
-                if cum * (count / total) >= min_prob:
-                    c = cum * (count / total)
-                    heapq.heappush(heap, (-c, next(order), index, depth, token, count / total, pattern + [token]))
+                prob = count / total
+                if cum * prob >= min_prob:
+                    entry = (-cum * prob, next(order), index, depth, token, prob)
+                    heapq.heappush(heap, (*entry, pattern + [token]))
 
         if cap >= 1:
             push(list(ctx)[len(ctx) - m :], -1, 1, 1.0)
