@@ -18,8 +18,8 @@ Representation: positions over a token arena, not a trie.
 - Matching checks the candidates backwards through `prev` with numpy: a filter per step while
   there are many, one 2-D gather once few remain. A chain step maps the set of occurrence
   ends through `next` and keeps those that continue with the chosen token.
-Why: a depth-bounded trie in CPython costs one dict entry (~100 bytes) per (token, depth), so
-about 2-3 KB per token at depth 32 (hundreds of MB for 200k tokens), while this costs
+Why: a depth-32 trie of dicts, measured here on Zipf tokens, took 6.8 KB and 68 us per
+appended token even without counts (1.3 GB for 200k tokens), while this costs
 24 bytes per slot (tok, prev, next: 12; sorted key and slot: 12), at most 1.5 slots per live
 token, with no per-token Python objects. Appends are slice writes; a whole sequence is
 evicted by marking its slots dead, and dead slots are compacted away when the arena fills.
@@ -139,8 +139,11 @@ class SuffixIndex:
             self._seq_budget = max_bytes // 8
             slots = (max_bytes - _FIXED_BYTES - self._seq_budget) // _SLOT_BYTES
             if slots < 8 or self._seq_budget < _SEQ_BYTES + 64:
-                lowest = _FIXED_BYTES + 8 * (_SEQ_BYTES + 64) + 8 * _SLOT_BYTES
-                raise ValueError(f"max_bytes must be >= {lowest}, got {max_bytes}")
+                raise ValueError(
+                    f"max_bytes={max_bytes} is too small: it must hold {_FIXED_BYTES} bytes of"
+                    f" structure, 8 token slots of {_SLOT_BYTES} bytes and, in its eighth kept"
+                    f" for sequence records, one record of {_SEQ_BYTES + 64} bytes"
+                )
             slot_limit = min(slot_limit, slots)
             token_limit = min(token_limit, slots * 2 // 3)
         self.max_tokens, self.max_bytes = token_limit, max_bytes
