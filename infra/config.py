@@ -99,6 +99,20 @@ class DataConfig(_Section):
         return self
 
 
+class SuffixConfig(_Section):
+    """The `suffix` draft (serve/suffix_draft.py): suffix decoding over the request's own
+    context and this replica's recent served outputs. A chain is at most factor * m + offset
+    tokens long for a context suffix matched over m tokens, and stops where its empirical
+    probability falls below min_prob."""
+
+    # Tokens of recent served outputs one replica keeps (about 30 bytes each), oldest evicted.
+    max_tokens: int = Field(200_000, ge=1)
+    max_depth: int = Field(32, ge=1, le=256)
+    min_prob: float = Field(0.1, ge=0.0, le=1.0)
+    factor: float = Field(1.0, gt=0)
+    offset: float = Field(0.0, ge=0)
+
+
 class ServeConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -136,15 +150,19 @@ class ServeConfig(_Section):
     # running requests' steps, which it delays by one chunk's forward, never a whole prefill.
     prefill_chunk: int = Field(64, ge=1)
     # Requests waiting for a slot, per replica; one more gets 429 at once. A waiter that gets
-    # no slot within queue_timeout_s gets 503. Both carry Retry-After.
-    max_queue: int = Field(16, ge=0)
-    queue_timeout_s: float = Field(30.0, gt=0)
+    # no slot within queue_timeout_s gets 503. Both carry Retry-After. Deep and patient by
+    # default, as vLLM (which queues without bound) is: load generators open hundreds of
+    # streams at once (guidellm's sweep starts with 512) and count a 429 as a failure. A
+    # waiter holds no thread and no KV; lower both to shed load early behind a balancer.
+    max_queue: int = Field(1024, ge=0)
+    queue_timeout_s: float = Field(600.0, gt=0)
     # Health fails (Serve restarts the replica) when a running request made no step this long.
     stall_timeout_s: float = Field(20.0, gt=0)
     # Request bodies above this many bytes get 413 before they are parsed.
     max_body_bytes: int = Field(1_048_576, ge=1024)
     # Target top-k ids kept per verified position in each record.
     capture_top_k: int = Field(32, ge=1)
+    suffix: SuffixConfig = SuffixConfig()
 
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")

@@ -107,7 +107,7 @@ class TargetReplica:
             spec, why = resolve_auto(cfg)  # `osd serve` resolved it already; a cluster app may not have
             if spec != cfg.serve.draft:
                 log(why)
-            model = build_draft(spec, self.target, target_sha256=self.target_sha256)
+            model = build_draft(spec, self.target, target_sha256=self.target_sha256, suffix=cfg.serve.suffix)
             initial = Routing(spec if model is not None else "none",
                               self.engine.make_draft(model) if model is not None else None)
             return DraftRouter(self._load_version, initial, log)

@@ -8,6 +8,8 @@
 - `head:untrained`: a head draft (infra/draft_head.py) as built before training, its
   vocabulary the first 8192 token ids: its acceptance means nothing, its cost per draft
   token is a trained head's (`osd bench engine` on a GPU with no trained head at hand).
+- `suffix`: suffix decoding over each request's own context and the replica's recent outputs
+  (serve/suffix_draft.py): no weights, learned from every served token at once.
 - a directory: a draft published by `osd draft init` or the trainer (infra/draft_model.py).
 - `auto` (serve.draft's default): resolved once by `resolve_auto` before anything is built.
 Registry versions come with the registry.
@@ -27,11 +29,19 @@ AUTO = "auto"
 AUTO_FALLBACK = "truncate:4"
 
 
-def build_draft(spec: str | None, target: Any, *, target_sha256: str | None = None) -> Any | None:
+def build_draft(spec: str | None, target: Any, *, target_sha256: str | None = None,
+                suffix: Any = None) -> Any | None:
     """The draft `spec` names for `target`. `target_sha256`: the target's identity
-    (infra.target.target_identity); a draft directory made for another target is refused."""
+    (infra.target.target_identity); a draft directory made for another target is refused.
+    `suffix`: the suffix draft's settings (serve.suffix; default its defaults)."""
     if spec in (None, "", "none"):
         return None
+    if spec == "suffix":
+        from infra.config import SuffixConfig
+        from serve.suffix_draft import SuffixDraft
+
+        return SuffixDraft.from_config(suffix or SuffixConfig(), target.config.vocab_size,
+                                       next(target.parameters()).device)
     if spec == "self":
         return target
     if spec.startswith("truncate:"):
@@ -57,7 +67,7 @@ def build_draft(spec: str | None, target: Any, *, target_sha256: str | None = No
         from infra.draft_model import load_draft  # a published draft directory (digests checked)
 
         return load_draft(Path(spec).expanduser(), target, expect_target_sha256=target_sha256)[0]
-    raise DraftSpecError(f"unknown draft spec {spec!r}: expected none, self, truncate:L or a draft directory")
+    raise DraftSpecError(f"unknown draft spec {spec!r}: expected none, self, truncate:L, suffix or a draft directory")
 
 
 def resolve_auto(cfg: OSDConfig) -> tuple[str, str]:

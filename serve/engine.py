@@ -52,6 +52,7 @@ from serve.capture import Capture, CaptureBuffer
 from serve.detokenize import StopScanner
 from serve import gpu_stages
 from serve.head_runner import is_head, propose_head, propose_heads
+from serve.suffix_draft import is_proposing
 from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
 from serve.k_policy import KPolicy, StepCosts, profile_forward
 from serve.processors import LogitsProcessor
@@ -60,7 +61,7 @@ from serve.runner import LlamaRunner, Runner, make_runner
 from serve.graphs import GraphLlamaRunner, StagingRing
 from serve.scheduler import DONE, Scheduler
 from serve.seq import GenerationParams, Seq, Slot, SpecStats  # noqa: F401 (re-exported)
-from serve.stages import _event, _settle_stamps, begin_prefill, commit, end_prefill, propose, score
+from serve.stages import _event, _settle_stamps, begin_prefill, commit, end_prefill, propose, score, verify
 from serve.tree_stages import TreeShape, can_expand, tree_step
 
 
@@ -208,9 +209,12 @@ class SpecEngine:
         return runner
 
     def _draft_runner(self, draft_model: Any) -> Runner:
-        # A draft's weights take the target's format: an int4 target's truncate/self drafts
-        # share its int4 layers, and a head reads a quarter of the bytes (only acceptance moves).
-        runner = self._runner(draft_model, self.options.quant)
+        if is_proposing(draft_model):  # no weights to run (the suffix draft): it is its own runner
+            runner = draft_model
+        else:
+            # A draft's weights take the target's format: an int4 target's truncate/self drafts
+            # share its int4 layers, and a head reads a quarter of the bytes (only acceptance moves).
+            runner = self._runner(draft_model, self.options.quant)
         if runner.vocab_size != self.target.vocab_size:
             raise EngineError(
                 f"draft vocab ({runner.vocab_size}) differs from the target's ({self.target.vocab_size}); "
@@ -390,11 +394,18 @@ class SpecEngine:
     def propose_timed(self, seq: Seq, k: int) -> tuple[torch.Tensor, torch.Tensor | None, list[float], float]:
         t0 = time.perf_counter()
         if k > 0:
-            stage = propose_head if is_head(seq.draft) else propose
-            drafts, q, own = stage(seq.draft, seq, k, self.options.draft_confidence)
+            drafts, q, own = self._propose_stage(seq.draft)(seq, k, self.options.draft_confidence)
         else:
             drafts, q, own = torch.empty(0, dtype=torch.long, device=self.device), None, []
         return drafts, q, own, time.perf_counter() - t0
+
+    @staticmethod
+    def _propose_stage(draft: Any):
+        """(seq, k, confidence) -> (tokens, q, own probs) for this request's draft."""
+        if is_proposing(draft):
+            return draft.propose
+        stage = propose_head if is_head(draft) else propose
+        return lambda seq, k, confidence: stage(draft, seq, k, confidence)
 
     def after_step(self, seq: Seq, drafted: int, accepted: int, rows: int, draft_s: float, score_s: float,
                    verify_s: float) -> None:
@@ -460,7 +471,10 @@ class SpecEngine:
         if self.ring is not None:
             self.ring.reset()  # the previous step's read has landed every earlier copy
         stamps = [_event()]
-        if k > 0:
+        if k > 0 and is_proposing(seq.draft):
+            drafts, q, own_list = seq.draft.propose(seq, k, self.options.draft_confidence)
+            own = torch.tensor(own_list, dtype=torch.float32)
+        elif k > 0:
             stage = gpu_stages.propose_head if is_head(seq.draft) else gpu_stages.propose_layers
             drafts, q, own = stage(seq.draft, seq, k)
         else:
@@ -468,7 +482,10 @@ class SpecEngine:
         stamps.append(_event())
         logits = score(self.target, seq, drafts)
         stamps.append(_event())
-        n, nxt, draft_ids = gpu_stages.verify(seq, drafts, q, logits)
+        if is_proposing(seq.draft):  # host-side proposals: the host's verify (one read either way)
+            (n, nxt), draft_ids = verify(seq, drafts, q, logits), drafts.tolist()
+        else:
+            n, nxt, draft_ids = gpu_stages.verify(seq, drafts, q, logits)
         stamps.append(_event())
         own_h = own.tolist() if own is not None and seq.capture is not None else [float("nan")] * len(draft_ids)
         emitted = commit(seq, draft_ids, own_h, logits, n, nxt)

@@ -147,6 +147,9 @@ class Scheduler:
                 keep.append(seq)
                 continue
             self.engine.slots.release(seq.slot)
+            release = getattr(seq.draft, "release", None)
+            if release is not None:  # a draft that keeps per-request state of its own
+                release(seq)
             seq.deliver(seq.error if seq.error is not None else DONE)
         self.active = keep
 

@@ -114,7 +114,9 @@ class Slot:
         self.target = target
         self.drafts: dict[Any, KVCache] = {}
 
-    def draft_cache(self, runner: Runner) -> KVCache:
+    def draft_cache(self, runner: Runner) -> KVCache | None:
+        if not getattr(runner, "uses_kv_cache", True):  # a draft with no forward of its own
+            return None
         key = runner.cache_key
         cache = self.drafts.get(key)
         if cache is None:
@@ -173,10 +175,13 @@ class Seq:
         self.t_decode = 0.0  # when the prefill ended (perf_counter)
         self.progress = 0.0  # monotonic time of the request's last step (engine health)
         seed = params.sampling.seed
+        self.seed: int | None = None
         self.gen = None
         if not params.sampling.greedy:
             self.gen = torch.Generator(device=device)
-            self.gen.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+            # The seed, kept: point-mass drafts draw each position from it (verify_positional).
+            self.seed = seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
+            self.gen.manual_seed(self.seed)
 
     @property
     def prefilling(self) -> bool:

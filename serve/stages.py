@@ -18,7 +18,7 @@ from serve.head_runner import commit_head, is_head, prefill_head
 from serve.processors import token_logprobs
 from serve.runner import Runner
 from serve.seq import STAGES, Seq
-from serve.verify import verify_greedy, verify_sampling, warp_probs
+from serve.verify import verify_greedy, verify_positional, verify_sampling, warp_probs
 
 
 def begin_prefill(seq: Seq) -> None:
@@ -106,6 +106,8 @@ def verify(seq: Seq, drafts: torch.Tensor, q: torch.Tensor | None, logits: torch
     logits = seq.target_logits(logits, drafts)
     if params.greedy:
         return verify_greedy(drafts, torch.argmax(logits, dim=-1))
+    if getattr(seq.draft, "point_mass", False):  # every step, drafted or not: see verify_positional
+        return verify_positional(drafts, warp_probs(logits, params), seq.seed, len(seq.tokens))
     return verify_sampling(drafts, q if q is not None else logits.new_zeros(0, logits.shape[-1]),
                            warp_probs(logits, params), seq.gen)
 

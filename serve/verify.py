@@ -116,6 +116,27 @@ def verify_sampling(
     return k, sample(p_probs[k], generator)
 
 
+def verify_positional(draft_tokens: torch.Tensor, p_probs: torch.Tensor, seed: int, start: int) -> tuple[int, int]:
+    """Drafts chosen without a draw (a point mass, the suffix draft's): the target's own draw
+    at each position, from a generator fixed by (seed, absolute position), accepted while it
+    equals the draft. Each emitted token is drawn from the target given its actual prefix, so
+    the output is the target's distribution; a draft equal to the draw is accepted with
+    probability p(draft), as rejection sampling would accept a point mass; and a seeded
+    request gives the same tokens whatever was proposed (what the replica's index held).
+
+    draft_tokens: [k]; p_probs: [k+1, V] warped target probabilities; start: the absolute
+    position of row 0. Returns (n_accepted, next_token)."""
+    k = draft_tokens.shape[0]
+    drafts = draft_tokens.tolist()
+    for j in range(k + 1):
+        g = torch.Generator(device=p_probs.device)
+        g.manual_seed((seed * 1_000_003 + start + j) % (1 << 62))
+        x = sample(p_probs[j], g)
+        if j == k or x != drafts[j]:
+            return j, x
+    raise AssertionError("unreachable")
+
+
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(p - q, 0)); falls back to p if the residual has no mass (p == q)."""
     r = torch.clamp(p - q, min=0.0)

@@ -28,3 +28,17 @@ def chi2_pvalue(observed, expected, min_expected: float = 5.0) -> float:
     assert df >= 1, "too few cells for a chi-square test"
     stat = ((obs - exp) ** 2 / exp).sum()
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), stat / 2))
+
+
+def first_two_tokens_pvalue(target, prompt: list[int], outputs: list[list[int]], vocab: int, sampling) -> float:
+    """chi2_pvalue of the joint counts of outputs' first two tokens against the target's exact
+    two-step distribution after `prompt` (warped by `sampling`)."""
+    from serve.verify import warp_probs
+
+    counts = torch.zeros(vocab, vocab, dtype=torch.long)
+    for out in outputs:
+        counts[out[0], out[1]] += 1
+    with torch.no_grad():
+        p1 = warp_probs(target(torch.tensor([prompt])).logits[0, -1], sampling)
+        p2 = warp_probs(target(torch.tensor([prompt + [t] for t in range(vocab)])).logits[:, -1], sampling)
+    return chi2_pvalue(counts, p1[:, None] * p2)

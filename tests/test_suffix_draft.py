@@ -1,0 +1,126 @@
+"""The `suffix` draft (serve/suffix_draft.py) in the engine: greedy output is the target's,
+sampling follows the target's distribution, a repeated request is drafted from the replica's
+index, opted-out requests never enter it, and every request's state goes when it leaves."""
+
+import asyncio
+
+import pytest
+import torch
+from chi2 import first_two_tokens_pvalue
+from test_batching import tiny
+
+from infra.config import OSDConfig
+from serve.drafts import build_draft
+from serve.engine import EngineOptions, GenerationParams, SpecEngine
+from serve.suffix_draft import SuffixDraft
+from serve.verify import SamplingParams
+
+pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny(layers=2)
+
+
+def _engine(target, **kw):
+    opts = dict(k=4, max_seq_len=160, max_concurrency=4, prefill_chunk=16, k_policy="fixed")
+    return SpecEngine(target, build_draft("suffix", target), options=EngineOptions(**{**opts, **kw}))
+
+
+def _prompts():
+    gen = torch.Generator().manual_seed(1)
+    motif = torch.randint(0, 256, (6,), generator=gen).tolist()
+    noise = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (9, 4, 20)]
+    # Repeated text inside a prompt: the request's own index proposes from its first step.
+    return [motif * 4, noise[0] + motif * 2 + noise[1], noise[2], motif + noise[1] + motif]
+
+
+def test_greedy_output_is_the_targets_and_a_repeat_is_drafted_from_the_replica(target):
+    eng = _engine(target)
+    ar = SpecEngine(target, None, options=EngineOptions(k=0, max_seq_len=160, max_concurrency=4))
+    prompts = _prompts()
+    params = GenerationParams(max_new_tokens=40)
+    want = [r.output_ids for r in ar.generate_many(prompts, params)]
+    first = eng.generate_many(prompts, params)  # batched, 4 at once
+    assert [r.output_ids for r in first] == want
+    assert sum(r.stats.num_draft_tokens for r in first) > 0
+    # Asked again, one at a time: each answer is in the replica's index now, so nearly every
+    # position is drafted and accepted (greedy: the same answer).
+    again = [eng.generate(p, params) for p in prompts]
+    assert [r.output_ids for r in again] == want
+    drafted = sum(r.stats.num_draft_tokens for r in again)
+    accepted = sum(r.stats.num_accepted_tokens for r in again)
+    assert accepted / drafted > 0.9 and accepted > 0.5 * 4 * 40
+    assert eng.draft.proposer.global_index.n_tokens > 0
+    assert eng.draft._fed == {}  # per-request state gone with each request
+
+
+def test_a_request_that_opted_out_of_capture_never_enters_the_shared_index(target):
+    eng = _engine(target)
+    eng.generate(_prompts()[0], GenerationParams(max_new_tokens=20, capture=False))
+    assert eng.draft.proposer.global_index.n_tokens == 0
+    eng.generate(_prompts()[0], GenerationParams(max_new_tokens=20))
+    assert eng.draft.proposer.global_index.n_tokens > 0
+
+
+def test_a_cancelled_stream_leaves_no_state_and_adds_nothing(target):
+    eng = _engine(target)
+
+    async def run():
+        stream = eng.stream(_prompts()[0], GenerationParams(max_new_tokens=60))
+        async for _ in stream:
+            break  # the client goes away after its first tokens
+        for _ in range(5):
+            await asyncio.sleep(0)
+
+    asyncio.run(run())
+    eng.generate([1, 2, 3], GenerationParams(max_new_tokens=2))  # a step retires the cancelled one
+    assert eng.draft._fed == {}
+    assert eng.slots.free == 4
+    assert eng.draft.proposer.global_index.n_tokens == 2 + 3  # only the finished request: tail + output
+
+
+V8 = dict(vocab=8, layers=2, max_positions=40)
+PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]  # the request's own index proposes 3, 1, 2, ...
+
+
+def test_sampled_requests_follow_the_target_with_proposals_and_without():
+    """Some steps draft (the prompt's own repeat, and answers shared through the replica's
+    index), some find no match and draft nothing; the first two tokens' joint counts follow
+    the target's exact distribution, and seeds reproduce."""
+    target = tiny(seed=3, **V8)
+    eng = SpecEngine(target, build_draft("suffix", target),
+                     options=EngineOptions(k=3, max_seq_len=40, max_concurrency=4, k_policy="fixed"))
+    sp = SamplingParams(temperature=1.0)
+    n = 1200
+    params = [GenerationParams(max_new_tokens=3, sampling=SamplingParams(1.0, seed=i)) for i in range(n)]
+    results = [eng.generate(PROMPT, p) for p in params]
+    assert first_two_tokens_pvalue(target, PROMPT, [r.output_ids for r in results], 8, sp) > 1e-3
+    drafted = sum(r.stats.num_draft_tokens for r in results)
+    accepted = sum(r.stats.num_accepted_tokens for r in results)
+    assert 0 < accepted < drafted  # proposals were made, and some were rejected
+    assert [eng.generate(PROMPT, p).output_ids for p in params[:30]] == [r.output_ids for r in results[:30]]
+
+
+def test_suffix_settings_come_from_the_config():
+    cfg = OSDConfig.model_validate({"serve": {"suffix": {"max_tokens": 1000, "min_prob": 0.3}}})
+    d = build_draft("suffix", tiny(**V8), suffix=cfg.serve.suffix)
+    assert isinstance(d, SuffixDraft) and d.min_prob == 0.3
+    assert d.proposer.global_index.max_tokens == 1000
+    with pytest.raises(ValueError, match="min_prob"):
+        OSDConfig.model_validate({"serve": {"suffix": {"min_prob": 2}}})
+
+
+def test_the_device_stages_serve_the_suffix_draft_as_the_cpu_batch_does(target):
+    """The CUDA path's loop (run here on CPU): the same tokens, drafts and records."""
+    prompts = _prompts()
+    cpu, dev = _engine(target), _engine(target)
+    dev.gpu = True  # the device-resident stages; on CPU they run the same tensor code
+    for p in prompts + prompts:  # the second round drafts from the replica's index
+        for params in (GenerationParams(max_new_tokens=24),
+                       GenerationParams(max_new_tokens=24, sampling=SamplingParams(0.8, seed=7))):
+            a, b = cpu.generate(p, params), dev.generate(p, params)
+            assert b.output_ids == a.output_ids
+            assert b.capture.draft_tokens.tolist() == a.capture.draft_tokens.tolist()
+    assert dev.draft.proposer.global_index.n_tokens == cpu.draft.proposer.global_index.n_tokens > 0
