@@ -155,11 +155,12 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
               log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
     mcfg = bench_model_config(cfg, device, target, dtype, quant)
     loaded = load_target(mcfg.target, mcfg, progress=True)
-    if draft_spec == "head:init":  # the warm-started head: built once, then taken from disk
+    if draft_spec in ("head:init", "head+suffix"):  # the warm-started head: built once, then taken from disk
         from train.head_warm_start import run_head_warm_start
 
-        draft_spec = run_head_warm_start(cfg.model_copy(update={"model": mcfg}))["path"]
-    draft = build_draft(draft_spec, loaded.model)
+        head = run_head_warm_start(cfg.model_copy(update={"model": mcfg}))["path"]
+        draft_spec = head if draft_spec == "head:init" else f"{head}+suffix"
+    draft = build_draft(draft_spec, loaded.model, suffix=cfg.serve.suffix)
     if draft is None:
         raise ValueError("osd bench engine needs a draft: --draft self, truncate:L, head:init or a directory")
     # --max-prompt-chars and --prompts pick from ShareGPT; a prompts file is used whole.
@@ -445,6 +446,7 @@ def draft_figures(st: SpecStats, runs: dict[str, MethodRun], draft: Any) -> dict
     ar_decode = runs["ar"].decode_tok_s
     t_step = 1.0 / ar_decode if ar_decode else None
     coverage = None
+    draft = getattr(draft, "model", draft)  # head+suffix: the head's vocabulary
     if getattr(draft, "osd_family", None) == "head":
         t2d = draft.t2d().cpu()
         outs = torch.tensor([t for out in runs["ar"].outputs for t in out], dtype=torch.long)
@@ -456,7 +458,12 @@ def draft_figures(st: SpecStats, runs: dict[str, MethodRun], draft: Any) -> dict
                                                 for a, r in zip(st.accepted_per_pos, st.reached_per_pos)],
             "draft_cost_per_token": t_draft / t_step if t_step and st.num_draft_tokens else None,
             "draft_vocab_coverage": coverage,
-            "draft_vocab": int(draft.d2t.numel()) if coverage is not None else None}
+            "draft_vocab": int(draft.d2t.numel()) if coverage is not None else None,
+            # Drafting steps by who proposed (head / suffix for head+suffix): acceptance, and
+            # tokens emitted per such step (its accepted drafts plus the target's own token).
+            "by_source": {src: {"steps": n, "drafted": d, "accepted": a, "acceptance": a / d if d else 0.0,
+                                "tokens_per_step": (a + n) / n if n else 0.0}
+                          for src, (n, d, a) in sorted(st.by_source.items())}}
 
 
 def step_cost_figures(stats: dict[str, SpecStats], runs: dict[str, MethodRun]) -> dict[str, Any]:
@@ -533,6 +540,10 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
         + ", ".join(f"{a:.3f}" for a in result["acceptance_per_pos_given_prefix"])
         + f"; draft cost per token {_fmt(result['draft_cost_per_token'], '.3f', '')} of a target step"
         + (f"; draft vocab coverage {result['draft_vocab_coverage']:.3f}" if result["draft_vocab_coverage"] else ""))
+    if len(result.get("by_source") or {}) > 1:
+        log("by source: " + "; ".join(f"{src} {f['steps']} steps, acceptance {f['acceptance']:.3f}, "
+                                      f"{f['tokens_per_step']:.2f} tokens/step"
+                                      for src, f in result["by_source"].items()))
     log(f"capture overhead (median per prompt) {result['capture_overhead_pct']:+.2f}%")
     if result.get("ar_decode_tok_s"):
         log(f"own AR decode without prefill: {result['ar_decode_tok_s']:.1f} tok/s "

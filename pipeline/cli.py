@@ -499,8 +499,9 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--limit", type=int, metavar="N", help="use at most N prompts")
     be.add_argument("--max-new-tokens", type=int, default=96, metavar="M")
     be.add_argument("--k", type=int, default=4, metavar="K", help="draft tokens per step (default 4)")
-    be.add_argument("--draft", default="truncate:4", metavar="SPEC", help="self, truncate:L, head:init (the warm-started head) or a published draft directory "
-                         "(default truncate:4)")
+    be.add_argument("--draft", default="truncate:4", metavar="SPEC", help="self, truncate:L, head:init (the warm-started head), suffix, head+suffix "
+                         "(the warm-started head with the suffix draft, chosen per step), DIR+suffix, "
+                         "or a published draft directory (default truncate:4)")
     be.add_argument("--device", default="cpu", help="cpu or cuda")
     be.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                     help="CUDA graphs for decode/verify/draft steps (auto: on with --device cuda); when on, "

@@ -46,9 +46,12 @@ def is_loopback(host: str) -> bool:
 def with_draft_resolved(cfg: OSDConfig) -> OSDConfig:
     """cfg with serve.draft: auto replaced by the draft it stands for, said once here, so every
     replica serves the same draft even if a warm start finishes while they start."""
-    from serve.drafts import resolve_auto
+    from serve.drafts import DraftSpecError, resolve_auto
 
-    spec, why = resolve_auto(cfg)
+    try:
+        spec, why = resolve_auto(cfg)
+    except DraftSpecError as e:
+        raise LaunchError(str(e)) from None
     if spec == cfg.serve.draft:
         return cfg
     _log(why)

@@ -10,6 +10,9 @@
   token is a trained head's (`osd bench engine` on a GPU with no trained head at hand).
 - `suffix`: suffix decoding over each request's own context and the replica's recent outputs
   (serve/suffix_draft.py): no weights, learned from every served token at once.
+- `H+suffix` (H a head: a head draft directory or head:untrained; `head+suffix` names the
+  warm-started head, resolved by `resolve_auto`): the head and the suffix draft, the suffix
+  chain taken at each step where it expects at least as many accepted tokens as the head.
 - a directory: a draft published by `osd draft init` or the trainer (infra/draft_model.py).
 - `auto` (serve.draft's default): resolved once by `resolve_auto` before anything is built.
 Registry versions come with the registry.
@@ -36,12 +39,19 @@ def build_draft(spec: str | None, target: Any, *, target_sha256: str | None = No
     `suffix`: the suffix draft's settings (serve.suffix; default its defaults)."""
     if spec in (None, "", "none"):
         return None
-    if spec == "suffix":
+    if spec == "suffix" or spec.endswith("+suffix"):
         from infra.config import SuffixConfig
-        from serve.suffix_draft import SuffixDraft
+        from serve.suffix_draft import SuffixDraft, WithSuffix
 
-        return SuffixDraft.from_config(suffix or SuffixConfig(), target.config.vocab_size,
-                                       next(target.parameters()).device)
+        chains = SuffixDraft.from_config(suffix or SuffixConfig(), target.config.vocab_size,
+                                         next(target.parameters()).device)
+        if spec == "suffix":
+            return chains
+        model = build_draft(spec.removesuffix("+suffix"), target, target_sha256=target_sha256)
+        if model is None or not hasattr(model, "d2t"):
+            raise DraftSpecError(f"{spec!r}: the draft before +suffix must be a head (a head draft directory, "
+                                 f"head:untrained, or head for the warm-started one)")
+        return WithSuffix(model, chains)
     if spec == "self":
         return target
     if spec.startswith("truncate:"):
@@ -74,6 +84,12 @@ def resolve_auto(cfg: OSDConfig) -> tuple[str, str]:
     """(the spec serve.draft: auto stands for, a line saying why). The warm-started head if
     `osd draft init --family head` has finished, else the warm-started layer draft, else
     truncate:4. Any other spec is returned as it is."""
+    if cfg.serve.draft == "head+suffix":
+        head = warm_start_path(cfg, "head")
+        if not (head / "draft.json").is_file():
+            raise DraftSpecError(f"serve.draft head+suffix needs the warm-started head in {head}: run "
+                                 f"`osd draft init --family head` first")
+        return f"{head}+suffix", f"serve.draft head+suffix: the warm-started head {head} with the suffix draft"
     if cfg.serve.draft != AUTO:
         return cfg.serve.draft, f"serve.draft {cfg.serve.draft}"
     found = warm_started_draft(cfg)

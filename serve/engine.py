@@ -52,9 +52,9 @@ from serve.capture import Capture, CaptureBuffer
 from serve.detokenize import StopScanner
 from serve import gpu_stages
 from serve.head_runner import is_head, propose_head, propose_heads
-from serve.suffix_draft import is_proposing
+from serve.suffix_draft import WithSuffix, is_proposing
 from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
-from serve.k_policy import KPolicy, StepCosts, profile_forward
+from serve.k_policy import KPolicy, StepCosts, expected_tokens, profile_forward
 from serve.processors import LogitsProcessor
 from serve.linear import QUANT_MODES
 from serve.runner import LlamaRunner, Runner, make_runner
@@ -211,6 +211,9 @@ class SpecEngine:
     def _draft_runner(self, draft_model: Any) -> Runner:
         if is_proposing(draft_model):  # no weights to run (the suffix draft): it is its own runner
             runner = draft_model
+        elif isinstance(draft_model, WithSuffix):  # head+suffix: the head's runner, the suffix beside
+            runner = self._runner(draft_model.model, self.options.quant)
+            runner.suffix = draft_model.suffix
         else:
             # A draft's weights take the target's format: an int4 target's truncate/self drafts
             # share its int4 layers, and a head reads a quarter of the bytes (only acceptance moves).
@@ -376,9 +379,13 @@ class SpecEngine:
         head forward per draft position (propose_heads), their time shared out evenly; other
         drafts one request at a time. Per request (tokens, q, own probs, seconds)."""
         out: list[tuple | None] = [None] * len(seqs)
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            seq.step_source = "head" if is_head(seq.draft) else "layer"
+            if k > 0 and getattr(seq.draft, "suffix", None) is not None:
+                out[i] = self._suffix_over(seq, k)
         groups: dict[int, list[int]] = {}
         for i, (seq, k) in enumerate(zip(seqs, ks)):
-            if k > 0 and is_head(seq.draft):
+            if k > 0 and is_head(seq.draft) and out[i] is None:
                 groups.setdefault(id(seq.draft), []).append(i)
         for members in groups.values():
             if len(members) < 2:
@@ -390,6 +397,14 @@ class SpecEngine:
             for i, (drafts, q, own) in zip(members, got):
                 out[i] = (drafts, q, own, share)
         return [o if o is not None else self.propose_timed(seq, k) for o, seq, k in zip(out, seqs, ks)]
+
+    def _suffix_over(self, seq: Seq, k: int) -> tuple | None:
+        """head+suffix: the suffix chain for this step when it expects at least as many accepted
+        tokens as the head's k at the request's running acceptance (k_policy; else 0.5 a position)."""
+        t0 = time.perf_counter()
+        alpha = seq.kreq.alpha if seq.kreq is not None else 0.5
+        got = seq.draft.suffix.propose_over(seq, k, self.options.draft_confidence, expected_tokens(alpha, k) - 1)
+        return None if got is None else (*got, time.perf_counter() - t0)
 
     def propose_timed(self, seq: Seq, k: int) -> tuple[torch.Tensor, torch.Tensor | None, list[float], float]:
         t0 = time.perf_counter()
@@ -418,12 +433,16 @@ class SpecEngine:
         by_t = seq.stats.score_by_tokens.setdefault(rows, [0, 0.0])
         by_t[0] += 1
         by_t[1] += score_s
+        seq.stats.count_source(seq.step_source, drafted, accepted)
+        # A hybrid's suffix step says nothing of its head's acceptance or cost per token.
+        learn = not (seq.step_source == "suffix" and getattr(seq.draft, "suffix", None) is not None)
         if seq.kreq is not None:
             costs = seq.kreq.policy.costs
-            if not seq.kreq.probing:
+            if not seq.kreq.probing and learn:
                 costs.observe_draft(seq.kreq.draft_key, drafted, draft_s)
             costs.observe_step(verify_s)
-        self._learn_k(seq, drafted, accepted)
+        if learn:
+            self._learn_k(seq, drafted, accepted)
 
     def _learn_k(self, seq: Seq, drafted: int, accepted: int) -> None:
         if seq.kreq is not None:

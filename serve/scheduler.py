@@ -31,6 +31,7 @@ from serve.batch_forward import Item, forward_batch
 from serve.head_runner import is_head
 from serve.seq import Seq
 from serve.stages import commit, end_prefill, prefill_tokens, prefilled_chunk, verify
+from serve.suffix_draft import release_draft
 
 DONE = object()  # delivered after a request's last tokens
 ALONE_CHUNKS = 8  # a prompt's chunk, in prefill_chunks, while no request decodes
@@ -147,9 +148,7 @@ class Scheduler:
                 keep.append(seq)
                 continue
             self.engine.slots.release(seq.slot)
-            release = getattr(seq.draft, "release", None)
-            if release is not None:  # a draft that keeps per-request state of its own
-                release(seq)
+            release_draft(seq)  # a draft that keeps per-request state of its own
             seq.deliver(seq.error if seq.error is not None else DONE)
         self.active = keep
 

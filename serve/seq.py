@@ -70,6 +70,16 @@ class SpecStats:
     # The score stage by the target forward's token count T: T -> [steps, seconds] (CPU path;
     # the GPU path's stage times arrive as events, per stage only).
     score_by_tokens: dict[int, list[float]] = field(default_factory=dict)
+    # Steps that drafted, by who proposed (a hybrid draft's "head" or "suffix", else the
+    # draft's family): source -> [steps, draft tokens, accepted tokens].
+    by_source: dict[str, list[int]] = field(default_factory=dict)
+
+    def count_source(self, source: str, drafted: int, accepted: int) -> None:
+        if drafted:
+            got = self.by_source.setdefault(source, [0, 0, 0])
+            got[0] += 1
+            got[1] += drafted
+            got[2] += accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -95,6 +105,8 @@ class SpecStats:
             mine = self.score_by_tokens.setdefault(t, [0, 0.0])
             mine[0] += n
             mine[1] += sec
+        for src, counts in other.by_source.items():
+            self.by_source[src] = _add_counts(self.by_source.get(src, [0, 0, 0]), counts)
 
 
 def _add_counts(a: list[int], b: list[int]) -> list[int]:
@@ -163,6 +175,7 @@ class Seq:
         self.feats: torch.Tensor | None = None
         self.feat_start = 0
         self.step_feats: torch.Tensor | None = None
+        self.step_source = ""  # who proposed this step's drafts (SpecStats.by_source)
         # Scheduling (serve/scheduler.py): prompt tokens in the target's cache (all but the
         # last are prefilled, in chunks), the chunks' head features until the prefill ends,
         # where each step's tokens go, and a cancellation asked by the request's owner.

@@ -106,7 +106,9 @@ def verify(seq: Seq, drafts: torch.Tensor, q: torch.Tensor | None, logits: torch
     logits = seq.target_logits(logits, drafts)
     if params.greedy:
         return verify_greedy(drafts, torch.argmax(logits, dim=-1))
-    if getattr(seq.draft, "point_mass", False):  # every step, drafted or not: see verify_positional
+    # A point-mass proposal (q None with drafts: a suffix chain), and every step of the
+    # suffix draft, drafted or not, so its seeds reproduce: see verify_positional.
+    if getattr(seq.draft, "point_mass", False) or (q is None and drafts.numel()):
         return verify_positional(drafts, warp_probs(logits, params), seq.seed, len(seq.tokens))
     return verify_sampling(drafts, q if q is not None else logits.new_zeros(0, logits.shape[-1]),
                            warp_probs(logits, params), seq.gen)

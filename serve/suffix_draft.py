@@ -77,8 +77,9 @@ class SuffixDraft(ProposingDraft):
         self._fed[key] = len(seq.tokens)
         return key
 
-    def propose(self, seq: Any, k: int, confidence: float) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
-        """Up to k tokens; `confidence` also stops the chain where a token's empirical
+    def chain(self, seq: Any, k: int, confidence: float) -> tuple[list[int], list[float], float]:
+        """(tokens, their empirical probabilities, expected accepted tokens) of the better
+        index's chain of up to k tokens; `confidence` also stops it where a token's empirical
         probability falls below it (the index's own floor is min_prob)."""
         key = self._follow(seq)
         got = self.proposer.propose(key, max_tokens=k, min_prob=self.min_prob, factor=self.factor,
@@ -89,6 +90,28 @@ class SuffixDraft(ProposingDraft):
             tokens, probs = tokens[:cut], probs[:cut]
         self.asked += 1
         self.proposed += bool(tokens)
+        expected, path = 0.0, 1.0
+        for p in probs:
+            path *= p
+            expected += path
+        return tokens, probs, expected
+
+    def propose(self, seq: Any, k: int, confidence: float) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
+        """Up to k tokens (chain), as a point mass: q is None (serve/stages.py verify)."""
+        tokens, probs, _ = self.chain(seq, k, confidence)
+        seq.step_source = self.family
+        return torch.tensor(tokens, dtype=torch.long, device=self.device), None, probs
+
+    def propose_over(self, seq: Any, k: int, confidence: float,
+                     rival_expected: float) -> tuple[torch.Tensor, None, list[float]] | None:
+        """The chain when it expects at least `rival_expected` accepted tokens (the other
+        draft's, for this step), else None: the hybrid draft's choice per step. Both
+        proposals cost one verify of about the same rows, and a chain costs next to nothing
+        to draft, so expected accepted tokens decide."""
+        tokens, probs, expected = self.chain(seq, k, confidence)
+        if not tokens or expected < rival_expected:
+            return None
+        seq.step_source = self.family
         return torch.tensor(tokens, dtype=torch.long, device=self.device), None, probs
 
     def release(self, seq: Any) -> None:
@@ -105,3 +128,18 @@ class SuffixDraft(ProposingDraft):
         index = self.proposer.global_index
         return {"global_tokens": index.n_tokens, "global_bytes": index.nbytes,
                 "proposal_rate": self.proposed / self.asked if self.asked else 0.0}
+
+
+class WithSuffix:
+    """A weighted draft (the head) plus the suffix draft, chosen between at every step
+    (`head+suffix`): the engine runs the head's runner with `suffix` attached."""
+
+    def __init__(self, model: Any, suffix: SuffixDraft):
+        self.model, self.suffix = model, suffix
+
+
+def release_draft(seq: Any) -> None:
+    """A leaving request's per-request draft state, for drafts that keep any."""
+    for part in (seq.draft, getattr(seq.draft, "suffix", None)):
+        if isinstance(part, ProposingDraft):
+            part.release(seq)

@@ -124,3 +124,52 @@ def test_the_device_stages_serve_the_suffix_draft_as_the_cpu_batch_does(target):
             assert b.output_ids == a.output_ids
             assert b.capture.draft_tokens.tolist() == a.capture.draft_tokens.tolist()
     assert dev.draft.proposer.global_index.n_tokens == cpu.draft.proposer.global_index.n_tokens > 0
+
+
+# ---------------------------------------------------------------- head+suffix
+
+def test_head_with_suffix_is_the_target_greedy_and_takes_the_suffix_on_repeats(target):
+    eng = SpecEngine(target, build_draft("head:untrained+suffix", target),
+                     options=EngineOptions(k=4, max_seq_len=160, max_concurrency=4, prefill_chunk=16))
+    ar = SpecEngine(target, None, options=EngineOptions(k=0, max_seq_len=160, max_concurrency=4))
+    prompts = _prompts()
+    params = GenerationParams(max_new_tokens=40)
+    want = [r.output_ids for r in ar.generate_many(prompts, params)]
+    first = eng.generate_many(prompts, params)
+    again = eng.generate_many(prompts, params)  # every answer is in the replica's index now
+    assert [r.output_ids for r in first] == want and [r.output_ids for r in again] == want
+    sources = {}
+    for r in first + again:
+        for src, counts in r.stats.by_source.items():
+            sources[src] = [a + b for a, b in zip(sources.get(src, [0, 0, 0]), counts)]
+    assert "suffix" in sources
+    steps, drafted, accepted = sources["suffix"]
+    assert accepted / drafted > 0.8  # the suffix wins where it has seen the answer
+    assert eng.draft.suffix._fed == {}
+
+
+def test_head_with_suffix_samples_the_target_distribution():
+    target = tiny(seed=3, **V8)
+    eng = SpecEngine(target, build_draft("head:untrained+suffix", target),
+                     options=EngineOptions(k=3, max_seq_len=40, max_concurrency=4, k_policy="fixed"))
+    n = 1200
+    params = [GenerationParams(max_new_tokens=3, sampling=SamplingParams(1.0, seed=i)) for i in range(n)]
+    results = [eng.generate(PROMPT, p) for p in params]
+    assert first_two_tokens_pvalue(target, PROMPT, [r.output_ids for r in results], 8, SamplingParams(1.0)) > 1e-3
+    used = {src for r in results for src in r.stats.by_source}
+    assert used == {"head", "suffix"}  # both kinds of step ran
+
+
+def test_only_a_head_takes_a_suffix_beside_it(target, tmp_path):
+    from infra.draft_spec import DraftSpecError
+    from serve.drafts import resolve_auto
+
+    with pytest.raises(DraftSpecError, match="must be a head"):
+        build_draft("truncate:1+suffix", target)
+    cfg = OSDConfig.model_validate({"state_dir": str(tmp_path), "serve": {"draft": "head+suffix"}})
+    with pytest.raises(DraftSpecError, match="osd draft init --family head"):
+        resolve_auto(cfg)
+    from pipeline.launch import LaunchError, with_draft_resolved
+
+    with pytest.raises(LaunchError, match="osd draft init --family head"):  # `osd serve`: a clear error
+        with_draft_resolved(cfg)
