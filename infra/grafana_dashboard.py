@@ -55,6 +55,10 @@ def panels() -> list[tuple[str, str, list[tuple[str, str]]]]:
          [(f"1 + {_rate('osd_spec_decode_num_accepted_tokens_total')} / {_rate('osd_spec_decode_num_drafts_total')}",
            "{{draft_version}}")]),
         ("Acceptance per draft position", "percentunit", [(pos, "{{draft_version}} pos {{position}}")]),
+        ("Acceptance by who proposed (head+suffix: head / suffix)", "percentunit",
+         [(f"{_rate('osd_spec_decode_num_accepted_tokens_by_source_total', by='draft_version, source')} / "
+           f"{_rate('osd_spec_decode_num_draft_tokens_by_source_total', by='draft_version, source')}",
+           "{{draft_version}} {{source}}")]),
         ("Canary minus stable acceptance", "percentunit",
          [(f"{_role_acceptance('canary')} - {_role_acceptance('stable')}", "canary - stable")]),
         ("Output tokens/s per version", "short", [(_rate("osd_generation_tokens_total"), "{{draft_version}}")]),

@@ -94,6 +94,31 @@ def read_records(client: redis.Redis, stream: str, *, since_s: float = 0.0, batc
         start = f"{ms}-{int(seq) + 1}"
 
 
+def recent_records(client: redis.Redis, stream: str, max_tokens: int, *, batch: int = 200) -> list[Record]:
+    """The newest decodable records whose outputs hold about `max_tokens` tokens in all (the
+    one that crosses it included), oldest first, read newest first without touching any
+    consumer group: what a new replica's suffix index starts from."""
+    out: list[Record] = []
+    tokens = 0
+    end = "+"
+    while tokens < max_tokens:
+        entries = client.xrevrange(stream, max=end, min="-", count=batch)
+        for eid, fields in entries:
+            try:
+                rec = decode(fields[FIELD])
+            except (KeyError, RecordError):
+                continue
+            out.append(rec)
+            tokens += len(rec.output_ids)
+            if tokens >= max_tokens:
+                break
+        if len(entries) < batch:
+            break
+        ms, seq = _s(entries[-1][0]).split("-")
+        end = f"{ms}-{int(seq) - 1}" if int(seq) > 0 else f"{int(ms) - 1}-18446744073709551615"
+    return out[::-1]
+
+
 def group_info(client: redis.Redis, stream: str) -> dict[str, dict[str, Any]]:
     """XINFO GROUPS as {group name: {field: value}}, str names and ids; {} if the stream is missing."""
     try:

@@ -78,6 +78,7 @@ class TargetReplica:
         self.engine = SpecEngine(loaded.model, None, loaded.tokenizer, EngineOptions.from_config(cfg.serve, cfg.model))
         self.router = self._make_router(cfg, build_draft)
         self.producer = RecordProducer(cfg.stream.redis_url, cfg.stream) if cfg.stream.redis_url else None
+        self._warm_suffix(cfg)
         self.metrics = ServeMetrics()
         # A text this long cannot fit the context whatever it tokenizes to (no token decodes to
         # more characters than its raw vocab string), so it is refused without tokenizing.
@@ -122,6 +123,24 @@ class TargetReplica:
             log(f"no stable alias in {self.registry.uri}; serving autoregressively until one is set")
         router.follow_aliases(self.registry.aliases, cfg.serve.alias_poll_s)
         return router
+
+    def _warm_suffix(self, cfg: OSDConfig) -> None:
+        """A suffix draft starts from the fleet's recent records in the stream (a best effort: a
+        stream that cannot be read leaves the index empty, and serving goes on)."""
+        from infra.streams import connect, recent_records
+        from serve.suffix_draft import suffix_of, warm_from_records
+
+        suffix = suffix_of(self.router.routing.stable_runner)
+        if suffix is None or not cfg.stream.redis_url:
+            return
+        try:
+            records = recent_records(connect(cfg.stream.redis_url, cfg.stream), cfg.stream.stream,
+                                     cfg.serve.suffix.max_tokens)
+        except Exception as e:  # Redis down or slow: the index learns from this replica's own traffic
+            print(f"[osd replica] suffix index not warmed from the stream: {e}", flush=True)
+            return
+        added = warm_from_records(suffix, records)
+        print(f"[osd replica] suffix index warmed from the stream: {len(records)} records, {added} tokens", flush=True)
 
     def _load_version(self, version: str) -> Any:
         # Digests checked first, and a version made for another target refused.
@@ -335,6 +354,8 @@ class TargetReplica:
 
     def stats(self, recent: bool = False) -> dict[str, Any]:
         """recent: also this replica's last requests (for the ops page; large, so on request)."""
+        from serve.suffix_draft import suffix_of
+
         self._sync_record_metrics()
         pool = self.engine.slots
         out: dict[str, Any] = {"replica": self.replica_id, "draft_version": self.draft_version,
@@ -348,6 +369,10 @@ class TargetReplica:
         else:
             out.update(records_written=0, records_dropped=0, dropped_by_reason={})
         out["batch"] = self.engine.scheduler.log.totals()  # target forwards, their requests and rows
+        suffix = suffix_of(self.router.routing.stable_runner)
+        if suffix is not None:  # the suffix index: its size and how often it proposes
+            out["suffix"] = suffix.stats()
+            self.metrics.sync_suffix(out["suffix"])
         if recent:
             out["recent"] = self.metrics.recent.snapshot()
             out["batch_series"] = self.engine.scheduler.log.series()

@@ -56,6 +56,18 @@ class ServeMetrics:
                                       boundaries=BATCH_BOUNDARIES)
         self.batch_rows = m.Histogram("osd_batch_tokens", "Tokens (rows) per target forward",
                                       boundaries=ROWS_BOUNDARIES)
+        # Who proposed (head+suffix: "head" or "suffix"; else the draft's family), per version.
+        by_source = ("draft_version", "source")
+        self.source_drafts = m.Counter("osd_spec_decode_num_drafts_by_source_total",
+                                       "Steps with at least one draft token, by who proposed", tag_keys=by_source)
+        self.source_draft_tokens = m.Counter("osd_spec_decode_num_draft_tokens_by_source_total",
+                                             "Draft tokens proposed, by who proposed", tag_keys=by_source)
+        self.source_accepted = m.Counter("osd_spec_decode_num_accepted_tokens_by_source_total",
+                                         "Draft tokens accepted, by who proposed", tag_keys=by_source)
+        # The suffix draft's replica index (serve/suffix_draft.py).
+        self.suffix_tokens = m.Gauge("osd_suffix_index_tokens", "Tokens in the replica's suffix index")
+        self.suffix_bytes = m.Gauge("osd_suffix_index_bytes", "Bytes the replica's suffix index holds")
+        self.suffix_hit = m.Gauge("osd_suffix_proposal_rate", "Share of suffix lookups that proposed a chain")
         self._seen_steps = 0
         self._roles: dict[str, str | None] = {"stable": None, "canary": None}
         self._seen_written = 0
@@ -78,6 +90,12 @@ class ServeMetrics:
         for pos, n in enumerate(st.accepted_per_pos):
             if n:
                 self.accepted_per_pos.inc(n, {"draft_version": version, "position": str(pos)})
+        for source, (steps, drafted, accepted) in st.by_source.items():
+            src = {"draft_version": version, "source": source}
+            self.source_drafts.inc(steps, src)
+            self.source_draft_tokens.inc(drafted, src)
+            if accepted:
+                self.source_accepted.inc(accepted, src)
         self.latency.observe(latency_s, tags)
         self.recent.add(version, latency_s, len(result.output_ids or ()), result.decode_s, None)
 
@@ -88,6 +106,13 @@ class ServeMetrics:
             self.batch_size.observe(seqs)
             self.batch_rows.observe(rows)
         self._seen_steps = log.total
+
+    def sync_suffix(self, stats: dict[str, Any] | None) -> None:
+        """The replica's suffix index (SuffixDraft.stats()), when it serves one."""
+        if stats:
+            self.suffix_tokens.set(stats["global_tokens"])
+            self.suffix_bytes.set(stats["global_bytes"])
+            self.suffix_hit.set(stats["proposal_rate"])
 
     def error(self, version: str, reason: str) -> None:
         self.errors.inc(1, {"draft_version": version, "reason": reason})

@@ -144,8 +144,13 @@ class OpsSource:
                            if k.startswith("trainer-")), key=lambda t: t["component"])
         versions = self.registry.list()
         last = versions[-1] if versions else None
+        suffix = [r["suffix"] for r in replicas if r.get("suffix")]
         return {"records_written": sum(int(r.get("records_written", 0)) for r in replicas),
                 "records_dropped": dropped, "replicas": len(replicas), "stream": health, "trainers": trainers,
+                # The suffix draft's replica indexes (none unless it serves): size and hit rate.
+                "suffix": suffix and {"tokens": sum(x["global_tokens"] for x in suffix),
+                                      "bytes": sum(x["global_bytes"] for x in suffix),
+                                      "proposal_rate": sum(x["proposal_rate"] for x in suffix) / len(suffix)},
                 "last_candidate": last and {"version": last.id, "alpha_est": last.metrics.get("alpha_est"),
                                             "created_at": last.created_at}}
 

@@ -144,10 +144,13 @@ def _loop(lp: dict[str, Any]) -> str:
                        f"<td class=l>{_t(t['time'])}</td></tr>" for t in lp["trainers"])
     cand = lp["last_candidate"]
     cand_s = f"{_e(cand['version'])}: estimated alpha {_f(cand['alpha_est'])}" if cand else "none"
+    sx = lp.get("suffix")
+    suffix_s = (f"<br>Suffix index {sx['tokens']} tokens ({sx['bytes'] / 2**20:.1f} MiB) &middot; a chain on "
+                f"{100 * sx['proposal_rate']:.0f}% of lookups" if sx else "")
     return (f"<h2>Loop health</h2><div class=cards><div class=card id=ops-records>Records written "
             f"{lp['records_written']} &middot; dropped: {drops} <span class=muted>({lp['replicas']} replicas seen)"
             f"</span><br>Stream length {_e(st['length'])} &middot; dead-lettered {_e(st['dead_lettered'])}"
-            f"<br>Last candidate {cand_s}</div>"
+            f"<br>Last candidate {cand_s}{suffix_s}</div>"
             f"<div class=card><table id=ops-groups><tr><th class=l>group</th><th>lag</th><th>pending</th>"
             f"<th>consumers</th></tr>{groups}</table></div>"
             f"<div class=card><table id=ops-trainers><tr><th class=l>trainer</th><th>step</th><th>loss</th>"

@@ -143,3 +143,18 @@ def release_draft(seq: Any) -> None:
     for part in (seq.draft, getattr(seq.draft, "suffix", None)):
         if isinstance(part, ProposingDraft):
             part.release(seq)
+
+
+def suffix_of(draft: Any) -> SuffixDraft | None:
+    """The suffix draft in a served draft (`suffix` itself, or a head's `+suffix`), if any."""
+    return draft if isinstance(draft, SuffixDraft) else getattr(draft, "suffix", None)
+
+
+def warm_from_records(suffix: SuffixDraft, records: list) -> int:
+    """Start a new replica's shared index from the fleet's recent records, oldest first (so
+    its own budget evicts the oldest): a restarted or added replica drafts from what was
+    served before. Records exist only for requests that allowed capture. Returns the tokens added."""
+    before = suffix.proposer.global_index.n_tokens
+    for rec in records:
+        suffix.proposer.remember(rec.prompt_ids.tolist(), rec.output_ids.tolist())
+    return suffix.proposer.global_index.n_tokens - before

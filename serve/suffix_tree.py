@@ -580,6 +580,12 @@ class SuffixProposer:
             keep = req.total - req.prompt_len + min(self.prompt_tail, req.prompt_len)
             self.global_index.append(next(self._finished), req.index.tail(0, keep))
 
+    def remember(self, prompt_ids: Sequence[int] | np.ndarray, output_ids: Sequence[int] | np.ndarray) -> None:
+        """Add a finished request served elsewhere (a record from the stream), as `finish` adds
+        one served here: the prompt's last `prompt_tail` tokens, then the output."""
+        tail = list(prompt_ids)[len(prompt_ids) - min(self.prompt_tail, len(prompt_ids)):]
+        self.global_index.append(next(self._finished), tail + list(output_ids))
+
     def _best(self, req_id: Hashable, context, walk: str, args: tuple):
         """Run `walk` ("propose" or "propose_tree") on both indexes and keep the higher score
         (the request's on a tie: its text is this conversation's own)."""

@@ -119,8 +119,10 @@ class _Emitter:
         from train.metrics import TrainerMetrics
 
         sm = ServeMetrics()
-        stats = SimpleNamespace(num_drafts=1, num_draft_tokens=3, num_accepted_tokens=2, accepted_per_pos=[1, 1])
+        stats = SimpleNamespace(num_drafts=1, num_draft_tokens=3, num_accepted_tokens=2, accepted_per_pos=[1, 1],
+                                by_source={"suffix": [1, 3, 2]})
         sm.observe("v1", SimpleNamespace(stats=stats, output_ids=[1, 2, 3], decode_s=0.1), 0.2)
+        sm.sync_suffix({"global_tokens": 10, "global_bytes": 300, "proposal_rate": 0.5})
         sm.error("v1", "internal")
         sm.sync_records("v1", 2, {"queue_full": 1})
         sm.roles("v1", "v2")

@@ -255,3 +255,17 @@ def test_proxy_lets_a_session_cookie_through_on_ops_paths_only():
     assert status("/ops/api/summary", [cookie]) == 200 and status("/ops/fragment", [cookie]) == 200
     assert status("/v1/models", [cookie]) == 401 and status("/-/routes", [cookie]) == 401
     assert status("/v1/models", [(b"authorization", b"Bearer k")]) == 200
+
+
+def test_the_suffix_index_shows_when_a_replica_serves_one(loop):
+    from serve import ops_page
+    from serve.ops import OpsSource
+
+    cfg, reg, client, now = loop
+    plain = OpsSource(cfg, client=client).summary([{"replica": "r0"}], now=now)
+    assert plain["loop"]["suffix"] == [] and "Suffix index" not in ops_page.page(plain, live=False)
+    replicas = [{"replica": "r1", "suffix": {"global_tokens": 1000, "global_bytes": 2**20, "proposal_rate": 0.5}},
+                {"replica": "r2", "suffix": {"global_tokens": 500, "global_bytes": 2**20, "proposal_rate": 0.25}}]
+    s = OpsSource(cfg, client=client).summary(replicas, now=now)
+    assert s["loop"]["suffix"] == {"tokens": 1500, "bytes": 2**21, "proposal_rate": 0.375}
+    assert "Suffix index 1500 tokens (2.0 MiB) &middot; a chain on 38% of lookups" in ops_page.page(s, live=False)

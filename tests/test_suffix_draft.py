@@ -173,3 +173,81 @@ def test_only_a_head_takes_a_suffix_beside_it(target, tmp_path):
 
     with pytest.raises(LaunchError, match="osd draft init --family head"):  # `osd serve`: a clear error
         with_draft_resolved(cfg)
+
+
+# ---------------------------------------------------------------- warmed from the stream
+
+def _record(i, prompt, output):
+    import numpy as np
+
+    from infra.records import Record
+
+    n = len(output)
+    return Record(request_id=f"r{i}", draft_version="v1", prompt_ids=np.asarray(prompt, np.int32),
+                  output_ids=np.asarray(output, np.int32), topk_ids=np.zeros((n, 2), np.int32),
+                  topk_logprobs=np.zeros((n, 2), np.float16), accepted=np.zeros(n, bool),
+                  draft_tokens=np.full(n, -1, np.int32), draft_probs=np.full(n, np.nan, np.float32))
+
+
+@pytest.mark.redis
+def test_recent_records_are_the_newest_by_tokens_oldest_first_and_leave_groups_alone(redis_url):
+    from infra.config import StreamConfig
+    from infra.records import encode
+    from infra.streams import FIELD, RecordConsumer, connect, recent_records
+
+    c = StreamConfig(stream="osd:suffix-test", block_ms=100, socket_timeout_s=1.0, connect_timeout_s=0.5)
+    consumer = RecordConsumer(redis_url, c, name="a")
+    client = connect(redis_url, c)
+    for i in range(10):
+        client.xadd(c.stream, {FIELD: encode(_record(i, [1, 2], list(range(16))))})
+        if i == 7:
+            client.xadd(c.stream, {FIELD: b"junk"})
+    got = recent_records(client, c.stream, max_tokens=40, batch=2)  # pages of 2, junk skipped
+    assert [r.request_id for r in got] == ["r7", "r8", "r9"]  # 48 tokens: the one crossing 40 included
+    assert len(recent_records(client, c.stream, max_tokens=10**6)) == 10
+    assert consumer.lag() == 11 and consumer.pending() == 0  # a reader, not a consumer
+
+
+def test_a_new_replica_warmed_from_records_drafts_the_repeats_at_once(target):
+    from serve.suffix_draft import suffix_of, warm_from_records
+
+    prompts = _prompts()
+    params = GenerationParams(max_new_tokens=40)
+    served = _engine(target).generate_many(prompts, params)  # the replica before the restart
+    records = [_record(i, r.prompt_ids, r.output_ids) for i, r in enumerate(served)]
+    fresh = _engine(target)
+    assert warm_from_records(suffix_of(fresh.draft), records) == sum(min(32, len(p)) + 40 for p in prompts)
+    again = [fresh.generate(p, params) for p in prompts]
+    assert [r.output_ids for r in again] == [r.output_ids for r in served]
+    drafted = sum(r.stats.num_draft_tokens for r in again)
+    accepted = sum(r.stats.num_accepted_tokens for r in again)
+    assert accepted / drafted > 0.9 and accepted > 0.5 * 4 * 40
+    cold = [_engine(target).generate(p, params) for p in prompts]  # no warm start: far less drafted
+    assert sum(r.stats.num_accepted_tokens for r in cold) < accepted / 2
+
+
+@pytest.mark.redis
+def test_a_replica_with_the_suffix_draft_starts_from_the_streams_records(redis_url, tmp_path):
+    from infra.config import StreamConfig
+    from infra.records import encode
+    from infra.streams import FIELD, connect
+    from serve.app import TargetReplica
+
+    c = StreamConfig(stream="osd:suffix-replica", block_ms=100, socket_timeout_s=1.0, connect_timeout_s=0.5)
+    client = connect(redis_url, c)
+    for i in range(3):
+        client.xadd(c.stream, {FIELD: encode(_record(i, [1, 2, 3], [7, 8, 9, 10 + i]))})
+    cfg = OSDConfig.model_validate({"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
+                                    "serve": {"draft": "suffix"}, "stream": {**c.model_dump(), "redis_url": redis_url}})
+    rep = TargetReplica(cfg.model_dump(mode="json"))
+    try:
+        assert rep.router.routing.stable_runner.proposer.global_index.n_tokens == 3 * (3 + 4)
+    finally:
+        rep.__del__()
+    # A stream that cannot be reached leaves the index empty and the replica serving.
+    down = cfg.model_copy(update={"stream": cfg.stream.model_copy(update={"redis_url": "redis://127.0.0.1:1"})})
+    rep = TargetReplica(down.model_dump(mode="json"))
+    try:
+        assert rep.router.routing.stable_runner.proposer.global_index.n_tokens == 0
+    finally:
+        rep.__del__()
