@@ -129,7 +129,8 @@ def test_the_demo_builds_a_missing_head_once_with_the_configured_settings(tmp_pa
     calls = []
 
     def fake(cfg, **kw):  # the real warm start takes half an hour: only its arguments are checked
-        calls.append((cfg.train.head_warm_conversations, cfg.train.head_warm_epochs, kw))
+        teacher = kw.pop("generate")
+        calls.append((cfg.train.head_warm_conversations, cfg.train.head_warm_epochs, teacher.tag, kw))
         (tmp_path / "drafts" / "head-v1").mkdir(parents=True)
 
     monkeypatch.setattr(hws, "run_head_warm_start", fake)
@@ -137,7 +138,8 @@ def test_the_demo_builds_a_missing_head_once_with_the_configured_settings(tmp_pa
     for _ in range(2):
         _, v1 = prepare(cfg)
     assert v1 == tmp_path / "drafts" / "head-v1"
-    assert calls == [(400, 2, {})]  # the measured defaults, built once, then taken from disk
+    # The measured defaults and the serving engine as teacher, built once, then taken from disk.
+    assert calls == [(400, 2, "engine-none", {})]
 
 
 @pure

@@ -474,7 +474,10 @@ def test_the_cluster_warm_start_builds_the_family_it_is_given(family, out, tmp_p
     monkeypatch.setattr(pipeline.up, "ensure_stable", lambda cfg, src: f"stable from {Path(src).name}")
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path)})
     got = pipeline.cluster._warm_start_and_promote(cfg.model_dump(mode="json"), family)
-    assert built == [(family, {"out_dir": tmp_path / "drafts" / out, "progress": False})]
+    [(fam, kw)] = built
+    teacher = kw.pop("generate")
+    assert (fam, kw) == (family, {"out_dir": tmp_path / "drafts" / out, "progress": False})
+    assert teacher.tag == "engine-int4"  # the serving engine writes the teacher answers (train.warm_teacher)
     assert got == f"stable from {out}"
 
 
