@@ -27,9 +27,16 @@ class PromptDataError(ValueError):
 @dataclass(frozen=True)
 class Prompt:
     id: str
-    text: str
+    text: str  # the (last) user turn: what domain tagging and length filters read
     domain: str
     split: Split
+    # A whole conversation up to its last user turn, as (role, content) pairs, when the prompt
+    # is one ({"messages": [...]} lines); () for a single user turn, `text`.
+    messages: tuple[tuple[str, str], ...] = ()
+
+    def chat(self) -> list[dict[str, str]]:
+        """The conversation to send or to apply the chat template to."""
+        return [{"role": r, "content": c} for r, c in self.messages] or [{"role": "user", "content": self.text}]
 
 
 # ---------------------------------------------------------------- domain tag
@@ -116,13 +123,42 @@ def iter_json_array(text: str) -> Iterator[Any]:
 
 
 def first_human_turn(record: Any) -> str | None:
+    turns = human_turns(record, 1)
+    return turns[0] if turns else None
+
+
+def human_turns(record: Any, limit: int | None = None) -> list[str]:
+    """A ShareGPT record's human turns in order (up to `limit`), stopping at a malformed one."""
+    out: list[str] = []
     if not isinstance(record, dict):
-        return None
+        return out
     for turn in record.get("conversations") or ():
+        if limit is not None and len(out) >= limit:
+            break
         if isinstance(turn, dict) and turn.get("from") == "human":
             value = turn.get("value")
-            return value if isinstance(value, str) else None
-    return None
+            if not isinstance(value, str):
+                break
+            out.append(value)
+    return out
+
+
+def sharegpt_second_turns(cfg: DataConfig, split: Split | None = "held_out",
+                          path: Path | None = None) -> list[tuple[str, list[str]]]:
+    """(conversation id, its first two human turns) of conversations with at least two, each
+    within the length filter: the multi-turn workload replays the second after the target's
+    own first answer."""
+    out = []
+    for rec in sharegpt_conversations(path):
+        turns = [t.strip() for t in human_turns(rec, 2)]
+        conv_id = rec.get("id") if isinstance(rec, dict) else None
+        if len(turns) < 2 or not isinstance(conv_id, str):
+            continue
+        if not all(cfg.min_prompt_chars <= len(t) <= cfg.max_prompt_chars for t in turns):
+            continue
+        if split is None or split_of(conv_id, cfg.held_out_fraction) == split:
+            out.append((conv_id, turns))
+    return out
 
 
 def sharegpt_conversations(path: Path | None = None) -> list[Any]:
@@ -162,8 +198,29 @@ def load_sharegpt(
 
 # ---------------------------------------------------------------- JSONL
 
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def _messages(obj: Any, where: str) -> tuple[tuple[str, str], ...]:
+    """A {"messages": [...]} line's conversation: text turns of known roles, ending with a
+    user turn (the one to answer)."""
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise PromptDataError(f'{where}: "messages" must be a non-empty list')
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise PromptDataError(f'{where}: messages[{i}] must be {{"role": one of {", ".join(ROLES)}, '
+                                  f'"content": a string}}')
+        out.append((m["role"], m["content"]))
+    if out[-1][0] != "user":
+        raise PromptDataError(f"{where}: the last message must be the user's (the turn to answer)")
+    return tuple(out)
+
+
 def load_jsonl(path: str | Path, cfg: DataConfig | None = None) -> list[Prompt]:
-    """One {"prompt": "..."} object per line; an optional "id" and "domain" are kept."""
+    """One {"prompt": "..."} or {"messages": [{"role", "content"}, ...]} object per line (a
+    whole conversation, its last turn the user's); an optional "id" and "domain" are kept."""
     cfg = cfg or DataConfig()
     path = Path(path)
     try:
@@ -178,12 +235,17 @@ def load_jsonl(path: str | Path, cfg: DataConfig | None = None) -> list[Prompt]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise PromptDataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-            raise PromptDataError(f'{path}:{lineno}: expected an object with a string "prompt" field')
+        if isinstance(obj, dict) and "messages" in obj and "prompt" not in obj:
+            messages = _messages(obj, f"{path}:{lineno}")
+            text = messages[-1][1]
+        elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            messages, text = (), obj["prompt"]
+        else:
+            raise PromptDataError(f'{path}:{lineno}: expected an object with a string "prompt" field '
+                                  f'or a "messages" list')
         pid = str(obj.get("id", f"{path.stem}-{lineno}"))
-        text = obj["prompt"]
         domain = obj.get("domain") if obj.get("domain") in DOMAINS else domain_of(text)
-        out.append(Prompt(pid, text, domain, split_of(pid, cfg.held_out_fraction)))
+        out.append(Prompt(pid, text, domain, split_of(pid, cfg.held_out_fraction), messages))
     return out
 
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from infra.config import OSDConfig
-from infra.prompts import chat_ids
+from infra.prompts import Prompt, messages_ids, sharegpt_second_turns
 from infra.target import load_target
 from pipeline.replay import select_prompts
 from serve.drafts import build_draft
@@ -146,12 +146,39 @@ def _llamacpp(loaded: Any, spec: str, n_ctx: int):
     return llamacpp_method(smollm2_gguf_path(), torch.get_num_threads(), n_ctx, loaded.tokenizer.eos_token_id)
 
 
+def second_turn_prompts(cfg: OSDConfig, n: int, max_chars: int) -> list[Prompt]:
+    """Held-out ShareGPT conversations with two human turns within max_chars each, as
+    conversations still missing the assistant's first answer (answer_first_turns adds it)."""
+    from infra.prompts import split_of
+
+    data = cfg.data.model_copy(update={"max_prompt_chars": min(cfg.data.max_prompt_chars, max_chars)})
+    convs = sharegpt_second_turns(data)[:n]
+    return [Prompt(cid, second, "other", split_of(cid, data.held_out_fraction), (("user", first), ("user", second)))
+            for cid, (first, second) in convs]
+
+
+def answer_first_turns(engine: SpecEngine, tokenizer: Any, prompts: list[Prompt], max_new_tokens: int,
+                       log: Callable[[str], None]) -> list[Prompt]:
+    """The multi-turn workload's prompts: each conversation's second turn after the target's own
+    greedy answer to its first (autoregressive, outside every timed run)."""
+    out = []
+    for p in prompts:
+        (_, first), (_, second) = p.messages
+        answer = engine.generate(messages_ids(tokenizer, [{"role": "user", "content": first}]),
+                                 GenerationParams(max_new_tokens=max_new_tokens, speculate=False, capture=False))
+        out.append(dataclasses.replace(p, messages=(("user", first), ("assistant", answer.text or ""),
+                                                    ("user", second))))
+    log(f"multi-turn: {len(out)} conversations, each second turn after the target's own first answer")
+    return out
+
+
 def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = None, limit: int | None = None,
               max_new_tokens: int = 96, k: int = 4, draft_spec: str = "truncate:4", device: str = "cpu",
               max_prompt_chars: int = 1000, json_path: str | None = None, target: str | None = None,
               compile: str = "auto", dtype: str | None = None, hf: bool = True, tree: str = "",
               k_sweep: Sequence[int] = (), confidence_sweep: Sequence[float] = (), quant: str | None = None,
               vs_llamacpp: bool = False, k_policy: str | None = None, vs_float32: bool = False,
+              workload: str = "single",
               log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
     mcfg = bench_model_config(cfg, device, target, dtype, quant)
     loaded = load_target(mcfg.target, mcfg, progress=True)
@@ -164,8 +191,13 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     if draft is None:
         raise ValueError("osd bench engine needs a draft: --draft self, truncate:L, head:init or a directory")
     # --max-prompt-chars and --prompts pick from ShareGPT; a prompts file is used whole.
-    prompts = select_prompts(cfg, None if prompts_file else n_prompts, prompts_file,
-                             max_prompt_chars=None if prompts_file else max_prompt_chars)
+    if workload == "multiturn":
+        if prompts_file:
+            raise ValueError("--workload multiturn takes its conversations from ShareGPT, not --prompts-file")
+        prompts = second_turn_prompts(cfg, n_prompts, max_prompt_chars)
+    else:
+        prompts = select_prompts(cfg, None if prompts_file else n_prompts, prompts_file,
+                                 max_prompt_chars=None if prompts_file else max_prompt_chars)
     prompts = prompts[:limit] if limit else prompts
     if not prompts:
         raise ValueError("no prompts selected")
@@ -182,7 +214,9 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     # AR: the machine's speed drifts between runs, a ratio measured in one run does not.
     sweep = {m: SpecEngine(loaded.model, draft, loaded.tokenizer, o)
              for m, o in sweep_options(options, k_sweep, confidence_sweep).items()}
-    ids_list = [chat_ids(loaded.tokenizer, p.text) for p in prompts]
+    if workload == "multiturn":
+        prompts = answer_first_turns(engine, loaded.tokenizer, prompts, max_new_tokens, log)
+    ids_list = [messages_ids(loaded.tokenizer, p.chat()) for p in prompts]
     log(f"== osd bench engine: target {loaded.spec}, draft {draft_spec}, k={k}, {len(prompts)} prompts, "
         f"max_new_tokens={max_new_tokens}, device={device}, dtype={mcfg.dtype}, quant={mcfg.quant}, "
         f"k_policy={options.k_policy}, cuda graphs "

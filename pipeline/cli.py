@@ -224,7 +224,8 @@ def _run_bench_engine(cfg: OSDConfig, args: argparse.Namespace) -> None:
               max_prompt_chars=args.max_prompt_chars, json_path=args.json, target=args.target,
               compile=args.compile, dtype=args.dtype, hf=not args.no_hf, tree=args.tree or "",
               k_sweep=args.k_sweep, confidence_sweep=args.confidence_sweep, quant=args.quant,
-              vs_llamacpp=args.vs_llamacpp, k_policy=args.k_policy, vs_float32=args.vs_float32)
+              vs_llamacpp=args.vs_llamacpp, k_policy=args.k_policy, vs_float32=args.vs_float32,
+              workload=args.workload)
 
 
 def _cmd_bench_forward(cfg: OSDConfig, args: argparse.Namespace) -> int:
@@ -502,6 +503,9 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--draft", default="truncate:4", metavar="SPEC", help="self, truncate:L, head:init (the warm-started head), suffix, head+suffix "
                          "(the warm-started head with the suffix draft, chosen per step), DIR+suffix, "
                          "or a published draft directory (default truncate:4)")
+    be.add_argument("--workload", choices=("single", "multiturn"), default="single",
+                    help="single: one user turn per prompt (or the file's conversations); multiturn: held-out "
+                         "ShareGPT conversations' second turns after the target's own first answers")
     be.add_argument("--device", default="cpu", help="cpu or cuda")
     be.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                     help="CUDA graphs for decode/verify/draft steps (auto: on with --device cuda); when on, "

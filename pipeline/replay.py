@@ -102,10 +102,12 @@ class RequestResult:
 
 
 def build_body(text: str, *, chat: bool, max_tokens: int, temperature: float,
-               record: bool | None, model: str = MODEL_NAME) -> dict[str, Any]:
+               record: bool | None, model: str = MODEL_NAME,
+               messages: list[dict[str, str]] | None = None) -> dict[str, Any]:
+    """messages: a whole conversation (a {"messages"} prompt line), sent as it is on chat."""
     body: dict[str, Any] = {"model": model}
     if chat:
-        body["messages"] = [{"role": "user", "content": text}]
+        body["messages"] = messages or [{"role": "user", "content": text}]
     else:
         body["prompt"] = text
     body.update(max_tokens=max_tokens, temperature=temperature, stream=False)
@@ -410,7 +412,7 @@ async def _replay(base: str, prompts: Sequence[Prompt], jobs: list[Job], *, conc
 
         async def send(i: int, record: bool | None) -> RequestResult:
             body = build_body(prompts[i].text, chat=chat, max_tokens=max_tokens, temperature=temperature,
-                              record=record)
+                              record=record, messages=prompts[i].chat() if prompts[i].messages else None)
             return await _one(session, endpoint, body, i, record, chat)
 
         deadline = time.monotonic() + duration_s if duration_s else None
@@ -441,6 +443,9 @@ def run_replay(cfg: OSDConfig, url: str, *, prompts: Sequence[Prompt], concurren
     base = _base_url(url)
     if not prompts:
         raise ReplayError("no prompts to replay (check --prompts, --domain, --max-prompt-chars)")
+    if not chat and any(p.messages for p in prompts):
+        raise ReplayError('{"messages"} prompts are conversations: replay them on chat completions, '
+                          'not /v1/completions')
     if concurrency is not None and rate is not None:
         raise ReplayError("give --concurrency (closed loop) or --rate (open loop), not both")
     if concurrency is not None and concurrency < 1:

@@ -9,7 +9,9 @@ from infra.prompts import (
     iter_json_array,
     load_jsonl,
     load_sharegpt,
+    messages_ids,
     sharegpt_conversations,
+    sharegpt_second_turns,
     split_of,
 )
 
@@ -84,6 +86,11 @@ def test_jsonl_source(tmp_path):
     [
         ('{"prompt": "ok"}\n{"prompt": \n', r"w\.jsonl:2: not valid JSON"),
         ('{"text": "no prompt"}\n', r'w\.jsonl:1: expected an object with a string "prompt"'),
+        ('{"messages": []}\n', r'w\.jsonl:1: "messages" must be a non-empty list'),
+        ('{"messages": [{"role": "robot", "content": "x"}]}\n', r"w\.jsonl:1: messages\[0\] must be"),
+        ('{"messages": [{"role": "user", "content": 3}]}\n', r"w\.jsonl:1: messages\[0\] must be"),
+        ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n',
+         r"w\.jsonl:1: the last message must be the user's"),
         ('["prompt"]\n', r"w\.jsonl:1"),
     ],
 )
@@ -102,3 +109,24 @@ def test_jsonl_missing_file(tmp_path):
 def test_chat_template_applied(tiny):
     ids = chat_ids(tiny.tokenizer, "hello")
     assert tiny.tokenizer.decode(ids) == "<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_jsonl_conversations_keep_every_turn(tmp_path, tiny):
+    f = tmp_path / "c.jsonl"
+    f.write_text('{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}, '
+                 '{"role": "assistant", "content": "hello"}, {"role": "user", "content": "write a poem"}]}\n'
+                 '{"prompt": "one turn"}\n')
+    conv, single = load_jsonl(f)
+    assert conv.text == "write a poem" and conv.domain == "writing"
+    assert [m["role"] for m in conv.chat()] == ["system", "user", "assistant", "user"]
+    assert single.chat() == [{"role": "user", "content": "one turn"}] and single.messages == ()
+    assert messages_ids(tiny.tokenizer, single.chat()) == chat_ids(tiny.tokenizer, "one turn")
+
+
+def test_sharegpt_second_turns_are_held_out_pairs_within_the_length_filter():
+    cfg = DataConfig()
+    convs = sharegpt_second_turns(cfg)
+    assert len(convs) > 100
+    for cid, turns in convs[:200]:
+        assert len(turns) == 2 and all(cfg.min_prompt_chars <= len(t) <= cfg.max_prompt_chars for t in turns)
+        assert split_of(cid, cfg.held_out_fraction) == "held_out"

@@ -286,6 +286,15 @@ def test_bad_parameters_are_replay_errors():
         replay("http://127.0.0.1:1", [])
     with pytest.raises(ReplayError, match="compare"):
         replay("http://127.0.0.1:1", ps, compare_recording=True, record=True)
+    conv = [Prompt("c", "q2", "other", "held_out", (("user", "q1"), ("assistant", "a1"), ("user", "q2")))]
+    with pytest.raises(ReplayError, match="chat completions"):
+        replay("http://127.0.0.1:1", conv, chat=False)
+
+
+@pure
+def test_a_conversation_is_sent_whole_on_chat():
+    msgs = [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+    assert build_body("q2", chat=True, max_tokens=5, temperature=0.0, record=None, messages=msgs)["messages"] == msgs
 
 
 @pure
