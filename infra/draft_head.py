@@ -178,7 +178,7 @@ def _head_config(tcfg: Any) -> Any:
     cfg.num_hidden_layers = 1
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = cfg.layer_types[:1]
-    from infra.draft_model import forget_source_path
+    from infra.draft_files import forget_source_path
 
     return forget_source_path(cfg)
 
@@ -268,7 +268,7 @@ def save_head(head: HeadDraft, directory: str | Path, *, target_ref: dict[str, A
               lineage: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
               overwrite: bool = False) -> Path:
     """Write the head in the draft directory format (module doc), atomically."""
-    from infra.draft_model import DRAFT_FORMAT, write_draft_dir
+    from infra.draft_files import DRAFT_FORMAT, write_draft_dir
 
     directory = Path(directory)
     if directory.exists() and not overwrite:
@@ -294,7 +294,7 @@ def load_head(directory: Path, info: dict[str, Any], cfg: Any, target_model: Any
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from infra.draft_model import WEIGHTS_FILE
+    from infra.draft_files import WEIGHTS_FILE
 
     why = target_mismatch(info.get("target_ref"), expect_target_sha256)
     if why:

@@ -34,9 +34,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -44,12 +41,18 @@ from typing import Any
 import torch
 
 from infra.draft_spec import DraftLoadError, DraftSpec, DraftSpecError, target_mismatch  # noqa: F401 (re-exported)
-from infra.target import MANIFEST, TargetError, identify_target, target_identity, verify_manifest, write_manifest
+from infra.target import MANIFEST, TargetError, identify_target, target_identity, verify_manifest
 
-DRAFT_FORMAT = 1
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "draft.safetensors"
-INFO_FILE = "draft.json"
+# The directory's files and their atomic write, shared with the head (re-exported here).
+from infra.draft_files import (  # noqa: F401 (re-exported)
+    CONFIG_FILE,
+    DRAFT_FORMAT,
+    INFO_FILE,
+    WEIGHTS_FILE,
+    forget_source_path,
+    write_draft_dir,
+)
+
 EMBED = "model.embed_tokens.weight"
 NORM = "model.norm.weight"
 HEAD = "lm_head.weight"
@@ -98,18 +101,6 @@ def _draft_config(target_config: Any, spec: DraftSpec, indices: list[int]) -> An
     if spec.independent_head:
         cfg.tie_word_embeddings = False
     return forget_source_path(cfg)
-
-
-def forget_source_path(cfg: Any) -> Any:
-    """Drop the path the target was loaded from out of a draft's config, in place: a saved
-    draft must not name a file on the machine that built it."""
-    for key in ("_name_or_path", "_model_name_or_path"):
-        if hasattr(cfg, key):
-            try:
-                delattr(cfg, key)
-            except AttributeError:
-                pass
-    return cfg
 
 
 def _fresh_model(cfg: Any, seed: int, dtype: torch.dtype, device: torch.device) -> Any:
@@ -301,30 +292,6 @@ def save_draft(draft: Any, spec: DraftSpec, directory: str | Path, *, target_ref
         "created_at": time.time(),
     }
     return write_draft_dir(directory, draft.config, trainable, info)
-
-
-def write_draft_dir(directory: Path, config: Any, tensors: dict[str, torch.Tensor], info: dict[str, Any]) -> Path:
-    """config.json, draft.safetensors, draft.json and the manifest (last), written to a temp dir
-    beside `directory` and renamed over it: a reader sees the old draft or the new, never half."""
-    from safetensors.torch import save_file
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
-    try:
-        config.to_json_file(tmp / CONFIG_FILE, use_diff=False)
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "osd.kind": "draft"})
-        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
-        write_manifest(tmp, {"kind": "osd-draft"})  # last: its presence means complete
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, directory)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return directory
 
 
 def _checked_manifest(directory: Path, verified: dict[str, str] | None) -> dict[str, Any]:

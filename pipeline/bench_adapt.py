@@ -56,7 +56,7 @@ def adapt_sets(cfg: OSDConfig, loaded: Any, records: int, eval_prompts: int) -> 
     """Teacher records (cached): the code stream, held-out code, v1's warm-start train and held-out sets."""
     from infra.prompts import load_sharegpt
     from pipeline.demo import unique_texts
-    from train.warm_start import split_held_out, teacher_records, warm_prompts
+    from train.teacher_set import split_held_out, teacher_records, warm_prompts
 
     sharegpt = load_sharegpt(cfg.data)
     warm = warm_prompts(cfg, cfg.train.warm_prompts, prompts=sharegpt)

@@ -22,7 +22,7 @@ def run_teacher_bench(cfg: OSDConfig, prompts: int = 32, rounds: int = 3, max_ne
     from infra.target import load_target
     from pipeline.teacher_engine import EngineTeacher
     from train.teacher_data import generate_teacher_records
-    from train.warm_start import warm_prompts
+    from train.teacher_set import warm_prompts
 
     tc = cfg.train
     new = max_new_tokens or tc.warm_max_new_tokens

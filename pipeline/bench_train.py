@@ -73,7 +73,7 @@ def run_train_bench(cfg: OSDConfig, *, records: int = 2000, domain: str = "code"
 def teacher_sets(cfg: OSDConfig, loaded: Any, records: int, eval_prompts: int, domain: str) -> tuple[list, list]:
     """Teacher records of `records` train-split and `eval_prompts` held-out prompts of `domain`."""
     from infra.prompts import load_sharegpt
-    from train.warm_start import teacher_records, warm_prompts
+    from train.teacher_set import teacher_records, warm_prompts
 
     sharegpt = load_sharegpt(cfg.data)  # both selections from one parse
     train_p = warm_prompts(cfg, records, split="train", domain=domain, prompts=sharegpt)

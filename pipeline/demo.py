@@ -220,7 +220,7 @@ def plot(samples: list[dict], shift_time: float, t0: float, decisions: list[dict
 
 def save_ops_snapshot(summary: dict[str, Any] | None, url: str, out_dir: Path) -> dict[str, Any]:
     """The ops page as it stood at the end of the run, as static HTML next to report.json."""
-    from serve import ops_page
+    from serve.ops import page as ops_page
 
     out: dict[str, Any] = {"page": f"{url}/ops", "snapshot": None}
     if summary is not None:
@@ -259,7 +259,7 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 2100, sp
              family: str = "head") -> dict[str, Any]:
     from infra.registry import Registry
     from pipeline.up import ClosedLoop, ensure_stable
-    from serve.ops_page import fetch_summary
+    from serve.ops.page import fetch_summary
 
     t_start = time.time()
     loaded, v1 = prepare(cfg, family)
@@ -319,7 +319,7 @@ def prepare(cfg: OSDConfig, family: str = "head") -> tuple[Any, Path]:
 def workload_prompts(cfg: OSDConfig, speed_prompts: int) -> tuple[list, list, list]:
     """(general, code, speed check) prompts: short held-out ShareGPT prompts, no text twice."""
     from infra.prompts import load_sharegpt
-    from train.warm_start import warm_prompts
+    from train.teacher_set import warm_prompts
 
     sharegpt = load_sharegpt(cfg.data)  # parsed once: held-out traffic, v1's prompts, the train top-up
     held = [p for p in sharegpt if p.split == "held_out" and len(p.text) <= 600]

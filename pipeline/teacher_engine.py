@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from infra.config import OSDConfig
-from train.warm_start import engine_teacher_tag
+from train.teacher_set import engine_teacher_tag
 
 
 class EngineTeacher:

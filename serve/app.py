@@ -480,8 +480,8 @@ class OpenAIIngress:
         self.model_id = self.cfg.model.target
         self.replica_stats: dict[str, dict[str, Any]] = {}
         self.metrics = ServeMetrics()
-        from serve.ops import StreamPoller
-        from serve.ops_routes import OpsRoutes
+        from serve.ops.source import StreamPoller
+        from serve.ops.routes import OpsRoutes
 
         self.ops = OpsRoutes(self.cfg, self.api_key, self._recent_stats)
         self.stream_poller = StreamPoller(self.cfg).start()
@@ -748,7 +748,7 @@ class OpenAIIngress:
     async def osd_stats(self, request: Request) -> Any:
         return await self._guarded(request, self._stats)
 
-    # The ops page (serve/ops_routes.py): its own auth, so a browser can sign in with a cookie.
+    # The ops page (serve/ops/routes.py): its own auth, so a browser can sign in with a cookie.
     @api.get("/ops", include_in_schema=False)
     async def ops_page(self, request: Request) -> Any:
         return await self.ops.page(request)

@@ -57,7 +57,8 @@ from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
 from serve.k_policy import KPolicy, StepCosts, expected_tokens, profile_forward
 from serve.processors import LogitsProcessor
 from serve.linear import QUANT_MODES
-from serve.runner import LlamaRunner, Runner, make_runner
+from serve.runner import LlamaRunner, Runner
+from serve.runners import make_runner
 from serve.graphs import GraphLlamaRunner, StagingRing
 from serve.scheduler import DONE, Scheduler
 from serve.seq import GenerationParams, Seq, Slot, SpecStats  # noqa: F401 (re-exported)

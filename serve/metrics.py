@@ -163,7 +163,7 @@ class RecentRequests:
 
 class StreamMetrics:
     """The record stream's length and each consumer group's lag and pending count, set by the
-    ingress's poller (serve/ops.py `StreamPoller`): is training keeping up, is anything stuck."""
+    ingress's poller (serve/ops/source.py `StreamPoller`): is training keeping up, is anything stuck."""
 
     def __init__(self) -> None:
         from ray.serve import metrics as m

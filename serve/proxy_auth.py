@@ -10,7 +10,7 @@ Open without the key: `/healthz` and its vLLM alias `/health` (ours) and `/-/hea
 OSD_API_KEY in the proxy's environment; with none set, nothing is checked (local use on
 loopback).
 
-The ops page (serve/ops_auth.py): its login form is open, and /ops paths also take the
+The ops page (serve/ops/auth.py): its login form is open, and /ops paths also take the
 session cookie that the form sets, so a browser can use the page without the header.
 """
 
@@ -21,7 +21,7 @@ import json
 import os
 from typing import Any
 
-from serve import ops_auth
+from serve.ops import auth as ops_auth
 
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "serve.proxy_auth:middlewares"

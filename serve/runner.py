@@ -498,18 +498,3 @@ class HFRunner:
                          output_hidden_states=True)
         cache.length += t
         return out.logits[0].float(), torch.cat([out.hidden_states[i + 1][0] for i in layers], dim=-1)
-
-
-def make_runner(model: Any, max_seq_len: int | None = None, quant: str = "none") -> Runner:
-    """The fast runner for Llama models, the generic one for anything else; a head draft
-    (infra/draft_head.py) gets its own runner. `quant` (serve/linear.py) applies to the
-    Llama runner only: the generic one refuses it."""
-    if getattr(model, "osd_family", None) == "head":
-        from serve.head_runner import HeadRunner
-
-        return HeadRunner(model, max_seq_len, quant)
-    if getattr(model.config, "model_type", None) == "llama" and not getattr(model.config, "attention_bias", False):
-        return LlamaRunner(model, max_seq_len, quant)
-    if quant != "none":
-        raise ValueError(f"quant {quant!r} needs a Llama model without attention biases")
-    return HFRunner(model, max_seq_len)

@@ -16,7 +16,8 @@ from chi2 import chi2_pvalue
 from infra.target import build_tiny_llama, tiny_tokenizer
 from serve.drafts import DraftSpecError, build_draft
 from serve.engine import EngineError, EngineOptions, GenerationParams, RequestError, SpecEngine
-from serve.runner import HFRunner, LlamaRunner, StaticKVCache, make_runner
+from serve.runner import HFRunner, LlamaRunner, StaticKVCache
+from serve.runners import make_runner
 from serve.verify import SamplingParams, warp_probs
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]

@@ -10,7 +10,8 @@ from infra.target import build_tiny_llama
 from serve.drafts import build_draft
 from serve.engine import EngineError, EngineOptions, GenerationParams, SpecEngine
 from serve.linear import Dense, Int4, Int8, dequantize_int4, int4_codes, make_linear
-from serve.runner import LlamaRunner, make_runner
+from serve.runner import LlamaRunner
+from serve.runners import make_runner
 from serve.verify import SamplingParams, warp_probs
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]

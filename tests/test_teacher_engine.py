@@ -9,7 +9,7 @@ from infra.prompts import Prompt
 from infra.target import LoadedModel, build_tiny_llama, load_target, tiny_tokenizer
 from pipeline.teacher_engine import EngineTeacher, teacher_for
 from train.teacher_data import generate_teacher_records
-from train.warm_start import cached_warm_records, engine_teacher_tag, teacher_records, warm_prompts
+from train.teacher_set import cached_warm_records, engine_teacher_tag, teacher_records, warm_prompts
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 

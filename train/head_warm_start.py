@@ -130,7 +130,7 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
 def _features(cfg: OSDConfig, loaded: Any, layers: tuple[int, ...], conversations: int, max_len: int,
               progress: bool, generate: Any = None):
     """(train FeatureSet: teacher train records + conversations, held-out teacher FeatureSet, n conversations)."""
-    from train.warm_start import split_held_out, teacher_records, warm_prompts
+    from train.teacher_set import split_held_out, teacher_records, warm_prompts
 
     tc = cfg.train
     prompts = warm_prompts(cfg, tc.warm_prompts)

@@ -147,7 +147,7 @@ class TrainerWorker:
         return draft
 
     def _warm_records(self, loaded: Any) -> list:
-        from train.warm_start import cached_warm_records
+        from train.teacher_set import cached_warm_records
 
         recs = cached_warm_records(self.cfg, loaded)
         # Teacher records are records: a head replays them through the same feature path.

@@ -2,11 +2,11 @@
 
     GET  /ops               the page (a browser without a session is sent to the login form)
     GET  /ops/fragment      its main section, for the page's auto-refresh
-    GET  /ops/api/summary   the summary document (serve/ops.py), JSON
+    GET  /ops/api/summary   the summary document (serve/ops/source.py), JSON
     GET  /ops/login, POST /ops/login, POST /ops/logout
 
 With an API key, each needs `Authorization: Bearer <key>` or the session cookie
-(serve/ops_auth.py). The summary's Redis and registry reads run off the event loop.
+(serve/ops/auth.py). The summary's Redis and registry reads run off the event loop.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
 from infra.config import OSDConfig
-from serve import ops_auth, ops_page
+from serve.ops import auth as ops_auth, page as ops_page
 
 MAX_LOGIN_BODY = 4096
 log = logging.getLogger("ray.serve")
@@ -44,7 +44,7 @@ class OpsRoutes:
         return ops_auth.session_ok(self.api_key, request.url.path, request.headers.get("cookie", ""))
 
     async def summary(self) -> dict[str, Any]:
-        from serve.ops import OpsSource
+        from serve.ops.source import OpsSource
 
         if self._source is None:  # built on first use: a page never opened costs no Redis client
             self._source = await asyncio.to_thread(OpsSource, self.cfg)

@@ -2,11 +2,11 @@
 serves, whether the canary is winning and by how much, and whether the loop is healthy.
 
     registry (aliases, versions, audit) ─┐
-    Redis: stream records, groups, status ├─> OpsSource.summary() ─> JSON ─> serve/ops_page.py
+    Redis: stream records, groups, status ├─> OpsSource.summary() ─> JSON ─> serve/ops/page.py
     replicas' recent requests + counters ─┘
 
 It reads only (XREVRANGE, XINFO, HGETALL; no consumer group), so opening the page never moves
-the trainers' or the controller's place in the stream. Numbers are computed by serve/ops_stats.py.
+the trainers' or the controller's place in the stream. Numbers are computed by serve/ops/stats.py.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from infra.config import OSDConfig
-from serve import ops_stats as st
+from serve.ops import stats as st
 
 WINDOW_S = 3600.0  # the page's default span: rows, charts and the registry's recent history
 MAX_RECORDS = 5000  # newest records read per summary; bounds the page's cost on a busy stream

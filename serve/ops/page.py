@@ -1,6 +1,6 @@
-"""The ops page's HTML, rendered from the summary document (serve/ops.py).
+"""The ops page's HTML, rendered from the summary document (serve/ops/source.py).
 
-Server-side: tables and SVG charts (serve/ops_svg.py), no external asset. The live page
+Server-side: tables and SVG charts (serve/ops/svg.py), no external asset. The live page
 refreshes its main section every REFRESH_S with a same-origin fetch of `/ops/fragment`; the
 demo's static snapshot is the same render without the script.
 """
@@ -12,7 +12,7 @@ import math
 import time
 from typing import Any
 
-from serve import ops_svg
+from serve.ops import svg as ops_svg
 
 REFRESH_S = 10
 # The pages' <head> names an empty icon: a browser's /favicon.ico request would hit the key check.
