@@ -52,9 +52,9 @@ from serve.capture import Capture, CaptureBuffer
 from serve.detokenize import StopScanner
 from serve import gpu_stages
 from serve.head_runner import is_head, propose_head, propose_heads
-from serve.suffix_draft import WithSuffix, is_proposing
+from serve.suffix_draft import WithSuffix, is_proposing, suffix_of
 from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
-from serve.k_policy import KPolicy, StepCosts, expected_tokens, profile_forward
+from serve.k_policy import KPolicy, StepCosts, chain_cut, chain_expected, expected_tokens, profile_forward
 from serve.processors import LogitsProcessor
 from serve.linear import QUANT_MODES
 from serve.runner import LlamaRunner, Runner
@@ -380,10 +380,11 @@ class SpecEngine:
         head forward per draft position (propose_heads), their time shared out evenly; other
         drafts one request at a time. Per request (tokens, q, own probs, seconds)."""
         out: list[tuple | None] = [None] * len(seqs)
+        rows = len(seqs) + sum(ks)
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             seq.step_source = "head" if is_head(seq.draft) else "layer"
-            if k > 0 and getattr(seq.draft, "suffix", None) is not None:
-                out[i] = self._suffix_over(seq, k)
+            if suffix_of(seq.draft) is not None:
+                out[i] = self._suffix_step(seq, k, rows - k, len(seqs) - 1)
         groups: dict[int, list[int]] = {}
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             if k > 0 and is_head(seq.draft) and out[i] is None:
@@ -399,13 +400,30 @@ class SpecEngine:
                 out[i] = (drafts, q, own, share)
         return [o if o is not None else self.propose_timed(seq, k) for o, seq, k in zip(out, seqs, ks)]
 
-    def _suffix_over(self, seq: Seq, k: int) -> tuple | None:
-        """head+suffix: the suffix chain for this step when it expects at least as many accepted
-        tokens as the head's k at the request's running acceptance (k_policy; else 0.5 a position)."""
+    def _suffix_step(self, seq: Seq, k: int, base_rows: int, others: int) -> tuple | None:
+        """A suffix chain for this step, up to the engine's k whatever the plan gave (the
+        chain's own probabilities say what it is worth), cut where the whole step's expected
+        tokens per second peak (k_policy.chain_cut). For head+suffix, None unless the chain
+        expects at least as many accepted tokens as the head's planned k at the request's
+        running acceptance (else 0.5 a position): then the head proposes."""
         t0 = time.perf_counter()
-        alpha = seq.kreq.alpha if seq.kreq is not None else 0.5
-        got = seq.draft.suffix.propose_over(seq, k, self.options.draft_confidence, expected_tokens(alpha, k) - 1)
-        return None if got is None else (*got, time.perf_counter() - t0)
+        suffix = suffix_of(seq.draft)
+        cap = max(k, min(self.options.k, self._limit(seq)))
+        if cap < 1:  # no room for a draft token (the budget or the context): an ordinary step
+            return None
+        tokens, probs, _ = suffix.chain(seq, cap, self.options.draft_confidence)
+        if probs and self.kpolicy_ready():
+            costs = self.k_policy().costs
+            profile = costs.batch_profile() if base_rows > 1 else costs.verify_s
+            n = chain_cut(profile, costs.step_s, base_rows, others, probs)
+            tokens, probs = tokens[:n], probs[:n]
+        if suffix is not seq.draft:  # head+suffix
+            alpha = seq.kreq.alpha if seq.kreq is not None else 0.5
+            if not tokens or chain_expected(probs) < expected_tokens(alpha, k) - 1:
+                return None
+        seq.step_source = suffix.family
+        return (torch.tensor(tokens, dtype=torch.long, device=self.device), None, probs,
+                time.perf_counter() - t0)
 
     def propose_timed(self, seq: Seq, k: int) -> tuple[torch.Tensor, torch.Tensor | None, list[float], float]:
         t0 = time.perf_counter()

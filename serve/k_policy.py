@@ -57,6 +57,33 @@ def rows_cost(verify_s: Sequence[float], rows: int) -> float:
     return verify_s[-1] + slope * (rows - n)
 
 
+def chain_expected(probs: Sequence[float]) -> float:
+    """Expected accepted tokens of a chain whose tokens have these conditional probabilities."""
+    expected, path = 0.0, 1.0
+    for p in probs:
+        path *= p
+        expected += path
+    return expected
+
+
+def chain_cut(verify_s: Sequence[float], step_s: float, base_rows: int, others: float,
+              probs: Sequence[float]) -> int:
+    """How many tokens of a chosen chain (a suffix draft's: no draft cost, each token's
+    conditional probability known) to verify: the n with the most expected tokens per second
+    for the whole step, (others + 1 + sum of the first n path probabilities) / (C(base_rows +
+    n) + step_s). base_rows: the step's rows without this chain; others: the tokens the rest
+    of the batch is expected to emit. Ties go to the shorter chain."""
+    best_n, best = 0, (others + 1.0) / (rows_cost(verify_s, base_rows) + step_s)
+    expected, path = 1.0, 1.0
+    for n, p in enumerate(probs, 1):
+        path *= p
+        expected += path
+        value = (others + expected) / (rows_cost(verify_s, base_rows + n) + step_s)
+        if value > best:
+            best_n, best = n, value
+    return best_n
+
+
 def plan_batch(verify_s: Sequence[float], base_rows: int, alphas: Sequence[float], limits: Sequence[int],
                draft_s: Sequence[float], step_s: float) -> list[int]:
     """Draft lengths for the sequences of one batched step: the allocation with the most

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from serve.k_policy import chain_expected
 from serve.suffix_tree import SuffixProposer
 
 
@@ -90,27 +91,11 @@ class SuffixDraft(ProposingDraft):
             tokens, probs = tokens[:cut], probs[:cut]
         self.asked += 1
         self.proposed += bool(tokens)
-        expected, path = 0.0, 1.0
-        for p in probs:
-            path *= p
-            expected += path
-        return tokens, probs, expected
+        return tokens, probs, chain_expected(probs)
 
     def propose(self, seq: Any, k: int, confidence: float) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
         """Up to k tokens (chain), as a point mass: q is None (serve/stages.py verify)."""
         tokens, probs, _ = self.chain(seq, k, confidence)
-        seq.step_source = self.family
-        return torch.tensor(tokens, dtype=torch.long, device=self.device), None, probs
-
-    def propose_over(self, seq: Any, k: int, confidence: float,
-                     rival_expected: float) -> tuple[torch.Tensor, None, list[float]] | None:
-        """The chain when it expects at least `rival_expected` accepted tokens (the other
-        draft's, for this step), else None: the hybrid draft's choice per step. Both
-        proposals cost one verify of about the same rows, and a chain costs next to nothing
-        to draft, so expected accepted tokens decide."""
-        tokens, probs, expected = self.chain(seq, k, confidence)
-        if not tokens or expected < rival_expected:
-            return None
         seq.step_source = self.family
         return torch.tensor(tokens, dtype=torch.long, device=self.device), None, probs
 

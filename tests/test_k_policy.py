@@ -186,3 +186,18 @@ def test_an_unknown_k_policy_is_refused_by_name():
 
     with pytest.raises(EngineError, match="k_policy must be one of cost, schedule, fixed"):
         EngineOptions(k_policy="greedy")
+
+
+def test_chain_cut_takes_what_pays_on_a_fake_profile():
+    from serve.k_policy import chain_cut, chain_expected
+
+    assert chain_expected([0.5, 0.5, 1.0]) == 0.5 + 0.25 + 0.25
+    flat = [10.0] * 8  # extra rows free: every token with any chance pays
+    assert chain_cut(flat, 0.0, 1, 0, [0.9, 0.5, 0.1]) == 3
+    steep = [10.0 * t for t in range(1, 9)]  # a row costs a whole step: nothing short of certainty pays
+    assert chain_cut(steep, 0.0, 1, 0, [0.9, 0.9]) == 0
+    assert chain_cut(steep, 0.0, 1, 0, [1.0, 1.0]) == 0  # a tie goes to the shorter chain
+    gentle = [10.0, 11.0, 12.0, 13.0, 14.0]  # 10% a row: the likely head of the chain pays, its tail not
+    assert chain_cut(gentle, 0.0, 1, 0, [0.95, 0.9, 0.05, 0.05]) == 2
+    # In a batch the rows are dearer and the others' tokens are at stake: the cut comes sooner.
+    assert chain_cut(gentle, 0.0, 4, 3, [0.95, 0.9, 0.05, 0.05]) <= 2
