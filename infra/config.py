@@ -116,9 +116,10 @@ class SuffixConfig(_Section):
 class ServeConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    # Draft served beside the target: none, self, truncate:L, a draft directory, "registry"
-    # (follow the registry's stable/canary aliases, hot-swapping as they move), or "auto": the
-    # warm-started head, else the warm-started layer draft, else truncate:4 (serve/drafts.py).
+    # Draft served beside the target: none, self, truncate:L, suffix, a draft directory (a head's
+    # with "+suffix": both, chosen per step), "registry" (follow the registry's stable/canary
+    # aliases, hot-swapping as they move), "head+suffix" (the warm-started head), or "auto":
+    # suffix, chosen by measurement (serve/drafts.py).
     draft: str = "auto"
     # With draft: registry, how often each replica re-reads the aliases.
     alias_poll_s: float = Field(2.0, gt=0)

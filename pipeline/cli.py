@@ -597,8 +597,9 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--host", help="bind address (default serve.host)")
     sv.add_argument("--port", type=int, help="HTTP port (default serve.port)")
     sv.add_argument("--replicas", type=int, help="target replicas (default serve.num_replicas)")
-    sv.add_argument("--draft", help="auto (the warm-started head, else the layer draft, else truncate:4), none, "
-                    "self, truncate:L or a draft directory (default serve.draft: auto)")
+    sv.add_argument("--draft", help="auto (suffix, chosen by measurement), none, self, truncate:L, suffix, "
+                                    "head+suffix (the warm-started head with it), DIR+suffix or a draft directory "
+                                    "(default serve.draft: auto)")
     sv.set_defaults(func=_cmd_serve)
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from infra.config import OSDConfig, load_config
 from infra.draft_spec import warm_start_path, warm_started_draft
-from serve.drafts import AUTO_FALLBACK, resolve_auto
+from serve.drafts import AUTO_DRAFT, resolve_auto
 
 pytestmark = pytest.mark.pure
 
@@ -31,20 +31,25 @@ def save_layer_at(draft_dir, path):
     return path
 
 
-def test_auto_is_the_default_and_falls_back_to_truncate_4_with_the_way_to_the_head(tmp_path):
+def test_auto_is_the_default_and_is_the_suffix_draft_with_the_way_to_the_head(tmp_path):
     assert OSDConfig().serve.draft == "auto"
     spec, why = resolve_auto(config(tmp_path))
-    assert spec == AUTO_FALLBACK == "truncate:4"
-    assert "osd draft init --family head" in why and str(tmp_path / "drafts") in why
+    assert spec == AUTO_DRAFT == "suffix"
+    assert "osd draft init --family head" in why and "--draft head+suffix" in why
 
 
-def test_auto_prefers_the_head_then_the_layer_draft(tmp_path, tiny, draft_dir):
+def test_auto_stays_the_suffix_draft_and_names_how_to_serve_a_warm_start(tmp_path, tiny, draft_dir):
+    """Chosen by measurement (README, "The suffix draft"): the suffix draft tied or beat the
+    warm-started head beside it, so auto serves it and says how to serve the warm start."""
     cfg = config(tmp_path)
     layer = save_layer_at(draft_dir, warm_start_path(cfg, "layer"))
-    assert resolve_auto(cfg)[0] == str(layer)
+    spec, why = resolve_auto(cfg)
+    assert spec == "suffix" and f"--draft {layer}" in why
     head = save_head_at(tiny, warm_start_path(cfg, "head"))
     spec, why = resolve_auto(cfg)
-    assert spec == str(head) and str(head) in why
+    assert spec == "suffix" and str(head) in why and "--draft head+suffix" in why
+    named = config(tmp_path, draft="head+suffix")
+    assert resolve_auto(named)[0] == f"{head}+suffix"
     assert json.loads((head / "draft.json").read_text())["spec"]["family"] == "head"
 
 
@@ -73,7 +78,7 @@ def test_osd_serve_resolves_auto_once_before_the_replicas_start(tmp_path, tiny, 
     cfg = config(tmp_path)
     head = save_head_at(tiny, warm_start_path(cfg, "head"))
     got = with_draft_resolved(cfg)
-    assert got.serve.draft == str(head) and "the warm-started draft" in capsys.readouterr().err
+    assert got.serve.draft == "suffix" and f"the warm-started draft {head}" in capsys.readouterr().err
     assert with_draft_resolved(got) is got  # nothing left to resolve
 
 

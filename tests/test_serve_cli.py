@@ -102,9 +102,9 @@ def test_kill_9_of_osd_serve_leaves_no_process(tmp_path):
     assert_all_gone(started)
 
 
-def test_osd_serve_serves_the_warm_started_head_by_default(tmp_path, tiny):
-    """Issue 12, item 5: with no --draft and no serve.draft, `osd serve` serves what
-    `osd draft init --family head` published, and says so."""
+def test_osd_serve_serves_the_suffix_draft_by_default_and_names_the_head(tmp_path, tiny):
+    """With no --draft and no serve.draft, `osd serve` serves the suffix draft (chosen by
+    measurement), and says how to serve the head `osd draft init --family head` published."""
     from infra.draft_head import build_head, save_head
     from infra.draft_spec import DraftSpec
 
@@ -112,10 +112,11 @@ def test_osd_serve_serves_the_warm_started_head_by_default(tmp_path, tiny):
                      target_ref={"spec": "tiny-random"})
     proc, url, started = start_serve(tmp_path, OSD_SERVE__DRAFT=None)
     try:
-        assert any(f"serve.draft auto: the warm-started draft {head}" in ln for ln in proc.startup_lines)
+        assert any("serve.draft auto: suffix" in ln and f"the warm-started draft {head}" in ln
+                   and "--draft head+suffix" in ln for ln in proc.startup_lines)
         r = requests.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 8}, timeout=60)
         assert r.status_code == 200, r.text
-        assert r.json()["osd"]["draft_version"] == str(head)
+        assert r.json()["osd"]["draft_version"] == "suffix"
     finally:
         stop_serve(proc)
     assert_all_gone(started)

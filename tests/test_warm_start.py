@@ -91,7 +91,8 @@ def test_the_default_warm_start_is_the_head_that_osd_up_and_osd_serve_then_take(
     assert info["lineage"]["conversations"] == 8 and info["lineage"]["epochs"] == 1  # the flags reached it
     assert json.loads((head / "draft.json").read_text())["spec"]["family"] == "head"
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"}})
-    assert resolve_auto(cfg)[0] == str(head)
+    named = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"draft": "head+suffix"})})
+    assert resolve_auto(named)[0] == f"{head}+suffix"  # `osd serve --draft head+suffix` serves it
     assert ensure_stable(cfg) == "v1"
     v1 = Registry.from_config(cfg).local_path("v1")
     assert json.loads((v1 / "draft.json").read_text())["spec"]["family"] == "head"
