@@ -411,7 +411,7 @@ class SpecEngine:
         cap = max(k, min(self.options.k, self._limit(seq)))
         if cap < 1:  # no room for a draft token (the budget or the context): an ordinary step
             return None
-        tokens, probs, _ = suffix.chain(seq, cap, self.options.draft_confidence)
+        tokens, probs = suffix.chain(seq, cap, self.options.draft_confidence)
         if probs and self.kpolicy_ready():
             costs = self.k_policy().costs
             profile = costs.batch_profile() if base_rows > 1 else costs.verify_s
@@ -435,9 +435,8 @@ class SpecEngine:
 
     @staticmethod
     def _propose_stage(draft: Any):
-        """(seq, k, confidence) -> (tokens, q, own probs) for this request's draft."""
-        if is_proposing(draft):
-            return draft.propose
+        """(seq, k, confidence) -> (tokens, q, own probs) for this request's weighted draft (a
+        suffix draft proposes in _suffix_step)."""
         stage = propose_head if is_head(draft) else propose
         return lambda seq, k, confidence: stage(draft, seq, k, confidence)
 
@@ -509,10 +508,10 @@ class SpecEngine:
         if self.ring is not None:
             self.ring.reset()  # the previous step's read has landed every earlier copy
         stamps = [_event()]
-        if k > 0 and is_proposing(seq.draft):
-            drafts, q, own_list = seq.draft.propose(seq, k, self.options.draft_confidence)
-            own = torch.tensor(own_list, dtype=torch.float32)
-        elif k > 0:
+        got = self._suffix_step(seq, k, 1, 0) if is_proposing(seq.draft) else None
+        if got is not None:  # the batch's suffix proposal, one request's rows
+            drafts, q, own = got[0], None, torch.tensor(got[2], dtype=torch.float32)
+        elif k > 0 and not is_proposing(seq.draft):
             stage = gpu_stages.propose_head if is_head(seq.draft) else gpu_stages.propose_layers
             drafts, q, own = stage(seq.draft, seq, k)
         else:

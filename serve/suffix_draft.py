@@ -14,8 +14,9 @@ proposal accepted with probability p(x), and a seeded request's tokens independe
 the replica's index held. Greedy requests compare argmaxes as for any draft. The probability recorded for a proposed token (the records' draft_probs) is the
 index's empirical one, the proposal's confidence.
 
-The engine asks a draft like this one three things (`ProposingDraft`): propose for a
-sequence, and release a sequence when it leaves; `uses_kv_cache` says it needs no cache.
+The engine asks a draft like this one for a chain (`SuffixDraft.chain`, sized and weighed in
+the engine's `_suffix_step`) and to release a sequence when it leaves (`ProposingDraft`);
+`uses_kv_cache` says it needs no cache.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from typing import Any
 
 import torch
 
-from serve.k_policy import chain_expected
 from serve.suffix_tree import SuffixProposer
 
 
@@ -33,9 +33,6 @@ class ProposingDraft:
 
     uses_kv_cache = False
     max_seq_len = 1 << 30  # no context limit of its own
-
-    def propose(self, seq: Any, k: int, confidence: float) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
-        raise NotImplementedError
 
     def release(self, seq: Any) -> None:
         raise NotImplementedError
@@ -78,10 +75,10 @@ class SuffixDraft(ProposingDraft):
         self._fed[key] = len(seq.tokens)
         return key
 
-    def chain(self, seq: Any, k: int, confidence: float) -> tuple[list[int], list[float], float]:
-        """(tokens, their empirical probabilities, expected accepted tokens) of the better
-        index's chain of up to k tokens; `confidence` also stops it where a token's empirical
-        probability falls below it (the index's own floor is min_prob)."""
+    def chain(self, seq: Any, k: int, confidence: float) -> tuple[list[int], list[float]]:
+        """(tokens, their empirical probabilities) of the better index's chain of up to k
+        tokens; `confidence` also stops it where a token's empirical probability falls below
+        it (the index's own floor is min_prob)."""
         key = self._follow(seq)
         got = self.proposer.propose(key, max_tokens=k, min_prob=self.min_prob, factor=self.factor,
                                     offset=self.offset)
@@ -91,13 +88,7 @@ class SuffixDraft(ProposingDraft):
             tokens, probs = tokens[:cut], probs[:cut]
         self.asked += 1
         self.proposed += bool(tokens)
-        return tokens, probs, chain_expected(probs)
-
-    def propose(self, seq: Any, k: int, confidence: float) -> tuple[torch.Tensor, torch.Tensor | None, list[float]]:
-        """Up to k tokens (chain), as a point mass: q is None (serve/stages.py verify)."""
-        tokens, probs, _ = self.chain(seq, k, confidence)
-        seq.step_source = self.family
-        return torch.tensor(tokens, dtype=torch.long, device=self.device), None, probs
+        return tokens, probs
 
     def release(self, seq: Any) -> None:
         """The request left (finished, failed or cancelled): its output joins the shared index

@@ -577,14 +577,19 @@ class SuffixProposer:
         request opted out of capture (add_to_global=False)."""
         req = self._requests.pop(req_id)
         if add_to_global:
-            keep = req.total - req.prompt_len + min(self.prompt_tail, req.prompt_len)
+            keep = req.total - req.prompt_len + self._tail_len(req.prompt_len)
             self.global_index.append(next(self._finished), req.index.tail(0, keep))
 
     def remember(self, prompt_ids: Sequence[int] | np.ndarray, output_ids: Sequence[int] | np.ndarray) -> None:
         """Add a finished request served elsewhere (a record from the stream), as `finish` adds
-        one served here: the prompt's last `prompt_tail` tokens, then the output."""
-        tail = list(prompt_ids)[len(prompt_ids) - min(self.prompt_tail, len(prompt_ids)):]
+        one served here."""
+        tail = list(prompt_ids)[len(prompt_ids) - self._tail_len(len(prompt_ids)):]
         self.global_index.append(next(self._finished), tail + list(output_ids))
+
+    def _tail_len(self, prompt_len: int) -> int:
+        """Prompt tokens kept before a finished output in the global index: the last
+        `prompt_tail` of them (all of a shorter prompt)."""
+        return min(self.prompt_tail, prompt_len)
 
     def _best(self, req_id: Hashable, context, walk: str, args: tuple):
         """Run `walk` ("propose" or "propose_tree") on both indexes and keep the higher score
