@@ -48,8 +48,7 @@ def build_draft(spec: str | None, target: Any, *, target_sha256: str | None = No
         from infra.config import SuffixConfig
         from serve.suffix_draft import SuffixDraft, WithSuffix
 
-        chains = SuffixDraft.from_config(suffix or SuffixConfig(), target.config.vocab_size,
-                                         next(target.parameters()).device)
+        chains = SuffixDraft.from_config(suffix or SuffixConfig(), target.config.vocab_size)
         if spec == "suffix":
             return chains
         model = build_draft(spec.removesuffix("+suffix"), target, target_sha256=target_sha256)

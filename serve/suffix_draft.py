@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from serve.suffix_tree import SuffixProposer
 
 
@@ -48,20 +46,18 @@ class SuffixDraft(ProposingDraft):
     family = "suffix"
     point_mass = True  # its chains are chosen, never drawn: verified by verify_positional
 
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", *, max_tokens: int = 200_000,
+    def __init__(self, vocab_size: int, *, max_tokens: int = 200_000,
                  max_depth: int = 32, min_prob: float = 0.1, factor: float = 1.0, offset: float = 0.0):
         self.vocab_size = vocab_size
-        self.device = torch.device(device)
         self.min_prob, self.factor, self.offset = min_prob, factor, offset
         self.proposer = SuffixProposer(max_tokens, max_depth=max_depth)
-        self.cache_key = ("suffix",)
         self._fed: dict[int, int] = {}  # id(seq) -> tokens of it the request index holds
         self.proposed = 0  # chains proposed / steps asked, for the global index's hit rate
         self.asked = 0
 
     @classmethod
-    def from_config(cls, suffix: Any, vocab_size: int, device: torch.device | str = "cpu") -> "SuffixDraft":
-        return cls(vocab_size, device, max_tokens=suffix.max_tokens, max_depth=suffix.max_depth,
+    def from_config(cls, suffix: Any, vocab_size: int) -> "SuffixDraft":
+        return cls(vocab_size, max_tokens=suffix.max_tokens, max_depth=suffix.max_depth,
                    min_prob=suffix.min_prob, factor=suffix.factor, offset=suffix.offset)
 
     def _follow(self, seq: Any) -> int:
