@@ -321,11 +321,24 @@ class TrainConfig(_Section):
     # serving weight format (pipeline/teacher_engine.py), or "hf", Hugging Face `generate` in
     # the training dtype. warm_batch_size is the engine's concurrency, or hf's batch.
     warm_teacher: Literal["engine", "hf"] = "engine"
+    # Teacher generation stops starting new shards after this many minutes and the warm start
+    # trains on what the cache holds (None: every prompt). The cache keeps what was made, so a
+    # later run with a larger budget generates only the prompts not yet done.
+    warm_budget_minutes: float | None = Field(None, gt=0)
+    # Prompts per teacher cache shard: the work a kill can lose, and the step at which the
+    # budget is checked; a few times warm_batch_size keeps the engine's batch full.
+    warm_shard_prompts: int = Field(128, ge=1)
     # The head's warm start (`osd draft init --family head`) adds ShareGPT conversations as
     # fixed text to the teacher records and makes its own number of passes: 400 and 2 gave
     # 220,644 tokens in 27-34 minutes on 2 cores (README, "Head against the layer draft").
     head_warm_conversations: int = Field(400, ge=0)
     head_warm_epochs: int = Field(2, ge=1)
+    # The head's draft vocabulary comes from the token counts of "warm_data" (its training data:
+    # teacher records and ShareGPT text), or "teacher_domains": those plus the target's own
+    # answers to head_vocab_prompts train prompts of each ShareGPT domain, every source weighted
+    # alike, so code and math tokens are not crowded out by chat (`osd draft vocab-study`).
+    head_vocab_source: Literal["warm_data", "teacher_domains"] = "warm_data"
+    head_vocab_prompts: int = Field(64, ge=1)
 
     @field_validator("resources")
     @classmethod

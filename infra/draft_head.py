@@ -325,3 +325,25 @@ def load_head(directory: Path, info: dict[str, Any], cfg: Any, target_model: Any
 def read_spec(directory: str | Path) -> DraftSpec:
     """The DraftSpec a saved draft directory records (no tensors read)."""
     return DraftSpec(**json.loads((Path(directory) / "draft.json").read_text())["spec"])
+
+
+def saved_draft_vocab(directory: str | Path) -> torch.Tensor:
+    """The draft vocabulary (d2t, target ids) of the head saved in `directory`, without
+    loading the head or a target: what a coverage study compares against."""
+    from safetensors import SafetensorError, safe_open
+
+    from infra.draft_files import INFO_FILE, WEIGHTS_FILE
+
+    directory = Path(directory)
+    try:
+        info = json.loads((directory / INFO_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise DraftLoadError(f"{directory}: not a draft directory ({type(e).__name__}: {e})") from None
+    family = info.get("spec", {}).get("family") if isinstance(info, dict) else None
+    if family != "head":
+        raise DraftLoadError(f"{directory} holds a {family!r} draft, not a head: it has no draft vocabulary")
+    try:
+        with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as f:
+            return f.get_tensor("d2t").to(torch.long)
+    except (OSError, SafetensorError) as e:
+        raise DraftLoadError(f"{directory / WEIGHTS_FILE}: no readable d2t ({type(e).__name__}: {e})") from None

@@ -37,7 +37,7 @@ def run_teacher_bench(cfg: OSDConfig, prompts: int = 32, rounds: int = 3, max_ne
             engine.tag: lambda chunk: generate_teacher_records(f32.model, f32.tokenizer, chunk, max_new_tokens=new,
                                                                top_k=cfg.serve.capture_top_k, progress=False,
                                                                generate=engine)}
-    engine([[1, 2, 3]], 2, cfg.serve.capture_top_k, False)  # load and warm up outside the timed rounds
+    engine([[1, 2, 3]], 2, cfg.serve.capture_top_k, None)  # load and warm up outside the timed rounds
     rows: list[dict[str, Any]] = []
     for r in range(rounds):
         chunk = pool[r * prompts:(r + 1) * prompts]

@@ -37,6 +37,16 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _positive_float(value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not x > 0 or x == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {value}")
+    return x
+
+
 def _probability_below_1(value: str) -> float:
     try:
         x = float(value)
@@ -113,29 +123,52 @@ def _cmd_serve(cfg: OSDConfig, args: argparse.Namespace) -> int:
     return run_server(cfg, api_key=os.environ.get("OSD_API_KEY"))
 
 
+def _draft_init_config(cfg: OSDConfig, args: argparse.Namespace) -> OSDConfig:
+    """The config with `osd draft init`'s flags applied, re-validated like the file's values."""
+    flags = {"warm_prompts": args.prompts, "warm_max_new_tokens": args.max_new_tokens, "warm_teacher": args.teacher,
+             "warm_budget_minutes": args.budget_minutes}
+    if args.family == "head":
+        flags.update(head_warm_epochs=args.epochs, head_warm_conversations=args.conversations)
+    else:
+        flags.update(warm_epochs=args.epochs)
+    updates = {k: v for k, v in flags.items() if v is not None}
+    return load_config(args.config, overrides={"train": updates}) if updates else cfg
+
+
 def _cmd_draft_init(cfg: OSDConfig, args: argparse.Namespace) -> int:
     from pipeline.teacher_engine import teacher_for
     from train.warm_start import run_warm_start
 
+    cfg = _draft_init_config(cfg, args)
     if args.family == "head":
         from train.head_warm_start import run_head_warm_start
 
-        updates = {k: v for k, v in (("head_warm_epochs", args.epochs), ("warm_prompts", args.prompts),
-                                     ("warm_max_new_tokens", args.max_new_tokens), ("warm_teacher", args.teacher),
-                                     ("head_warm_conversations", args.conversations)) if v is not None}
-        if updates:
-            cfg = load_config(args.config, overrides={"train": updates})
         result = run_head_warm_start(cfg, out_dir=args.out, force=args.force, draft_vocab=args.draft_vocab,
                                      generate=teacher_for(cfg))
         print(json.dumps({k: result.get(k) for k in ("path", "alpha_est_before", "alpha_est", "coverage")}, indent=2))
         return 0
-    updates = {k: v for k, v in (("warm_prompts", args.prompts), ("warm_epochs", args.epochs),
-                                 ("warm_max_new_tokens", args.max_new_tokens), ("warm_teacher", args.teacher))
-               if v is not None}
-    if updates:
-        cfg = load_config(args.config, overrides={"train": updates})
     result = run_warm_start(cfg, out_dir=args.out, force=args.force, generate=teacher_for(cfg))
     print(json.dumps({k: result.get(k) for k in ("version", "path", "alpha_est_before", "alpha_est")}, indent=2))
+    return 0
+
+
+def _cmd_draft_vocab_study(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from infra.draft_spec import warm_start_path
+    from pipeline.vocab_study import StudyError, parse_eval_files, run_vocab_study
+    from train.draft_vocab import VocabError
+
+    if args.max_new_tokens is not None:
+        cfg = load_config(args.config, overrides={"train": {"warm_max_new_tokens": args.max_new_tokens}})
+    draft = args.draft if args.draft != "none" else None
+    if args.draft is None:  # today's head, when `osd draft init` made one: the baseline to beat
+        draft = warm_start_path(cfg, "head") if (warm_start_path(cfg, "head") / "draft.json").is_file() else None
+    try:
+        run_vocab_study(cfg, per_domain=args.prompts, held_per_domain=args.held_out, sizes=args.sizes,
+                        eval_files=parse_eval_files(args.eval_file), draft=draft, json_path=args.json,
+                        budget_s=args.budget_minutes * 60 if args.budget_minutes else None)
+    except (StudyError, VocabError) as e:
+        print(f"osd: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -576,7 +609,11 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
     di.add_argument("--conversations", type=int,
                     help="head: ShareGPT train conversations as fixed text (default train.head_warm_conversations)")
     di.add_argument("--draft-vocab", type=int, help="head: draft vocabulary size V_d (default 8192)")
+    di.add_argument("--budget-minutes", type=_positive_float, metavar="N",
+                    help="stop teacher generation after N minutes and train on what the cache holds; a later run "
+                         "generates only the prompts still missing (default train.warm_budget_minutes: none)")
     di.set_defaults(func=_cmd_draft_init)
+    _add_vocab_study_parser(dr_sub)
 
     tr = sub.add_parser("train", help="run the trainer group on the record stream")
     tr.add_argument("--workers", type=int, help="trainer actors (default train.num_workers)")
@@ -589,6 +626,27 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--max-seconds", type=float)
     tr.add_argument("--idle-stop", type=float, help="stop after this many seconds without records")
     tr.set_defaults(func=_cmd_train)
+
+
+def _add_vocab_study_parser(dr_sub: argparse._SubParsersAction) -> None:
+    vs = dr_sub.add_parser("vocab-study", help="coverage of the target's own answers by draft vocabularies of "
+                                               "8k/16k/24k, per domain (table; JSON under reports/vocab)")
+    vs.add_argument("--prompts", type=_positive_int, default=64, metavar="N",
+                    help="train-split ShareGPT prompts per domain that choose the vocabularies (default 64)")
+    vs.add_argument("--held-out", type=_positive_int, default=32, metavar="N",
+                    help="held-out ShareGPT prompts per domain that measure them (default 32)")
+    vs.add_argument("--eval-file", action="append", default=[], metavar="NAME=PATH",
+                    help="a JSONL of prompts from elsewhere, measured as domain NAME (repeatable), e.g. "
+                         "reasoning=reports/vocab/prompts-reasoning.jsonl")
+    vs.add_argument("--sizes", type=_positive_int, nargs="+", default=[8192, 16384, 24576], metavar="V",
+                    help="draft vocabulary sizes (default 8192 16384 24576)")
+    vs.add_argument("--draft", metavar="DIR", help="a head draft whose own vocabulary to measure too (default: "
+                                                   "the warm-started head if there is one; none: skip)")
+    vs.add_argument("--max-new-tokens", type=_positive_int, metavar="M",
+                    help="answer tokens per prompt (default train.warm_max_new_tokens, sharing draft init's cache)")
+    vs.add_argument("--budget-minutes", type=_positive_float, metavar="N", help="stop generating after N minutes")
+    vs.add_argument("--json", metavar="PATH", default="reports/vocab/study.json", help="where to write JSON")
+    vs.set_defaults(func=_cmd_draft_vocab_study)
 
 
 def _add_run_parsers(sub: argparse._SubParsersAction) -> None:

@@ -14,7 +14,7 @@ and hands it to `train.warm_start` as a `train.teacher_data.BatchGenerate`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -50,35 +50,23 @@ class EngineTeacher:
         return eng
 
     def __call__(self, rows: list[list[int]], max_new_tokens: int, top_k: int,
-                 progress: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+                 on_answer: Callable[[int], None] | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """on_answer: told each answer's token count as it finishes (in finishing order), so the
+        caller's bar (train/teacher_progress.py) counts tokens, tokens/s and the ETA across calls."""
         from serve.seq import GenerationParams
 
         if not rows:
             return []
         eng = self.engine(top_k, max(len(r) for r in rows) + max_new_tokens)
         params = GenerationParams(max_new_tokens=max_new_tokens, capture=True, speculate=False)
-        # Counted in tokens (rate and ETA); the total is the bound, max_new_tokens a prompt, so an
-        # answer that ends at EOS moves the bar by its own tokens and takes the rest off the total.
-        bar = _token_bar(len(rows) * max_new_tokens) if progress else None
 
         def done(_i: int, result: Any) -> None:
-            if bar is not None:
-                bar.total -= max_new_tokens - len(result.output_ids)
-                bar.update(len(result.output_ids))
+            if on_answer is not None:
+                on_answer(len(result.output_ids))
 
-        try:
-            results = eng.generate_many(rows, params, draft=None, on_result=done)
-        finally:
-            if bar is not None:
-                bar.close()
+        results = eng.generate_many(rows, params, draft=None, on_result=done)
         return [(np.asarray(r.output_ids, dtype=np.int32), r.capture.topk_ids, r.capture.topk_logprobs)
                 for r in results]
-
-
-def _token_bar(total: int) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="tok", unit_scale=True, desc="teacher (engine)", leave=False)
 
 
 def teacher_for(cfg: OSDConfig) -> EngineTeacher | None:

@@ -1,6 +1,5 @@
-"""train/teacher_data.py: batched teacher generation with top-k capture, and its disk cache."""
-
-import logging
+"""train/teacher_data.py: batched teacher generation with top-k capture, and its Arrow codec
+(the on-disk cache itself: tests/test_teacher_store.py)."""
 
 import numpy as np
 import pytest
@@ -9,14 +8,7 @@ import torch
 from infra.prompts import Prompt, chat_ids
 from infra.records import decode, encode
 from infra.target import build_tiny_llama, tiny_tokenizer
-from train.teacher_data import (
-    TeacherCache,
-    cached_teacher_records,
-    generate_teacher_records,
-    records_to_table,
-    table_to_records,
-    teacher_cache_key,
-)
+from train.teacher_data import generate_teacher_records, records_to_table, table_to_records
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -119,7 +111,7 @@ def test_eos_trims_and_keeps_the_eos(model, tok, batched):
     assert any(len(r.output_ids) < NEW for r in recs)
 
 
-# ---------------------------------------------------------------- table + cache
+# ---------------------------------------------------------------- table
 
 def test_table_round_trip(batched):
     back = table_to_records(records_to_table(batched))
@@ -128,123 +120,9 @@ def test_table_round_trip(batched):
         _same(a, b)
 
 
-class Counter:
-    def __init__(self, records, fail_after=None):
-        self.records = {r.request_id: r for r in records}
-        self.calls = []
-        self.fail_after = fail_after
-
-    def __call__(self, chunk=None):
-        if self.fail_after is not None and len(self.calls) >= self.fail_after:
-            raise KeyboardInterrupt("simulated interruption")
-        items = PROMPTS if chunk is None else chunk
-        self.calls.append([p.id for p in items])
-        return [self.records[p.id] for p in items]
-
-
-KEY = {"target": {"spec": "tiny-random:0"}, "prompts": "abc", "max_new_tokens": NEW, "top_k": K}
-
-
-def test_cache_hit_returns_equal_records_without_building(tmp_path, batched):
-    cache = TeacherCache(tmp_path, progress=False)
-    build = Counter(batched)
-    first = cache.get_or_build(KEY, build)
-    assert len(build.calls) == 1
-    again = TeacherCache(tmp_path, progress=False).get_or_build(KEY, build)
-    assert len(build.calls) == 1
-    for a, b in zip(batched, again):
-        _same(a, b)
-    assert first is not again
-    assert [p.name for p in tmp_path.iterdir()] == [f"{TeacherCache.key(KEY)}.arrow"]
-
-
-def test_key_is_canonical_and_changes_rebuild(tmp_path, batched):
-    cache = TeacherCache(tmp_path, progress=False)
-    build = Counter(batched)
-    cache.get_or_build(KEY, build)
-    cache.get_or_build(dict(reversed(list(KEY.items()))), build)  # same key, other order
-    assert len(build.calls) == 1
-    for change in ({"top_k": 4}, {"max_new_tokens": 13}, {"prompts": "abd"}, {"target": {"spec": "x"}}):
-        cache.get_or_build({**KEY, **change}, build)
-    assert len(build.calls) == 5
-    assert len(list(tmp_path.glob("*.arrow"))) == 5
-
-
-@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])
-def test_corrupt_file_is_logged_and_rebuilt(tmp_path, batched, caplog, damage):
-    cache = TeacherCache(tmp_path, progress=False)
-    build = Counter(batched)
-    cache.get_or_build(KEY, build)
-    path = cache.path(KEY)
-    raw = bytearray(path.read_bytes())
-    if damage == "truncate":
-        raw = raw[: len(raw) // 2]
-    elif damage == "flip":  # inside the data, where only the content digest can see it
-        raw[len(raw) // 2] ^= 0x01
-    elif damage == "garbage":
-        raw = bytearray(b"not arrow at all" * 10)
-    else:
-        raw = bytearray()
-    path.write_bytes(bytes(raw))
-    with caplog.at_level(logging.WARNING, logger="osd.teacher"):
-        got = cache.get_or_build(KEY, build)
-    assert len(build.calls) == 2
-    assert any("corrupt" in r.message and path.name in r.message for r in caplog.records)
-    for a, b in zip(batched, got):
-        _same(a, b)
-    for a, b in zip(batched, cache.get_or_build(KEY, build)):  # the rebuilt file is whole
-        _same(a, b)
-    assert len(build.calls) == 2
-
-
-def test_chunked_build_resumes_after_an_interruption(tmp_path, batched, caplog):
-    cache = TeacherCache(tmp_path, chunk_size=2, progress=False)
-    build = Counter(batched, fail_after=1)  # first chunk completes, then "Ctrl-C"
-    with pytest.raises(KeyboardInterrupt):
-        cache.get_or_build(KEY, build, items=PROMPTS)
-    assert build.calls == [["p0", "p1"]]
-    key = TeacherCache.key(KEY)
-    assert (tmp_path / f"{key}.part-0.arrow").is_file() and not cache.path(KEY).exists()
-    build.fail_after = None
-    got = cache.get_or_build(KEY, build, items=PROMPTS)
-    assert build.calls == [["p0", "p1"], ["p2", "p3"], ["p4", "p5"]]  # chunk 0 not recomputed
-    for a, b in zip(batched, got):
-        _same(a, b)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{key}.arrow"]  # parts assembled and removed
-    assert len(cache.get_or_build(KEY, build, items=PROMPTS)) == len(PROMPTS)
-    assert len(build.calls) == 3
-
-
-def test_corrupt_or_relaid_part_is_rebuilt(tmp_path, batched):
-    cache = TeacherCache(tmp_path, progress=False)
-    build = Counter(batched, fail_after=2)
-    with pytest.raises(KeyboardInterrupt):
-        cache.get_or_build(KEY, build, items=PROMPTS, chunk_size=2)
-    key = TeacherCache.key(KEY)
-    part1 = tmp_path / f"{key}.part-1.arrow"
-    part1.write_bytes(part1.read_bytes()[:-40])
-    build.fail_after = None
-    cache.get_or_build(KEY, build, items=PROMPTS, chunk_size=2)
-    assert build.calls[2:] == [["p2", "p3"], ["p4", "p5"]]
-    # Parts of another chunk size are not reused.
-    cache2 = TeacherCache(tmp_path / "b", progress=False)
-    build2 = Counter(batched, fail_after=1)
-    with pytest.raises(KeyboardInterrupt):
-        cache2.get_or_build(KEY, build2, items=PROMPTS, chunk_size=2)
-    build2.fail_after = None
-    cache2.get_or_build(KEY, build2, items=PROMPTS, chunk_size=3)
-    assert build2.calls == [["p0", "p1"], ["p0", "p1", "p2"], ["p3", "p4", "p5"]]
-
-
-def test_cached_teacher_records_end_to_end(tmp_path, model, tok, batched):
-    cache = TeacherCache(tmp_path, chunk_size=4, progress=False)
-    ref = {"spec": "tiny-random:0", "sha256": None}
-    a = cached_teacher_records(model, tok, PROMPTS, cache=cache, target_ref=ref, max_new_tokens=NEW, top_k=K)
-    b = cached_teacher_records(model, tok, PROMPTS, cache=cache, target_ref=ref, max_new_tokens=NEW, top_k=K)
-    for x, y, z in zip(a, b, batched):
-        _same(x, y)
-        assert x.output_ids.tolist() == z.output_ids.tolist()
-    key = teacher_cache_key(ref, PROMPTS, max_new_tokens=NEW, top_k=K, dtype="float32")
-    assert cache.path(key).is_file()
-    other = teacher_cache_key(ref, PROMPTS[:-1], max_new_tokens=NEW, top_k=K, dtype="float32")
-    assert TeacherCache.key(other) != TeacherCache.key(key)
+def test_a_progress_hook_is_told_every_answer_s_tokens(model, tok, batched):
+    told = []
+    recs = generate_teacher_records(model, tok, PROMPTS, max_new_tokens=NEW, top_k=K, batch_size=4,
+                                    progress=told.append)
+    assert sorted(told) == sorted(r.n_positions for r in recs)
+    assert [r.output_ids.tolist() for r in recs] == [r.output_ids.tolist() for r in batched]

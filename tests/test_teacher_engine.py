@@ -81,11 +81,49 @@ def test_engine_records_have_their_own_cache_entry_and_the_trainer_finds_them(tm
     assert isinstance(teacher, EngineTeacher) and teacher.tag == engine_teacher_tag(cfg)
     assert teacher_for(cfg.model_copy(update={"train": cfg.train.model_copy(update={"warm_teacher": "hf"})})) is None
     built = teacher_records(cfg, target, prompts, progress=False, generate=EngineTeacher(cfg, target))
-    assert len(list((tmp_path / "teacher").glob("*.arrow"))) == 1
+    assert len(list((tmp_path / "teacher").glob("*/shard-*.arrow"))) == 1
     found = cached_warm_records(cfg, target)  # the trainer's replay reads what draft init left
     assert [r.output_ids.tolist() for r in found] == [r.output_ids.tolist() for r in built]
-    teacher_records(cfg, target, prompts, progress=False)  # Hugging Face: another key, another file
-    assert len(list((tmp_path / "teacher").glob("*.arrow"))) == 2
+    teacher_records(cfg, target, prompts, progress=False)  # Hugging Face: another key, another store
+    assert len(list((tmp_path / "teacher").glob("*/shard-*.arrow"))) == 2
+
+
+class SlowTeacher:
+    """A BatchGenerate whose every call takes 10 s of a fake clock (made-up answers)."""
+
+    tag = "fake"
+
+    def __init__(self, clock):
+        self.clock, self.calls = clock, 0
+
+    def __call__(self, rows, max_new_tokens, top_k, on_answer):
+        self.calls += 1
+        self.clock[0] += 10.0
+        out = []
+        for _ in rows:
+            ids = np.arange(3 * top_k, dtype=np.int32).reshape(3, top_k)
+            out.append((ids[:, 0].copy(), ids, np.full((3, top_k), -1.0, dtype=np.float16)))
+            on_answer(3)
+        return out
+
+
+def test_the_warm_start_s_budget_stops_generation_and_keeps_what_it_made(tmp_path):
+    from train.teacher_set import warm_budget_s
+
+    cfg = OSDConfig.model_validate({"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
+                                    "train": {"warm_prompts": 7, "warm_max_new_tokens": 4, "warm_shard_prompts": 2,
+                                              "warm_budget_minutes": 0.5}})
+    assert warm_budget_s(cfg) == 30.0
+    target = load_target("tiny-random", progress=False)
+    prompts = warm_prompts(cfg, 7)
+    now = [0.0]
+    teacher = SlowTeacher(now)
+    got = teacher_records(cfg, target, prompts, progress=False, generate=teacher, budget_s=warm_budget_s(cfg),
+                          clock=lambda: now[0])
+    # Shards start at 0, 10 and 20 s of the fake clock; at 30 s the budget is spent.
+    assert teacher.calls == 3 and [r.request_id for r in got] == [p.id for p in prompts[:6]]
+    rest = teacher_records(cfg, target, prompts, progress=False, generate=teacher, clock=lambda: now[0])
+    assert teacher.calls == 4 and [r.request_id for r in rest] == [p.id for p in prompts]
 
 
 def test_warm_teacher_is_validated():

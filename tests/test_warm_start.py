@@ -26,8 +26,8 @@ def draft_init(state, *args, family: tuple[str, ...] = ("--family", "layer")) ->
 
 
 def teacher_files(state) -> dict:
-    """Teacher cache files -> (inode, mtime): a rebuild writes a new file and renames it."""
-    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (state / "teacher").glob("*")}
+    """Teacher cache shards -> (inode, mtime): a rebuild writes a new file and renames it."""
+    return {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in (state / "teacher").glob("*/shard-*.arrow")}
 
 
 def checkpoints(state) -> dict:
@@ -52,7 +52,7 @@ def test_warm_start_publishes_v1_and_resumes(tmp_path):
     after_first = checkpoints(tmp_path)
     assert list(after_first) == [0]
     teacher = teacher_files(tmp_path)
-    assert len(teacher) == 1 and all(name.endswith(".arrow") and ".part-" not in name for name in teacher)
+    assert len(teacher) == 1  # 40 prompts: one shard of train.warm_shard_prompts (128)
 
     # Same settings, more epochs: the teacher cache is hit and epoch 1 is not redone.
     second = draft_init(tmp_path, "--epochs", "3")

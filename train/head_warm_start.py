@@ -108,7 +108,8 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
     vocab = loaded.model.config.vocab_size
     coverage = coverage_curve(train_am, held_am, vocab)
     _log("coverage of held-out target outputs by V_d: " + ", ".join(f"{k}: {v:.3f}" for k, v in coverage.items()))
-    head = build_head(loaded.model, spec, top_tokens(torch.bincount(train_am, minlength=vocab), spec.draft_vocab))
+    vocab_counts = draft_vocab_counts(cfg, loaded, train_am, generate=generate, progress=progress)
+    head = build_head(loaded.model, spec, top_tokens(vocab_counts, spec.draft_vocab))
     before = evaluate(head, fs_held)
     losses, train_s = _train(cfg, head, loaded.model, fs_train, epochs, token_budget)
     after = evaluate(head, fs_held)
@@ -121,21 +122,49 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
                "loss_last": losses[-1] if losses else None, "held_out_records": len(fs_held),
                "train_tokens": fs_train.n_tokens, "train_s": train_s}
     lineage = {"parent": None, "kind": "warm_start", "family": "head", "conversations": n_conv,
-               "teacher_records": len(fs_train) - n_conv, "epochs": epochs}
+               "teacher_records": len(fs_train) - n_conv, "epochs": epochs, "vocab_source": tc.head_vocab_source}
     save_head(head, out_dir, target_ref=target_ref(loaded), lineage=lineage, metrics=metrics, overwrite=force)
     _log(f"saved {out_dir} ({time.perf_counter() - t0:.0f} s in all)")
     return {"path": str(out_dir), **metrics, **lineage}
 
 
+def draft_vocab_counts(cfg: OSDConfig, loaded: Any, train_argmax: torch.Tensor, *, generate: Any = None,
+                       progress: bool = True, pool: list | None = None) -> torch.Tensor:
+    """[V] what the draft vocabulary is the top of (train.head_vocab_source): the target argmax
+    counts of the training data ("warm_data"), or with them the target's answers to
+    head_vocab_prompts train prompts of each ShareGPT domain, each source's frequencies weighted
+    alike ("teacher_domains"). pool: ShareGPT prompts already loaded (tests)."""
+    from infra.prompts import DOMAINS, load_sharegpt
+    from train.draft_vocab import pooled_frequencies, token_counts
+    from train.teacher_set import split_held_out, teacher_records, warm_prompts
+
+    tc, vocab = cfg.train, loaded.model.config.vocab_size
+    counts = torch.bincount(train_argmax, minlength=vocab)
+    if tc.head_vocab_source == "warm_data":
+        return counts
+    pool = load_sharegpt(cfg.data, split="train") if pool is None else pool
+    prompts = [p for d in DOMAINS for p in warm_prompts(cfg, tc.head_vocab_prompts, domain=d, prompts=pool)]
+    # Held-out ids stay out of the choice too: the warm start measures the head on them.
+    recs, _ = split_held_out(teacher_records(cfg, loaded, prompts, progress=progress, generate=generate),
+                             tc.held_out_every)
+    sources = {"warm_data": counts.numpy()}
+    for d in DOMAINS:
+        c = token_counts([r.output_ids for r in recs if r.domain == d], vocab)
+        if c.sum():
+            sources[d] = c
+    _log(f"draft vocabulary from {', '.join(sources)}, each weighted alike")
+    return torch.from_numpy(pooled_frequencies(sources))
+
+
 def _features(cfg: OSDConfig, loaded: Any, layers: tuple[int, ...], conversations: int, max_len: int,
               progress: bool, generate: Any = None):
     """(train FeatureSet: teacher train records + conversations, held-out teacher FeatureSet, n conversations)."""
-    from train.teacher_set import split_held_out, teacher_records, warm_prompts
+    from train.teacher_set import split_held_out, teacher_records, warm_budget_s, warm_prompts
 
     tc = cfg.train
     prompts = warm_prompts(cfg, tc.warm_prompts)
-    train_recs, held = split_held_out(teacher_records(cfg, loaded, prompts, progress=progress, generate=generate),
-                                      tc.held_out_every)
+    records = teacher_records(cfg, loaded, prompts, progress=progress, generate=generate, budget_s=warm_budget_s(cfg))
+    train_recs, held = split_held_out(records, tc.held_out_every)
 
     def seqs(recs):
         return ([[int(t) for t in r.prompt_ids] + [int(t) for t in r.output_ids] for r in recs],

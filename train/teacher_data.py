@@ -9,26 +9,15 @@ same `infra.records.Record` shape that serving captures.
   step on the whole [B, V] batch. Each sequence is cut after its first EOS (the EOS kept);
   pad positions are dropped. Or, given a `BatchGenerate` (the pipeline passes the serving
   engine's continuous batching, which `train` cannot import), that generator's answers.
-- `TeacherCache`: one Arrow IPC file per key (sha256 of the key's canonical JSON). The file
-  is a table with the record schema (`infra.records.record_schema(K)`), one row per
-  record, and carries in its schema metadata the key and a sha256 of its content, so a
-  truncated or altered file is detected, logged and rebuilt, never half-used. Files are
-  written to a temp name and renamed. Built in chunks, each chunk saved as it finishes
-  (`<key>.part-<i>.arrow`), so an interrupted build resumes from the finished chunks; the
-  final file is assembled when all exist and the parts are then removed.
+- `records_to_table` / `table_to_records` / `content_digest`: the Arrow codec of the on-disk
+  teacher cache (train/teacher_store.py: shards that grow across runs and resume).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
-import math
-import os
-import tempfile
-import time
-from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence, Union
 
 import numpy as np
 import pyarrow as pa
@@ -38,26 +27,23 @@ from infra.prompts import Prompt, chat_ids
 from infra.records import SCHEMA_VERSION, Record, record_schema
 from infra.tokens import eos_token_ids, topk_logprobs
 
-log = logging.getLogger("osd.teacher")
-
 TEACHER_VERSION = "teacher"
-CACHE_FORMAT = 1
-_KIND = b"osd.teacher.kind"
-_FORMAT = b"osd.teacher.format"
-_KEY = b"osd.teacher.key"
-_KEY_JSON = b"osd.teacher.key_json"
-_DIGEST = b"osd.teacher.content_sha256"
-_PART = b"osd.teacher.part"
 
 
-# (prompt ids per prompt, max_new_tokens, top_k, progress) -> per prompt, in order, the greedy
+# Told each finished answer's token count, in any order: a progress bar across calls.
+OnAnswer = Callable[[int], None]
+# What `generate_teacher_records` accepts as progress: a bar of its own (True), none, or a hook.
+Progress = Union[bool, OnAnswer]
+
+
+# (prompt ids per prompt, max_new_tokens, top_k, on_answer) -> per prompt, in order, the greedy
 # answer's (output ids [N], top-k ids [N, k] int32, top-k log-probs [N, k] fp16) of the raw
 # target distribution. `tag` names the generator in the cache key (dtypes give other answers).
 class BatchGenerate(Protocol):
     tag: str
 
     def __call__(self, rows: list[list[int]], max_new_tokens: int, top_k: int,
-                 progress: bool) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]: ...
+                 on_answer: OnAnswer | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]: ...
 
 
 class TeacherDataError(ValueError):
@@ -66,6 +52,18 @@ class TeacherDataError(ValueError):
 
 class CacheCorrupt(RuntimeError):
     """A cache file is unreadable, truncated, altered, or belongs to another key."""
+
+
+def _answer_hook(progress: Progress, prompts: int, max_new_tokens: int) -> tuple[OnAnswer | None, Any]:
+    """(the hook to tell of each answer, a bar this call owns and must close, or None)."""
+    if callable(progress):
+        return progress, None
+    if not progress:
+        return None, None
+    from train.teacher_progress import TokenProgress
+
+    bar = TokenProgress(prompts, max_new_tokens)
+    return bar.answer, bar
 
 
 # ---------------------------------------------------------------- generation
@@ -78,13 +76,15 @@ def generate_teacher_records(
     max_new_tokens: int,
     top_k: int = 32,
     batch_size: int = 8,
-    progress: bool = True,
+    progress: Progress = True,
     eos_token_id: int | Sequence[int] | None = None,
     generate: BatchGenerate | None = None,
 ) -> list[Record]:
     """Greedy answers of `target_model` to `prompts` (chat template), one Record each, in
     prompt order. Prompts are batched by length (longest first) to limit padding.
 
+    progress: True, a token bar of this call's own; False, none; a callable, told each
+    finished answer's token count (the cache's bar across all its shards).
     eos_token_id: stop token(s); default the tokenizer's EOS, else the model's.
     generate: answer through this generator instead of Hugging Face `generate` (outside
     inference mode: the engine builds weights it later checks the versions of)."""
@@ -92,23 +92,28 @@ def generate_teacher_records(
         raise TeacherDataError("max_new_tokens, top_k and batch_size must be >= 1")
     eos = eos_token_ids(tokenizer, getattr(target_model.generation_config, "eos_token_id", None),
                         explicit=eos_token_id)
-    if generate is not None:
-        ids = _prompt_ids(target_model, tokenizer, prompts, max_new_tokens)
-        answers = generate(ids, max_new_tokens, min(top_k, target_model.config.vocab_size), progress)
-        return [_record(p, x, *_through_eos(a, set(eos))) for p, x, a in zip(prompts, ids, answers)]
-    return _hf_records(target_model, tokenizer, prompts, max_new_tokens, top_k, batch_size, progress, eos)
+    ids = _prompt_ids(target_model, tokenizer, prompts, max_new_tokens)
+    on_answer, bar = _answer_hook(progress, len(prompts), max_new_tokens)
+    try:
+        if generate is not None:
+            answers = generate(ids, max_new_tokens, min(top_k, target_model.config.vocab_size), on_answer)
+            return [_record(p, x, *_through_eos(a, set(eos))) for p, x, a in zip(prompts, ids, answers)]
+        return _hf_records(target_model, tokenizer, prompts, ids, max_new_tokens, top_k, batch_size, on_answer, eos)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 @torch.inference_mode()
-def _hf_records(target_model: Any, tokenizer: Any, prompts: Sequence[Prompt], max_new_tokens: int, top_k: int,
-                batch_size: int, progress: bool, eos: list[int]) -> list[Record]:
+def _hf_records(target_model: Any, tokenizer: Any, prompts: Sequence[Prompt], ids: list[list[int]],
+                max_new_tokens: int, top_k: int, batch_size: int, on_answer: OnAnswer | None,
+                eos: list[int]) -> list[Record]:
     from transformers import GenerationConfig
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else None)
     if pad is None:
         raise TeacherDataError("the tokenizer has no pad token and there is no EOS to pad with")
     k = min(top_k, target_model.config.vocab_size)
-    ids = _prompt_ids(target_model, tokenizer, prompts, max_new_tokens)
     gen_cfg = GenerationConfig(
         max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
         eos_token_id=eos or None, pad_token_id=pad,
@@ -116,23 +121,14 @@ def _hf_records(target_model: Any, tokenizer: Any, prompts: Sequence[Prompt], ma
     )
     order = sorted(range(len(prompts)), key=lambda i: -len(ids[i]))
     out: list[Record | None] = [None] * len(prompts)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(prompts), unit="prompt", desc="teacher", leave=False)
     eos_t = torch.tensor(eos or [-1], device=next(target_model.parameters()).device)
-    try:
-        for start in range(0, len(order), batch_size):
-            batch = order[start : start + batch_size]
-            for i, rec in zip(batch, _generate_batch(target_model, gen_cfg, [ids[i] for i in batch],
-                                                     [prompts[i] for i in batch], pad, eos_t, k)):
-                out[i] = rec
-            if bar is not None:
-                bar.update(len(batch))
-    finally:
-        if bar is not None:
-            bar.close()
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        for i, rec in zip(batch, _generate_batch(target_model, gen_cfg, [ids[i] for i in batch],
+                                                 [prompts[i] for i in batch], pad, eos_t, k)):
+            out[i] = rec
+            if on_answer is not None:
+                on_answer(rec.n_positions)
     return out  # type: ignore[return-value]
 
 
@@ -320,197 +316,7 @@ def content_digest(table: pa.Table) -> str:
     return h.hexdigest()
 
 
-# ---------------------------------------------------------------- cache
-
-def canonical_json(obj: Any) -> str:
-    try:
-        return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise TeacherDataError(f"cache key is not plain JSON: {e}") from None
-
-
-def prompts_digest(prompts: Sequence[Prompt]) -> str:
-    h = hashlib.sha256()
-    for p in prompts:
-        h.update(canonical_json([p.id, p.text]).encode() + b"\n")
-    return h.hexdigest()
-
-
-def teacher_cache_key(target_ref: dict[str, Any], prompts: Sequence[Prompt], *, max_new_tokens: int,
-                      top_k: int, **extra: Any) -> dict[str, Any]:
-    """The key parts for a teacher set: target identity, prompts (ids and texts), settings."""
-    return {"kind": "teacher", "format": CACHE_FORMAT, "target": target_ref,
-            "prompts": {"n": len(prompts), "sha256": prompts_digest(prompts)},
-            "max_new_tokens": int(max_new_tokens), "top_k": int(top_k), "decode": "greedy", **extra}
-
-
-class TeacherCache:
-    """Records keyed by a dict of key parts, one Arrow IPC file per key under `root`."""
-
-    def __init__(self, root: str | Path, *, chunk_size: int = 256, progress: bool = True):
-        if chunk_size < 1:
-            raise ValueError("chunk_size must be >= 1")
-        self.root = Path(root).expanduser()
-        self.chunk_size = chunk_size
-        self.progress = progress
-
-    @staticmethod
-    def key(key_parts: dict[str, Any]) -> str:
-        return hashlib.sha256(canonical_json(key_parts).encode()).hexdigest()
-
-    def path(self, key_parts: dict[str, Any]) -> Path:
-        return self.root / f"{self.key(key_parts)}.arrow"
-
-    def part_path(self, key_parts: dict[str, Any], i: int) -> Path:
-        return self.root / f"{self.key(key_parts)}.part-{i}.arrow"
-
-    # -- files ----------------------------------------------------------------
-
-    def _write(self, path: Path, records: Sequence[Record], key: str, key_json: str,
-               part: dict[str, int] | None = None) -> None:
-        table = records_to_table(records)
-        meta = dict(table.schema.metadata or {})
-        meta.update({_KIND: b"teacher-records", _FORMAT: str(CACHE_FORMAT).encode(), _KEY: key.encode(),
-                     _KEY_JSON: key_json.encode(), _DIGEST: content_digest(table).encode()})
-        if part is not None:
-            meta[_PART] = canonical_json(part).encode()
-        table = table.replace_schema_metadata(meta)
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=self.root)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                with pa.ipc.new_file(f, table.schema) as writer:
-                    writer.write_table(table)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-
-    def _read(self, path: Path, key: str, part: dict[str, int] | None = None) -> list[Record]:
-        """Records of a cache file, or CacheCorrupt; never a partial result."""
-        try:
-            with pa.OSFile(str(path), "rb") as f:
-                table = pa.ipc.open_file(f).read_all()
-            table.validate(full=True)
-        except (pa.ArrowException, OSError, ValueError) as e:
-            raise CacheCorrupt(f"unreadable Arrow file ({type(e).__name__}: {e})") from None
-        meta = table.schema.metadata or {}
-        if meta.get(_KIND) != b"teacher-records" or meta.get(_FORMAT) != str(CACHE_FORMAT).encode():
-            raise CacheCorrupt(f"not a teacher cache file of format {CACHE_FORMAT}")
-        if meta.get(_KEY) != key.encode():
-            raise CacheCorrupt(f"file holds key {meta.get(_KEY, b'?').decode()[:16]}…, expected {key[:16]}…")
-        if part is not None and meta.get(_PART) != canonical_json(part).encode():
-            raise CacheCorrupt(f"chunk layout {meta.get(_PART, b'?').decode()} differs from {canonical_json(part)}")
-        digest = content_digest(table)
-        if meta.get(_DIGEST) != digest.encode():
-            raise CacheCorrupt(f"content sha256 {digest[:16]}… differs from the recorded "
-                               f"{meta.get(_DIGEST, b'?').decode()[:16]}…")
-        try:
-            return table_to_records(table)
-        except (pa.ArrowException, ValueError, KeyError) as e:
-            raise CacheCorrupt(f"rows do not decode: {e}") from None
-
-    def _try_read(self, path: Path, key: str, part: dict[str, int] | None = None) -> list[Record] | None:
-        if not path.exists():
-            return None
-        try:
-            return self._read(path, key, part)
-        except CacheCorrupt as e:
-            log.warning("teacher cache file %s is corrupt (%s); deleting it and rebuilding", path, e)
-            path.unlink(missing_ok=True)
-            return None
-
-    def get(self, key_parts: dict[str, Any]) -> list[Record] | None:
-        """The cached records for `key_parts`, or None when they were never built (no build)."""
-        return self._try_read(self.root / f"{self.key(key_parts)}.arrow", self.key(key_parts))
-
-    # -- the entry point -------------------------------------------------------
-
-    def get_or_build(
-        self,
-        key_parts: dict[str, Any],
-        build_fn: Callable[..., Sequence[Record]],
-        *,
-        items: Sequence[Any] | None = None,
-        chunk_size: int | None = None,
-    ) -> list[Record]:
-        """The cached records for `key_parts`, building them on a miss.
-
-        items None: `build_fn()` returns every record. items given: `build_fn(chunk)` is
-        called per chunk of `chunk_size` items (default the cache's), each chunk's records
-        saved as it finishes, so a rerun after an interruption skips finished chunks."""
-        key_json = canonical_json(key_parts)
-        key = self.key(key_parts)
-        final = self.root / f"{key}.arrow"
-        t0 = time.perf_counter()
-        cached = self._try_read(final, key)
-        if cached is not None:
-            log.info("teacher cache hit %s (%d records, %.2f s)", final.name, len(cached), time.perf_counter() - t0)
-            return cached
-        if items is None:
-            records = list(build_fn())
-            self._write(final, records, key, key_json)
-            return records
-
-        size = chunk_size or self.chunk_size
-        if size < 1:
-            raise ValueError("chunk_size must be >= 1")
-        n = len(items)
-        n_chunks = math.ceil(n / size)
-        records: list[Record] = []
-        bar = None
-        if self.progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=n, unit="prompt", desc="teacher data")
-        try:
-            for i in range(n_chunks):
-                chunk = items[i * size : (i + 1) * size]
-                part = {"index": i, "chunks": n_chunks, "chunk_size": size, "items": n}
-                ppath = self.root / f"{key}.part-{i}.arrow"
-                got = self._try_read(ppath, key, part)
-                if got is None:
-                    got = list(build_fn(chunk))
-                    self._write(ppath, got, key, key_json, part)
-                else:
-                    log.info("teacher cache: chunk %d/%d already built, resuming after it", i + 1, n_chunks)
-                records.extend(got)
-                if bar is not None:
-                    bar.update(len(chunk))
-        finally:
-            if bar is not None:
-                bar.close()
-        self._write(final, records, key, key_json)
-        for stale in self.root.glob(f"{key}.part-*.arrow"):
-            stale.unlink(missing_ok=True)
-        return records
-
-
-def cached_teacher_records(
-    target_model: Any,
-    tokenizer: Any,
-    prompts: Sequence[Prompt],
-    *,
-    cache: TeacherCache,
-    target_ref: dict[str, Any],
-    max_new_tokens: int,
-    top_k: int = 32,
-    batch_size: int = 8,
-) -> list[Record]:
-    """generate_teacher_records through `cache`, chunked over prompts, resumable."""
-    key = teacher_cache_key(target_ref, prompts, max_new_tokens=max_new_tokens, top_k=top_k,
-                            dtype=str(target_model.dtype).removeprefix("torch."))
-    return cache.get_or_build(
-        key,
-        lambda chunk: generate_teacher_records(target_model, tokenizer, chunk, max_new_tokens=max_new_tokens,
-                                               top_k=top_k, batch_size=batch_size, progress=False),
-        items=list(prompts),
-    )
-
-
 __all__ = [
-    "BatchGenerate", "CacheCorrupt", "TeacherCache", "TeacherDataError", "cached_teacher_records", "content_digest",
-    "generate_teacher_records", "records_to_table", "table_to_records", "teacher_cache_key",
+    "BatchGenerate", "CacheCorrupt", "TeacherDataError", "content_digest", "generate_teacher_records",
+    "records_to_table", "table_to_records",
 ]

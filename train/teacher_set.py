@@ -1,14 +1,13 @@
 """The warm start's teacher set: which ShareGPT prompts the target answers, the answers as
-records (cached on disk, train/teacher_data.py), and their train / held-out split. Shared by
-both families' warm starts (train/warm_start.py, train/head_warm_start.py) and the trainer's
-replay of them."""
+records (cached on disk and grown across runs, train/teacher_store.py), and their train /
+held-out split. Shared by both families' warm starts (train/warm_start.py,
+train/head_warm_start.py) and the trainer's replay of them."""
 
 from __future__ import annotations
 
-import hashlib
-import json
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from infra.config import OSDConfig
 
@@ -31,50 +30,54 @@ def engine_teacher_tag(cfg: OSDConfig) -> str:
     return f"engine-{cfg.model.resolved().quant}"
 
 
-def _teacher_key(cfg: OSDConfig, loaded: Any, prompts: list, generator: str | None = None) -> dict[str, Any]:
+def warm_budget_s(cfg: OSDConfig) -> float | None:
+    """train.warm_budget_minutes in seconds: how long the warm start may generate, or None."""
+    m = cfg.train.warm_budget_minutes
+    return None if m is None else m * 60.0
+
+
+def teacher_store(cfg: OSDConfig, loaded: Any, generator: str, root: str | Path | None = None) -> Any:
+    """The on-disk answers (train/teacher_store.py) of the target under `generator` (the
+    engine's tag, or "hf") with this config's max_new_tokens and capture top-k."""
     from infra.draft_model import target_ref
+    from train.teacher_store import STORE_FORMAT, TeacherStore
 
-    key = {
-        "target": target_ref(loaded),
-        "prompts": hashlib.sha256(json.dumps([p.id for p in prompts]).encode()).hexdigest(),
-        "max_new_tokens": cfg.train.warm_max_new_tokens,
-        "top_k": cfg.serve.capture_top_k,
-    }
-    if generator is not None:  # absent for Hugging Face generate: caches made before keep their key
-        key["generator"] = generator
-    return key
+    key = {"kind": "teacher", "format": STORE_FORMAT, "target": target_ref(loaded), "generator": generator,
+           "max_new_tokens": cfg.train.warm_max_new_tokens, "top_k": cfg.serve.capture_top_k, "decode": "greedy"}
+    return TeacherStore(root or Path(cfg.state_dir) / "teacher", key, shard_prompts=cfg.train.warm_shard_prompts)
 
 
-def teacher_records(cfg: OSDConfig, loaded: Any, prompts: list, *, progress: bool = True,
-                    generate: Any = None) -> list:
-    """The target's records for `prompts`, from the on-disk cache when present.
-    generate: a train.teacher_data.BatchGenerate (the serving engine); default Hugging Face."""
-    from train.teacher_data import TeacherCache, generate_teacher_records
+def teacher_records(cfg: OSDConfig, loaded: Any, prompts: list, *, progress: bool = True, generate: Any = None,
+                    budget_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> list:
+    """The target's records for `prompts`, in prompt order: those in the on-disk cache, the
+    rest generated and added to it. generate: a train.teacher_data.BatchGenerate (the serving
+    engine); default Hugging Face. budget_s: generation stops starting shards after this many
+    seconds of `clock`, and only the prompts answered by then have records."""
+    from train.teacher_data import generate_teacher_records
 
     tc = cfg.train
-    key = _teacher_key(cfg, loaded, prompts, generate.tag if generate is not None else None)
-    cache = TeacherCache(Path(cfg.state_dir) / "teacher", progress=progress)
+    store = teacher_store(cfg, loaded, generate.tag if generate is not None else "hf")
 
-    def build(chunk):
+    def build(chunk, on_answer):
         return generate_teacher_records(loaded.model, loaded.tokenizer, chunk, max_new_tokens=tc.warm_max_new_tokens,
                                         top_k=cfg.serve.capture_top_k, batch_size=tc.warm_batch_size,
-                                        progress=progress, generate=generate)
+                                        progress=on_answer, generate=generate)
 
-    return cache.get_or_build(key, build, items=prompts)
+    filled = store.fill(prompts, build, tokens_per_prompt=tc.warm_max_new_tokens, budget_s=budget_s, clock=clock,
+                        progress=progress)
+    return filled.records
 
 
 def cached_warm_records(cfg: OSDConfig, loaded: Any) -> list:
-    """The warm start's teacher train records if `osd draft init` left them in this state dir's
-    cache, else []: the trainer replays them (`train.warm_replay_fraction`) but never spends
-    minutes of target generation on them. All of them: v1's held-out split measured v1 once,
-    and the online gate scores on live held-out records, never on these."""
-    from train.teacher_data import TeacherCache
-
-    root = Path(cfg.train.warm_teacher_dir or Path(cfg.state_dir) / "teacher")
+    """The warm start's teacher train records that `osd draft init` left in this state dir's
+    cache (all of them, or as many as its budget made), else []: the trainer replays them
+    (`train.warm_replay_fraction`) but never spends minutes of target generation on them.
+    All of them: v1's held-out split measured v1 once, and the online gate scores on live
+    held-out records, never on these."""
+    root = cfg.train.warm_teacher_dir or Path(cfg.state_dir) / "teacher"
     prompts = warm_prompts(cfg, cfg.train.warm_prompts)
-    cache = TeacherCache(root, progress=False)
-    for generator in (engine_teacher_tag(cfg), None):  # whichever generator `osd draft init` used
-        records = cache.get(_teacher_key(cfg, loaded, prompts, generator))
+    for generator in (engine_teacher_tag(cfg), "hf"):  # whichever generator `osd draft init` used
+        records = teacher_store(cfg, loaded, generator, root).cached(prompts)
         if records:
             return records
     return []

@@ -1,8 +1,9 @@
 """`osd draft init`: the first draft, distilled offline from the target's own outputs.
 
 1. Teacher records: the target greedily answers `train.warm_prompts` ShareGPT train prompts
-   (batched), cached on disk as Arrow keyed by target digest + prompt set + settings, built
-   in chunks so an interrupted run resumes (train/teacher_data.py).
+   (batched), cached on disk per prompt in Arrow shards keyed by target digest + settings
+   (train/teacher_store.py): the cache grows across runs, an interrupted run resumes, and
+   `train.warm_budget_minutes` stops generation and trains on what the cache holds.
 2. Draft: `train.draft_layers` target layers copied, embedding/norm/head shared and frozen.
 3. Distillation: `train.warm_epochs` passes through the DistillEngine (one process, world
    size 1), packed to the token budget, with a progress bar. A checkpoint after every epoch
@@ -24,7 +25,7 @@ import torch
 
 from infra.config import OSDConfig
 from infra.draft_spec import warm_start_path
-from train.teacher_set import split_held_out, teacher_records, warm_prompts
+from train.teacher_set import split_held_out, teacher_records, warm_budget_s, warm_prompts
 
 
 def _log(msg: str) -> None:
@@ -75,7 +76,7 @@ def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progres
     _log(f"draft: {tc.draft_layers} {tc.draft_layer_source} layers of the target; acceptance estimate before "
          f"training {alpha_before:.3f}")
 
-    engine, ckpt_dir, first_epoch = _resumable_engine(cfg, draft, prompts, spec, force)
+    engine, ckpt_dir, first_epoch = _resumable_engine(cfg, draft, train_recs, spec, force)
     epochs = _train_epochs(cfg, engine, train_recs, ckpt_dir, first_epoch, progress)
     out = _save_v1(cfg, loaded, spec, engine.export_weights(), out_dir, held=held, n_train=len(train_recs),
                    n_prompts=len(prompts), alpha_before=alpha_before, epochs=epochs, force=force)
@@ -90,7 +91,7 @@ def _teacher_split(cfg: OSDConfig, loaded: Any, prompts: list, progress: bool,
     tc = cfg.train
     _log(f"teacher outputs for {len(prompts)} ShareGPT train prompts, up to {tc.warm_max_new_tokens} tokens each")
     t_gen = time.perf_counter()
-    records = teacher_records(cfg, loaded, prompts, progress=progress, generate=generate)
+    records = teacher_records(cfg, loaded, prompts, progress=progress, generate=generate, budget_s=warm_budget_s(cfg))
     gen_s = time.perf_counter() - t_gen
     train_recs, held = split_held_out(records, tc.held_out_every)
     _log(f"{len(records)} teacher records ({gen_s:.1f} s; cached for next time): {len(train_recs)} train, "
@@ -98,7 +99,7 @@ def _teacher_split(cfg: OSDConfig, loaded: Any, prompts: list, progress: bool,
     return train_recs, held, gen_s
 
 
-def _resumable_engine(cfg: OSDConfig, draft: torch.nn.Module, prompts: list, spec: Any,
+def _resumable_engine(cfg: OSDConfig, draft: torch.nn.Module, train_recs: list, spec: Any,
                       force: bool) -> tuple[Any, Path, int]:
     """A one-process DistillEngine on `draft`, resumed from this run's newest complete checkpoint
     unless `force`. Returns (engine, checkpoint dir, first epoch still to train)."""
@@ -108,8 +109,9 @@ def _resumable_engine(cfg: OSDConfig, draft: torch.nn.Module, prompts: list, spe
     tc = cfg.train
     init_distributed(0, 1, "127.0.0.1", free_port(), tc.device)
     engine = DistillEngine(draft, tc)
-    # Checkpoints are keyed by everything that shapes the run, so a resume never mixes settings.
-    run_key = hashlib.sha256(json.dumps({"prompts": [p.id for p in prompts], "spec": spec.model_dump(),
+    # Checkpoints are keyed by everything that shapes the run, so a resume never mixes settings;
+    # by the records trained on, not the prompts asked for: a budget may have answered fewer.
+    run_key = hashlib.sha256(json.dumps({"prompts": [r.request_id for r in train_recs], "spec": spec.model_dump(),
                                          "loss": tc.loss, "lr": tc.lr, "tokens": tc.warm_max_new_tokens,
                                          "budget": tc.token_budget, "warmup": tc.warmup_steps},
                                         sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,42 @@
+"""`osd draft init --budget-minutes` and `osd draft vocab-study`: flags reach the config, and
+bad values are refused before any model loads."""
+
+import pytest
+
+from infra.config import OSDConfig
+from pipeline.cli import _draft_init_config, build_parser, main
+
+pytestmark = pytest.mark.pure
+
+
+def test_budget_minutes_reaches_the_config_for_either_family(monkeypatch):
+    monkeypatch.delenv("OSD_CONFIG", raising=False)
+    for family, epochs_field in (("head", "head_warm_epochs"), ("layer", "warm_epochs")):
+        args = build_parser().parse_args(["draft", "init", "--family", family, "--budget-minutes", "2.5",
+                                          "--epochs", "3"])
+        cfg = _draft_init_config(OSDConfig(), args)
+        assert cfg.train.warm_budget_minutes == 2.5 and getattr(cfg.train, epochs_field) == 3
+    plain = build_parser().parse_args(["draft", "init"])
+    assert _draft_init_config(OSDConfig(), plain).train.warm_budget_minutes is None  # default: no budget
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "inf"])
+def test_a_bad_budget_is_refused_by_the_parser(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["draft", "init", "--budget-minutes", value])
+    assert e.value.code == 2 and "--budget-minutes" in capsys.readouterr().err
+
+
+def test_a_bad_budget_in_the_config_is_refused_by_name():
+    with pytest.raises(ValueError, match="warm_budget_minutes"):
+        OSDConfig.model_validate({"train": {"warm_budget_minutes": 0}})
+    with pytest.raises(ValueError, match="warm_shard_prompts"):
+        OSDConfig.model_validate({"train": {"warm_shard_prompts": 0}})
+    with pytest.raises(ValueError, match="head_vocab_source"):
+        OSDConfig.model_validate({"train": {"head_vocab_source": "sharegpt"}})
+
+
+def test_vocab_study_refuses_a_bad_eval_file_before_loading_anything(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("OSD_STATE_DIR", str(tmp_path))
+    assert main(["draft", "vocab-study", "--eval-file", "no-equals-sign"]) == 2
+    assert "NAME=PATH" in capsys.readouterr().err
