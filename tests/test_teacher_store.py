@@ -7,10 +7,12 @@ import logging
 
 import numpy as np
 import pytest
+import torch
 
 from infra.prompts import Prompt
 from infra.records import Record
 from train.teacher_data import TeacherDataError
+from train.teacher_features import Answers, FeatureRows, features_path
 from train.teacher_store import TeacherStore, record_digest
 
 pytestmark = pytest.mark.pure
@@ -18,6 +20,7 @@ pytestmark = pytest.mark.pure
 PROMPTS = [Prompt(f"p{i}", f"prompt number {i}" + "!" * i, "code" if i % 3 else "math", "train") for i in range(10)]
 KEY = {"target": {"spec": "tiny-random:0"}, "generator": "fake", "max_new_tokens": 8, "top_k": 4}
 NEW = 8
+LAYERS = (0, 2)
 
 
 def answer(p: Prompt, k: int = 4) -> Record:
@@ -32,6 +35,16 @@ def answer(p: Prompt, k: int = 4) -> Record:
                   draft_probs=np.full(n, np.nan, dtype=np.float32))
 
 
+def rows(p: Prompt) -> FeatureRows:
+    """Made-up feature rows of answer(p), as deterministic as the answer."""
+    rec = answer(p)
+    t = len(rec.prompt_ids) + len(rec.output_ids) - 1
+    g = torch.Generator().manual_seed(int(hashlib.sha256(p.text.encode()).hexdigest()[:8], 16))
+    ids = torch.from_numpy(np.concatenate([rec.prompt_ids, rec.output_ids])[:-1].astype(np.int64))
+    return FeatureRows(ids, torch.randn(t, 8, generator=g).to(torch.bfloat16),
+                       torch.randn(t, 4, generator=g).to(torch.bfloat16), torch.randint(0, 100, (t,), generator=g))
+
+
 class FakeClock:
     def __init__(self, t: float = 1000.0):
         self.t = t
@@ -43,9 +56,10 @@ class FakeClock:
 class Gen:
     """The build function: answers a chunk, tells the bar, and can fail or take clock time."""
 
-    def __init__(self, fail_after=None, clock=None, seconds_per_chunk=0.0):
+    def __init__(self, fail_after=None, clock=None, seconds_per_chunk=0.0, features=False):
         self.calls, self.told = [], []
         self.fail_after, self.clock, self.seconds = fail_after, clock, seconds_per_chunk
+        self.features = features  # also the features a capturing generator (the engine) returns
 
     def __call__(self, chunk, on_answer):
         if self.fail_after is not None and len(self.calls) >= self.fail_after:
@@ -57,7 +71,7 @@ class Gen:
         for r in out:
             on_answer(r.n_positions)
             self.told.append(r.n_positions)
-        return out
+        return Answers(out, [rows(p) for p in chunk], LAYERS) if self.features else out
 
 
 def fill(store, prompts, gen, **kw):
@@ -91,11 +105,12 @@ def test_a_larger_prompt_set_generates_only_the_new_prompts(tmp_path):
     assert store.digest() == at_once.digest()  # other shard layout, same cache content
 
 
-def test_resuming_after_a_kill_makes_the_cache_an_uninterrupted_run_makes(tmp_path):
+@pytest.mark.parametrize("features", [False, True])
+def test_resuming_after_a_kill_makes_the_cache_an_uninterrupted_run_makes(tmp_path, features):
     whole = TeacherStore(tmp_path / "whole", KEY, shard_prompts=3)
-    fill(whole, PROMPTS, Gen())
+    fill(whole, PROMPTS, Gen(features=features))
     cut = TeacherStore(tmp_path / "cut", KEY, shard_prompts=3)
-    gen = Gen(fail_after=2)
+    gen = Gen(fail_after=2, features=features)
     with pytest.raises(KeyboardInterrupt):
         fill(cut, PROMPTS, gen)
     assert len(cut.shards()) == 2  # the finished shards stay
@@ -108,6 +123,39 @@ def test_resuming_after_a_kill_makes_the_cache_an_uninterrupted_run_makes(tmp_pa
     assert [p.name for p in cut.shards()] == [p.name for p in whole.shards()]
     for a, b in zip(cut.shards(), whole.shards()):  # shard by shard, the same answers
         assert digests(cut._read_shard(a).values()) == digests(whole._read_shard(b).values())
+    if features:  # kept beside every shard, and what a resumed fill returns
+        assert all(features_path(p).is_file() for p in cut.shards())
+        got = fill(cut, PROMPTS, Gen(), feature_layers=LAYERS).features
+        assert [f.digest() for f in got] == [rows(p).digest() for p in PROMPTS]
+        bare = TeacherStore(tmp_path / "bare", KEY, shard_prompts=3)
+        fill(bare, PROMPTS, Gen())
+        assert bare.digest() != cut.digest()  # the features count in the content
+
+
+def test_features_of_other_layers_or_damaged_are_not_used_and_the_answers_stay(tmp_path, caplog):
+    store = TeacherStore(tmp_path, KEY, shard_prompts=4)
+    first = fill(store, PROMPTS, Gen(features=True), feature_layers=LAYERS)
+    assert [f.digest() for f in first.features] == [rows(p).digest() for p in PROMPTS]
+    assert fill(store, PROMPTS, Gen(), feature_layers=(1,)).features == [None] * len(PROMPTS)
+    assert fill(store, PROMPTS, Gen()).features is None  # not asked for
+    damaged = features_path(store.shards()[0])
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    gen = Gen()
+    with caplog.at_level(logging.WARNING, logger="osd.teacher"):
+        got = fill(store, PROMPTS, gen, feature_layers=LAYERS)
+    assert any("unusable" in r.message and damaged.name in r.message for r in caplog.records)
+    assert not damaged.exists() and gen.calls == []  # the answers are kept: only their features are gone
+    lost = {pid for pid, _ in store._read_shard(store.shards()[0])}
+    assert [f is None for f in got.features] == [p.id in lost for p in PROMPTS]
+    assert digests(got.records) == digests(first.records)
+
+
+def test_a_generator_whose_features_are_not_its_answers_is_refused(tmp_path):
+    def wrong(chunk, on_answer):
+        return Answers([answer(p) for p in chunk], [rows(p) for p in reversed(chunk)], LAYERS)
+
+    with pytest.raises(TeacherDataError, match="features"):
+        fill(TeacherStore(tmp_path, KEY), PROMPTS[:3], wrong)
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty"])

@@ -4,8 +4,11 @@
    cache) plus ShareGPT conversations as fixed text (human and assistant turns, train split):
    these need only a target prefill for their features, no generation, so they add far more
    tokens for the same minutes.
-2. Features: one no-grad target forward per batch (train/head_train.py), cached on disk
-   under state_dir/head-features keyed by target, data and layers, so a rerun skips it.
+2. Features: the teacher records' were captured while the serving engine generated them
+   (train/teacher_features.py, kept in the teacher cache); the rest (ShareGPT text, and
+   teacher records from a generator that captures none: Hugging Face) take one no-grad
+   target forward per batch (train/head_train.py), cached on disk under
+   state_dir/head-features keyed by target, data and layers, so a rerun skips it.
 3. Draft vocabulary: the V_d most frequent target argmax tokens of the training data; the
    coverage of held-out teacher outputs is reported for several V_d.
 4. Training: the unrolled loss (depth 3, 0.8^j) through the DistillEngine; evaluation on the
@@ -159,25 +162,49 @@ def draft_vocab_counts(cfg: OSDConfig, loaded: Any, train_argmax: torch.Tensor, 
 def _features(cfg: OSDConfig, loaded: Any, layers: tuple[int, ...], conversations: int, max_len: int,
               progress: bool, generate: Any = None):
     """(train FeatureSet: teacher train records + conversations, held-out teacher FeatureSet, n conversations)."""
-    from train.teacher_set import split_held_out, teacher_records, warm_budget_s, warm_prompts
+    from train.evaluator import is_held_out
+    from train.teacher_set import teacher_answers, warm_budget_s, warm_prompts
 
     tc = cfg.train
     prompts = warm_prompts(cfg, tc.warm_prompts)
-    records = teacher_records(cfg, loaded, prompts, progress=progress, generate=generate, budget_s=warm_budget_s(cfg))
-    train_recs, held = split_held_out(records, tc.held_out_every)
-
-    def seqs(recs):
-        return ([[int(t) for t in r.prompt_ids] + [int(t) for t in r.output_ids] for r in recs],
-                [len(r.prompt_ids) for r in recs])
-
-    fs_train = cached_features(cfg, loaded, "teacher-train", *seqs(train_recs), layers, progress)
-    fs_held = cached_features(cfg, loaded, "teacher-held", *seqs(held), layers, progress)
+    filled = teacher_answers(cfg, loaded, prompts, progress=progress, generate=generate, budget_s=warm_budget_s(cfg),
+                             feature_layers=layers)
+    pairs = list(zip(filled.records, filled.features))
+    held = [p for p in pairs if is_held_out(p[0].request_id, tc.held_out_every)]
+    train = [p for p in pairs if not is_held_out(p[0].request_id, tc.held_out_every)]
+    fs_train = teacher_feature_set(cfg, loaded, "teacher-train", train, layers, progress)
+    fs_held = teacher_feature_set(cfg, loaded, "teacher-held", held, layers, progress)
     convs = conversation_ids(cfg, loaded.tokenizer, conversations, max_len) if conversations else []
     for i in range(0, len(convs), CONV_CHUNK):  # cached by chunk: more conversations reuse the first ones
         fs_train.extend(cached_features(cfg, loaded, "sharegpt", convs[i:i + CONV_CHUNK], None, layers, progress))
-    _log(f"training on {fs_train.n_tokens} tokens ({len(train_recs)} teacher records, {len(convs)} ShareGPT "
+    _log(f"training on {fs_train.n_tokens} tokens ({len(train)} teacher records, {len(convs)} ShareGPT "
          f"conversations); {len(held)} held-out teacher records")
     return fs_train, fs_held, len(convs)
+
+
+def teacher_feature_set(cfg: OSDConfig, loaded: Any, name: str, pairs: list, layers: tuple[int, ...], progress: bool):
+    """The FeatureSet of teacher records, from (record, its captured FeatureRows or None) pairs:
+    captured rows as they are (an answer's last token has none: train/teacher_features.py),
+    the others through cached_features' forward pass."""
+    from train.head_train import FeatureSet
+
+    fs = FeatureSet()
+    rest = [r for r, f in pairs if f is None]
+    for r, f in pairs:
+        if f is not None:
+            fs.ids.append(f.ids)
+            fs.feats.append(f.feats)
+            fs.final.append(f.final)
+            fs.argmax.append(f.argmax)
+            fs.start.append(max(len(r.prompt_ids) - 2, 0))  # compute_features' start of the same record
+    if rest:
+        fs.extend(cached_features(cfg, loaded, name, [[int(t) for t in r.prompt_ids] + [int(t) for t in r.output_ids]
+                                                      for r in rest], [len(r.prompt_ids) for r in rest], layers,
+                                  progress))
+    if pairs:
+        _log(f"{name}: features of {len(pairs) - len(rest)} records captured during generation, "
+             f"{len(rest)} computed")
+    return fs
 
 
 def _train(cfg: OSDConfig, head: Any, target: Any, fs_train: Any, epochs: int,

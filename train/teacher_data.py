@@ -9,6 +9,8 @@ same `infra.records.Record` shape that serving captures.
   step on the whole [B, V] batch. Each sequence is cut after its first EOS (the EOS kept);
   pad positions are dropped. Or, given a `BatchGenerate` (the pipeline passes the serving
   engine's continuous batching, which `train` cannot import), that generator's answers.
+  `generate_teacher_answers`: the same, plus the target features a `CapturingGenerate` took
+  during generation (train/teacher_features.py), so the head's warm start needs no second pass.
 - `records_to_table` / `table_to_records` / `content_digest`: the Arrow codec of the on-disk
   teacher cache (train/teacher_store.py: shards that grow across runs and resume).
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Callable, Protocol, Sequence, Union
+from typing import Any, Callable, Protocol, Sequence, Union, runtime_checkable
 
 import numpy as np
 import pyarrow as pa
@@ -26,6 +28,7 @@ import torch
 from infra.prompts import Prompt, chat_ids
 from infra.records import SCHEMA_VERSION, Record, record_schema
 from infra.tokens import eos_token_ids, topk_logprobs
+from train.teacher_features import Answers, FeatureRows
 
 TEACHER_VERSION = "teacher"
 
@@ -44,6 +47,15 @@ class BatchGenerate(Protocol):
 
     def __call__(self, rows: list[list[int]], max_new_tokens: int, top_k: int,
                  on_answer: OnAnswer | None) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]: ...
+
+
+# A BatchGenerate that can also capture the target features the head reads while it generates
+# (the serving engine: pipeline/teacher_engine.py): per prompt, (the answer as BatchGenerate
+# gives it, its feature rows of the head's `layers`: train/teacher_features.py).
+@runtime_checkable
+class CapturingGenerate(BatchGenerate, Protocol):
+    def capture(self, rows: list[list[int]], max_new_tokens: int, top_k: int, on_answer: OnAnswer | None,
+                layers: tuple[int, ...]) -> list[tuple[tuple[np.ndarray, np.ndarray, np.ndarray], FeatureRows]]: ...
 
 
 class TeacherDataError(ValueError):
@@ -68,7 +80,13 @@ def _answer_hook(progress: Progress, prompts: int, max_new_tokens: int) -> tuple
 
 # ---------------------------------------------------------------- generation
 
-def generate_teacher_records(
+def generate_teacher_records(target_model: Any, tokenizer: Any, prompts: Sequence[Prompt], **kw: Any) -> list[Record]:
+    """Greedy answers of `target_model` to `prompts` (chat template), one Record each, in
+    prompt order: generate_teacher_answers' records."""
+    return generate_teacher_answers(target_model, tokenizer, prompts, **kw).records
+
+
+def generate_teacher_answers(
     target_model: Any,
     tokenizer: Any,
     prompts: Sequence[Prompt],
@@ -79,7 +97,8 @@ def generate_teacher_records(
     progress: Progress = True,
     eos_token_id: int | Sequence[int] | None = None,
     generate: BatchGenerate | None = None,
-) -> list[Record]:
+    feature_layers: tuple[int, ...] = (),
+) -> Answers:
     """Greedy answers of `target_model` to `prompts` (chat template), one Record each, in
     prompt order. Prompts are batched by length (longest first) to limit padding.
 
@@ -87,7 +106,9 @@ def generate_teacher_records(
     finished answer's token count (the cache's bar across all its shards).
     eos_token_id: stop token(s); default the tokenizer's EOS, else the model's.
     generate: answer through this generator instead of Hugging Face `generate` (outside
-    inference mode: the engine builds weights it later checks the versions of)."""
+    inference mode: the engine builds weights it later checks the versions of).
+    feature_layers: where `generate` is a CapturingGenerate, also the features of these target
+    layers captured during generation (Answers.features); else none are captured."""
     if max_new_tokens < 1 or top_k < 1 or batch_size < 1:
         raise TeacherDataError("max_new_tokens, top_k and batch_size must be >= 1")
     eos = eos_token_ids(tokenizer, getattr(target_model.generation_config, "eos_token_id", None),
@@ -95,16 +116,26 @@ def generate_teacher_records(
     ids = _prompt_ids(target_model, tokenizer, prompts, max_new_tokens)
     on_answer, bar = _answer_hook(progress, len(prompts), max_new_tokens)
     try:
-        if generate is not None:
-            answers = generate(ids, max_new_tokens, min(top_k, target_model.config.vocab_size), on_answer)
-            return [_record(p, x, *_through_eos(a, set(eos))) for p, x, a in zip(prompts, ids, answers)]
-        return _hf_records(target_model, tokenizer, prompts, ids, max_new_tokens, top_k, batch_size, on_answer, eos)
+        if generate is None:
+            return Answers(_hf_records(target_model, tokenizer, prompts, ids, max_new_tokens, top_k, batch_size,
+                                       on_answer, eos))
+        k = min(top_k, target_model.config.vocab_size)
+        rows = None
+        if feature_layers and isinstance(generate, CapturingGenerate):
+            got = generate.capture(ids, max_new_tokens, k, on_answer, feature_layers)
+            answers, rows = [a for a, _ in got], [f for _, f in got]
+        else:
+            answers = generate(ids, max_new_tokens, k, on_answer)
+        cut = [_through_eos(a, set(eos)) for a in answers]
+        records = [_record(p, x, *c) for p, x, c in zip(prompts, ids, cut)]
+        if rows is None:
+            return Answers(records)
+        return Answers(records, [f.cut(len(x) + len(c[0])) for f, x, c in zip(rows, ids, cut)], tuple(feature_layers))
     finally:
         if bar is not None:
             bar.close()
 
 
-@torch.inference_mode()
 def _hf_records(target_model: Any, tokenizer: Any, prompts: Sequence[Prompt], ids: list[list[int]],
                 max_new_tokens: int, top_k: int, batch_size: int, on_answer: OnAnswer | None,
                 eos: list[int]) -> list[Record]:
@@ -317,6 +348,6 @@ def content_digest(table: pa.Table) -> str:
 
 
 __all__ = [
-    "BatchGenerate", "CacheCorrupt", "TeacherDataError", "content_digest", "generate_teacher_records",
-    "records_to_table", "table_to_records",
+    "BatchGenerate", "CacheCorrupt", "CapturingGenerate", "TeacherDataError", "content_digest",
+    "generate_teacher_answers", "generate_teacher_records", "records_to_table", "table_to_records",
 ]

@@ -53,19 +53,28 @@ def teacher_records(cfg: OSDConfig, loaded: Any, prompts: list, *, progress: boo
     rest generated and added to it. generate: a train.teacher_data.BatchGenerate (the serving
     engine); default Hugging Face. budget_s: generation stops starting shards after this many
     seconds of `clock`, and only the prompts answered by then have records."""
-    from train.teacher_data import generate_teacher_records
+    return teacher_answers(cfg, loaded, prompts, progress=progress, generate=generate, budget_s=budget_s,
+                           clock=clock).records
+
+
+def teacher_answers(cfg: OSDConfig, loaded: Any, prompts: list, *, progress: bool = True, generate: Any = None,
+                    budget_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                    feature_layers: tuple[int, ...] | None = None) -> Any:
+    """teacher_records as a train.teacher_store.Filled; with feature_layers, also the features
+    of those layers captured during generation, where `generate` captures them (a
+    train.teacher_data.CapturingGenerate: the serving engine) or an earlier run's did."""
+    from train.teacher_data import generate_teacher_answers
 
     tc = cfg.train
     store = teacher_store(cfg, loaded, generate.tag if generate is not None else "hf")
 
     def build(chunk, on_answer):
-        return generate_teacher_records(loaded.model, loaded.tokenizer, chunk, max_new_tokens=tc.warm_max_new_tokens,
+        return generate_teacher_answers(loaded.model, loaded.tokenizer, chunk, max_new_tokens=tc.warm_max_new_tokens,
                                         top_k=cfg.serve.capture_top_k, batch_size=tc.warm_batch_size,
-                                        progress=on_answer, generate=generate)
+                                        progress=on_answer, generate=generate, feature_layers=feature_layers or ())
 
-    filled = store.fill(prompts, build, tokens_per_prompt=tc.warm_max_new_tokens, budget_s=budget_s, clock=clock,
-                        progress=progress)
-    return filled.records
+    return store.fill(prompts, build, tokens_per_prompt=tc.warm_max_new_tokens, budget_s=budget_s, clock=clock,
+                      progress=progress, feature_layers=feature_layers)
 
 
 def cached_warm_records(cfg: OSDConfig, loaded: Any) -> list:

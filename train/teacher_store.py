@@ -14,6 +14,12 @@ shards an uninterrupted run makes. With a budget, no shard starts after it has r
 
 A prompt is matched by id and by a hash of its text, so an edited prompt is answered again.
 One writer per store at a time.
+
+Where the generator captured the target features the head reads (the serving engine does, as
+it generates: train/teacher_features.py), they are kept beside their shard in
+`shard-<name>.features.pt`, bound to the shard's content sha256, and written before it, so a
+kill leaves no shard with features of other answers; `fill(..., feature_layers=)` returns them.
+A damaged features file is logged and deleted, and its answers fall back to a forward pass.
 """
 
 from __future__ import annotations
@@ -30,11 +36,14 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
+import torch
 
 from infra.prompts import Prompt
 from infra.records import Record
 from train.teacher_data import CacheCorrupt, OnAnswer, TeacherDataError, content_digest, records_to_table, \
     table_to_records
+from train.teacher_features import Answers, FeatureRows, FeaturesCorrupt, check_rows, features_path, \
+    features_payload, load_payload, rows_of_payload
 from train.teacher_progress import TokenProgress
 
 log = logging.getLogger("osd.teacher")
@@ -46,8 +55,9 @@ _KEY = b"osd.teacher.key"
 _DIGEST = b"osd.teacher.content_sha256"
 _PROMPTS = b"osd.teacher.prompts"
 
-# (a chunk of prompts, told each finished answer's tokens) -> their records, in chunk order.
-Build = Callable[[list[Prompt], OnAnswer], Sequence[Record]]
+# (a chunk of prompts, told each finished answer's tokens) -> their records, in chunk order, or
+# Answers: the records with the features the generator captured.
+Build = Callable[[list[Prompt], OnAnswer], "Sequence[Record] | Answers"]
 
 
 def canonical_json(obj: Any) -> str:
@@ -78,6 +88,9 @@ class Filled:
     records: list[Record]
     generated: int
     stopped_by_budget: bool
+    # With fill(feature_layers=): per record, its captured feature rows of those layers, or
+    # None where the store has none (generated without capture, or for other layers).
+    features: list[FeatureRows | None] | None = None
 
 
 class TeacherStore:
@@ -102,7 +115,7 @@ class TeacherStore:
         out: dict[tuple[str, str], Record] = {}
         for path in self.shards():
             try:
-                if wanted is not None and wanted.isdisjoint(map(tuple, _shard_prompts(path))):
+                if wanted is not None and wanted.isdisjoint(map(tuple, _shard_footer(path)[0])):
                     continue
                 entries = self._read_shard(path)
             except CacheCorrupt as e:
@@ -119,12 +132,39 @@ class TeacherStore:
         have = self.load(set(keys))
         return [have[k] for k in keys if k in have]
 
+    def load_features(self, wanted: set[tuple[str, str]] | None = None,
+                      layers: tuple[int, ...] | None = None) -> dict[tuple[str, str], FeatureRows]:
+        """(prompt id, prompt hash) -> the feature rows captured with its answer, from the
+        features files of the shards holding one of `wanted` (None: all), captured for `layers`
+        (None: any). A damaged file, or one of other answers than its shard's, is deleted."""
+        out: dict[tuple[str, str], FeatureRows] = {}
+        for path in self.shards():
+            fpath = features_path(path)
+            if not fpath.exists():
+                continue
+            try:
+                prompts, digest = _shard_footer(path)
+                if wanted is not None and wanted.isdisjoint(map(tuple, prompts)):
+                    continue
+                got_layers, rows = rows_of_payload(load_payload(fpath), key=self.key, shard_digest=digest,
+                                                   prompts=prompts)
+            except (CacheCorrupt, FeaturesCorrupt) as e:
+                log.warning("teacher features %s are unusable (%s); deleting them, their answers' features "
+                            "are computed again", fpath, e)
+                fpath.unlink(missing_ok=True)
+                continue
+            if layers is None or got_layers == tuple(layers):
+                out.update({(pid, ph): r for (pid, ph), r in zip(prompts, rows)})
+        return out
+
     def digest(self) -> str:
-        """sha256 over every stored answer's content, in id order: equal for equal caches
-        however their shards were laid out or when they were written."""
+        """sha256 over every stored answer's content and its captured features, in id order:
+        equal for equal caches however their shards were laid out or when they were written."""
         h = hashlib.sha256()
-        for (pid, ph), rec in sorted(self.load().items()):
-            h.update(canonical_json([pid, ph, record_digest(rec)]).encode() + b"\n")
+        feats = self.load_features()
+        for key, rec in sorted(self.load().items()):
+            rows = [feats[key].digest()] if key in feats else []
+            h.update(canonical_json([*key, record_digest(rec), *rows]).encode() + b"\n")
         return h.hexdigest()
 
     def _read_shard(self, path: Path) -> dict[tuple[str, str], Record]:
@@ -152,18 +192,26 @@ class TeacherStore:
 
     # -- writing ----------------------------------------------------------------
 
-    def _write_shard(self, chunk: Sequence[Prompt], records: Sequence[Record]) -> Path:
+    def _write_shard(self, chunk: Sequence[Prompt], answers: Answers) -> Path:
+        records = answers.records
         if [r.request_id for r in records] != [p.id for p in chunk]:
             raise TeacherDataError(f"the generator answered {[r.request_id for r in records][:4]}…, "
                                    f"not the chunk's prompts {[p.id for p in chunk][:4]}…")
         prompts = [[p.id, prompt_hash(p)] for p in chunk]
         name = hashlib.sha256(canonical_json(prompts).encode()).hexdigest()[:20]
         table = records_to_table(records)
+        digest = content_digest(table)
         meta = {**(table.schema.metadata or {}), _KIND: b"teacher-shard", _FORMAT: str(STORE_FORMAT).encode(),
-                _KEY: self.key.encode(), _DIGEST: content_digest(table).encode(),
-                _PROMPTS: canonical_json(prompts).encode()}
+                _KEY: self.key.encode(), _DIGEST: digest.encode(), _PROMPTS: canonical_json(prompts).encode()}
         table = table.replace_schema_metadata(meta)
         path = self.dir / f"shard-{name}.arrow"
+        if answers.features is not None:  # first: a kill between the two leaves no shard with others' features
+            check_rows(records, answers.features)
+            payload = features_payload(answers.features, key=self.key, shard_digest=digest, prompts=prompts,
+                                       layers=answers.layers)
+            _atomic_write(features_path(path), lambda f: torch.save(payload, f))
+        else:
+            features_path(path).unlink(missing_ok=True)
         _atomic_write(path, lambda f: _write_ipc(f, table))
         key_file = self.dir / "key.json"
         if not key_file.exists():  # for a person looking at the directory: which setting this is
@@ -174,12 +222,16 @@ class TeacherStore:
 
     def fill(self, prompts: Sequence[Prompt], build: Build, *, tokens_per_prompt: int,
              budget_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-             progress: bool = True) -> Filled:
+             progress: bool = True, feature_layers: tuple[int, ...] | None = None) -> Filled:
         """Every prompt's answer, generating those the store lacks (module doc). budget_s:
-        no shard starts once this many seconds of `clock` have passed since the call began."""
+        no shard starts once this many seconds of `clock` have passed since the call began.
+        feature_layers: also return the features captured for these layers (Filled.features)."""
         if budget_s is not None and not budget_s > 0:
             raise ValueError(f"budget_s must be > 0, got {budget_s}")
-        have = self.load({(p.id, prompt_hash(p)) for p in prompts})
+        feature_layers = tuple(feature_layers) if feature_layers is not None else None
+        wanted = {(p.id, prompt_hash(p)) for p in prompts}
+        have = self.load(wanted)
+        feats = self.load_features(wanted, feature_layers) if feature_layers is not None else {}
         missing = _missing(prompts, have)
         if len(missing) < len(prompts):
             log.info("teacher cache: %d of %d prompts already answered", len(prompts) - len(missing), len(prompts))
@@ -192,9 +244,12 @@ class TeacherStore:
                     stopped = True
                     break
                 chunk = missing[start:start + self.shard_prompts]
-                records = list(build(chunk, bar.answer))
-                self._write_shard(chunk, records)
-                have.update({(p.id, prompt_hash(p)): r for p, r in zip(chunk, records)})
+                answers = _as_answers(build(chunk, bar.answer))
+                self._write_shard(chunk, answers)
+                keys = [(p.id, prompt_hash(p)) for p in chunk]
+                have.update(zip(keys, answers.records))
+                if answers.features is not None and feature_layers is not None and answers.layers == feature_layers:
+                    feats.update(zip(keys, answers.features))
                 generated += len(chunk)
         finally:
             bar.close()
@@ -203,8 +258,9 @@ class TeacherStore:
                         bar.summary(), len(missing) - generated)
         elif missing:
             log.info("teacher generation: %s", bar.summary())
-        found = [have[(p.id, prompt_hash(p))] for p in prompts if (p.id, prompt_hash(p)) in have]
-        return Filled(found, generated, stopped)
+        keys = [k for k in ((p.id, prompt_hash(p)) for p in prompts) if k in have]
+        return Filled([have[k] for k in keys], generated, stopped,
+                      [feats.get(k) for k in keys] if feature_layers is not None else None)
 
 
 def _missing(prompts: Sequence[Prompt], have: dict[tuple[str, str], Record]) -> list[Prompt]:
@@ -219,8 +275,13 @@ def _missing(prompts: Sequence[Prompt], have: dict[tuple[str, str], Record]) -> 
     return out
 
 
-def _shard_prompts(path: Path) -> list:
-    """A shard's [[prompt id, prompt hash], ...] from its footer alone; CacheCorrupt if unreadable."""
+def _as_answers(got: Sequence[Record] | Answers) -> Answers:
+    return got if isinstance(got, Answers) else Answers(list(got))
+
+
+def _shard_footer(path: Path) -> tuple[list, str]:
+    """A shard's ([[prompt id, prompt hash], ...], content sha256) from its footer alone;
+    CacheCorrupt if unreadable."""
     try:
         with pa.OSFile(str(path), "rb") as f:
             meta = pa.ipc.open_file(f).schema.metadata or {}
@@ -229,7 +290,7 @@ def _shard_prompts(path: Path) -> list:
         raise CacheCorrupt(f"unreadable Arrow footer ({type(e).__name__}: {e})") from None
     if not isinstance(prompts, list) or not all(isinstance(p, list) and len(p) == 2 for p in prompts):
         raise CacheCorrupt("no prompt list in its metadata")
-    return prompts
+    return prompts, meta.get(_DIGEST, b"").decode()
 
 
 def _write_ipc(f: Any, table: pa.Table) -> None:
