@@ -111,6 +111,10 @@ class SuffixConfig(_Section):
     min_prob: float = Field(0.1, ge=0.0, le=1.0)
     factor: float = Field(1.0, gt=0)
     offset: float = Field(0.0, ge=0)
+    # Longest chain a step verifies, beyond serve.k: a chain is chosen, not drafted, so its
+    # length costs only verify rows, which the cost profile prices (k_policy.chain_cut). At
+    # most 15: a verify of up to 16 rows attends row by row exactly as decoding does.
+    max_chain: int = Field(15, ge=1, le=15)
 
 
 class ServeConfig(_Section):

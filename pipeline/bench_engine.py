@@ -188,6 +188,14 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
         head = run_head_warm_start(cfg.model_copy(update={"model": mcfg}))["path"]
         draft_spec = head if draft_spec == "head:init" else f"{head}+suffix"
     draft = build_draft(draft_spec, loaded.model, suffix=cfg.serve.suffix)
+    # A draft that learns from what it serves (the suffix draft's index): every engine gets its
+    # own, so a method never drafts from another method's answer to the same prompt (their
+    # greedy outputs are equal, so each index grows alike).
+    learns = draft_spec == "suffix" or draft_spec.endswith("+suffix")
+
+    def own_draft() -> Any:
+        return build_draft(draft_spec, loaded.model, suffix=cfg.serve.suffix) if learns else draft
+
     if draft is None:
         raise ValueError("osd bench engine needs a draft: --draft self, truncate:L, head:init or a directory")
     # --max-prompt-chars and --prompts pick from ShareGPT; a prompts file is used whole.
@@ -207,12 +215,12 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     engine = SpecEngine(loaded.model, draft, loaded.tokenizer, options)
     eager = chain = None
     if engine.gpu and graphs != "off":
-        eager = SpecEngine(loaded.model, draft, loaded.tokenizer, dataclasses.replace(options, cuda_graphs="off"))
+        eager = SpecEngine(loaded.model, own_draft(), loaded.tokenizer, dataclasses.replace(options, cuda_graphs="off"))
     if tree:
-        chain = SpecEngine(loaded.model, draft, loaded.tokenizer, dataclasses.replace(options, tree=""))
+        chain = SpecEngine(loaded.model, own_draft(), loaded.tokenizer, dataclasses.replace(options, tree=""))
     # Other draft budgets and confidence stops in the same run, interleaved per prompt with own
     # AR: the machine's speed drifts between runs, a ratio measured in one run does not.
-    sweep = {m: SpecEngine(loaded.model, draft, loaded.tokenizer, o)
+    sweep = {m: SpecEngine(loaded.model, own_draft(), loaded.tokenizer, o)
              for m, o in sweep_options(options, k_sweep, confidence_sweep).items()}
     if workload == "multiturn":
         prompts = answer_first_turns(engine, loaded.tokenizer, prompts, max_new_tokens, log)
@@ -225,14 +233,18 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     if not hf:
         runners = {m: fn for m, fn in runners.items() if not m.startswith("hf_")}
     runners.update(reference_methods(mcfg, loaded, engine.max_seq_len, vs_llamacpp, vs_float32))
-    runs, stats, capture_ratios = time_methods(runners, ids_list, max_new_tokens, log)
+    # The capture-off run shares the speculative engine's draft; one that learns then drafts
+    # from the captured run's answer: it runs right after it, as a full repeat, every prompt.
+    runs, stats, capture_ratios = time_methods(runners, ids_list, max_new_tokens, log,
+                                               {"sd_nocapture": "sd"} if learns else None)
     sd_stats = stats["sd"]
     # Lossless means equal to the same target's own decoding: in float32 that is HF's too; in
     # bfloat16 HF rounds differently op by op, and int4 is not a model HF runs, so speculation
     # is checked against own AR there, and own AR against HF is reported beside it.
     reference = "ar" if (mcfg.dtype, mcfg.quant) != ("float32", "none") else None
-    result = summarize(runs, stats, capture_ratios,
+    result = summarize(runs, stats, None if learns else capture_ratios,
                        greedy_mismatches(engine.target, runs, ids_list, reference), engine.options)
+    result["nocapture_is_repeat"] = learns
     result["greedy_reference"] = reference or ("hf_ar" if "hf_ar" in runs else "ar")
     result["ar_vs_hf_mismatches"] = (hf_mismatches(engine.target, runs, ids_list)
                                      if reference == "ar" and "hf_ar" in runs else None)
@@ -369,9 +381,11 @@ def sweep_rows(runs: dict[str, MethodRun], stats: dict[str, SpecStats], field: s
 
 
 def time_methods(runners: dict[str, MethodFn], ids_list: list[list[int]], max_new_tokens: int,
-                 log: Callable[[str], None]) -> tuple[dict[str, MethodRun], dict[str, SpecStats], list[float]]:
+                 log: Callable[[str], None], pinned: dict[str, str] | None = None
+                 ) -> tuple[dict[str, MethodRun], dict[str, SpecStats], list[float]]:
     """Every method on every prompt; returns the runs, the merged speculative stats per method
-    and, per prompt, (time with capture / time without) - 1."""
+    and, per prompt, (time with capture / time without) - 1. pinned: method -> the method it
+    always runs right after (the rest rotate)."""
     # Warm-up: one short call per method (allocator, MKL/oneDNN kernels, HF caches).
     for fn in runners.values():
         fn(ids_list[0], 8)
@@ -382,6 +396,10 @@ def time_methods(runners: dict[str, MethodFn], ids_list: list[list[int]], max_ne
     for i, ids in enumerate(ids_list):
         # Rotate the order per prompt so no method always runs first or last.
         order = methods[i % len(methods):] + methods[: i % len(methods)]
+        for m, anchor in (pinned or {}).items():
+            order = tuple(x for x in order if x != m)
+            at = order.index(anchor) + 1
+            order = order[:at] + (m,) + order[at:]
         for m in order:
             t0 = time.perf_counter()
             out, st, decode_s = runners[m](ids, max_new_tokens)
@@ -419,7 +437,7 @@ def greedy_mismatches(runner: Any, runs: dict[str, MethodRun], ids_list: list[li
     return mismatches
 
 
-def summarize(runs: dict[str, MethodRun], stats: dict[str, SpecStats], capture_ratios: list[float],
+def summarize(runs: dict[str, MethodRun], stats: dict[str, SpecStats], capture_ratios: list[float] | None,
               mismatches: list[dict[str, Any]], options: EngineOptions) -> dict[str, Any]:
     """The JSON figures; methods not run (HF under --no-hf, eager without graphs) give None."""
     sd_stats = stats["sd"]
@@ -442,7 +460,7 @@ def summarize(runs: dict[str, MethodRun], stats: dict[str, SpecStats], capture_r
         "greedy_identical": not mismatches,
         "mismatches": mismatches,
         # Median over prompts of (time with capture / time without) - 1.
-        "capture_overhead_pct": 100.0 * statistics.median(capture_ratios),
+        "capture_overhead_pct": 100.0 * statistics.median(capture_ratios) if capture_ratios else None,
         "ar_vs_hf_ar": ratio("ar", "hf_ar"),
         "ar_vs_llamacpp": ratio("ar", "llamacpp"),
         "sd_vs_llamacpp": ratio("sd", "llamacpp"),
@@ -578,7 +596,11 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
         log("by source: " + "; ".join(f"{src} {f['steps']} steps, acceptance {f['acceptance']:.3f}, "
                                       f"{f['tokens_per_step']:.2f} tokens/step"
                                       for src, f in result["by_source"].items()))
-    log(f"capture overhead (median per prompt) {result['capture_overhead_pct']:+.2f}%")
+    if result["capture_overhead_pct"] is None:  # a learning draft: capture off ran as a repeat
+        log("capture overhead n/a: the capture-off run repeats each prompt after the captured one, whose "
+            "answer the draft has learned (a full repeat)")
+    else:
+        log(f"capture overhead (median per prompt) {result['capture_overhead_pct']:+.2f}%")
     if result.get("ar_decode_tok_s"):
         log(f"own AR decode without prefill: {result['ar_decode_tok_s']:.1f} tok/s "
             f"({result['ar_decode_ms_per_token']:.1f} ms/token; one-token target forward "

@@ -290,6 +290,7 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 2100, sp
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report["ops"] = save_ops_snapshot(ops_summary, loop.url, out_dir)
+    report["by_source"] = ((ops_summary or {}).get("loop") or {}).get("by_source") or []
     # The speed prompts, so the same check can be rerun elsewhere (a GPU) with `osd bench engine`.
     write_prompts(speed_set, out_dir / "speed_prompts.jsonl")
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -404,6 +405,10 @@ def gated_entry(d: dict[str, Any]) -> dict[str, Any]:
     return {"version": d["version"], "reason": d.get("reason"), **{k: g.get(k) for k in keep}}
 
 
+def _num(x: float | None, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def _print(r: dict[str, Any], out_dir: Path) -> None:
     print(f"\n{'version':<16}{'parent':<16}{'requests':>9}{'alpha':>8}{'pre-shift':>11}{'post-shift':>12}"
           f"{'alpha_est':>11}{'paired post':>13}")
@@ -423,6 +428,11 @@ def _print(r: dict[str, Any], out_dir: Path) -> None:
         iv = "-" if g["lower"] is None else f"[{g['lower']:+.3f}, {g['upper']:+.3f}]"
         print(f"  gated {g['version']:<16}vs {str(g['stable'] or '-'):<16}records {g['records'] or 0:>4}  "
               f"paired diff interval {iv}")
+    if r.get("by_source"):
+        print("\ndrafting steps by who proposed (served requests, all phases)")
+        for row in r["by_source"]:
+            print(f"  {row['draft_version']:<16}{row['source']:<8}steps {row['steps']:>7}  acceptance "
+                  f"{_num(row['acceptance'])}  tokens/step {_num(row['tokens_per_step'], '.2f')}")
     sp = r["speedup_vs_ar"]
     print(f"\nrequests {r['requests']}, failed {r['failed_requests']}; promoted {r['promoted'] or '-'}; "
           f"rolled back {r['rolled_back'] or '-'}; expired {r.get('expired') or '-'}; "

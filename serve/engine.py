@@ -51,19 +51,18 @@ from serve.batch_forward import Item, forward_batch
 from serve.capture import Capture, CaptureBuffer
 from serve.detokenize import StopScanner
 from serve import gpu_stages
-from serve.head_runner import is_head, propose_head, propose_heads
-from serve.suffix_draft import WithSuffix, is_proposing, suffix_of
+from serve.draft import Draft, Proposal, StepContext, no_proposal
 from serve.errors import EngineError, RequestError  # noqa: F401 (re-exported)
-from serve.k_policy import KPolicy, StepCosts, chain_cut, chain_expected, expected_tokens, profile_forward
+from serve.k_policy import KPolicy, StepCosts, chain_cut, profile_forward
 from serve.processors import LogitsProcessor
 from serve.linear import QUANT_MODES
 from serve.runner import LlamaRunner, Runner
-from serve.runners import make_runner
+from serve.runners import as_draft, make_runner
 from serve.graphs import GraphLlamaRunner, StagingRing
 from serve.scheduler import DONE, Scheduler
 from serve.seq import GenerationParams, Seq, Slot, SpecStats  # noqa: F401 (re-exported)
-from serve.stages import _event, _settle_stamps, begin_prefill, commit, end_prefill, propose, score, verify
-from serve.tree_stages import TreeShape, can_expand, tree_step
+from serve.stages import _event, _settle_stamps, begin_prefill, commit, end_prefill, score, verify
+from serve.tree_stages import TreeShape, tree_step
 
 
 K_POLICIES = ("cost", "schedule", "fixed")
@@ -169,9 +168,10 @@ class SpecEngine:
         self.ring = StagingRing(self.target.device) if self.gpu else None
         self.tree = TreeShape.parse(self.options.tree) if self.options.tree else None
         if self.tree is not None:  # every tree block size is captured once, as k+1 is for chains
-            for runner in (self.target, self.draft):
-                if isinstance(runner, GraphLlamaRunner) or (is_head(runner) and runner.graphs is not None):
-                    runner.max_graph_tokens = max(runner.max_graph_tokens, self.tree.total)
+            if isinstance(self.target, GraphLlamaRunner):
+                self.target.max_graph_tokens = max(self.target.max_graph_tokens, self.tree.total)
+            if self.draft is not None:
+                self.draft.reserve_graph_tokens(self.tree.total)
         if tokenizer is not None and len(tokenizer) > self.target.vocab_size:
             raise EngineError(f"tokenizer has {len(tokenizer)} tokens, more than the model's {self.target.vocab_size}")
         self.max_seq_len = min(self.target.max_seq_len, self.draft.max_seq_len if self.draft else 10**9)
@@ -205,20 +205,14 @@ class SpecEngine:
         if want != "off" and on_cuda and type(runner) is LlamaRunner:
             runner = GraphLlamaRunner(model, self.options.max_seq_len)
             runner.max_graph_tokens = self.options.k + 1
-        elif want != "off" and on_cuda and is_head(runner):
+        elif want != "off" and on_cuda and hasattr(runner, "enable_graphs"):  # a draft's own graphs
             runner.enable_graphs(self.options.k + 1)
         return runner
 
-    def _draft_runner(self, draft_model: Any) -> Runner:
-        if is_proposing(draft_model):  # no weights to run (the suffix draft): it is its own runner
-            runner = draft_model
-        elif isinstance(draft_model, WithSuffix):  # head+suffix: the head's runner, the suffix beside
-            runner = self._runner(draft_model.model, self.options.quant)
-            runner.suffix = draft_model.suffix
-        else:
-            # A draft's weights take the target's format: an int4 target's truncate/self drafts
-            # share its int4 layers, and a head reads a quarter of the bytes (only acceptance moves).
-            runner = self._runner(draft_model, self.options.quant)
+    def _draft_runner(self, draft_model: Any) -> Draft:
+        # A draft's weights take the target's format: an int4 target's truncate/self drafts
+        # share its int4 layers, and a head reads a quarter of the bytes (only acceptance moves).
+        runner = as_draft(draft_model, lambda model: self._runner(model, self.options.quant))
         if runner.vocab_size != self.target.vocab_size:
             raise EngineError(
                 f"draft vocab ({runner.vocab_size}) differs from the target's ({self.target.vocab_size}); "
@@ -226,7 +220,7 @@ class SpecEngine:
             )
         return runner
 
-    def make_draft(self, draft_model: Any) -> Runner:
+    def make_draft(self, draft_model: Any) -> Draft:
         """A runner for `draft_model`, usable as the per-request `draft=` of generate/stream.
         Requests are validated against the engine's context, so a draft with a shorter one is
         refused here rather than failing a request half-way."""
@@ -287,7 +281,7 @@ class SpecEngine:
             seq.kreq = self.k_policy().new_request(id(seq.draft))
         begin_prefill(seq)
         if not seq.prefilling:  # a one-token prompt: nothing to prefill
-            end_prefill(seq.draft, seq)
+            end_prefill(seq)
         return seq
 
     def _submit(self, prompt: list[int], params: GenerationParams, slot: Slot, draft: Any, deliver) -> Seq:
@@ -318,12 +312,14 @@ class SpecEngine:
         return self._kpolicy is not None
 
     def _profile_forward(self) -> list[float]:
-        """V(rows): up to k+1 rows one sequence's forward (a request alone); beyond, a batched
-        step's (one-row sequences in a pool, or k+1-row verify blocks once rows outnumber slots)."""
+        """V(rows): up to k+1 rows one sequence's forward (a request alone), and up to the
+        draft's longest chain beyond k (sparser, interpolated); beyond, a batched step's
+        (one-row sequences in a pool, or k+1-row verify blocks once rows outnumber slots)."""
         k = self.options.k
+        alone = max(k, self.draft.max_chain if self.draft is not None else 0)
         slots = min(self.options.max_concurrency, 16)
-        context = max(1, min(64, self.max_seq_len - k - 2))
-        span = min(self.max_seq_len, context + k + 2)
+        context = max(1, min(64, self.max_seq_len - alone - 2))
+        span = min(self.max_seq_len, context + alone + 2)
         caches = self.target.new_caches(slots, growable=True)  # growable: only the profile's positions
         gen = torch.Generator().manual_seed(0)
 
@@ -334,7 +330,7 @@ class SpecEngine:
             forward_batch(self.target, [Item(tokens(context), cache, logits=False)])
 
         def forward(rows: int) -> float:
-            n = 1 if rows <= k + 1 else min(slots, rows)
+            n = 1 if rows <= alone + 1 else min(slots, rows)
             sizes = [rows // n + (i < rows % n) for i in range(n)]
             items = [Item(tokens(t), c) for t, c in zip(sizes, caches)]
             if self.gpu:
@@ -348,7 +344,8 @@ class SpecEngine:
             return time.perf_counter() - t0
 
         max_rows = min(self.options.max_concurrency * (k + 1), 64) if k else 0
-        return profile_forward(forward, min(k, span - context - 1), max_rows=max_rows)
+        return profile_forward(forward, min(k, span - context - 1), max_rows=max_rows,
+                               alone_rows=min(alone, span - context - 1) + 1)
 
     # -- the batched step's hooks (serve/scheduler.py) ---------------------------------
 
@@ -375,70 +372,36 @@ class SpecEngine:
             return max(k, min(seq.params.min_draft, limit, self.options.k))
         return k
 
-    def propose_all(self, seqs: list[Seq], ks: list[int]) -> list[tuple]:
-        """The propose stage of a batched step: head drafts of one runner draft together, one
-        head forward per draft position (propose_heads), their time shared out evenly; other
-        drafts one request at a time. Per request (tokens, q, own probs, seconds)."""
-        out: list[tuple | None] = [None] * len(seqs)
-        rows = len(seqs) + sum(ks)
-        for i, (seq, k) in enumerate(zip(seqs, ks)):
-            seq.step_source = "head" if is_head(seq.draft) else "layer"
-            if suffix_of(seq.draft) is not None:
-                out[i] = self._suffix_step(seq, k, rows - k, len(seqs) - 1)
+    def step_context(self, seqs: list[Seq], ks: list[int]) -> StepContext:
+        """What a draft may read to size its proposals (serve/draft.py StepContext): the cost
+        profile's cut, once profiled; a step of one request compares with a request alone."""
+        return StepContext(self.options.draft_confidence, self.options.k, self._limit,
+                           self._chain_cut if self.kpolicy_ready() else None, len(seqs) + sum(ks), len(seqs))
+
+    def _chain_cut(self, probs: list[float], base_rows: int, others: int) -> int:
+        costs = self.k_policy().costs
+        profile = costs.batch_profile() if base_rows > 1 else costs.verify_s
+        return chain_cut(profile, costs.step_s, base_rows, others, probs)
+
+    def propose_all(self, seqs: list[Seq], ks: list[int]) -> list[tuple[Proposal, float]]:
+        """The propose stage of a batched step: the requests of each draft propose together
+        (a head drafts them in one forward per draft position); the call's time is shared out
+        by the tokens each request got. Per request (its proposal, seconds)."""
+        ctx = self.step_context(seqs, ks)
+        out: list[tuple[Proposal, float]] = [(no_proposal(self.device), 0.0)] * len(seqs)
         groups: dict[int, list[int]] = {}
-        for i, (seq, k) in enumerate(zip(seqs, ks)):
-            if k > 0 and is_head(seq.draft) and out[i] is None:
+        for i, seq in enumerate(seqs):
+            if seq.draft is not None:
                 groups.setdefault(id(seq.draft), []).append(i)
         for members in groups.values():
-            if len(members) < 2:
-                continue
             t0 = time.perf_counter()
-            got = propose_heads(seqs[members[0]].draft, [seqs[i] for i in members], [ks[i] for i in members],
-                                self.options.draft_confidence)
-            share = (time.perf_counter() - t0) / len(members)
-            for i, (drafts, q, own) in zip(members, got):
-                out[i] = (drafts, q, own, share)
-        return [o if o is not None else self.propose_timed(seq, k) for o, seq, k in zip(out, seqs, ks)]
-
-    def _suffix_step(self, seq: Seq, k: int, base_rows: int, others: int) -> tuple | None:
-        """A suffix chain for this step, up to the engine's k whatever the plan gave (the
-        chain's own probabilities say what it is worth), cut where the whole step's expected
-        tokens per second peak (k_policy.chain_cut). For head+suffix, None unless the chain
-        expects at least as many accepted tokens as the head's planned k at the request's
-        running acceptance (else 0.5 a position): then the head proposes."""
-        t0 = time.perf_counter()
-        suffix = suffix_of(seq.draft)
-        cap = max(k, min(self.options.k, self._limit(seq)))
-        if cap < 1:  # no room for a draft token (the budget or the context): an ordinary step
-            return None
-        tokens, probs = suffix.chain(seq, cap, self.options.draft_confidence)
-        if probs and self.kpolicy_ready():
-            costs = self.k_policy().costs
-            profile = costs.batch_profile() if base_rows > 1 else costs.verify_s
-            n = chain_cut(profile, costs.step_s, base_rows, others, probs)
-            tokens, probs = tokens[:n], probs[:n]
-        if suffix is not seq.draft:  # head+suffix
-            alpha = seq.kreq.alpha if seq.kreq is not None else 0.5
-            if not tokens or chain_expected(probs) < expected_tokens(alpha, k) - 1:
-                return None
-        seq.step_source = suffix.family
-        return (torch.tensor(tokens, dtype=torch.long, device=self.device), None, probs,
-                time.perf_counter() - t0)
-
-    def propose_timed(self, seq: Seq, k: int) -> tuple[torch.Tensor, torch.Tensor | None, list[float], float]:
-        t0 = time.perf_counter()
-        if k > 0:
-            drafts, q, own = self._propose_stage(seq.draft)(seq, k, self.options.draft_confidence)
-        else:
-            drafts, q, own = torch.empty(0, dtype=torch.long, device=self.device), None, []
-        return drafts, q, own, time.perf_counter() - t0
-
-    @staticmethod
-    def _propose_stage(draft: Any):
-        """(seq, k, confidence) -> (tokens, q, own probs) for this request's weighted draft (a
-        suffix draft proposes in _suffix_step)."""
-        stage = propose_head if is_head(draft) else propose
-        return lambda seq, k, confidence: stage(draft, seq, k, confidence)
+            got = seqs[members[0]].draft.propose([seqs[i] for i in members], [ks[i] for i in members], ctx)
+            took = time.perf_counter() - t0
+            sizes = [p.tokens.numel() for p in got]
+            for i, p, size in zip(members, got, sizes):
+                seqs[i].step_source = p.source
+                out[i] = (p, took * size / sum(sizes) if sum(sizes) else took / len(members))
+        return out
 
     def after_step(self, seq: Seq, drafted: int, accepted: int, rows: int, draft_s: float, score_s: float,
                    verify_s: float) -> None:
@@ -452,8 +415,7 @@ class SpecEngine:
         by_t[0] += 1
         by_t[1] += score_s
         seq.stats.count_source(seq.step_source, drafted, accepted)
-        # A hybrid's suffix step says nothing of its head's acceptance or cost per token.
-        learn = not (seq.step_source == "suffix" and getattr(seq.draft, "suffix", None) is not None)
+        learn = seq.draft is None or seq.draft.teaches_k(seq.step_source)
         if seq.kreq is not None:
             costs = seq.kreq.policy.costs
             if not seq.kreq.probing and learn:
@@ -487,14 +449,15 @@ class SpecEngine:
         # Processors make each tree node's distribution depend on its own path: such requests
         # verify chains (serve/stages.py), which process every row by its prefix.
         return (t is not None and seq.draft is not None and seq.proc is None
-                and (hasattr(seq.draft, "forward_masked") or is_head(seq.draft)) and can_expand(seq)
+                and seq.draft.can_tree(seq)
                 and remaining > t.depth and len(seq.tokens) - 1 + t.total <= self.max_seq_len)
 
     def _stages_tree(self, seq: Seq) -> list[int]:
         if self.ring is not None:
             self.ring.reset()
         stamps = [_event()]
-        drafts, rows, n, nxt = tree_step(self.target, seq, self.tree, lambda: stamps.append(_event()))
+        ctx = self.step_context([seq], [self.tree.total - 1])
+        drafts, rows, n, nxt = tree_step(self.target, seq, self.tree, ctx, lambda: stamps.append(_event()))
         own = [float("nan")] * len(drafts)  # a tree has no single proposal probability per position
         emitted = commit(seq, drafts, own, rows, n, nxt)
         stamps.append(_event())
@@ -508,19 +471,17 @@ class SpecEngine:
         if self.ring is not None:
             self.ring.reset()  # the previous step's read has landed every earlier copy
         stamps = [_event()]
-        got = self._suffix_step(seq, k, 1, 0) if is_proposing(seq.draft) else None
-        if got is not None:  # the batch's suffix proposal, one request's rows
-            drafts, q, own = got[0], None, torch.tensor(got[2], dtype=torch.float32)
-        elif k > 0 and not is_proposing(seq.draft):
-            stage = gpu_stages.propose_head if is_head(seq.draft) else gpu_stages.propose_layers
-            drafts, q, own = stage(seq.draft, seq, k)
+        if seq.draft is not None:
+            p = seq.draft.propose_device(seq, k, self.step_context([seq], [k]))
+            seq.step_source = p.source
         else:
-            drafts, q, own = torch.empty(0, dtype=torch.long, device=self.device), None, None
+            p = no_proposal(self.device)._replace(own=None)
+        drafts, q, own = p.tokens, p.q, p.own
         stamps.append(_event())
         logits = score(self.target, seq, drafts)
         stamps.append(_event())
-        if is_proposing(seq.draft):  # host-side proposals: the host's verify (one read either way)
-            (n, nxt), draft_ids = verify(seq, drafts, q, logits), drafts.tolist()
+        if p.point_mass:  # host-side proposals: the host's verify (one read either way)
+            (n, nxt), draft_ids = verify(seq, drafts, q, logits, True), drafts.tolist()
         else:
             n, nxt, draft_ids = gpu_stages.verify(seq, drafts, q, logits)
         stamps.append(_event())

@@ -1,4 +1,5 @@
-"""The propose and verify stages without host syncs, for the CUDA path.
+"""The propose and verify stages without host syncs, for the CUDA path: the shared pieces
+(each draft's `propose_device` drafts with them: serve/draft.py) and the verify.
 
 The CPU stages (serve/engine.py) read each draft token back to the host with int()/float()
 as they go; on a GPU each of those waits for the whole queue to drain, which is most of a
@@ -23,7 +24,7 @@ import torch
 from serve.verify import verify_sampling, warp_probs
 
 
-def _choose(logits: torch.Tensor, params: Any, gen: torch.Generator | None):
+def choose(logits: torch.Tensor, params: Any, gen: torch.Generator | None):
     """(token index [1], its probability [1], probs [V] or None for greedy), all on device."""
     if params.greedy:
         probs = torch.softmax(logits, dim=-1)
@@ -34,53 +35,12 @@ def _choose(logits: torch.Tensor, params: Any, gen: torch.Generator | None):
     return j, probs.gather(0, j), probs
 
 
-def _so_far(seq: Any, toks: list[torch.Tensor]) -> torch.Tensor | None:
+def so_far(seq: Any, toks: list[torch.Tensor]) -> torch.Tensor | None:
     """This step's drafts so far, on the device, for the request's processors (no host read);
     None without processors, which never read them."""
     if seq.proc is None:
         return None
     return torch.cat(toks) if toks else torch.empty(0, dtype=torch.long, device=seq.device)
-
-
-def propose_layers(draft: Any, seq: Any, k: int):
-    """Draft k tokens with a layer draft. Returns (tokens [k], q [k, V] or None, own probs [k]),
-    every one a device tensor."""
-    params = seq.params.sampling
-    cache = seq.dcache
-    inp = seq.pending(cache)
-    toks, owns, qs = [], [], []
-    for _ in range(k):
-        logits = seq.draft_logits(draft.forward(inp, cache)[-1], _so_far(seq, toks))
-        j, p, probs = _choose(logits, params, seq.gen)
-        toks.append(j)
-        owns.append(p)
-        if probs is not None:
-            qs.append(probs)
-        inp = j
-    return torch.cat(toks), (torch.stack(qs) if qs else None), torch.cat(owns)
-
-
-def propose_head(runner: Any, seq: Any, k: int):
-    """As propose_layers for a head draft (serve/head_runner.py has the row bookkeeping)."""
-    params = seq.params.sampling
-    cache = seq.dcache
-    start = cache.length
-    if len(seq.tokens) - 1 <= start:  # a one-token prompt: no target features yet
-        empty = torch.empty(0, dtype=torch.long, device=seq.device)
-        return empty, None, empty.float()
-    g = runner.fuse(seq.feats[start - seq.feat_start:])
-    nxt = seq.to_device(seq.tokens[start + 1:])
-    d2t = runner.head.d2t
-    toks, owns, qs = [], [], []
-    for _ in range(k):
-        logits, g = runner.rows(g, nxt, cache)
-        j, p, probs = _choose(seq.draft_logits(logits, _so_far(seq, toks), d2t), params, seq.gen)
-        nxt = d2t[j]
-        toks.append(nxt)
-        owns.append(p)
-        if probs is not None:
-            qs.append(torch.zeros(runner.vocab_size, dtype=probs.dtype, device=probs.device).index_copy_(0, d2t, probs))
-    return torch.cat(toks), (torch.stack(qs) if qs else None), torch.cat(owns)
 
 
 def verify(seq: Any, drafts: torch.Tensor, q: torch.Tensor | None,

@@ -15,17 +15,23 @@ rows next step.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from serve.draft import Draft, Proposal, StepContext, no_proposal
+from serve.gpu_stages import choose, so_far
 from serve.head_lean import LeanHead
 from serve.runner import StaticKVCache
+from serve.tree import DraftTree
+from serve.tree_stages import NodeRows, TreeShape, grow_tree, tree_log_q
 from serve.verify import warp_probs
 
 
-class HeadRunner:
-    """A head draft behind the engine's runner interface (new_cache, cache_key, vocab_size)."""
+class HeadRunner(Draft):
+    """A head draft: its runner (rows over target features) and the Draft protocol."""
+
+    family = "head"
 
     def __init__(self, head: Any, max_seq_len: int | None = None, quant: str = "none"):
         self.head = head
@@ -136,8 +142,79 @@ class HeadRunner:
         return self.lean.fuse(feats)
 
 
-def is_head(runner: Any) -> bool:
-    return isinstance(runner, HeadRunner)
+    # -- the Draft protocol (serve/draft.py) ------------------------------------
+
+    def prefilled(self, seq: Any, feats: torch.Tensor | None) -> None:
+        seq.feats = feats
+        seq.feat_start = 0
+        prefill_head(self, seq)
+
+    def propose(self, seqs: list[Any], ks: list[int], ctx: StepContext) -> list[Proposal]:
+        return [Proposal(t, q, own, self.family) for t, q, own in propose_heads(self, seqs, ks, ctx.confidence)]
+
+    def propose_device(self, seq: Any, k: int, ctx: StepContext) -> Proposal:
+        """k tokens with no host read (serve/gpu_stages.py)."""
+        params = seq.params.sampling
+        cache = seq.dcache
+        start = cache.length
+        if k <= 0 or len(seq.tokens) - 1 <= start:  # a one-token prompt: no target features yet
+            return no_proposal(seq.device, self.family)._replace(own=torch.empty(0, device=seq.device))
+        g = self.fuse(seq.feats[start - seq.feat_start:])
+        nxt = seq.to_device(seq.tokens[start + 1:])
+        d2t = self.head.d2t
+        toks, owns, qs = [], [], []
+        for _ in range(k):
+            logits, g = self.rows(g, nxt, cache)
+            j, p, probs = choose(seq.draft_logits(logits, so_far(seq, toks), d2t), params, seq.gen)
+            nxt = d2t[j]
+            toks.append(nxt)
+            owns.append(p)
+            if probs is not None:
+                qs.append(torch.zeros(self.vocab_size, dtype=probs.dtype, device=probs.device).index_copy_(0, d2t, probs))
+        return Proposal(torch.cat(toks), torch.stack(qs) if qs else None, torch.cat(owns), self.family)
+
+    def can_tree(self, seq: Any) -> bool:
+        """Target features of at least one row are needed (a one-token prompt has none)."""
+        return len(seq.tokens) - 1 > seq.dcache.length
+
+    def propose_tree(self, seq: Any, shape: TreeShape, ctx: StepContext) -> DraftTree:
+        return grow_tree(seq, self._expander(seq, len(seq.tokens), shape), shape)
+
+    def _expander(self, seq: Any, base: int, shape: TreeShape) -> Callable:
+        """A node's row reads the state of the row that proposed it (its parent's; the root's
+        is the catch-up's last row) and the node's token, at position base-2+depth; the draft
+        vocabulary maps to target ids (d2t), other tokens get log-prob -inf."""
+        cache, d2t = seq.dcache, self.head.d2t
+        start = cache.length
+        g = self.fuse(seq.feats[start - seq.feat_start:])
+        root_logits, root_state = self.rows(g, seq.to_device(seq.tokens[start + 1:]), cache)
+        states = root_state.new_zeros(shape.max_candidates, root_state.shape[-1])
+        states[0] = root_state[0]
+        rows = NodeRows(cache, cache.length, shape, seq.device)
+        log_q = tree_log_q(seq.params.sampling)
+
+        def to_target(logits: torch.Tensor) -> torch.Tensor:
+            full = logits.new_full((logits.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32)
+            return full.index_copy_(1, d2t, log_q(logits))
+
+        def step(frontier: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+            if tree.size == 1:
+                return to_target(root_logits.view(1, -1))
+            begin, visible = rows.block(frontier, tree)
+            pos = (base - 2) + tree.depth[frontier]
+            g_in = states.index_select(0, tree.parents[frontier])
+            logits, out = self.rows_masked(g_in, tree.tokens[frontier], begin, pos, visible, cache)
+            states.index_copy_(0, frontier, out)
+            return to_target(logits)
+
+        return step
+
+    def commit(self, seq: Any, base: int, n: int, drafted: int, feats: torch.Tensor | None) -> None:
+        commit_head(seq, base, feats)
+
+    def reserve_graph_tokens(self, n: int) -> None:
+        if self.graphs is not None:
+            self.max_graph_tokens = max(self.max_graph_tokens, n)
 
 
 def prefill_head(runner: HeadRunner, seq: Any) -> None:
@@ -151,13 +228,6 @@ def prefill_head(runner: HeadRunner, seq: Any) -> None:
     runner.rows(runner.fuse(seq.feats[:n]), nxt, seq.dcache)
     seq.feats = seq.feats[n:]
     seq.feat_start = n
-
-
-def propose_head(runner: HeadRunner, seq: Any, k: int, confidence: float):
-    """Draft up to k tokens (engine.propose's contract): (tokens [n], q [n, V] or None, own probs).
-    q is the head's distribution over its vocabulary scattered into the target's: 0 outside it,
-    which verify() handles (a target token there is reached only through the residual)."""
-    return propose_heads(runner, [seq], [k], confidence)[0]
 
 
 def propose_heads(runner: HeadRunner, seqs: list[Any], ks: list[int], confidence: float) -> list[tuple]:

@@ -260,16 +260,22 @@ class RequestK:
 
 
 def profile_forward(forward: Callable[[int], float], k_max: int, repeats: int = 5,
-                    max_rows: int = 0) -> list[float]:
-    """V(t) for t = 1..max(k_max+1, max_rows): the median of `repeats` timed calls of
-    forward(t) (which runs one target forward of t rows and returns its seconds), after one
-    warm-up each. Every t up to k_max+1 is timed; beyond it (a batched step's rows) doubling
-    row counts up to max_rows, and the rows between are interpolated linearly."""
+                    max_rows: int = 0, alone_rows: int = 0) -> list[float]:
+    """V(t) for t = 1..max(k_max+1, alone_rows, max_rows): the median of `repeats` timed calls
+    of forward(t) (which runs one target forward of t rows and returns its seconds), after one
+    warm-up each. Every t up to k_max+1 is timed; beyond it doubling row counts up to
+    alone_rows (a long chain's verify), then up to max_rows (a batched step's rows), and the
+    rows between are interpolated linearly."""
     points = list(range(1, k_max + 2))
     t = k_max + 1
-    while t < max_rows:
-        t = min(2 * t, max_rows)
-        points.append(t)
+    for top in (alone_rows, max_rows):
+        while t < top:
+            t = min(2 * t, top)
+            points.append(t)
+    return _timed_profile(forward, points, repeats)
+
+
+def _timed_profile(forward: Callable[[int], float], points: list[int], repeats: int) -> list[float]:
     timed = []
     for t in points:
         forward(t)

@@ -73,6 +73,9 @@ class ServeMetrics:
         self._seen_written = 0
         self._seen_dropped: dict[str, int] = {}
         self.recent = RecentRequests()
+        # (draft version, source) -> [drafting steps, draft tokens, accepted]: the replica's
+        # totals for /osd/stats and the ops page (the counters above are for Prometheus).
+        self.by_source: dict[tuple[str, str], list[int]] = {}
 
     def observe(self, version: str, result: Any, latency_s: float) -> None:
         """result: serve.engine.GenerationResult."""
@@ -92,6 +95,9 @@ class ServeMetrics:
                 self.accepted_per_pos.inc(n, {"draft_version": version, "position": str(pos)})
         for source, (steps, drafted, accepted) in st.by_source.items():
             src = {"draft_version": version, "source": source}
+            mine = self.by_source.setdefault((version, source), [0, 0, 0])
+            for i, n in enumerate((steps, drafted, accepted)):
+                mine[i] += n
             self.source_drafts.inc(steps, src)
             self.source_draft_tokens.inc(drafted, src)
             if accepted:
@@ -106,6 +112,10 @@ class ServeMetrics:
             self.batch_size.observe(seqs)
             self.batch_rows.observe(rows)
         self._seen_steps = log.total
+
+    def source_table(self) -> list[dict[str, Any]]:
+        return [{"draft_version": v, "source": src, "steps": a, "drafted": b, "accepted": c}
+                for (v, src), (a, b, c) in sorted(self.by_source.items())]
 
     def sync_suffix(self, stats: dict[str, Any] | None) -> None:
         """The replica's suffix index (SuffixDraft.stats()), when it serves one."""

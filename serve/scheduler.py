@@ -11,7 +11,8 @@ Each step (run by whoever waits for it: Scheduler's doc):
    running, longer ones);
 3. sizes each decoding request's draft (the engine's plan: for the cost rule, the lengths
    with the most expected tokens per second over the whole batch, serve/k_policy.py);
-4. drafts for each request (head drafts together, one head forward per draft position);
+4. drafts for each request, through the Draft protocol (serve/draft.py): the requests of one
+   draft together (a head drafts them in one forward per draft position);
 5. runs one target forward over every request's rows (serve/batch_forward.py);
 6. verifies and commits per request, as a request alone does, and delivers its tokens.
 A request the batch cannot carry (a draft tree, the CUDA path) steps alone in the same loop.
@@ -28,10 +29,8 @@ from typing import Any
 import torch
 
 from serve.batch_forward import Item, forward_batch
-from serve.head_runner import is_head
 from serve.seq import Seq
 from serve.stages import commit, end_prefill, prefill_tokens, prefilled_chunk, verify
-from serve.suffix_draft import release_draft
 
 DONE = object()  # delivered after a request's last tokens
 ALONE_CHUNKS = 8  # a prompt's chunk, in prefill_chunks, while no request decodes
@@ -148,7 +147,8 @@ class Scheduler:
                 keep.append(seq)
                 continue
             self.engine.slots.release(seq.slot)
-            release_draft(seq)  # a draft that keeps per-request state of its own
+            if seq.draft is not None:
+                seq.draft.release(seq)  # a draft that keeps per-request state of its own
             seq.deliver(seq.error if seq.error is not None else DONE)
         self.active = keep
 
@@ -172,26 +172,24 @@ class Scheduler:
         t_step = time.perf_counter()
         ks = eng.plan(batch, sum(t.numel() for _, t in chunks))
         props = eng.propose_all(batch, ks)
-        items = [Item(torch.cat([s.pending(s.slot.target), p[0]]), s.slot.target) for s, p in zip(batch, props)]
+        items = [Item(torch.cat([s.pending(s.slot.target), p.tokens]), s.slot.target) for s, (p, _) in zip(batch, props)]
         items += [Item(toks, s.slot.target, logits=False) for s, toks in chunks]
         layers = _feature_layers(batch + [s for s, _ in chunks])
         t1 = time.perf_counter()
         outs = forward_batch(eng.target, items, layers)
         t2 = time.perf_counter()
         rows = sum(it.tokens.numel() for it in items)
-        for seq, (drafts, q, own, draft_s), (logits, feats) in zip(batch, props, outs):
-            if is_head(seq.draft):
-                seq.step_feats = _pick(feats, layers, seq.draft.feature_layers)
+        for seq, (p, draft_s), (logits, feats) in zip(batch, props, outs):
+            seq.step_feats = _pick(feats, layers, _reads(seq))
             t3 = time.perf_counter()
-            n, nxt = verify(seq, drafts, q, logits)
-            emitted = commit(seq, drafts.tolist(), own, logits, n, nxt)
-            eng.after_step(seq, drafts.numel(), n, rows, draft_s, t2 - t1, time.perf_counter() - t3)
+            n, nxt = verify(seq, p.tokens, p.q, logits, p.point_mass)
+            emitted = commit(seq, p.tokens.tolist(), p.own, logits, n, nxt)
+            eng.after_step(seq, p.tokens.numel(), n, rows, draft_s, t2 - t1, time.perf_counter() - t3)
             seq.deliver(emitted)
         for (seq, toks), (_, feats) in zip(chunks, outs[len(batch):]):
-            prefilled_chunk(seq, toks.numel(), _pick(feats, layers, seq.draft.feature_layers)
-                            if is_head(seq.draft) else None)
+            prefilled_chunk(seq, toks.numel(), _pick(feats, layers, _reads(seq)))
             if not seq.prefilling:
-                end_prefill(seq.draft, seq)
+                end_prefill(seq)
                 seq.t_decode = time.perf_counter()
         if batch and eng.kpolicy_ready():
             costs = eng.k_policy().costs
@@ -236,14 +234,21 @@ class Scheduler:
         return out
 
 
+def _reads(seq: Seq) -> tuple[int, ...]:
+    """The target layers the request's draft reads features of (none for most drafts)."""
+    return seq.draft.feature_layers if seq.draft is not None else ()
+
+
 def _feature_layers(seqs: list[Seq]) -> tuple[int, ...]:
-    """Every layer a head draft in the step reads (heads of one family read the same)."""
-    return tuple(sorted({i for s in seqs if is_head(s.draft) for i in s.draft.feature_layers}))
+    """Every layer a draft in the step reads (drafts of one family read the same)."""
+    return tuple(sorted({i for s in seqs for i in _reads(s)}))
 
 
 def _pick(feats: torch.Tensor | None, have: tuple[int, ...], want: tuple[int, ...]) -> torch.Tensor | None:
     """The columns of `want` layers out of features of `have` layers, concatenated."""
-    if feats is None or have == want:
+    if feats is None or not want:
+        return None
+    if have == want:
         return feats
     width = feats.shape[-1] // len(have)
     return torch.cat([feats[:, have.index(i) * width:(have.index(i) + 1) * width] for i in want], dim=-1)

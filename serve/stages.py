@@ -2,8 +2,10 @@
 
     prefill -> propose -> score -> verify -> commit
 
-Pure functions over a `Seq` and the runners: the scheduler composes them per step, alone
-(trees, the CUDA path) or with the score stage batched across sequences.
+Functions over a `Seq`, the target's runner and the request's draft, which they reach only
+through the Draft protocol (serve/draft.py; the propose stage is the draft's own): the
+scheduler composes them per step, alone (trees, the CUDA path) or with the score stage
+batched across sequences.
 """
 
 from __future__ import annotations
@@ -14,9 +16,7 @@ from typing import Any
 import torch
 
 from serve.detokenize import StopScanner
-from serve.head_runner import commit_head, is_head, prefill_head
 from serve.processors import token_logprobs
-from serve.runner import Runner
 from serve.seq import STAGES, Seq
 from serve.verify import verify_greedy, verify_positional, verify_sampling, warp_probs
 
@@ -43,72 +43,34 @@ def prefilled_chunk(seq: Seq, n: int, feats: torch.Tensor | None) -> None:
         seq.prefill_feats.append(feats)
 
 
-def end_prefill(draft: Runner | None, seq: Seq) -> None:
-    """After the target's last prompt chunk: a head draft's prefill, from the chunks' features:
-    all but the last of its rows run now, the last at the first propose (which then drafts
-    from one row, as every later step). A layer draft runs the prompt at its first proposal
-    (every propose stage feeds the draft what its cache lacks), so a request that never
-    drafts (the cost rule's k = 0) never pays for it."""
+def end_prefill(seq: Seq) -> None:
+    """After the target's last prompt chunk: the draft's prefill, given the chunks' features
+    when it reads them (a layer draft runs the prompt at its first proposal instead, so a
+    request that never drafts never pays for it)."""
     feats, seq.prefill_feats = seq.prefill_feats, []
-    if is_head(draft):
-        seq.feats = (feats[0] if len(feats) == 1 else torch.cat(feats)) if feats else None
-        seq.feat_start = 0
-        prefill_head(draft, seq)
+    if seq.draft is not None:
+        seq.draft.prefilled(seq, (feats[0] if len(feats) == 1 else torch.cat(feats)) if feats else None)
 
 
-def propose(draft: Runner, seq: Seq, k: int, confidence: float):
-    """Draft up to k tokens. Returns (tokens [n] long, q [n, V] probs or None, own-probs list)."""
-    params = seq.params.sampling
-    cache = seq.dcache
-    inp = seq.pending(cache)
-    tokens: list[int] = []
-    qs: list[torch.Tensor] = []
-    own: list[float] = []
-    if inp.numel() > 1:
-        # Tokens committed while the draft sat out (the cost rule's k = 0, a full acceptance):
-        # into its cache without an output projection over every one of them.
-        draft.prefill(inp[:-1], cache)
-        inp = inp[-1:]
-    for i in range(k):
-        logits = seq.draft_logits(draft.forward(inp, cache)[-1], tokens)
-        probs = torch.softmax(logits, dim=-1) if params.greedy else warp_probs(logits, params)
-        # The first proposal is always made; later ones only while the draft is confident.
-        # Decided on the draft's top probability *before* drawing: stopping on the drawn token's
-        # own probability biases kept drafts away from q and made sampling lossy (greedy: same).
-        if i > 0 and float(probs.max()) < confidence:
-            break  # the cache keeps the proposals fed so far; commit trims what is rejected
-        if params.greedy:
-            tok = int(torch.argmax(probs))
-        else:
-            tok = int(torch.multinomial(probs, 1, generator=seq.gen))
-        p_tok = float(probs[tok])
-        tokens.append(tok)
-        own.append(p_tok)
-        if not params.greedy:
-            qs.append(probs)
-        inp = torch.tensor([tok], dtype=torch.long, device=seq.device)
-    drafts = torch.tensor(tokens, dtype=torch.long, device=seq.device)
-    q = torch.stack(qs) if qs else None
-    return drafts, q, own
-
-
-def score(target: Runner, seq: Seq, drafts: torch.Tensor) -> torch.Tensor:
+def score(target: Any, seq: Seq, drafts: torch.Tensor) -> torch.Tensor:
     """One target forward over [last committed token, drafts...] -> logits [len(drafts)+1, V]."""
     inp = torch.cat([seq.pending(seq.slot.target), drafts])
-    if is_head(seq.draft):
+    if seq.draft is not None and seq.draft.feature_layers:
         logits, seq.step_feats = target.forward_features(inp, seq.slot.target, seq.draft.feature_layers)
         return logits
     return target.forward(inp, seq.slot.target)
 
 
-def verify(seq: Seq, drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor) -> tuple[int, int]:
+def verify(seq: Seq, drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor,
+           point_mass: bool = False) -> tuple[int, int]:
     params = seq.params.sampling
     logits = seq.target_logits(logits, drafts)
     if params.greedy:
         return verify_greedy(drafts, torch.argmax(logits, dim=-1))
-    # A point-mass proposal (q None with drafts: a suffix chain), and every step of the
-    # suffix draft, drafted or not, so its seeds reproduce: see verify_positional.
-    if getattr(seq.draft, "point_mass", False) or (q is None and drafts.numel()):
+    # A point-mass proposal (chosen, not drawn: q None with drafts), and every step of a draft
+    # that proposes only such (point_mass, drafted or not, so its seeds reproduce): see
+    # verify_positional.
+    if point_mass or (q is None and drafts.numel()):
         return verify_positional(drafts, warp_probs(logits, params), seq.seed, len(seq.tokens))
     return verify_sampling(drafts, q if q is not None else logits.new_zeros(0, logits.shape[-1]),
                            warp_probs(logits, params), seq.gen)
@@ -124,11 +86,10 @@ def commit(seq: Seq, drafts: list[int], own: list[float], logits: torch.Tensor, 
     # score() fed the target [last committed, drafts...] on top of base - 1 cached tokens. Keep
     # all committed tokens plus the n accepted drafts; `nxt` is the next forward's first input.
     seq.slot.target.truncate(base + n)
-    if is_head(seq.draft):
-        commit_head(seq, base, seq.step_feats[: n + 1])
+    if seq.draft is not None:
+        feats = seq.step_feats[: n + 1] if seq.step_feats is not None else None
         seq.step_feats = None
-    elif seq.dcache is not None and k:
-        seq.dcache.truncate(min(seq.dcache.length, base + n))
+        seq.draft.commit(seq, base, n, k, feats)
     st = seq.stats
     st.num_steps += 1
     st.num_emitted_tokens += n + 1

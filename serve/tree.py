@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from serve.verify import residual, sample
+from serve.verify import positional_draw, residual, sample
 
 
 @dataclass(frozen=True)
@@ -301,6 +301,27 @@ def verify_tree_sampling(
         path.append(child)
         node = child
     return path, sample(p[node], generator)
+
+
+def verify_tree_positional(tree: DraftTree, p: torch.Tensor, seed: int, start: int) -> tuple[list[int], int]:
+    """A tree of tokens chosen without a draw (the suffix draft's: siblings are distinct
+    tokens): at each node the target's own draw for that depth, from the generator fixed by
+    (seed, start + depth) as verify_positional fixes a chain's, descending into the child that
+    holds it. Every emitted token is the target's draw given its actual prefix, so the output
+    follows p whatever the tree held. p: [N, V] warped target probabilities after each node;
+    start: the absolute position of the root's row. Returns (path, next_token)."""
+    tokens = tree.tokens.tolist()
+    kids: list[dict[int, int]] = [{} for _ in tokens]
+    for i, parent in enumerate(tree.parents.tolist()[1:], start=1):
+        kids[parent].setdefault(tokens[i], i)  # a later twin is never reached, as in the greedy walk
+    node, path = 0, []
+    while True:
+        x = positional_draw(p[node], seed, start + len(path))
+        child = kids[node].get(x)
+        if child is None:
+            return path, x
+        path.append(child)
+        node = child
 
 
 def _try_siblings(

@@ -10,13 +10,18 @@ at position base-1+depth(i) (serve/tree.py tree_attention). The draft's rows for
 nodes go after its committed rows, at slots recorded per node on the device, and are dropped
 after the step: the accepted tokens come back as the next step's input, as with chains.
 
-Both draft families expand the same way:
+Each draft grows its tree (serve/draft.py propose_tree); the weighted families expand it the
+same way, with expand_tree:
 - a layer draft has seen every committed token; node rows are its forward over the node's
   token at position base-1+depth;
 - a head draft (serve/head_runner.py) holds target rows up to base-2; a node's row reads the
   state of the row that proposed it (its parent's row; the root's is the catch-up's last row)
   and the node's token, at position base-2+depth. Its vocabulary is the draft vocabulary,
   mapped to target ids (d2t); other tokens get log-prob -inf.
+
+The suffix draft proposes its tree whole from its index, with no draw (q None): greedy walks
+it as any tree; sampling verifies it positionally (verify_tree_positional), the target's own
+seeded draw at each depth.
 
 Greedy expands EAGLE-2's top-k children. Sampling draws each node's children from the
 draft's warped distribution q without replacement (expand_tree with the request's generator)
@@ -32,9 +37,8 @@ from typing import Any, Callable
 
 import torch
 
-from serve.head_runner import is_head
 from serve.tree import (DraftTree, ancestor_matrix, compact_kv_, compaction_indices, expand_tree, tree_attention,
-                        verify_tree_greedy, verify_tree_sampling)
+                        verify_tree_greedy, verify_tree_positional, verify_tree_sampling)
 from serve.verify import SamplingParams, warp_probs
 
 
@@ -67,7 +71,7 @@ class TreeShape:
         return 1 + self.top_k + (self.depth - 1) * self.top_k * self.top_k
 
 
-class _Rows:
+class NodeRows:
     """Where each expanded node's draft row went, kept on the device (no host sync): the
     block for a frontier sees the draft's committed rows [0, prefix) and its own expanded
     ancestors, itself included. Unexpanded nodes (the root among them: it is in the prefix)
@@ -89,7 +93,7 @@ class _Rows:
         return self.cols[start:start + 1], seen[:, :L] | (self.cols < self.prefix)
 
 
-def _log_q(params: SamplingParams) -> Callable[[torch.Tensor], torch.Tensor]:
+def tree_log_q(params: SamplingParams) -> Callable[[torch.Tensor], torch.Tensor]:
     """The draft's log-probabilities the tree is expanded from: plain under greedy (EAGLE-2
     ranks by them), warped like the target's p under sampling (children are drawn from them)."""
     if params.greedy:
@@ -97,88 +101,42 @@ def _log_q(params: SamplingParams) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda logits: warp_probs(logits, params).log()
 
 
-def _layer_expander(draft: Any, seq: Any, base: int, shape: TreeShape) -> Callable:
-    cache = seq.dcache
-    log_q = _log_q(seq.params.sampling)
-    root_logp = log_q(draft.forward(seq.pending(cache), cache)[-1])
-    rows = _Rows(cache, base, shape, seq.device)
-
-    def step(frontier: torch.Tensor, tree: DraftTree) -> torch.Tensor:
-        if tree.size == 1:  # the root's children: the catch-up forward gave them
-            return root_logp.unsqueeze(0)
-        start, visible = rows.block(frontier, tree)
-        pos = (base - 1) + tree.depth[frontier]
-        logits, _ = draft.forward_masked(tree.tokens[frontier], start, pos, visible, cache)
-        return log_q(logits)
-
-    return step
+def grow_tree(seq: Any, step: Callable, shape: TreeShape) -> DraftTree:
+    """expand_tree from the last committed token (sampled children under sampling)."""
+    root = seq.to_device([seq.tokens[-1]])[0]
+    gen = None if seq.params.sampling.greedy else seq.gen
+    return expand_tree(step, root, shape.depth, shape.top_k, shape.total, gen)
 
 
-def _head_expander(runner: Any, seq: Any, base: int, shape: TreeShape) -> Callable:
-    cache, head = seq.dcache, runner.head
-    start = cache.length
-    g = runner.fuse(seq.feats[start - seq.feat_start:])
-    root_logits, root_state = runner.rows(g, seq.to_device(seq.tokens[start + 1:]), cache)
-    states = root_state.new_zeros(shape.max_candidates, root_state.shape[-1])
-    states[0] = root_state[0]
-    rows = _Rows(cache, cache.length, shape, seq.device)
-    log_q = _log_q(seq.params.sampling)
-
-    def to_target(logits: torch.Tensor) -> torch.Tensor:
-        full = logits.new_full((logits.shape[0], runner.vocab_size), float("-inf"), dtype=torch.float32)
-        return full.index_copy_(1, head.d2t, log_q(logits))
-
-    def step(frontier: torch.Tensor, tree: DraftTree) -> torch.Tensor:
-        if tree.size == 1:
-            return to_target(root_logits.view(1, -1))
-        begin, visible = rows.block(frontier, tree)
-        pos = (base - 2) + tree.depth[frontier]
-        g_in = states.index_select(0, tree.parents[frontier])
-        logits, out = runner.rows_masked(g_in, tree.tokens[frontier], begin, pos, visible, cache)
-        states.index_copy_(0, frontier, out)
-        return to_target(logits)
-
-    return step
-
-
-def can_expand(seq: Any) -> bool:
-    """A head needs target features of at least one row (a prompt of one token has none)."""
-    return not is_head(seq.draft) or len(seq.tokens) - 1 > seq.dcache.length
-
-
-def tree_step(target: Any, seq: Any, shape: TreeShape,
+def tree_step(target: Any, seq: Any, shape: TreeShape, ctx: Any,
               mark: Callable[[], None] = lambda: None) -> tuple[list[int], torch.Tensor, int, int]:
-    """Expand, score and verify one tree; compact the target cache (and, for a head, keep its
-    target rows). Returns (the draft's tokens for commit: the accepted path plus the best child
-    at the first rejected position, the target's logits at the committed positions [n+1, V],
-    n accepted, the next token). `mark()` is called after each of expand, score and verify."""
+    """The draft's tree, scored and verified; the target cache compacted. Returns (the draft's
+    tokens for commit: the accepted path plus the best child at the first rejected position,
+    the target's logits at the committed positions [n+1, V], n accepted, the next token); the
+    committed positions' features, where the draft reads them, wait in seq.step_feats for
+    commit. `mark()` is called after each of expand, score and verify."""
     draft, cache = seq.draft, seq.slot.target
     base = len(seq.tokens)
-    head = is_head(draft)
-    expander = (_head_expander if head else _layer_expander)(draft, seq, base, shape)
-    root = seq.to_device([seq.tokens[-1]])[0]
-    params = seq.params.sampling
-    gen = None if params.greedy else seq.gen
-    tree = expand_tree(expander, root, shape.depth, shape.top_k, shape.total, gen)
+    tree = draft.propose_tree(seq, shape, ctx)
     mark()
     mask, pos, _ = tree_attention(tree, base - 1, cache.max_len)
     start = torch.arange(cache.max_len, device=seq.device)[base - 1: base]
-    layers = draft.feature_layers if head else ()
-    logits, feats = target.forward_masked(tree.tokens, start, pos, mask, cache, layers)
+    logits, feats = target.forward_masked(tree.tokens, start, pos, mask, cache, draft.feature_layers)
     mark()
+    params = seq.params.sampling
     if params.greedy:
         path, nxt = verify_tree_greedy(tree, torch.argmax(logits, dim=-1))
+    elif tree.q is None:  # chosen, not drawn: the target's seeded draw per position
+        path, nxt = verify_tree_positional(tree, warp_probs(logits, params), seq.seed, base)
     else:
-        path, nxt = verify_tree_sampling(tree, warp_probs(logits, params), gen)
+        path, nxt = verify_tree_sampling(tree, warp_probs(logits, params), seq.gen)
     mark()
     rows = torch.tensor([0] + path, device=seq.device)
     src, dst = compaction_indices(base - 1, path, seq.device)
     compact_kv_(cache.k, cache.v, src, dst)
     cache.length = base + len(path)
-    if head:
-        seq.step_feats = feats.index_select(0, rows)  # commit() keeps the head's target rows (commit_head)
-    else:
-        seq.dcache.truncate(base)  # drop expanded nodes; accepted tokens return as pending input
+    if feats is not None:
+        seq.step_feats = feats.index_select(0, rows)
     return _draft_tokens(tree, path), logits.index_select(0, rows), len(path), nxt
 
 

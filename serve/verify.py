@@ -129,12 +129,18 @@ def verify_positional(draft_tokens: torch.Tensor, p_probs: torch.Tensor, seed: i
     k = draft_tokens.shape[0]
     drafts = draft_tokens.tolist()
     for j in range(k + 1):
-        g = torch.Generator(device=p_probs.device)
-        g.manual_seed((seed * 1_000_003 + start + j) % (1 << 62))
-        x = sample(p_probs[j], g)
+        x = positional_draw(p_probs[j], seed, start + j)
         if j == k or x != drafts[j]:
             return j, x
     raise AssertionError("unreachable")
+
+
+def positional_draw(probs: torch.Tensor, seed: int, position: int) -> int:
+    """The target's draw at an absolute position of a seeded request: the same noise whatever
+    was proposed there."""
+    g = torch.Generator(device=probs.device)
+    g.manual_seed((seed * 1_000_003 + position) % (1 << 62))
+    return sample(probs, g)
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

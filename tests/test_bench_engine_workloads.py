@@ -3,8 +3,6 @@ multi-turn workload (second turns after the target's own first answers)."""
 
 import json
 
-import pytest
-
 from pipeline.cli import main
 
 
@@ -38,3 +36,26 @@ def test_multiturn_takes_no_prompts_file(tmp_path, capsys):
     assert main(["bench", "engine", "--target", "tiny-random", "--draft", "suffix", "--workload", "multiturn",
                  "--prompts-file", str(prompts), "--no-hf"]) == 2
     assert "ShareGPT, not --prompts-file" in capsys.readouterr().err
+
+
+def test_a_learning_draft_gets_its_own_index_per_method_and_capture_off_repeats(tmp_path):
+    """Each speculative method (here the tree and its chain) drafts from its own index, so
+    neither drafts from the other's answer to the same prompt; the capture-off run always
+    follows the captured one (a full repeat), and no capture overhead is claimed from it."""
+    r = _bench(tmp_path, "--draft", "suffix", "--prompts", "4", "--tree", "4,3,2", "--max-prompt-chars", "200")
+    assert r["greedy_identical"] and r["nocapture_is_repeat"] and r["capture_overhead_pct"] is None
+
+
+def test_pinned_methods_run_right_after_their_anchor():
+    from pipeline.bench_engine import time_methods
+
+    seen = []
+
+    def method(name):
+        return lambda ids, n: (seen.append(name) or [1], None, None)
+
+    runners = {m: method(m) for m in ("ar", "sd", "sd_nocapture", "sd_chain")}
+    time_methods(runners, [[1]] * 4, 2, lambda s: None, {"sd_nocapture": "sd"})
+    rounds = [seen[4 + 4 * i: 8 + 4 * i] for i in range(4)]  # after the warm-up calls
+    assert all(r[r.index("sd") + 1] == "sd_nocapture" for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1  # the others still rotate

@@ -345,7 +345,7 @@ def test_each_steps_drafts_are_the_unroll_of_the_committed_sequence(monkeypatch)
     training unroll over the sequence as committed at that step: depth j at row N-3+j, the
     earlier drafts as next tokens (N committed tokens). A stale or misplaced feature or cache
     row after a partial acceptance would change later drafts without breaking greedy output."""
-    import serve.engine as engine_mod
+    from serve.head_runner import HeadRunner
 
     target = tiny(5, layers=3, **dict(V8, max_positions=128))
     layers = (0, 1)  # HF's last hidden state is after the final norm; the runner's is before it
@@ -353,13 +353,13 @@ def test_each_steps_drafts_are_the_unroll_of_the_committed_sequence(monkeypatch)
                                  torch.tensor([0, 1, 2, 3, 5, 6, 7])), seed=4, scale=0.3)
     steps = []
 
-    def recording(runner, seq, k, confidence):
-        out = engine_mod_propose(runner, seq, k, confidence)
-        steps.append((list(seq.tokens), out[0].tolist()))
+    def recording(runner, seqs, ks, ctx):
+        out = real_propose(runner, seqs, ks, ctx)
+        steps.extend((list(seq.tokens), p.tokens.tolist()) for seq, p in zip(seqs, out))
         return out
 
-    engine_mod_propose = engine_mod.propose_head
-    monkeypatch.setattr(engine_mod, "propose_head", recording)
+    real_propose = HeadRunner.propose
+    monkeypatch.setattr(HeadRunner, "propose", recording)
     eng = SpecEngine(target, head, options=EngineOptions(k=3, max_seq_len=128, k_policy="fixed"))
     eng.generate([1, 2, 3, 4], GenerationParams(max_new_tokens=40))
     assert len(steps) > 5 and any(0 < len(d) for _, d in steps)

@@ -142,7 +142,7 @@ def test_hf_runner_engine_equals_target_greedy(greedy_targets, monkeypatch):
     target, drafts, refs = greedy_targets[0]
     monkeypatch.setattr(serve.engine, "make_runner", lambda model, max_seq_len, quant="none": HFRunner(model, max_seq_len))
     eng = SpecEngine(target, drafts["bad"], options=EngineOptions(k=3, max_seq_len=64, max_concurrency=1))
-    assert isinstance(eng.target, HFRunner) and isinstance(eng.draft, HFRunner)
+    assert isinstance(eng.target, HFRunner) and isinstance(eng.draft.runner, HFRunner)
     prompt, ref = refs[0]
     r = eng.generate(prompt, GenerationParams(max_new_tokens=N_NEW))
     assert r.output_ids == ref
@@ -233,7 +233,7 @@ def test_kv_cache_after_partial_acceptance_equals_fresh_prefill(greedy_targets, 
     tokens = prompt + r.output_ids
     slot = only_slot(eng)
     dcache = slot.draft_cache(eng.draft)
-    for runner, cache in ((eng.target, slot.target), (eng.draft, dcache)):
+    for runner, cache in ((eng.target, slot.target), (eng.draft.runner, dcache)):
         n = cache.length
         fresh = runner.new_cache()
         runner.forward(torch.tensor(tokens[:n]), fresh)
@@ -550,7 +550,7 @@ def test_engine_pairs_a_non_llama_target_with_a_llama_draft():
         gpt2.lm_head.weight.mul_(20)  # tied to the embedding; widens logits so there are no near-ties
     gpt2.generation_config.eos_token_id = None
     eng = SpecEngine(gpt2, tiny(5, layers=1), options=EngineOptions(k=3, max_seq_len=64))
-    assert isinstance(eng.target, HFRunner) and isinstance(eng.draft, LlamaRunner)
+    assert isinstance(eng.target, HFRunner) and isinstance(eng.draft.runner, LlamaRunner)
     prompt = [10, 20, 30]
     r = eng.generate(prompt, GenerationParams(max_new_tokens=16))
     assert r.output_ids == hf_greedy(gpt2, prompt, 16)

@@ -122,6 +122,9 @@ class _Emitter:
         stats = SimpleNamespace(num_drafts=1, num_draft_tokens=3, num_accepted_tokens=2, accepted_per_pos=[1, 1],
                                 by_source={"suffix": [1, 3, 2]})
         sm.observe("v1", SimpleNamespace(stats=stats, output_ids=[1, 2, 3], decode_s=0.1), 0.2)
+        # The replica's running totals by source, for /osd/stats and the ops page.
+        assert sm.source_table() == [{"draft_version": "v1", "source": "suffix", "steps": 1, "drafted": 3,
+                                      "accepted": 2}]
         sm.sync_suffix({"global_tokens": 10, "global_bytes": 300, "proposal_rate": 0.5})
         sm.error("v1", "internal")
         sm.sync_records("v1", 2, {"queue_full": 1})

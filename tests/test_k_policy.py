@@ -127,6 +127,21 @@ def test_profile_forward_takes_medians_by_token_count():
     assert len(profile_forward(forward, k_max=1)) == 2 and calls.count(1) == 10  # five by default
 
 
+def test_profile_forward_covers_a_long_chain_sparsely_then_the_batch():
+    """Rows up to k+1 each; then doubling to the longest chain alone (13 rows), then to the
+    batch's rows; the rows between interpolated."""
+    timed = set()
+
+    def forward(t):
+        timed.add(t)
+        return float(t * t)  # curved: interpolation shows between the timed points
+
+    got = profile_forward(forward, k_max=2, repeats=1, alone_rows=13, max_rows=40)
+    assert sorted(timed) == [1, 2, 3, 6, 12, 13, 26, 40]
+    assert len(got) == 40 and got[12] == 169.0 and got[39] == 1600.0
+    assert got[3] == 9 + (36 - 9) / 3  # 4 rows: a third of the way from 3 to 6
+
+
 def _engine(target, draft, k=4):
     eng = SpecEngine(target, draft, options=EngineOptions(k=k, k_policy="cost", max_seq_len=96))
     eng._kpolicy = KPolicy(StepCosts(list(FLAT), default_draft_fraction=0.05, frozen=True), k)

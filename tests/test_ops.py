@@ -269,3 +269,24 @@ def test_the_suffix_index_shows_when_a_replica_serves_one(loop):
     s = OpsSource(cfg, client=client).summary(replicas, now=now)
     assert s["loop"]["suffix"] == {"tokens": 1500, "bytes": 2**21, "proposal_rate": 0.375}
     assert "Suffix index 1500 tokens (2.0 MiB) &middot; a chain on 38% of lookups" in ops_page.page(s, live=False)
+
+
+def test_drafting_steps_by_source_sum_over_replicas_and_show(loop):
+    """Per version and source (a hybrid's head or suffix steps): acceptance and tokens a
+    drafting step emitted, summed over the replicas, in the summary and on the page."""
+    from serve.ops import page as ops_page
+    from serve.ops.source import OpsSource
+
+    cfg, reg, client, now = loop
+    row = {"draft_version": "v1", "source": "suffix", "steps": 10, "drafted": 30, "accepted": 15}
+    replicas = [{"replica": "r1", "by_source": [row, {**row, "source": "head", "accepted": 6}]},
+                {"replica": "r2", "by_source": [row]}, {"replica": "r3"}]
+    s = OpsSource(cfg, client=client).summary(replicas, now=now)
+    got = {r["source"]: r for r in s["loop"]["by_source"]}
+    assert got["suffix"]["steps"] == 20 and got["suffix"]["acceptance"] == 0.5
+    assert got["suffix"]["tokens_per_step"] == (30 + 20) / 20
+    assert got["head"]["acceptance"] == 0.2 and got["head"]["tokens_per_step"] == 1.6
+    html = ops_page.page(s, live=False)
+    assert "ops-sources" in html and "<td>0.500</td><td>2.50</td>" in html
+    plain = OpsSource(cfg, client=client).summary([{"replica": "r0"}], now=now)
+    assert plain["loop"]["by_source"] == [] and "ops-sources" not in ops_page.page(plain, live=False)

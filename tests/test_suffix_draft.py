@@ -56,6 +56,23 @@ def test_greedy_output_is_the_targets_and_a_repeat_is_drafted_from_the_replica(t
     assert eng.draft._fed == {}  # per-request state gone with each request
 
 
+def test_a_repeat_verifies_chains_longer_than_k_up_to_max_chain(target):
+    """A chain is chosen, not drafted: a repeat's chain runs past the engine's k, to
+    serve.suffix.max_chain, and the output is still the target's."""
+    from infra.config import SuffixConfig
+
+    opts = EngineOptions(k=2, max_seq_len=160, max_concurrency=4, k_policy="fixed")
+    eng = SpecEngine(target, build_draft("suffix", target, suffix=SuffixConfig(max_chain=7)), options=opts)
+    ar = SpecEngine(target, None, options=EngineOptions(k=0, max_seq_len=160))
+    prompt, params = _prompts()[2], GenerationParams(max_new_tokens=40)
+    want = ar.generate(prompt, params).output_ids
+    assert eng.generate(prompt, params).output_ids == want
+    again = eng.generate(prompt, params)  # its answer is in the replica's index now
+    assert again.output_ids == want
+    assert len(again.stats.drafted_per_pos) == 7 and again.stats.accepted_per_pos[6] > 0
+    assert again.stats.num_steps <= 40 / 4
+
+
 def test_a_request_that_opted_out_of_capture_never_enters_the_shared_index(target):
     eng = _engine(target)
     eng.generate(_prompts()[0], GenerationParams(max_new_tokens=20, capture=False))

@@ -147,6 +147,12 @@ def _loop(lp: dict[str, Any]) -> str:
     sx = lp.get("suffix")
     suffix_s = (f"<br>Suffix index {sx['tokens']} tokens ({sx['bytes'] / 2**20:.1f} MiB) &middot; a chain on "
                 f"{100 * sx['proposal_rate']:.0f}% of lookups" if sx else "")
+    sources = "".join(f"<tr><td class=l>{_e(r['draft_version'])}</td><td class=l>{_e(r['source'])}</td>"
+                      f"<td>{r['steps']}</td><td>{_f(r['acceptance'])}</td><td>{_f(r['tokens_per_step'], '.2f')}</td></tr>"
+                      for r in lp.get("by_source") or ())
+    sources_s = (f"<div class=card><table id=ops-sources><tr><th class=l>version</th><th class=l>proposed by</th>"
+                 f"<th>drafting steps</th><th>acceptance</th><th>tokens/step</th></tr>{sources}</table></div>"
+                 if sources else "")
     return (f"<h2>Loop health</h2><div class=cards><div class=card id=ops-records>Records written "
             f"{lp['records_written']} &middot; dropped: {drops} <span class=muted>({lp['replicas']} replicas seen)"
             f"</span><br>Stream length {_e(st['length'])} &middot; dead-lettered {_e(st['dead_lettered'])}"
@@ -155,7 +161,7 @@ def _loop(lp: dict[str, Any]) -> str:
             f"<th>consumers</th></tr>{groups}</table></div>"
             f"<div class=card><table id=ops-trainers><tr><th class=l>trainer</th><th>step</th><th>loss</th>"
             f"<th>records</th><th>exports</th><th class=l>last checkpoint</th><th class=l>as of</th></tr>{trainers}"
-            f"</table></div></div>")
+            f"</table></div>{sources_s}</div>")
 
 
 def _registry(reg: dict[str, Any]) -> str:

@@ -151,6 +151,7 @@ class OpsSource:
                 "suffix": suffix and {"tokens": sum(x["global_tokens"] for x in suffix),
                                       "bytes": sum(x["global_bytes"] for x in suffix),
                                       "proposal_rate": sum(x["proposal_rate"] for x in suffix) / len(suffix)},
+                "by_source": st.by_source(replicas),
                 "last_candidate": last and {"version": last.id, "alpha_est": last.metrics.get("alpha_est"),
                                             "created_at": last.created_at}}
 

@@ -226,3 +226,18 @@ def batch_series(replicas: Sequence[dict[str, Any]], t0: float) -> dict[str, lis
         if points:
             out[f"replica {r.get('replica', '?')}"[:40]] = points
     return out
+
+
+def by_source(replicas: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Drafting steps by who proposed (a hybrid's head or suffix, else the draft's family), per
+    draft version, summed over the replicas: acceptance and tokens a drafting step emitted."""
+    total: dict[tuple[str, str], list[int]] = {}
+    for r in replicas:
+        for row in r.get("by_source") or ():
+            got = total.setdefault((row["draft_version"], row["source"]), [0, 0, 0])
+            for i, key in enumerate(("steps", "drafted", "accepted")):
+                got[i] += int(row[key])
+    return [{"draft_version": v, "source": src, "steps": steps, "drafted": drafted, "accepted": accepted,
+             "acceptance": accepted / drafted if drafted else None,
+             "tokens_per_step": (accepted + steps) / steps if steps else None}
+            for (v, src), (steps, drafted, accepted) in sorted(total.items())]
