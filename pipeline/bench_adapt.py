@@ -87,7 +87,6 @@ def run_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets: dict
                 parent_scores: dict[str, list], checkpoints: Sequence[int], arrive: int, seed: int) -> list[dict]:
     """Train one variant from v1 over the stream; score at each checkpoint."""
     from infra.draft_model import load_draft
-    from infra.draft_spec import warm_start_path
     from train.batching import pack, take_budget
     from train.ds_engine import DistillEngine
     from train.objective import anchored_loss_fn, distill_loss_fn
@@ -130,6 +129,7 @@ def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48
                     variants: Sequence[str] = VARIANTS, seed: int = 0,
                     json_path: str | Path | None = "reports/bench/adapt.json") -> dict[str, Any]:
     from infra.draft_model import load_draft
+    from infra.draft_spec import warm_start_path
     from infra.redis_server import free_port
     from infra.target import load_target
     from train.ds_engine import init_distributed

@@ -28,7 +28,7 @@ import torch
 from infra.prompts import Prompt, chat_ids
 from infra.records import SCHEMA_VERSION, Record, record_schema
 from infra.tokens import eos_token_ids, topk_logprobs
-from train.teacher_features import Answers, FeatureRows
+from train.teacher_features import Answers, FeatureRows, TeacherDataError  # noqa: F401 (re-exported)
 
 TEACHER_VERSION = "teacher"
 
@@ -56,10 +56,6 @@ class BatchGenerate(Protocol):
 class CapturingGenerate(BatchGenerate, Protocol):
     def capture(self, rows: list[list[int]], max_new_tokens: int, top_k: int, on_answer: OnAnswer | None,
                 layers: tuple[int, ...]) -> list[tuple[tuple[np.ndarray, np.ndarray, np.ndarray], FeatureRows]]: ...
-
-
-class TeacherDataError(ValueError):
-    """Teacher generation cannot run on these inputs (a prompt over the context, no pad id)."""
 
 
 class CacheCorrupt(RuntimeError):

@@ -114,11 +114,15 @@ def rows_of_payload(obj: Any, *, key: str, shard_digest: str,
         raise FeaturesCorrupt(f"fields do not decode: {e}") from None
 
 
+class TeacherDataError(ValueError):
+    """Teacher generation cannot run on these inputs (a prompt over the context, no pad id), or
+    a generator's output is not what it claims. Here, below train/teacher_data.py (which
+    re-exports it), so the features' checks raise it without an import cycle."""
+
+
 def check_rows(records: Sequence[Record], rows: Sequence[FeatureRows]) -> None:
     """A generator's features must be its records' (else a bug upstream: refuse to store them)."""
     if len(rows) != len(records) or not all(f.matches(r) for f, r in zip(rows, records)):
-        from train.teacher_data import TeacherDataError  # here: teacher_data imports this module
-
         raise TeacherDataError("the generator's captured features are not those of its answers' tokens")
 
 
