@@ -172,6 +172,17 @@ def _cmd_draft_vocab_study(cfg: OSDConfig, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_draft_curve(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from pipeline.draft_curve import CurveError, draft_curve
+
+    try:
+        draft_curve(args.drafts, args.json, None if args.png == "none" else args.png)
+    except CurveError as e:
+        print(f"osd: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _cmd_train(cfg: OSDConfig, args: argparse.Namespace) -> int:
     import ray
 
@@ -614,6 +625,12 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
                          "generates only the prompts still missing (default train.warm_budget_minutes: none)")
     di.set_defaults(func=_cmd_draft_init)
     _add_vocab_study_parser(dr_sub)
+    dc = dr_sub.add_parser("curve", help="held-out agreement against warm-start tokens over heads made at growing "
+                                         "budgets (JSON and PNG under reports/)")
+    dc.add_argument("drafts", nargs="+", metavar="DIR", help="published head draft directories")
+    dc.add_argument("--json", default="reports/bench/head-curve.json", help="where to write JSON")
+    dc.add_argument("--png", default="reports/bench/head-curve.png", help="where to draw it (none: no plot)")
+    dc.set_defaults(func=_cmd_draft_curve)
 
     tr = sub.add_parser("train", help="run the trainer group on the record stream")
     tr.add_argument("--workers", type=int, help="trainer actors (default train.num_workers)")
