@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from serve.draft import Draft, Proposal, StepContext, no_proposal
+from serve.draft import Draft, Proposal, StepContext, no_proposal, own_as_tensor
 from train.teacher_features import FeatureRows
 
 ARGMAX_ROWS = 256  # prompt rows per LM-head product: [256, V] logits at a time, not [P, V]
@@ -78,7 +78,7 @@ class FeatureRecorder(Draft):
         return [no_proposal(seq.device, self.family) for seq in seqs]
 
     def propose_device(self, seq: Any, k: int, ctx: StepContext) -> Proposal:
-        return no_proposal(seq.device, self.family)._replace(own=torch.empty(0, device=seq.device))
+        return own_as_tensor(no_proposal(seq.device, self.family))
 
     def commit(self, seq: Any, base: int, n: int, drafted: int, feats: torch.Tensor | None) -> None:
         if feats is None:

@@ -38,6 +38,11 @@ def no_proposal(device: torch.device, source: str = "", point_mass: bool = False
     return Proposal(torch.empty(0, dtype=torch.long, device=device), None, [], source, point_mass)
 
 
+def own_as_tensor(p: Proposal) -> Proposal:
+    """A host proposal as the device stages take it: `own` a float32 tensor."""
+    return p._replace(own=torch.tensor(p.own, dtype=torch.float32))
+
+
 @dataclass(frozen=True)
 class StepContext:
     """What the engine knows of a step that a draft may use to size its proposal: drafts
@@ -93,8 +98,7 @@ class Draft:
 
     def propose_device(self, seq: Any, k: int, ctx: StepContext) -> Proposal:
         """One request's chain for the CUDA path; by default the host chain, own as a tensor."""
-        got = self.propose([seq], [k], ctx)[0]
-        return got._replace(own=torch.tensor(got.own, dtype=torch.float32))
+        return own_as_tensor(self.propose([seq], [k], ctx)[0])
 
     def can_tree(self, seq: Any) -> bool:
         """Whether this request's next step can verify a tree from this draft."""

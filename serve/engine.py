@@ -398,9 +398,10 @@ class SpecEngine:
             got = seqs[members[0]].draft.propose([seqs[i] for i in members], [ks[i] for i in members], ctx)
             took = time.perf_counter() - t0
             sizes = [p.tokens.numel() for p in got]
+            total = sum(sizes)
             for i, p, size in zip(members, got, sizes):
                 seqs[i].step_source = p.source
-                out[i] = (p, took * size / sum(sizes) if sum(sizes) else took / len(members))
+                out[i] = (p, took * size / total if total else took / len(members))
         return out
 
     def after_step(self, seq: Seq, drafted: int, accepted: int, rows: int, draft_s: float, score_s: float,

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 
-from serve.draft import Draft, Proposal, StepContext, no_proposal
+from serve.draft import Draft, Proposal, StepContext, no_proposal, own_as_tensor
 from serve.gpu_stages import choose, so_far
 from serve.head_lean import LeanHead
 from serve.runner import StaticKVCache
@@ -158,7 +158,7 @@ class HeadRunner(Draft):
         cache = seq.dcache
         start = cache.length
         if k <= 0 or len(seq.tokens) - 1 <= start:  # a one-token prompt: no target features yet
-            return no_proposal(seq.device, self.family)._replace(own=torch.empty(0, device=seq.device))
+            return own_as_tensor(no_proposal(seq.device, self.family))
         g = self.fuse(seq.feats[start - seq.feat_start:])
         nxt = seq.to_device(seq.tokens[start + 1:])
         d2t = self.head.d2t

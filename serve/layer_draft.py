@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from serve.draft import Draft, Proposal, StepContext, no_proposal
+from serve.draft import Draft, Proposal, StepContext, no_proposal, own_as_tensor
 from serve.gpu_stages import choose, so_far
 from serve.tree import DraftTree
 from serve.tree_stages import NodeRows, TreeShape, grow_tree, tree_log_q
@@ -76,7 +76,7 @@ class LayerDraft(Draft):
     def propose_device(self, seq: Any, k: int, ctx: StepContext) -> Proposal:
         """k tokens with no host read (serve/gpu_stages.py): no confidence stop."""
         if k <= 0:
-            return no_proposal(seq.device, self.family)._replace(own=torch.empty(0, device=seq.device))
+            return own_as_tensor(no_proposal(seq.device, self.family))
         params = seq.params.sampling
         cache = seq.dcache
         inp = seq.pending(cache)

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from serve.draft import Draft, Proposal, StepContext, no_proposal
+from serve.draft import Draft, Proposal, StepContext, no_proposal, own_as_tensor
 from serve.k_policy import chain_expected, expected_tokens
 from serve.suffix_calibration import Calibration
 from serve.suffix_tree import SuffixProposer
@@ -193,7 +193,7 @@ class HybridDraft(Draft):
         got = self._suffix_first(seq, k, ctx)
         if got is None:
             return self.head.propose_device(seq, k, ctx)
-        return got._replace(own=torch.tensor(got.own, dtype=torch.float32))
+        return own_as_tensor(got)
 
     def _suffix_first(self, seq: Any, k: int, ctx: StepContext) -> Proposal | None:
         got = self.suffix.propose([seq], [k], ctx)[0]
