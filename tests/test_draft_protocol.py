@@ -122,17 +122,30 @@ PROMPT = [1, 2, 3, 1, 2, 3, 1, 2]
 
 
 @pytest.mark.parametrize("spec", ["suffix", "head:untrained+suffix"])
-def test_sampled_suffix_trees_follow_the_target(spec):
+def test_sampled_suffix_trees_follow_the_target(spec, monkeypatch):
     """Trees chosen from the suffix index (no draw) are verified by the target's own seeded
-    draw per depth: the first two tokens follow the target's distribution, with steps that
-    proposed and steps that found nothing, and seeds reproduce."""
+    draw per depth: the first two tokens (both from a tree step: 3 tokens left > depth 2)
+    follow the target's distribution, and seeds reproduce. (Steps that propose nothing are
+    tested with chains: tests/test_suffix_draft.py.)"""
+    from serve.suffix_draft import SuffixDraft
+
+    trees = []
+    real = SuffixDraft.propose_tree
+
+    def counting(d, seq, shape, ctx):
+        got = real(d, seq, shape, ctx)
+        trees.append(got.size - 1)
+        return got
+
+    monkeypatch.setattr(SuffixDraft, "propose_tree", counting)
     target = tiny(seed=3, **V8)
     eng = SpecEngine(target, build_draft(spec, target),
-                     options=EngineOptions(k=3, max_seq_len=40, max_concurrency=4, k_policy="fixed", tree="5,3,2"))
+                     options=EngineOptions(k=3, max_seq_len=40, max_concurrency=4, k_policy="fixed", tree="4,2,2"))
     n = 1200
     params = [GenerationParams(max_new_tokens=3, sampling=SamplingParams(1.0, seed=i)) for i in range(n)]
     results = [eng.generate(PROMPT, p) for p in params]
     assert first_two_tokens_pvalue(target, PROMPT, [r.output_ids for r in results], 8, SamplingParams(1.0)) > 1e-3
+    assert len(trees) >= n and sum(t > 0 for t in trees) > n // 2  # trees were verified, most with nodes
     drafted = sum(r.stats.num_draft_tokens for r in results)
     accepted = sum(r.stats.num_accepted_tokens for r in results)
     assert 0 < accepted < drafted
