@@ -127,6 +127,11 @@ def test_suffix_settings_come_from_the_config():
     assert d.proposer.global_index.max_tokens == 1000
     with pytest.raises(ValueError, match="min_prob"):
         OSDConfig.model_validate({"serve": {"suffix": {"min_prob": 2}}})
+    # A chain past 15 tokens would verify 17+ rows, which no longer attend as decoding does.
+    for bad in (0, 16):
+        with pytest.raises(ValueError, match="max_chain"):
+            OSDConfig.model_validate({"serve": {"suffix": {"max_chain": bad}}})
+    assert build_draft("suffix", tiny(**V8), suffix=cfg.serve.suffix).max_chain == 15
 
 
 def test_the_device_stages_serve_the_suffix_draft_as_the_cpu_batch_does(target):
