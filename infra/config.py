@@ -323,8 +323,10 @@ class TrainConfig(_Section):
     warm_batch_size: int = Field(16, ge=1)
     # Who writes the teacher answers: "engine", the serving engine's continuous batching in the
     # serving weight format (pipeline/teacher_engine.py), or "hf", Hugging Face `generate` in
-    # the training dtype. warm_batch_size is the engine's concurrency, or hf's batch.
-    warm_teacher: Literal["engine", "hf"] = "engine"
+    # the training dtype. warm_batch_size is the engine's concurrency, or hf's batch. "batch":
+    # static batches of warm_cuda_batch_size with the head's features captured
+    # (train/teacher_batch.py), what a CUDA device always uses.
+    warm_teacher: Literal["engine", "hf", "batch"] = "engine"
     # Teacher generation stops starting new shards after this many minutes and the warm start
     # trains on what the cache holds (None: every prompt). The cache keeps what was made, so a
     # later run with a larger budget generates only the prompts not yet done.
@@ -332,11 +334,29 @@ class TrainConfig(_Section):
     # Prompts per teacher cache shard: the work a kill can lose, and the step at which the
     # budget is checked; a few times warm_batch_size keeps the engine's batch full.
     warm_shard_prompts: int = Field(128, ge=1)
+    # Which ShareGPT human turns are warm-start prompts: "first", each conversation's first
+    # (about 13k short train prompts), or "all", every turn as a prompt of its own (about 52k
+    # distinct short ones): the target answers each turn alone, in its own words.
+    warm_turns: Literal["first", "all"] = "first"
+    # The longest warm-start prompt, in characters (600 keeps the CPU's prefill short; with
+    # "all" turns, 4000 (data.max_prompt_chars) gives about 50k train prompts).
+    warm_prompt_chars: int = Field(600, ge=1)
+    # On a CUDA device the teacher is one static batch of this many prompts per forward
+    # (train/teacher_batch.py), where the GPU's decode rows cost little more than one; the
+    # shards grow to hold a batch.
+    warm_cuda_batch_size: int = Field(1024, ge=1)
     # The head's warm start (`osd draft init --family head`) adds ShareGPT conversations as
     # fixed text to the teacher records and makes its own number of passes: 400 and 2 gave
     # 220,644 tokens in 27-34 minutes on 2 cores (README, "Head against the layer draft").
     head_warm_conversations: int = Field(400, ge=0)
     head_warm_epochs: int = Field(2, ge=1)
+    # Padded feature rows per optimizer step of the head's warm start. Optimizer steps, not rows,
+    # limited the heads measured so far: on an H200, 16384 rows a step gave 186 steps over
+    # 1.47M rows (held-out depth-1 agreement 0.499, loss still falling), and its smaller curve
+    # points (14-96 steps) fell far below CPU heads of fewer tokens and 512-row steps. So the
+    # GPU default is 2048: 8x the steps, each a few ms there (not yet measured on a GPU).
+    head_token_budget: int = Field(512, ge=8)
+    head_cuda_token_budget: int = Field(2048, ge=8)
     # The head's draft vocabulary comes from the token counts of "warm_data" (its training data:
     # teacher records and ShareGPT text), or "teacher_domains": those plus the target's own
     # answers to head_vocab_prompts train prompts of each ShareGPT domain, every source weighted

@@ -20,6 +20,9 @@ Split = Literal["train", "held_out"]
 DOMAINS = ("code", "math", "writing", "other")
 
 
+Turns = Literal["first", "all"]
+
+
 class PromptDataError(ValueError):
     """A prompt file is missing or malformed; the message names the file and line."""
 
@@ -172,28 +175,37 @@ def sharegpt_conversations(path: Path | None = None) -> list[Any]:
 
 
 def prompts_from_conversations(
-    records: Iterable[Any], cfg: DataConfig, split: Split | None = None
+    records: Iterable[Any], cfg: DataConfig, split: Split | None = None, turns: Turns = "first"
 ) -> list[Prompt]:
-    """First human turns that pass the length filter, tagged and split."""
-    out = []
+    """Human turns that pass the length filter, tagged and split by their conversation.
+    turns "first": each conversation's first, with the conversation's id. "all": every turn
+    as a prompt of its own, turn i > 0 with id `<conversation id>#t<i>`; a text seen before
+    (often "continue") is skipped, since alone it asks for nothing new."""
+    out: list[Prompt] = []
+    seen: set[str] = set()
     for rec in records:
-        turn = first_human_turn(rec)
         conv_id = rec.get("id") if isinstance(rec, dict) else None
-        if turn is None or not isinstance(conv_id, str):
-            continue
-        turn = turn.strip()
-        if not cfg.min_prompt_chars <= len(turn) <= cfg.max_prompt_chars:
+        if not isinstance(conv_id, str):
             continue
         s = split_of(conv_id, cfg.held_out_fraction)
-        if split is None or s == split:
-            out.append(Prompt(conv_id, turn, domain_of(turn), s))
+        if split is not None and s != split:
+            continue
+        for i, turn in enumerate(human_turns(rec, 1 if turns == "first" else None)):
+            turn = turn.strip()
+            if not cfg.min_prompt_chars <= len(turn) <= cfg.max_prompt_chars:
+                continue
+            if turns == "all":
+                if turn in seen:
+                    continue
+                seen.add(turn)
+            out.append(Prompt(conv_id if i == 0 else f"{conv_id}#t{i}", turn, domain_of(turn), s))
     return out
 
 
 def load_sharegpt(
-    cfg: DataConfig | None = None, path: Path | None = None, split: Split | None = None
+    cfg: DataConfig | None = None, path: Path | None = None, split: Split | None = None, turns: Turns = "first"
 ) -> list[Prompt]:
-    return prompts_from_conversations(sharegpt_conversations(path), cfg or DataConfig(), split)
+    return prompts_from_conversations(sharegpt_conversations(path), cfg or DataConfig(), split, turns)
 
 
 # ---------------------------------------------------------------- JSONL

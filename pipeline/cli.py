@@ -37,6 +37,17 @@ def _positive_int(value: str) -> int:
     return n
 
 
+def _fractions(value: str) -> tuple[float, ...]:
+    """A comma list of fractions in (0, 1), for argparse."""
+    try:
+        out = tuple(float(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected fractions like 0.25,0.5, got {value!r}") from None
+    if not all(0 < f < 1 for f in out):
+        raise argparse.ArgumentTypeError(f"fractions must lie in (0, 1), got {value!r}")
+    return out
+
+
 def _positive_float(value: str) -> float:
     try:
         x = float(value)
@@ -126,13 +137,15 @@ def _cmd_serve(cfg: OSDConfig, args: argparse.Namespace) -> int:
 def _draft_init_config(cfg: OSDConfig, args: argparse.Namespace) -> OSDConfig:
     """The config with `osd draft init`'s flags applied, re-validated like the file's values."""
     flags = {"warm_prompts": args.prompts, "warm_max_new_tokens": args.max_new_tokens, "warm_teacher": args.teacher,
-             "warm_budget_minutes": args.budget_minutes}
+             "warm_budget_minutes": args.budget_minutes, "warm_turns": args.turns,
+             "warm_prompt_chars": args.prompt_chars, "device": args.device}
     if args.family == "head":
         flags.update(head_warm_epochs=args.epochs, head_warm_conversations=args.conversations)
     else:
         flags.update(warm_epochs=args.epochs)
     updates = {k: v for k, v in flags.items() if v is not None}
-    return load_config(args.config, overrides={"train": updates}) if updates else cfg
+    model = {"device": args.device} if args.device else {}  # the target generates where the draft trains
+    return load_config(args.config, overrides={"train": updates, "model": model}) if updates else cfg
 
 
 def _cmd_draft_init(cfg: OSDConfig, args: argparse.Namespace) -> int:
@@ -143,8 +156,14 @@ def _cmd_draft_init(cfg: OSDConfig, args: argparse.Namespace) -> int:
     if args.family == "head":
         from train.head_warm_start import run_head_warm_start
 
-        result = run_head_warm_start(cfg, out_dir=args.out, force=args.force, draft_vocab=args.draft_vocab,
-                                     generate=teacher_for(cfg))
+        from train.teacher_features import TeacherDataError
+
+        try:
+            result = run_head_warm_start(cfg, out_dir=args.out, force=args.force, draft_vocab=args.draft_vocab,
+                                         generate=teacher_for(cfg), curve=args.curve)
+        except TeacherDataError as e:
+            print(f"osd: error: {e}", file=sys.stderr)
+            return 2
         print(json.dumps({k: result.get(k) for k in ("path", "alpha_est_before", "alpha_est", "coverage")}, indent=2))
         return 0
     result = run_warm_start(cfg, out_dir=args.out, force=args.force, generate=teacher_for(cfg))
@@ -608,9 +627,10 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
     di.add_argument("--epochs", type=int, help="passes over the training data (default train.head_warm_epochs, "
                                                "train.warm_epochs for layer)")
     di.add_argument("--max-new-tokens", type=int, help="teacher tokens per prompt (default train.warm_max_new_tokens)")
-    di.add_argument("--teacher", choices=("engine", "hf"),
+    di.add_argument("--teacher", choices=("engine", "hf", "batch"),
                     help="who writes the teacher answers: the serving engine, continuously batched in the "
-                         "serving weight format, or Hugging Face generate (default train.warm_teacher: engine)")
+                         "serving weight format, Hugging Face generate, or batch: static batches with the head's "
+                         "features captured, what --device cuda uses (default train.warm_teacher: engine)")
     di.add_argument("--out", help="where to publish (default <state_dir>/drafts/head-v1, or v1 for layer)")
     di.add_argument("--force", action="store_true", help="rebuild even if published; ignore checkpoints")
     di.add_argument("--family", choices=DRAFT_FAMILIES, default="head",
@@ -623,6 +643,17 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
     di.add_argument("--budget-minutes", type=_positive_float, metavar="N",
                     help="stop teacher generation after N minutes and train on what the cache holds; a later run "
                          "generates only the prompts still missing (default train.warm_budget_minutes: none)")
+    di.add_argument("--device", choices=("cpu", "cuda"),
+                    help="where the target generates and the head trains (default train.device: cpu); cuda: "
+                         "static batches of train.warm_cuda_batch_size prompts, features kept in GPU memory")
+    di.add_argument("--turns", choices=("first", "all"),
+                    help="ShareGPT human turns used as prompts: each conversation's first, or every turn alone "
+                         "(default train.warm_turns: first)")
+    di.add_argument("--prompt-chars", type=int, metavar="N",
+                    help="the longest prompt in characters (default train.warm_prompt_chars: 600)")
+    di.add_argument("--curve", type=_fractions, default=(), metavar="F,F,...",
+                    help="head: after the head, one more per fraction in (0, 1), trained on that fraction of the "
+                         "answers (a smaller budget of this run), saved as <out>-at-<F> for `osd draft curve`")
     di.set_defaults(func=_cmd_draft_init)
     _add_vocab_study_parser(dr_sub)
     dc = dr_sub.add_parser("curve", help="held-out agreement against warm-start tokens over heads made at growing "

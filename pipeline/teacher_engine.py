@@ -99,5 +99,9 @@ def _answer(r: Any) -> Answer:
 
 
 def teacher_for(cfg: OSDConfig) -> EngineTeacher | None:
-    """The generator `train.warm_teacher` names: the engine, or None for Hugging Face `generate`."""
+    """The generator `train.warm_teacher` names: the engine, or None for Hugging Face `generate`.
+    None on a CUDA device too: there the warm start answers in static batches of its own
+    (train/teacher_batch.py), where the engine would decode one request at a time."""
+    if cfg.model.device.startswith("cuda"):
+        return None
     return EngineTeacher(cfg) if cfg.train.warm_teacher == "engine" else None

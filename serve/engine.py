@@ -320,7 +320,9 @@ class SpecEngine:
         slots = min(self.options.max_concurrency, 16)
         context = max(1, min(64, self.max_seq_len - alone - 2))
         span = min(self.max_seq_len, context + alone + 2)
-        caches = self.target.new_caches(slots, growable=True)  # growable: only the profile's positions
+        # growable: only the profile's positions. Not on a GPU: its graphs attend over a cache of
+        # max_seq_len positions (forward_static), so a grown-to-fit cache fails their capture.
+        caches = self.target.new_caches(slots, growable=not self.gpu)
         gen = torch.Generator().manual_seed(0)
 
         def tokens(n: int) -> torch.Tensor:

@@ -136,7 +136,10 @@ def ds_config(cfg: TrainConfig) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": cfg.grad_clip,
-        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": 0.0}},
+        # On a GPU, torch's own AdamW: DeepSpeed's fused one is compiled with nvcc at first use,
+        # a minute or more on each fresh machine, for a few-million-parameter draft.
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": 0.0,
+                                                  **({"torch_adam": True} if cfg.device != "cpu" else {})}},
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "wall_clock_breakdown": False,

@@ -79,19 +79,20 @@ def compute_features(target: Any, seqs: Sequence[Sequence[int]], layers: tuple[i
     """One no-grad target forward per batch of sequences (right-padded; causal attention keeps
     the padding out of every real position). `progress(n_tokens)` after each batch."""
     w = target.lm_head.weight
+    dev = w.device  # features stay where the target is: a GPU trains on them there
     lens = [len(s) for s in seqs]
     fs = FeatureSet()
     slots: dict[int, tuple] = {}
     for group in _batches(lens, token_budget):
         ids = _pad([torch.tensor(seqs[i], dtype=torch.long) for i in group])
         mask = _pad([torch.ones(lens[i], dtype=torch.long) for i in group])
-        out = target.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        out = target.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), output_hidden_states=True)
         feats = torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1)
         final = out.last_hidden_state
         for b, i in enumerate(group):
             n = lens[i]
             # The full-vocab logits in slices of 256 rows: [n, V] at once would be n * 200 KB.
-            am = torch.cat([(final[b, s:min(s + 256, n)] @ w.T).argmax(-1) for s in range(0, n, 256)])
+            am = torch.cat([(final[b, s:min(s + 256, n)] @ w.T).argmax(-1) for s in range(0, n, 256)]).cpu()
             slots[i] = (ids[b, :n].clone(), feats[b, :n].to(torch.bfloat16), final[b, :n].to(torch.bfloat16), am)
         if progress:
             progress(sum(lens[i] for i in group))
@@ -118,14 +119,16 @@ class HeadBatch:
 
 
 def collate(fs: FeatureSet, idx: Sequence[int]) -> HeadBatch:
+    """A batch on the device of the features (token ids and argmax are kept on the CPU)."""
     rows = [fs.ids[i].numel() - 1 for i in idx]
+    dev = fs.feats[idx[0]].device
     return HeadBatch(
         feats=_pad([fs.feats[i][:-1].float() for i in idx]),
-        next_ids=_pad([fs.ids[i][1:] for i in idx]),
+        next_ids=_pad([fs.ids[i][1:] for i in idx]).to(dev),
         final=_pad([fs.final[i][1:].float() for i in idx]),
-        target_argmax=_pad([fs.argmax[i][1:] for i in idx], -1),
-        valid=_pad([torch.ones(r, dtype=torch.bool) for r in rows], False),
-        start=torch.tensor([fs.start[i] for i in idx]),
+        target_argmax=_pad([fs.argmax[i][1:] for i in idx], -1).to(dev),
+        valid=_pad([torch.ones(r, dtype=torch.bool) for r in rows], False).to(dev),
+        start=torch.tensor([fs.start[i] for i in idx], device=dev),
         n_tokens=sum(rows),
         n_records=len(rows),
     )
@@ -153,7 +156,7 @@ def head_loss_fn(w_target: torch.Tensor, depth: int = DEPTH, decay: float = DECA
             p = torch.softmax(batch.final @ w_target[d2t].T, dim=-1)  # [B, T, V_d]
             in_vocab = inner.t2d()[batch.target_argmax.clamp(min=0)] & batch.valid
         outs = model(batch.feats, batch.next_ids, depth)
-        t = torch.arange(batch.valid.shape[1])
+        t = torch.arange(batch.valid.shape[1], device=batch.valid.device)
         total = outs[0].new_zeros(())
         for j, logits in enumerate(outs, start=1):
             m = (in_vocab & (t >= j - 1)).float()
@@ -179,7 +182,7 @@ def evaluate(head: Any, fs: FeatureSet, depth: int = DEPTH, token_budget: int = 
     for group in _batches([x.numel() for x in fs.ids], token_budget):
         b = collate(fs, group)
         outs = head.unroll(b.feats, b.next_ids, depth)
-        t = torch.arange(b.valid.shape[1]).view(1, -1)
+        t = torch.arange(b.valid.shape[1], device=b.valid.device).view(1, -1)
         for j, logits in enumerate(outs, start=1):
             m = b.valid & (t >= b.start.view(-1, 1) + j - 1)
             agree = head.d2t[logits.argmax(-1)] == b.target_argmax

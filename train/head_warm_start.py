@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -81,16 +82,23 @@ def cached_features(cfg: OSDConfig, loaded: Any, name: str, seqs: list[list[int]
 def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progress: bool = True,
                         force: bool = False, conversations: int | None = None, max_len: int = 512,
                         draft_vocab: int | None = None, feature_layers: tuple[int, ...] | None = None,
-                        epochs: int | None = None, token_budget: int = 512,
-                        generate: Any = None) -> dict[str, Any]:
+                        epochs: int | None = None, token_budget: int | None = None,
+                        generate: Any = None, curve: tuple[float, ...] = ()) -> dict[str, Any]:
     """Teacher records + ShareGPT fixed text -> target features -> a trained head (module doc).
     conversations and epochs default to train.head_warm_conversations and head_warm_epochs;
-    generate: the teacher's generator (train.teacher_data.BatchGenerate; default Hugging Face)."""
-    from infra.draft_head import build_head, feature_layers_of, save_head, top_tokens
-    from infra.draft_model import target_ref
+    generate: the teacher's generator (train.teacher_data.BatchGenerate; default Hugging Face).
+    With model.device cuda the target generates there in static batches (train/teacher_batch.py)
+    and the head trains there; token_budget defaults to train.head_token_budget, or
+    head_cuda_token_budget on CUDA. curve: fractions in (0, 1); after the head, one more head
+    per fraction, trained on that fraction of this run's answers (the first ones made, as a
+    smaller budget would have), saved beside it as `<out>-at-<fraction>` for `osd draft curve`."""
+    if not all(0 < f < 1 for f in curve):
+        raise ValueError(f"curve fractions must lie in (0, 1), got {list(curve)}")
+    from infra.draft_head import feature_layers_of, top_tokens
     from infra.draft_spec import DraftSpec, warm_start_path
     from infra.target import load_target
-    from train.head_train import coverage_curve, evaluate
+    from train.head_train import coverage_curve
+    from train.teacher_set import batch_teacher, on_cuda
 
     tc = cfg.train
     out_dir = Path(out_dir) if out_dir else warm_start_path(cfg, "head")
@@ -100,35 +108,81 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
         return {"path": str(out_dir), **info.get("metrics", {}), **info.get("lineage", {})}
     t0 = time.perf_counter()
     loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=progress)
+    if batch_teacher(cfg, loaded) is not None:
+        generate = batch_teacher(cfg, loaded)
+        _log(f"target on {cfg.model.device}: teacher answers in static batches of {tc.warm_cuda_batch_size}")
+    if token_budget is None:
+        token_budget = tc.head_cuda_token_budget if on_cuda(loaded) else tc.head_token_budget
     torch.manual_seed(0)
     spec = DraftSpec(family="head", feature_layers=feature_layers, draft_vocab=draft_vocab or DraftSpec().draft_vocab)
     layers = feature_layers_of(spec, loaded.model.config.num_hidden_layers)
     conversations = tc.head_warm_conversations if conversations is None else conversations
     epochs = epochs or tc.head_warm_epochs
     fs_train, fs_held, n_conv = _features(cfg, loaded, layers, conversations, max_len, progress, generate)
+    if not len(fs_held) or not len(fs_train):
+        from train.teacher_features import TeacherDataError
+
+        raise TeacherDataError(f"{len(fs_train)} training and {len(fs_held)} held-out teacher records (one in "
+                         f"train.held_out_every={tc.held_out_every} is held out): answer more prompts (--prompts), "
+                         f"or a larger --budget-minutes")
     train_am = torch.cat(fs_train.argmax)
     held_am = torch.cat([a[s + 1:] for a, s in zip(fs_held.argmax, fs_held.start)])
     vocab = loaded.model.config.vocab_size
     coverage = coverage_curve(train_am, held_am, vocab)
     _log("coverage of held-out target outputs by V_d: " + ", ".join(f"{k}: {v:.3f}" for k, v in coverage.items()))
     vocab_counts = draft_vocab_counts(cfg, loaded, train_am, generate=generate, progress=progress)
-    head = build_head(loaded.model, spec, top_tokens(vocab_counts, spec.draft_vocab))
-    before = evaluate(head, fs_held)
-    losses, train_s = _train(cfg, head, loaded.model, fs_train, epochs, token_budget)
-    after = evaluate(head, fs_held)
-    _log(f"held-out greedy agreement per depth {[round(a, 3) for a in before['agree_per_depth']]} -> "
-         f"{[round(a, 3) for a in after['agree_per_depth']]}; tokens/step estimate "
-         f"{after['tokens_per_step_est']:.2f}")
-    metrics = {"alpha_est": after["alpha_est"], "alpha_est_before": before["alpha_est"],
-               "agree_per_depth": after["agree_per_depth"], "tokens_per_step_est": after["tokens_per_step_est"],
-               "coverage": after["coverage"], "coverage_curve": {str(k): v for k, v in coverage.items()},
-               "loss_last": losses[-1] if losses else None, "held_out_records": len(fs_held),
-               "train_tokens": fs_train.n_tokens, "train_s": train_s}
     lineage = {"parent": None, "kind": "warm_start", "family": "head", "conversations": n_conv,
                "teacher_records": len(fs_train) - n_conv, "epochs": epochs, "vocab_source": tc.head_vocab_source}
-    save_head(head, out_dir, target_ref=target_ref(loaded), lineage=lineage, metrics=metrics, overwrite=force)
+    fit = _Fit(cfg, loaded, spec, fs_held, epochs, token_budget, force)
+    metrics = fit(fs_train, top_tokens(vocab_counts, spec.draft_vocab), out_dir, lineage,
+                  {"coverage_curve": {str(k): v for k, v in coverage.items()}})
     _log(f"saved {out_dir} ({time.perf_counter() - t0:.0f} s in all)")
+    for frac in curve:  # smaller budgets of this run: its first answers, in the order the store made them
+        sub = _prefix(fs_train, frac)
+        at = out_dir.with_name(f"{out_dir.name}-at-{frac:g}")
+        counts = torch.bincount(torch.cat(sub.argmax), minlength=vocab)  # the vocabulary that budget would choose
+        fit(sub, top_tokens(counts, spec.draft_vocab), at, {**lineage, "teacher_records": len(sub)},
+            {"curve_of": str(out_dir)})
+        _log(f"curve point {frac:g}: saved {at} ({time.perf_counter() - t0:.0f} s in all)")
     return {"path": str(out_dir), **metrics, **lineage}
+
+
+class _Fit:
+    """Build, train, evaluate and save a head on one feature set: the warm start's head, and
+    each curve point's (the same held-out set, epochs and batches)."""
+
+    def __init__(self, cfg: OSDConfig, loaded: Any, spec: Any, fs_held: Any, epochs: int, token_budget: int,
+                 force: bool):
+        self.cfg, self.loaded, self.spec, self.fs_held = cfg, loaded, spec, fs_held
+        self.epochs, self.token_budget, self.force = epochs, token_budget, force
+
+    def __call__(self, fs_train: Any, d2t: torch.Tensor, out_dir: Path, lineage: dict, extra: dict) -> dict:
+        from infra.draft_head import build_head, save_head
+        from infra.draft_model import target_ref
+        from train.head_train import evaluate
+
+        head = build_head(self.loaded.model, self.spec, d2t)
+        before = evaluate(head, self.fs_held)
+        losses, train_s = _train(self.cfg, head, self.loaded.model, fs_train, self.epochs, self.token_budget)
+        after = evaluate(head, self.fs_held)
+        _log(f"held-out greedy agreement per depth {[round(a, 3) for a in before['agree_per_depth']]} -> "
+             f"{[round(a, 3) for a in after['agree_per_depth']]}; tokens/step estimate "
+             f"{after['tokens_per_step_est']:.2f} ({fs_train.n_tokens} training tokens)")
+        metrics = {"alpha_est": after["alpha_est"], "alpha_est_before": before["alpha_est"],
+                   "agree_per_depth": after["agree_per_depth"], "tokens_per_step_est": after["tokens_per_step_est"],
+                   "coverage": after["coverage"], **extra, "loss_last": losses[-1] if losses else None,
+                   "held_out_records": len(self.fs_held), "train_tokens": fs_train.n_tokens, "train_s": train_s}
+        save_head(head, out_dir, target_ref=target_ref(self.loaded), lineage=lineage, metrics=metrics,
+                  overwrite=self.force)
+        return metrics
+
+
+def _prefix(fs: Any, frac: float) -> Any:
+    """The first ceil(frac * n) sequences of a FeatureSet (views, no copies)."""
+    from train.head_train import FeatureSet
+
+    n = max(1, math.ceil(frac * len(fs)))
+    return FeatureSet(fs.ids[:n], fs.feats[:n], fs.final[:n], fs.argmax[:n], fs.start[:n])
 
 
 def draft_vocab_counts(cfg: OSDConfig, loaded: Any, train_argmax: torch.Tensor, *, generate: Any = None,

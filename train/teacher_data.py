@@ -170,7 +170,7 @@ def _prompt_ids(target_model: Any, tokenizer: Any, prompts: Sequence[Prompt], ma
     return ids
 
 
-def _left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(input ids [B, W], attention mask [B, W]) with every row right-aligned: generation
     appends after the last column, so all rows must end there."""
     width = max(len(r) for r in rows)
@@ -224,7 +224,7 @@ def _generate_batch(target_model: Any, gen_cfg: Any, rows: list[list[int]], prom
                     eos_t: torch.Tensor, k: int) -> list[Record]:
     """One batched greedy `generate` over `rows` (the prompts' ids), a Record per row."""
     device = next(target_model.parameters()).device
-    inp, mask = _left_pad(rows, pad)
+    inp, mask = left_pad(rows, pad)
     res = target_model.generate(input_ids=inp.to(device), attention_mask=mask.to(device),
                                 generation_config=gen_cfg)
     gen = res.sequences[:, inp.shape[1]:]  # [B, T]

@@ -12,14 +12,16 @@ from typing import Any, Callable
 from infra.config import OSDConfig
 
 
-def warm_prompts(cfg: OSDConfig, n: int, max_chars: int = 600, split: str = "train", domain: str | None = None,
+def warm_prompts(cfg: OSDConfig, n: int, max_chars: int | None = None, split: str = "train", domain: str | None = None,
                  prompts: list | None = None):
-    """The first n short prompts of a split. `prompts`: ShareGPT already loaded (any split), so a
-    caller that needs several selections parses the file (~2.5 s) once; read from disk if None."""
+    """The first n short prompts of a split, of the human turns train.warm_turns names.
+    `prompts`: ShareGPT already loaded (any split), so a caller that needs several selections
+    parses the file (~2.5 s) once; read from disk if None."""
     if prompts is None:
         from infra.prompts import load_sharegpt
 
-        prompts = load_sharegpt(cfg.data, split=split)
+        prompts = load_sharegpt(cfg.data, split=split, turns=cfg.train.warm_turns)
+    max_chars = cfg.train.warm_prompt_chars if max_chars is None else max_chars
     return [p for p in prompts if p.split == split and len(p.text) <= max_chars
             and (domain is None or p.domain == domain)][:n]
 
@@ -44,7 +46,32 @@ def teacher_store(cfg: OSDConfig, loaded: Any, generator: str, root: str | Path 
 
     key = {"kind": "teacher", "format": STORE_FORMAT, "target": target_ref(loaded), "generator": generator,
            "max_new_tokens": cfg.train.warm_max_new_tokens, "top_k": cfg.serve.capture_top_k, "decode": "greedy"}
-    return TeacherStore(root or Path(cfg.state_dir) / "teacher", key, shard_prompts=cfg.train.warm_shard_prompts)
+    tc, gpu = cfg.train, on_cuda(loaded)
+    # On a GPU a shard holds at least one static batch, and its features stay in device memory:
+    # 50k answers' rows are tens of GB, more than such a machine's disk, and remade in minutes.
+    return TeacherStore(root or Path(cfg.state_dir) / "teacher", key,
+                        shard_prompts=max(tc.warm_shard_prompts, tc.warm_cuda_batch_size) if gpu
+                        else tc.warm_shard_prompts, features_on_disk=not gpu)
+
+
+def on_cuda(loaded: Any) -> bool:
+    """Whether the loaded target's weights are on a CUDA device."""
+    return next(loaded.model.parameters()).device.type == "cuda"
+
+
+def batch_teacher(cfg: OSDConfig, loaded: Any) -> Any:
+    """The generator for a target on a CUDA device, or where train.warm_teacher is "batch"
+    (train/teacher_batch.py: static batches of train.warm_cuda_batch_size, features captured),
+    else None: the caller's own choice stands."""
+    if not on_cuda(loaded) and cfg.train.warm_teacher != "batch":
+        return None
+    from infra.tokens import eos_token_ids
+    from train.teacher_batch import StaticBatchTeacher
+
+    tok = loaded.tokenizer
+    eos = eos_token_ids(tok, getattr(loaded.model.generation_config, "eos_token_id", None))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+    return StaticBatchTeacher(loaded.model, eos, pad, batch_size=cfg.train.warm_cuda_batch_size)
 
 
 def teacher_records(cfg: OSDConfig, loaded: Any, prompts: list, *, progress: bool = True, generate: Any = None,

@@ -96,13 +96,16 @@ class Filled:
 class TeacherStore:
     """The answers of one generation setting `key_parts`, under root/<sha256 of the setting>."""
 
-    def __init__(self, root: str | Path, key_parts: dict[str, Any], *, shard_prompts: int = 128):
+    def __init__(self, root: str | Path, key_parts: dict[str, Any], *, shard_prompts: int = 128,
+                 features_on_disk: bool = True):
         if shard_prompts < 1:
             raise ValueError(f"shard_prompts must be >= 1, got {shard_prompts}")
         self.key_json = canonical_json(key_parts)
         self.key = hashlib.sha256(self.key_json.encode()).hexdigest()
         self.dir = Path(root).expanduser() / self.key
         self.shard_prompts = shard_prompts
+        # False: captured features are returned by fill but never written (a GPU's tens of GB).
+        self.features_on_disk = features_on_disk
 
     def shards(self) -> list[Path]:
         return sorted(self.dir.glob("shard-*.arrow"))
@@ -205,8 +208,10 @@ class TeacherStore:
                 _KEY: self.key.encode(), _DIGEST: digest.encode(), _PROMPTS: canonical_json(prompts).encode()}
         table = table.replace_schema_metadata(meta)
         path = self.dir / f"shard-{name}.arrow"
-        if answers.features is not None:  # first: a kill between the two leaves no shard with others' features
+        if answers.features is not None:
             check_rows(records, answers.features)
+        if answers.features is not None and self.features_on_disk:
+            # first: a kill between the two leaves no shard with others' features
             payload = features_payload(answers.features, key=self.key, shard_digest=digest, prompts=prompts,
                                        layers=answers.layers)
             _atomic_write(features_path(path), lambda f: torch.save(payload, f))
