@@ -118,9 +118,11 @@ class Int8(AddAfter):
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
 
 
-def make_linear(w: torch.Tensor, quant: str, dtype: torch.dtype) -> Dense | Int4:
+def make_linear(w: torch.Tensor, quant: str, dtype: torch.dtype) -> Dense | Int4 | Int8:
     if quant == "none":
         return Dense(w)
+    if quant == "int8":  # a head draft's weights beside an int4 target (serve/head_runner.py)
+        return Int8.from_weight(w, dtype)
     if quant == "int4":
         # The kernel's tiles: rows in 16s, the input dim in groups. A weight that does not fit
         # (a head draft's odd vocabulary) stays dense rather than failing the runner.

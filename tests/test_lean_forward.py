@@ -200,7 +200,34 @@ def test_a_verify_block_rounds_exactly_as_one_row_decode_forwards_in_bfloat16(qu
         assert torch.equal(feats, torch.cat([x[1] for x in rows])), t
 
 
-def test_an_int4_head_drafts_for_an_int4_target_losslessly():
+def test_a_head_beside_an_int4_target_keeps_int8_weights_close_to_its_own():
+    """int4 codes of a one-layer head moved its greedy drafts off the float head's (README, "The
+    head's weights"); int8 keeps its logits within a small fraction of the float head's."""
+    from infra.draft_head import build_head
+    from infra.draft_spec import DraftSpec
+    from serve.head_lean import LeanHead
+
+    model = tiny(seed=8, dtype="bfloat16", layers=3)
+    head = build_head(model, DraftSpec(family="head", feature_layers=(0, 1)), torch.arange(0, 288))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # a trained head's weights are not the target's copies
+    runner = make_runner(head, 128, quant="int4")
+    assert runner.lean.block[1].__class__.__name__ == "Int8"
+    g = torch.randn(6, 64, dtype=torch.bfloat16)
+    ids = torch.tensor([5, 17, 200, 3, 99, 7])
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+
+    def logits(lean):
+        return lean.rows(lean.fuse(torch.cat([g, g], -1)), ids, make_runner(head, 128).new_cache(), 0, mask)[0].float()
+
+    dense, int8, int4 = (logits(LeanHead(head, q)) for q in ("none", "int8", "int4"))
+    err8, err4 = ((x - dense).abs().max() / dense.abs().max() for x in (int8, int4))
+    assert err8 < 0.05 and err8 < err4 / 2, (err8, err4)
+
+
+def test_a_head_drafts_for_an_int4_target_losslessly():
     from infra.draft_head import build_head
     from infra.draft_spec import DraftSpec
 
@@ -209,7 +236,7 @@ def test_an_int4_head_drafts_for_an_int4_target_losslessly():
     prompt = [5, 17, 200, 3, 99]
     ar = SpecEngine(model, options=EngineOptions(k=0, max_seq_len=128, quant="int4"))
     sd = SpecEngine(model, head, options=EngineOptions(k=3, max_seq_len=128, quant="int4", k_policy="fixed"))
-    assert sd.draft.lean.block[1].__class__.__name__ == "Int4"  # the head's q|k|v reads int4 weights
+    assert sd.draft.lean.block[1].__class__.__name__ == "Int8"  # beside int4, the head's q|k|v is int8
     want = ar.generate(prompt, GenerationParams(max_new_tokens=40)).output_ids
     r = sd.generate(prompt, GenerationParams(max_new_tokens=40))
     assert r.stats.num_draft_tokens > 0
