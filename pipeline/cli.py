@@ -155,7 +155,6 @@ def _cmd_draft_init(cfg: OSDConfig, args: argparse.Namespace) -> int:
     cfg = _draft_init_config(cfg, args)
     if args.family == "head":
         from train.head_warm_start import run_head_warm_start
-
         from train.teacher_features import TeacherDataError
 
         try:

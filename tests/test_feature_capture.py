@@ -113,19 +113,26 @@ class _Engine:
         return {n: p.detach().clone() for n, p in self.model.named_parameters()}
 
 
-def test_the_head_warm_start_trains_on_captured_features_with_no_second_pass(tmp_path, monkeypatch):
-    import json
-
+def train_without_second_pass(monkeypatch, why: str) -> None:
+    """The head's warm start trains in-process (no DeepSpeed process group), and any forward pass
+    for features (train.head_train.compute_features) fails the test with `why`."""
     import train.ds_engine
     import train.head_train
-    from train.head_warm_start import run_head_warm_start
 
     def no_forward(*a, **k):
-        raise AssertionError("compute_features ran for teacher records whose features were captured")
+        raise AssertionError(why)
 
     monkeypatch.setattr(train.head_train, "compute_features", no_forward)
     monkeypatch.setattr(train.ds_engine, "init_distributed", lambda *a, **k: None)
     monkeypatch.setattr(train.ds_engine, "DistillEngine", _Engine)
+
+
+def test_the_head_warm_start_trains_on_captured_features_with_no_second_pass(tmp_path, monkeypatch):
+    import json
+
+    from train.head_warm_start import run_head_warm_start
+
+    train_without_second_pass(monkeypatch, "compute_features ran for teacher records whose features were captured")
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
                                     "data": {"max_prompt_chars": 200},
                                     "train": {"warm_prompts": 12, "warm_max_new_tokens": 8, "warm_batch_size": 4,

@@ -161,18 +161,11 @@ def test_on_a_gpu_answers_and_features_equal_hugging_face_and_a_separate_forward
 def test_the_warm_start_with_the_batch_teacher_and_curve_points(tmp_path, monkeypatch):
     import json
 
-    import train.ds_engine
-    import train.head_train
-    from tests.test_feature_capture import _Engine
+    from tests.test_feature_capture import train_without_second_pass
     from train.head_warm_start import run_head_warm_start
     from train.teacher_features import TeacherDataError
 
-    def no_forward(*a, **k):
-        raise AssertionError("compute_features ran: the batch teacher captured every answer's features")
-
-    monkeypatch.setattr(train.head_train, "compute_features", no_forward)
-    monkeypatch.setattr(train.ds_engine, "init_distributed", lambda *a, **k: None)
-    monkeypatch.setattr(train.ds_engine, "DistillEngine", _Engine)
+    train_without_second_pass(monkeypatch, "compute_features ran: the batch teacher captured every answer's features")
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
                                     "data": {"max_prompt_chars": 200},
                                     "train": {"warm_prompts": 16, "warm_max_new_tokens": 6, "warm_teacher": "batch",

@@ -108,8 +108,9 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
         return {"path": str(out_dir), **info.get("metrics", {}), **info.get("lineage", {})}
     t0 = time.perf_counter()
     loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=progress)
-    if batch_teacher(cfg, loaded) is not None:
-        generate = batch_teacher(cfg, loaded)
+    batched = batch_teacher(cfg, loaded)
+    if batched is not None:
+        generate = batched
         _log(f"target on {cfg.model.device}: teacher answers in static batches of {tc.warm_cuda_batch_size}")
     if token_budget is None:
         token_budget = tc.head_cuda_token_budget if on_cuda(loaded) else tc.head_token_budget
