@@ -320,7 +320,10 @@ class TrainConfig(_Section):
     warm_prompts: int = Field(256, ge=1)
     warm_max_new_tokens: int = Field(64, ge=1)
     warm_epochs: int = Field(6, ge=1)
-    warm_batch_size: int = Field(16, ge=1)
+    # The engine teacher's concurrency: beyond 24 rows a step runs the bfloat16 weights, whose
+    # GEMMs reuse each weight across rows (`osd bench teacher --batches 16,64` on 2 cores: 64
+    # made a median 1.21x the tokens a second of 16, reports/bench/teacher-batches.json).
+    warm_batch_size: int = Field(64, ge=1)
     # Who writes the teacher answers: "engine", the serving engine's continuous batching in the
     # serving weight format (pipeline/teacher_engine.py), or "hf", Hugging Face `generate` in
     # the training dtype. warm_batch_size is the engine's concurrency, or hf's batch. "batch":
@@ -333,7 +336,7 @@ class TrainConfig(_Section):
     warm_budget_minutes: float | None = Field(None, gt=0)
     # Prompts per teacher cache shard: the work a kill can lose, and the step at which the
     # budget is checked; a few times warm_batch_size keeps the engine's batch full.
-    warm_shard_prompts: int = Field(128, ge=1)
+    warm_shard_prompts: int = Field(256, ge=1)
     # Which ShareGPT human turns are warm-start prompts: "first", each conversation's first
     # (about 13k short train prompts), or "all", every turn as a prompt of its own (about 52k
     # distinct short ones): the target answers each turn alone, in its own words.
@@ -356,6 +359,10 @@ class TrainConfig(_Section):
     # points (14-96 steps) fell far below CPU heads of fewer tokens and 512-row steps. So the
     # GPU default is 2048: 8x the steps, each a few ms there (not yet measured on a GPU).
     head_token_budget: int = Field(512, ge=8)
+    # The head's warm-start steps run their forward under autocast in this dtype ("none":
+    # float32); weights, gradients and AdamW state stay float32. On 2 cores a 512-row step of
+    # the SmolLM2 head took 350 ms in bfloat16 against 600 in float32.
+    head_warm_autocast: Literal["none", "bfloat16"] = "bfloat16"
     head_cuda_token_budget: int = Field(2048, ge=8)
     # The head's draft vocabulary comes from the token counts of "warm_data" (its training data:
     # teacher records and ShareGPT text), or "teacher_domains": those plus the target's own

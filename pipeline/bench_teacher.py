@@ -4,6 +4,10 @@ padded batches) against the serving engine (continuous batching, serving weight 
 The same ShareGPT train prompts go through both, in interleaved rounds (hf, engine, hf,
 engine, ...), so a busy machine slows both alike; the table gives each round's generated
 tokens per second and the median ratio. Neither side caches: this times generation only.
+
+`--batches B,B,...` compares the engine at those concurrencies (`train.warm_batch_size`)
+instead, each capturing the head's features as `osd draft init` does, in interleaved rounds
+over the same prompts; the first batch size is the baseline of the ratios.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from infra.config import OSDConfig
 
 
 def run_teacher_bench(cfg: OSDConfig, prompts: int = 32, rounds: int = 3, max_new_tokens: int | None = None,
-                      json_path: str | Path | None = None) -> dict[str, Any]:
+                      json_path: str | Path | None = None, batches: tuple[int, ...] = ()) -> dict[str, Any]:
+    if batches:
+        return _run_batch_bench(cfg, prompts, rounds, max_new_tokens, json_path, batches)
     from infra.target import load_target
     from pipeline.teacher_engine import EngineTeacher
     from train.teacher_data import generate_teacher_records
@@ -54,6 +60,52 @@ def run_teacher_bench(cfg: OSDConfig, prompts: int = 32, rounds: int = 3, max_ne
     out = {"prompts_per_round": prompts, "rounds": rounds, "max_new_tokens": new,
            "batch": tc.warm_batch_size, "rows": rows, "engine_over_hf_median": statistics.median(ratios)}
     print(f"engine / hf generated tok/s, median of {rounds} interleaved rounds: {out['engine_over_hf_median']:.2f}x")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(out, indent=2))
+    return out
+
+
+def _run_batch_bench(cfg: OSDConfig, prompts: int, rounds: int, max_new_tokens: int | None,
+                     json_path: str | Path | None, batches: tuple[int, ...]) -> dict[str, Any]:
+    from infra.draft_head import default_feature_layers
+    from infra.prompts import chat_ids
+    from infra.target import load_target
+    from pipeline.teacher_engine import EngineTeacher
+    from train.teacher_set import warm_prompts
+
+    if len(batches) < 2 or min(batches) < 1:
+        raise ValueError(f"--batches needs two or more sizes >= 1, got {','.join(map(str, batches))}")
+    new = max_new_tokens or cfg.train.warm_max_new_tokens
+    pool = warm_prompts(cfg, prompts * rounds)
+    if len(pool) < prompts * rounds:
+        raise ValueError(f"only {len(pool)} ShareGPT train prompts for {rounds} rounds of {prompts}")
+    loaded = load_target(cfg.model.target, cfg.model, progress=False)
+    layers = default_feature_layers(loaded.model.config.num_hidden_layers)
+    top_k = cfg.serve.capture_top_k
+    teachers = {b: EngineTeacher(cfg.model_copy(update={"train": cfg.train.model_copy(update={"warm_batch_size": b})}),
+                                 loaded) for b in batches}
+    for t in teachers.values():  # build each engine and warm it up outside the timed rounds
+        t.capture([[1, 2, 3]], 2, top_k, None, layers)
+    rows: list[dict[str, Any]] = []
+    for r in range(rounds):
+        ids = [chat_ids(loaded.tokenizer, p.text) for p in pool[r * prompts:(r + 1) * prompts]]
+        for b, teacher in teachers.items():
+            t0 = time.perf_counter()
+            answers = teacher.capture(ids, new, top_k, None, layers)
+            dt = time.perf_counter() - t0
+            tokens = sum(len(a[0]) for a, _ in answers)
+            rows.append({"round": r, "batch": b, "prompts": len(ids), "tokens": tokens, "seconds": dt,
+                         "tok_s": tokens / dt})
+            print(f"round {r}  batch {b:4d} {len(ids):4d} prompts {tokens:6d} tokens {dt:7.1f} s "
+                  f"{tokens / dt:7.1f} tok/s", flush=True)
+    base = batches[0]
+    ratios = {b: statistics.median(x["tok_s"] / y["tok_s"] for x, y in zip(
+        [e for e in rows if e["batch"] == b], [e for e in rows if e["batch"] == base])) for b in batches[1:]}
+    for b, q in ratios.items():
+        print(f"batch {b} / batch {base} generated tok/s, median of {rounds} interleaved rounds: {q:.2f}x")
+    out = {"prompts_per_round": prompts, "rounds": rounds, "max_new_tokens": new, "feature_layers": list(layers),
+           "batches": list(batches), "rows": rows, "over_first_median": {str(b): q for b, q in ratios.items()}}
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(out, indent=2))

@@ -48,6 +48,17 @@ def _fractions(value: str) -> tuple[float, ...]:
     return out
 
 
+def _sizes(value: str) -> tuple[int, ...]:
+    """A comma list of sizes >= 1, for argparse."""
+    try:
+        out = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sizes like 16,64, got {value!r}") from None
+    if min(out) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be 1 or more, got {value!r}")
+    return out
+
+
 def _positive_float(value: str) -> float:
     try:
         x = float(value)
@@ -248,7 +259,7 @@ def _cmd_bench_teacher(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
     try:
         run_teacher_bench(cfg, prompts=args.prompts, rounds=args.rounds, max_new_tokens=args.max_new_tokens,
-                          json_path=args.json)
+                          json_path=args.json, batches=args.batches)
     except ValueError as e:
         print(f"osd: error: {e}", file=sys.stderr)
         return 2
@@ -478,6 +489,9 @@ def _add_bench_teacher_parser(bench_sub: argparse._SubParsersAction) -> None:
     bt.add_argument("--prompts", type=int, default=32, metavar="N", help="ShareGPT train prompts a round (default 32)")
     bt.add_argument("--rounds", type=int, default=3, metavar="R", help="interleaved rounds (default 3)")
     bt.add_argument("--max-new-tokens", type=int, metavar="M", help="default train.warm_max_new_tokens")
+    bt.add_argument("--batches", metavar="B,B,...", type=_sizes, default=(),
+                    help="compare the engine at these concurrencies instead (train.warm_batch_size; the first is "
+                         "the baseline), capturing the head's features as osd draft init does")
     bt.add_argument("--json", metavar="PATH", default="reports/bench/teacher.json", help="where to write JSON")
     bt.set_defaults(func=_cmd_bench_teacher)
 

@@ -45,14 +45,18 @@ class CaptureBuffer:
         self.lps = torch.empty(rows, top_k, dtype=torch.float16, device=device)
         self.n = 0
 
-    def add(self, target_logits: torch.Tensor) -> None:
-        """target_logits: [m, V] fp32 rows for the m committed positions of one step."""
+    def add(self, target_logits: torch.Tensor, topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """target_logits: [m, V] fp32 rows for the m committed positions of one step. topk: their
+        (ids, log-probs) [>= m, top_k] already computed (a batched step does it for all its
+        rows in one call, ~3x cheaper a row than one call per request)."""
         m = target_logits.shape[0]
         rows = min(m, self.ids.shape[0] - self.n)
         if rows <= 0:
             return
-        logits = target_logits[:rows]
-        ids, lps = topk_logprobs(logits, self.top_k)
+        if topk is None:
+            ids, lps = topk_logprobs(target_logits[:rows], self.top_k)
+        else:
+            ids, lps = topk[0][:rows], topk[1][:rows]
         self.ids[self.n : self.n + rows] = ids
         self.lps[self.n : self.n + rows] = lps
         self.n += rows

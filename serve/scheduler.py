@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from infra.tokens import topk_logprobs
 from serve.batch_forward import Item, forward_batch
 from serve.seq import Seq
 from serve.stages import commit, end_prefill, prefill_tokens, prefilled_chunk, verify
@@ -179,11 +180,12 @@ class Scheduler:
         outs = forward_batch(eng.target, items, layers)
         t2 = time.perf_counter()
         rows = sum(it.tokens.numel() for it in items)
-        for seq, (p, draft_s), (logits, feats) in zip(batch, props, outs):
+        topks = _capture_topk(batch, [lg for lg, _ in outs[:len(batch)]])
+        for seq, (p, draft_s), (logits, feats), topk in zip(batch, props, outs, topks):
             seq.step_feats = _pick(feats, layers, _reads(seq))
             t3 = time.perf_counter()
             n, nxt = verify(seq, p.tokens, p.q, logits, p.point_mass)
-            emitted = commit(seq, p.tokens.tolist(), p.own, logits, n, nxt)
+            emitted = commit(seq, p.tokens.tolist(), p.own, logits, n, nxt, topk)
             eng.after_step(seq, p.tokens.numel(), n, rows, draft_s, t2 - t1, time.perf_counter() - t3)
             seq.deliver(emitted)
         for (seq, toks), (_, feats) in zip(chunks, outs[len(batch):]):
@@ -232,6 +234,23 @@ class Scheduler:
             if budget <= 0:
                 break
         return out
+
+
+def _capture_topk(batch: list[Seq], logits: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Each capturing request's top-k (ids, log-probs) over its logit rows, computed for the
+    whole step in one call when several capture with one top_k (one topk and one logsumexp
+    over [rows, V] instead of one pair per request); None where a request computes its own."""
+    want = [i for i, s in enumerate(batch) if s.capture is not None]
+    ks = {batch[i].capture.top_k for i in want}
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batch)
+    if len(want) < 2 or len(ks) != 1:
+        return out
+    ids, lps = topk_logprobs(torch.cat([logits[i] for i in want]), ks.pop())
+    lo = 0
+    for i in want:
+        t = logits[i].shape[0]
+        out[i], lo = (ids[lo:lo + t], lps[lo:lo + t]), lo + t
+    return out
 
 
 def _reads(seq: Seq) -> tuple[int, ...]:

@@ -77,9 +77,10 @@ def verify(seq: Seq, drafts: torch.Tensor, q: torch.Tensor | None, logits: torch
 
 
 def commit(seq: Seq, drafts: list[int], own: list[float], logits: torch.Tensor, n: int,
-           nxt: int) -> list[int]:
+           nxt: int, topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[int]:
     """Accept n drafts (host ints) plus `nxt`, roll both caches back to the committed prefix,
-    record capture rows, apply stop rules. Returns the tokens this step emitted."""
+    record capture rows, apply stop rules. Returns the tokens this step emitted. topk: the
+    capture's (ids, log-probs) of `logits`' rows, where the caller computed them."""
     k = len(drafts)
     base = len(seq.tokens)
     new = drafts[:n] + [nxt]
@@ -104,7 +105,7 @@ def commit(seq: Seq, drafts: list[int], own: list[float], logits: torch.Tensor, 
             st.drafted_per_pos[i] += 1
             st.reached_per_pos[i] += i <= n
     if seq.capture is not None:
-        seq.capture.add(logits[: n + 1])
+        seq.capture.add(logits[: n + 1], topk)
         seq.cap_accepted += [True] * n + [False]
         seq.cap_draft_tokens += new[:n] + ([drafts[n]] if n < k else [-1])
         seq.cap_draft_probs += own[:n] + ([own[n]] if n < k else [float("nan")])

@@ -306,3 +306,24 @@ def test_head_drafts_of_a_batch_draft_together_and_stay_exact(monkeypatch):
         ref = [target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=20)[0, len(p):].tolist()
                for p in prompts]
     assert alone == ref
+
+
+def test_a_steps_capture_topk_is_computed_once_and_equals_each_requests_own():
+    from types import SimpleNamespace
+
+    from infra.tokens import topk_logprobs
+    from serve.scheduler import _capture_topk
+
+    g = torch.Generator().manual_seed(0)
+    logits = [torch.randn(t, 300, generator=g) for t in (1, 4, 1, 2)]
+    cap = SimpleNamespace(top_k=5)
+    batch = [SimpleNamespace(capture=c) for c in (cap, cap, None, cap)]
+    got = _capture_topk(batch, logits)
+    assert got[2] is None
+    for i in (0, 1, 3):
+        ids, lps = topk_logprobs(logits[i], 5)
+        assert torch.equal(got[i][0], ids) and torch.equal(got[i][1], lps)
+    # one capturing request, or captures of different top_k: each computes its own
+    assert _capture_topk(batch[:3][::2], logits[:3][::2]) == [None, None]
+    other = [SimpleNamespace(capture=SimpleNamespace(top_k=3))] + batch[1:]
+    assert _capture_topk(other, logits) == [None] * 4

@@ -98,12 +98,14 @@ def test_the_recorder_refuses_what_it_cannot_label(loaded):
 class _Engine:
     """DistillEngine's contract (train_batch, export_weights) over AdamW: no process group."""
 
-    def __init__(self, model, tc):
+    def __init__(self, model, tc, autocast=None):
         self.model = model
+        self.autocast = autocast
         self.opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
 
     def train_batch(self, batch, loss_fn):
-        loss = loss_fn(self.model, batch)
+        with torch.autocast("cpu", dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            loss = loss_fn(self.model, batch)
         self.opt.zero_grad()
         loss.backward()
         self.opt.step()

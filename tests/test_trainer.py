@@ -287,3 +287,44 @@ def test_a_group_whose_start_fails_gives_its_placement_group_back(ray_local, str
     states = [pg["state"] for pg in placement_group_table().values()]
     assert states and all(s == "REMOVED" for s in states), states
     assert not [a for a in ray.util.list_named_actors() if a.startswith("osd-trainer-")]
+
+
+_AUTOCAST_STEP = """
+import json, torch
+from infra.config import load_config
+from infra.redis_server import free_port
+from train.ds_engine import DistillEngine, init_distributed
+init_distributed(0, 1, "127.0.0.1", free_port(), "cpu", 120)
+cfg = load_config(environ={}, overrides={"train": {"zero_stage": 1}}).train
+seen = []
+def loss_fn(model, x):
+    y = model(x)
+    seen.append(str(y.dtype))
+    return y.float().pow(2).mean()
+out = {}
+for name, autocast in (("bfloat16", torch.bfloat16), ("none", None)):
+    torch.manual_seed(0)
+    engine = DistillEngine(torch.nn.Linear(8, 4), cfg, autocast=autocast)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    for _ in range(3):  # the learning rate warms up from 0
+        engine.train_batch(torch.randn(16, 8), loss_fn)
+    out[name] = {"forward": seen[-1], "weights": sorted({str(p.dtype) for p in engine.module.parameters()}),
+                 "moved": any(not torch.equal(b, p) for b, p in zip(before, engine.module.parameters()))}
+print(json.dumps(out))
+"""
+
+
+def test_an_autocast_step_runs_its_forward_in_bfloat16_and_keeps_float32_weights():
+    """The head's warm start (train.head_warm_autocast) steps DeepSpeed with the forward under
+    autocast: the loss's GEMMs in bfloat16, the weights it updates still float32."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", _AUTOCAST_STEP], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["bfloat16"] == {"forward": "torch.bfloat16", "weights": ["torch.float32"], "moved": True}
+    assert out["none"] == {"forward": "torch.float32", "weights": ["torch.float32"], "moved": True}

@@ -148,7 +148,9 @@ def ds_config(cfg: TrainConfig) -> dict[str, Any]:
 
 
 class DistillEngine:
-    def __init__(self, model: torch.nn.Module, cfg: TrainConfig):
+    def __init__(self, model: torch.nn.Module, cfg: TrainConfig, autocast: torch.dtype | None = None):
+        """autocast: run each step's forward (loss_fn) under torch.autocast in this dtype; the
+        weights, gradients and optimizer state stay float32."""
         import deepspeed
         import torch.distributed as dist
 
@@ -159,13 +161,16 @@ class DistillEngine:
         self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=ds_config(cfg))
         self.module = self.engine.module
         self.steps = 0
+        self.autocast = autocast
 
     # -- training ----------------------------------------------------------------
 
     def train_batch(self, batch: Any, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]) -> float:
         """One optimizer step on `batch`; loss_fn(model, batch) -> scalar. Returns the loss."""
         self.engine.train()
-        loss = loss_fn(self.engine, batch)
+        device = next(self.module.parameters()).device.type
+        with torch.autocast(device, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            loss = loss_fn(self.engine, batch)
         self.engine.backward(loss)
         self.engine.step()
         self.steps += 1

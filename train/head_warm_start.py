@@ -272,7 +272,7 @@ def _train(cfg: OSDConfig, head: Any, target: Any, fs_train: Any, epochs: int,
 
     tc = cfg.train
     init_distributed(0, 1, "127.0.0.1", free_port(), tc.device)
-    engine = DistillEngine(head, tc)
+    engine = DistillEngine(head, tc, autocast=torch.bfloat16 if tc.head_warm_autocast == "bfloat16" else None)
     t = time.perf_counter()
     losses = train_epochs(engine, fs_train, head_loss_fn(target.lm_head.weight.detach()), epochs=epochs,
                           token_budget=token_budget, log=_log)
