@@ -350,7 +350,8 @@ class TrainConfig(_Section):
     warm_cuda_batch_size: int = Field(1024, ge=1)
     # The head's warm start (`osd draft init --family head`) adds ShareGPT conversations as
     # fixed text to the teacher records and makes its own number of passes: 400 and 2 gave
-    # 220,644 tokens in 27-34 minutes on 2 cores (README, "Head against the layer draft").
+    # 220,644 tokens in 27-34 minutes on 2 cores (README, "Head against the layer draft"); 17.4
+    # minutes since the engine teacher batches 64 prompts and training runs under bfloat16 autocast.
     head_warm_conversations: int = Field(400, ge=0)
     head_warm_epochs: int = Field(2, ge=1)
     # Padded feature rows per optimizer step of the head's warm start. Optimizer steps, not rows,
