@@ -97,7 +97,10 @@ def test_every_expression_parses_and_names_only_registered_metrics():
     assert all("draft_version" in e for e in exprs(gd.dashboard()) if "spec_decode" in e)
 
 
-def _scrape(port: int, want: set[str], timeout: float = 60.0) -> set[str]:
+def _scrape(port: int, want: set[str], timeout: float = 60.0, again=None) -> set[str]:
+    """The ray_osd_ names on the endpoint once `want` are all there, or at the deadline.
+    again(): record the values once more while waiting (Ray's export sometimes drops a first
+    report's series, and a metric shows only after a value lands in a later report)."""
     deadline = time.monotonic() + timeout
     while True:
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -105,6 +108,9 @@ def _scrape(port: int, want: set[str], timeout: float = 60.0) -> set[str]:
                  if line.startswith("ray_osd_")}
         if want <= names or time.monotonic() > deadline:
             return names
+        if again is not None:
+            again()
+        time.sleep(1.0)
 
 
 class _Emitter:
@@ -165,7 +171,7 @@ def test_registered_names_are_what_rays_endpoint_exposes():
         emitter = ray.remote(num_cpus=0)(_Emitter).remote()
         assert ray.get(emitter.emit.remote(), timeout=120)
         want = exposed_names(declared())
-        got = _scrape(port, want)
+        got = _scrape(port, want, again=lambda: ray.get(emitter.emit.remote(), timeout=120))
     finally:
         ray.shutdown()
         if saved is None:
