@@ -316,7 +316,8 @@ class TrainConfig(_Section):
     gate_min_records: int = Field(20, ge=1)
     gate_confidence: float = Field(0.95, gt=0, lt=1)
     gate_resamples: int = Field(2000, ge=100)
-    # Warm start (`osd draft init`): teacher outputs for this many ShareGPT train prompts.
+    # Warm start (`osd draft init --family layer`; the head's are head_warm_*): teacher outputs
+    # for this many ShareGPT train prompts.
     warm_prompts: int = Field(256, ge=1)
     warm_max_new_tokens: int = Field(64, ge=1)
     warm_epochs: int = Field(6, ge=1)
@@ -348,11 +349,20 @@ class TrainConfig(_Section):
     # (train/teacher_batch.py), where the GPU's decode rows cost little more than one; the
     # shards grow to hold a batch.
     warm_cuda_batch_size: int = Field(1024, ge=1)
-    # The head's warm start (`osd draft init --family head`) adds ShareGPT conversations as
-    # fixed text to the teacher records and makes its own number of passes: 400 and 2 gave
-    # 220,644 tokens in 27-34 minutes on 2 cores (README, "Head against the layer draft"); 17.4
-    # minutes since the engine teacher batches 64 prompts and training runs under bfloat16 autocast.
-    head_warm_conversations: int = Field(400, ge=0)
+    # The head's warm start (`osd draft init --family head`) reads these instead of warm_prompts,
+    # warm_max_new_tokens and warm_turns (TrainConfig.for_family): the target's own answers to
+    # 1536 prompts of every human turn, 128 tokens each. At equal rows its answers taught the
+    # head more than ShareGPT text (README, "ShareGPT text against the target's own answers"),
+    # and on 2 cores a minute makes about as many rows of either; so no ShareGPT conversations
+    # by default (head_warm_conversations adds them as fixed text). 2 passes over the data.
+    head_warm_prompts: int = Field(1536, ge=1)
+    head_warm_max_new_tokens: int = Field(128, ge=1)
+    head_warm_turns: Literal["first", "all"] = "all"
+    # ... and generates for at most this many minutes (warm_budget_minutes; None: every prompt),
+    # so the warm start fits its half hour on a slower CPU too: 2 AVX-512 cores answer about
+    # 1,500 of the prompts in 12 minutes, 2 AVX2-only Zen 3 cores about a quarter of that.
+    head_warm_budget_minutes: float | None = Field(12.0, gt=0)
+    head_warm_conversations: int = Field(0, ge=0)
     head_warm_epochs: int = Field(2, ge=1)
     # Padded feature rows per optimizer step of the head's warm start. Optimizer steps, not rows,
     # limited the heads measured so far: on an H200, 16384 rows a step gave 186 steps over
@@ -361,9 +371,11 @@ class TrainConfig(_Section):
     # GPU default is 2048: 8x the steps, each a few ms there (not yet measured on a GPU).
     head_token_budget: int = Field(512, ge=8)
     # The head's warm-start steps run their forward under autocast in this dtype ("none":
-    # float32); weights, gradients and AdamW state stay float32. On 2 cores a 512-row step of
-    # the SmolLM2 head took 350 ms in bfloat16 against 600 in float32.
-    head_warm_autocast: Literal["none", "bfloat16"] = "bfloat16"
+    # float32); weights, gradients and AdamW state stay float32. On 2 AVX-512 cores a 512-row
+    # step of the SmolLM2 head took 350 ms in bfloat16 against 600 in float32. "auto":
+    # bfloat16 on a GPU or a CPU with native bfloat16 GEMMs (infra/cpu.py), else float32,
+    # since an AVX2-only CPU emulates bfloat16 several times slower than float32.
+    head_warm_autocast: Literal["auto", "none", "bfloat16"] = "auto"
     head_cuda_token_budget: int = Field(2048, ge=8)
     # The head's draft vocabulary comes from the token counts of "warm_data" (its training data:
     # teacher records and ShareGPT text), or "teacher_domains": those plus the target's own
@@ -371,6 +383,16 @@ class TrainConfig(_Section):
     # alike, so code and math tokens are not crowded out by chat (`osd draft vocab-study`).
     head_vocab_source: Literal["warm_data", "teacher_domains"] = "warm_data"
     head_vocab_prompts: int = Field(64, ge=1)
+
+    def for_family(self, family: str) -> "TrainConfig":
+        """The settings a family's warm start reads as warm_prompts, warm_max_new_tokens,
+        warm_turns and warm_budget_minutes: the head's own (head_warm_*), or these for the
+        layer draft. Idempotent."""
+        if family != "head":
+            return self
+        return self.model_copy(update={"warm_prompts": self.head_warm_prompts, "warm_turns": self.head_warm_turns,
+                                       "warm_max_new_tokens": self.head_warm_max_new_tokens,
+                                       "warm_budget_minutes": self.head_warm_budget_minutes})
 
     @field_validator("resources")
     @classmethod
@@ -433,6 +455,10 @@ class OSDConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     registry: RegistryConfig = Field(default_factory=RegistryConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+
+    def for_warm_start(self, family: str) -> "OSDConfig":
+        """This config as `osd draft init --family <family>` reads it (TrainConfig.for_family)."""
+        return self.model_copy(update={"train": self.train.for_family(family)})
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

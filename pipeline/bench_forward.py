@@ -27,8 +27,10 @@ from serve.runner import LlamaRunner
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                      intermediate_size=1536)
-# A variant: "float32", "bfloat16", "float16", or "int4" (int4 weights, bfloat16 activations).
-VARIANTS = ("float32", "bfloat16", "float16", "int4")
+# A variant: "float32", "bfloat16", "float16", or "int4" (int4 weights, bfloat16 activations;
+# its many-row weights as serving keeps them on this CPU: float32 where bfloat16 GEMMs are
+# not native, infra/cpu.py), and "int4-bf16wide" (int4, its many-row weights bfloat16 on any CPU).
+VARIANTS = ("float32", "bfloat16", "float16", "int4", "int4-bf16wide")
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
@@ -46,7 +48,7 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
 
 def _model(variant: str, device: str, max_seq_len: int, real: Any, cache: dict[str, Any]) -> Any:
     """The model a variant runs: one per dtype, shared by eager/graph/int4 runners."""
-    dtype = "bfloat16" if variant == "int4" else variant
+    dtype = "bfloat16" if variant.startswith("int4") else variant
     if dtype not in cache:
         if real is not None:  # Module.to converts in place: each dtype gets its own copy
             cache[dtype] = copy.deepcopy(real).to(getattr(torch, dtype))
@@ -98,14 +100,16 @@ def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_to
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}: expected some of {', '.join(VARIANTS)}")
-    if "int4" in variants and device != "cpu":
+    if any(v.startswith("int4") for v in variants) and device != "cpu":
         raise ValueError("the int4 variant is the CPU path; drop it with --device cuda")
     models: dict[str, Any] = {}
     runners: dict[str, Any] = {}
     for v in variants:
         model = _model(v, device, max_seq_len, real, models)
-        runners[v] = LlamaRunner(model, max_seq_len, quant="int4" if v == "int4" else "none")
-        if device == "cuda" and v != "int4":
+        int4 = v.startswith("int4")
+        runners[v] = LlamaRunner(model, max_seq_len, quant="int4" if int4 else "none",
+                                 wide_upcast=False if v == "int4-bf16wide" else None)
+        if device == "cuda" and not int4:
             from serve.graphs import GraphLlamaRunner
 
             runners[f"{v}-graph"] = GraphLlamaRunner(model, max_seq_len)

@@ -6,8 +6,9 @@ engine, ...), so a busy machine slows both alike; the table gives each round's g
 tokens per second and the median ratio. Neither side caches: this times generation only.
 
 `--batches B,B,...` compares the engine at those concurrencies (`train.warm_batch_size`)
-instead, each capturing the head's features as `osd draft init` does, in interleaved rounds
-over the same prompts; the first batch size is the baseline of the ratios.
+instead, each capturing the head's features as `osd draft init` does (its prompts and answer
+length: train.head_warm_*), in interleaved rounds over the same prompts; the first batch size
+is the baseline of the ratios.
 """
 
 from __future__ import annotations
@@ -21,6 +22,22 @@ from typing import Any
 from infra.config import OSDConfig
 
 
+def _prompt_pool(cfg: OSDConfig, prompts: int, rounds: int) -> list:
+    """rounds * prompts distinct ShareGPT train prompts, or a clear error when there are fewer."""
+    from train.teacher_set import warm_prompts
+
+    pool = warm_prompts(cfg, prompts * rounds)
+    if len(pool) < prompts * rounds:
+        raise ValueError(f"only {len(pool)} ShareGPT train prompts for {rounds} rounds of {prompts}")
+    return pool
+
+
+def _write_json(out: dict[str, Any], json_path: str | Path | None) -> None:
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(out, indent=2))
+
+
 def run_teacher_bench(cfg: OSDConfig, prompts: int = 32, rounds: int = 3, max_new_tokens: int | None = None,
                       json_path: str | Path | None = None, batches: tuple[int, ...] = ()) -> dict[str, Any]:
     if batches:
@@ -28,13 +45,9 @@ def run_teacher_bench(cfg: OSDConfig, prompts: int = 32, rounds: int = 3, max_ne
     from infra.target import load_target
     from pipeline.teacher_engine import EngineTeacher
     from train.teacher_data import generate_teacher_records
-    from train.teacher_set import warm_prompts
-
     tc = cfg.train
     new = max_new_tokens or tc.warm_max_new_tokens
-    pool = warm_prompts(cfg, prompts * rounds)
-    if len(pool) < prompts * rounds:
-        raise ValueError(f"only {len(pool)} ShareGPT train prompts for {rounds} rounds of {prompts}")
+    pool = _prompt_pool(cfg, prompts, rounds)
     f32 = load_target(cfg.model.target, cfg.model.for_training(), progress=False)
     engine = EngineTeacher(cfg)
     ways = {"hf": lambda chunk: generate_teacher_records(f32.model, f32.tokenizer, chunk, max_new_tokens=new,
@@ -60,9 +73,7 @@ def run_teacher_bench(cfg: OSDConfig, prompts: int = 32, rounds: int = 3, max_ne
     out = {"prompts_per_round": prompts, "rounds": rounds, "max_new_tokens": new,
            "batch": tc.warm_batch_size, "rows": rows, "engine_over_hf_median": statistics.median(ratios)}
     print(f"engine / hf generated tok/s, median of {rounds} interleaved rounds: {out['engine_over_hf_median']:.2f}x")
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(out, indent=2))
+    _write_json(out, json_path)
     return out
 
 
@@ -72,14 +83,12 @@ def _run_batch_bench(cfg: OSDConfig, prompts: int, rounds: int, max_new_tokens: 
     from infra.prompts import chat_ids
     from infra.target import load_target
     from pipeline.teacher_engine import EngineTeacher
-    from train.teacher_set import warm_prompts
 
     if len(batches) < 2 or min(batches) < 1:
         raise ValueError(f"--batches needs two or more sizes >= 1, got {','.join(map(str, batches))}")
+    cfg = cfg.for_warm_start("head")  # the head's prompts and answer length, as its `osd draft init`
     new = max_new_tokens or cfg.train.warm_max_new_tokens
-    pool = warm_prompts(cfg, prompts * rounds)
-    if len(pool) < prompts * rounds:
-        raise ValueError(f"only {len(pool)} ShareGPT train prompts for {rounds} rounds of {prompts}")
+    pool = _prompt_pool(cfg, prompts, rounds)
     loaded = load_target(cfg.model.target, cfg.model, progress=False)
     layers = default_feature_layers(loaded.model.config.num_hidden_layers)
     top_k = cfg.serve.capture_top_k
@@ -106,7 +115,5 @@ def _run_batch_bench(cfg: OSDConfig, prompts: int, rounds: int, max_new_tokens: 
         print(f"batch {b} / batch {base} generated tok/s, median of {rounds} interleaved rounds: {q:.2f}x")
     out = {"prompts_per_round": prompts, "rounds": rounds, "max_new_tokens": new, "feature_layers": list(layers),
            "batches": list(batches), "rows": rows, "over_first_median": {str(b): q for b, q in ratios.items()}}
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(out, indent=2))
+    _write_json(out, json_path)
     return out

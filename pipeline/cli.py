@@ -147,13 +147,14 @@ def _cmd_serve(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
 def _draft_init_config(cfg: OSDConfig, args: argparse.Namespace) -> OSDConfig:
     """The config with `osd draft init`'s flags applied, re-validated like the file's values."""
-    flags = {"warm_prompts": args.prompts, "warm_max_new_tokens": args.max_new_tokens, "warm_teacher": args.teacher,
-             "warm_budget_minutes": args.budget_minutes, "warm_turns": args.turns,
-             "warm_prompt_chars": args.prompt_chars, "device": args.device}
+    flags = {"warm_teacher": args.teacher, "warm_prompt_chars": args.prompt_chars, "device": args.device}
     if args.family == "head":
-        flags.update(head_warm_epochs=args.epochs, head_warm_conversations=args.conversations)
+        flags.update(head_warm_epochs=args.epochs, head_warm_conversations=args.conversations,
+                     head_warm_prompts=args.prompts, head_warm_max_new_tokens=args.max_new_tokens,
+                     head_warm_turns=args.turns, head_warm_budget_minutes=args.budget_minutes)
     else:
-        flags.update(warm_epochs=args.epochs)
+        flags.update(warm_epochs=args.epochs, warm_prompts=args.prompts, warm_max_new_tokens=args.max_new_tokens,
+                     warm_turns=args.turns, warm_budget_minutes=args.budget_minutes)
     updates = {k: v for k, v in flags.items() if v is not None}
     model = {"device": args.device} if args.device else {}  # the target generates where the draft trains
     return load_config(args.config, overrides={"train": updates, "model": model}) if updates else cfg
@@ -453,7 +454,7 @@ def _add_registry_parser(sub: argparse._SubParsersAction) -> None:
     rg.set_defaults(func=_cmd_registry)
 
 
-VARIANT_CHOICES = ("float32", "bfloat16", "float16", "int4")
+VARIANT_CHOICES = ("float32", "bfloat16", "float16", "int4", "int4-bf16wide")
 
 
 def _add_bench_forward_parser(bench_sub: argparse._SubParsersAction) -> None:
@@ -461,8 +462,9 @@ def _add_bench_forward_parser(bench_sub: argparse._SubParsersAction) -> None:
                                               "run (eager; on CUDA also graphs)")
     bf.add_argument("--device", default="cpu", help="cpu or cuda")
     bf.add_argument("--variants", nargs="+", choices=VARIANT_CHOICES, metavar="V",
-                    help="float32, bfloat16, float16 and/or int4 (int4 weights, bfloat16 activations; CPU); "
-                         "default: float32 bfloat16 int4 on CPU, bfloat16 on CUDA")
+                    help="float32, bfloat16, float16, int4 (int4 weights, bfloat16 activations; CPU; many-row "
+                         "weights float32 where this CPU emulates bfloat16) and/or int4-bf16wide (many-row weights "
+                         "bfloat16 anyway); default: float32 bfloat16 int4 on CPU, bfloat16 on CUDA")
     bf.add_argument("--inductor", action="store_true", help="also time each variant through torch.compile "
                     "(Inductor; a compile per token count, about a minute each on 2 cores)")
     bf.add_argument("--real", action="store_true", help="time the real target (model.target) instead of random "
@@ -488,7 +490,8 @@ def _add_bench_teacher_parser(bench_sub: argparse._SubParsersAction) -> None:
                                               "serving engine's continuous batching, interleaved rounds")
     bt.add_argument("--prompts", type=int, default=32, metavar="N", help="ShareGPT train prompts a round (default 32)")
     bt.add_argument("--rounds", type=int, default=3, metavar="R", help="interleaved rounds (default 3)")
-    bt.add_argument("--max-new-tokens", type=int, metavar="M", help="default train.warm_max_new_tokens")
+    bt.add_argument("--max-new-tokens", type=int, metavar="M",
+                    help="default train.warm_max_new_tokens (--batches: train.head_warm_max_new_tokens)")
     bt.add_argument("--batches", metavar="B,B,...", type=_sizes, default=(),
                     help="compare the engine at these concurrencies instead (train.warm_batch_size; the first is "
                          "the baseline), capturing the head's features as osd draft init does")
@@ -636,10 +639,12 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
     dr_p = sub.add_parser("draft", help="draft models")
     dr_sub = dr_p.add_subparsers(dest="action", required=True, metavar="ACTION")
     di = dr_sub.add_parser("init", help="warm start: distill the first draft offline from the target's outputs")
-    di.add_argument("--prompts", type=int, help="ShareGPT train prompts (default train.warm_prompts)")
+    di.add_argument("--prompts", type=int, help="ShareGPT train prompts the target answers (default "
+                                               "train.head_warm_prompts: 1536; layer: train.warm_prompts: 256)")
     di.add_argument("--epochs", type=int, help="passes over the training data (default train.head_warm_epochs, "
                                                "train.warm_epochs for layer)")
-    di.add_argument("--max-new-tokens", type=int, help="teacher tokens per prompt (default train.warm_max_new_tokens)")
+    di.add_argument("--max-new-tokens", type=int, help="teacher tokens per prompt (default "
+                                                      "train.head_warm_max_new_tokens: 128; layer: train.warm_max_new_tokens: 64)")
     di.add_argument("--teacher", choices=("engine", "hf", "batch"),
                     help="who writes the teacher answers: the serving engine, continuously batched in the "
                          "serving weight format, Hugging Face generate, or batch: static batches with the head's "
@@ -655,13 +660,14 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
     di.add_argument("--draft-vocab", type=int, help="head: draft vocabulary size V_d (default 8192)")
     di.add_argument("--budget-minutes", type=_positive_float, metavar="N",
                     help="stop teacher generation after N minutes and train on what the cache holds; a later run "
-                         "generates only the prompts still missing (default train.warm_budget_minutes: none)")
+                         "generates only the prompts still missing (default train.head_warm_budget_minutes: 12; "
+                         "layer: train.warm_budget_minutes: none)")
     di.add_argument("--device", choices=("cpu", "cuda"),
                     help="where the target generates and the head trains (default train.device: cpu); cuda: "
                          "static batches of train.warm_cuda_batch_size prompts, features kept in GPU memory")
     di.add_argument("--turns", choices=("first", "all"),
                     help="ShareGPT human turns used as prompts: each conversation's first, or every turn alone "
-                         "(default train.warm_turns: first)")
+                         "(default train.head_warm_turns: all; layer: train.warm_turns: first)")
     di.add_argument("--prompt-chars", type=int, metavar="N",
                     help="the longest prompt in characters (default train.warm_prompt_chars: 600)")
     di.add_argument("--curve", type=_fractions, default=(), metavar="F,F,...",

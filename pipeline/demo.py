@@ -267,7 +267,7 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 2100, sp
     state = Path(cfg.state_dir) / "demo" / time.strftime("%Y%m%d-%H%M%S")
     dcfg = demo_config(cfg, state)
     ensure_stable(dcfg, warm_start_dir=v1)
-    general, code, speed_set = workload_prompts(cfg, speed_prompts)
+    general, code, speed_set = workload_prompts(cfg, speed_prompts, family)
     _log(f"workload: {len(general)} general then {len(code)} code held-out prompts; "
          f"{general_s:.0f} s general, {code_s:.0f} s code, {max_tokens} tokens each, {concurrency} clients")
 
@@ -317,7 +317,7 @@ def prepare(cfg: OSDConfig, family: str = "head") -> tuple[Any, Path]:
     return loaded, v1
 
 
-def workload_prompts(cfg: OSDConfig, speed_prompts: int) -> tuple[list, list, list]:
+def workload_prompts(cfg: OSDConfig, speed_prompts: int, family: str = "head") -> tuple[list, list, list]:
     """(general, code, speed check) prompts: short held-out ShareGPT prompts, no text twice."""
     from infra.prompts import load_sharegpt
     from train.teacher_set import warm_prompts
@@ -330,9 +330,12 @@ def workload_prompts(cfg: OSDConfig, speed_prompts: int) -> tuple[list, list, li
     # The held-out split has ~100 short code prompts, fewer than the code phase sends: go on with
     # train-split code prompts that v1 never saw, so no prompt repeats. A repeat would be served
     # by a draft already trained on the target's answer to it, and inflate its acceptance.
-    warm_ids = {p.id for p in warm_prompts(cfg, cfg.train.warm_prompts, prompts=sharegpt)}
+    # v1's prompts as its warm start chose them (the head's: every human turn), excluded by text.
+    wcfg = cfg.for_warm_start(family)
+    pool = sharegpt if wcfg.train.warm_turns == "first" else None  # None: parsed again, every turn
+    warm_texts = {p.text for p in warm_prompts(wcfg, wcfg.train.warm_prompts, prompts=pool)}
     code = unique_texts(code + [p for p in sharegpt if p.split == "train" and p.domain == "code"
-                                and len(p.text) <= 600 and p.id not in warm_ids],
+                                and len(p.text) <= 600 and p.text not in warm_texts],
                         exclude={p.text for p in speed_set})
     return general, code, speed_set
 

@@ -20,7 +20,8 @@ from typing import Any, Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from serve.linear import QUANT_MODES, Dense, Int4, Int8, make_linear
+from infra.cpu import native_bf16_gemm
+from serve.linear import QUANT_MODES, Dense, Int4, Int8, Upcast, make_linear
 
 
 class KVCache(Protocol):
@@ -201,10 +202,19 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return o[0].transpose(0, 1).reshape(t, nh * hd)
 
 
-def _shared_head(weight: torch.Tensor, quant: str, dtype: torch.dtype) -> Dense | Int8:
+def _shared_head(weight: torch.Tensor, quant: str, dtype: torch.dtype) -> Dense | Int8 | Upcast:
     w = weight.detach()
-    return _cached(("head", quant, dtype, _tensor_key(w)), (w,),
-                   lambda: Dense(w) if quant == "none" else Int8.from_weight(w, dtype))
+    return _cached(("head", quant, dtype, _tensor_key(w)), (w,), lambda: make_linear(w, quant, dtype))
+
+
+def wide_format(dtype: torch.dtype, upcast: bool | None = None) -> str:
+    """How a runner keeps its wide weights (prompts, batched steps of many rows): "none", the
+    model's own weights, or "upcast", float32 copies under its lower-precision activations,
+    where this CPU has no native bfloat16 GEMM (infra/cpu.py). upcast:
+    force either way (tests); None: decide by dtype and CPU."""
+    if upcast is None:
+        upcast = dtype != torch.float32 and not native_bf16_gemm()
+    return "upcast" if upcast else "none"
 
 
 def prefix_attend(cache: StaticKVCache, start: int, end: int, mask: torch.Tensor | None, gqa: bool):
@@ -245,7 +255,8 @@ class LlamaRunner:
     "int4" multiplies every decoder linear by group-wise int4 weights (serve/linear.py),
     the GGUF target's own Q4_1 weights. The head and embedding stay in the model's dtype."""
 
-    def __init__(self, model: Any, max_seq_len: int | None = None, quant: str = "none"):
+    def __init__(self, model: Any, max_seq_len: int | None = None, quant: str = "none",
+                 wide_upcast: bool | None = None):
         cfg = model.config
         if getattr(cfg, "model_type", None) not in ("llama",):
             raise TypeError(f"LlamaRunner needs a Llama model, got {cfg.model_type!r}")
@@ -268,7 +279,9 @@ class LlamaRunner:
         self.head = self._make_head(model.lm_head.weight, quant)
         # Many rows at once (a batched step): the model's own weights, which oneDNN multiplies
         # with reuse across rows, where the int4/int8 kernels cost about as much per row as alone.
-        self.wide_head = self.head if quant == "none" else _shared_head(model.lm_head.weight, "none", self.dtype)
+        wide = wide_format(self.dtype, wide_upcast if self.device.type == "cpu" else False)
+        self.wide_head = (self.head if quant == wide == "none"
+                          else _shared_head(model.lm_head.weight, wide, self.dtype))
         if any(getattr(layer.self_attn.q_proj, "bias", None) is not None for layer in inner.layers):
             raise TypeError("LlamaRunner does not support attention biases; use HFRunner")
 
@@ -289,7 +302,9 @@ class LlamaRunner:
         # int4 is slower there. oneDNN's bf16 GEMM reuses each weight across rows, the int4
         # kernel costs about as much per row at any count (2 cores, SmolLM2 decoder: 64 rows
         # 59 vs 83 ms; 16 rows 26 vs 22 ms; 8 rows 22 vs 12 ms).
-        self.prefill_blocks = self.blocks if quant == "none" else stack("none")
+        # Where the CPU has no native bfloat16 GEMM they are float32 (wide_format): 64 rows of a
+        # SmolLM2-shaped int4 model took 353 ms against 1044 ms in bfloat16 (2 Zen 3 cores).
+        self.prefill_blocks = self.blocks if quant == wide == "none" else stack(wide)
         # RoPE tables from the model's own rotary module, so any rope scaling it applies is kept.
         with torch.no_grad():
             pos = torch.arange(self.max_seq_len, device=self.device).unsqueeze(0)

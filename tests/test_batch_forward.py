@@ -33,12 +33,14 @@ def _seqs(gen):
             for c, t, lg in spec]
 
 
-@pytest.mark.parametrize("quant,dtype,tol", [("none", "float32", 1e-4), ("none", "bfloat16", 2e-2),
-                                             ("int4", "bfloat16", 3e-2)])
-def test_batched_rows_equal_each_sequence_alone(quant, dtype, tol):
+@pytest.mark.parametrize("quant,dtype,tol,upcast", [("none", "float32", 1e-4, False), ("none", "bfloat16", 2e-2, False),
+                                                    ("int4", "bfloat16", 3e-2, False), ("none", "bfloat16", 2e-2, True),
+                                                    ("int4", "bfloat16", 3e-2, True)])
+def test_batched_rows_equal_each_sequence_alone(quant, dtype, tol, upcast):
     """int4: this batch is wide, so it runs the bfloat16 weights and the bfloat16 head where
-    alone a sequence runs int4 and int8: the same model, up to the int8 head's rounding."""
-    runner = LlamaRunner(tiny(dtype, on_int4_grid=quant == "int4"), 128, quant)
+    alone a sequence runs int4 and int8: the same model, up to the int8 head's rounding.
+    upcast: the wide weights in float32, as on a CPU without native bfloat16 GEMMs."""
+    runner = LlamaRunner(tiny(dtype, on_int4_grid=quant == "int4"), 128, quant, wide_upcast=upcast)
     seqs = _seqs(torch.Generator().manual_seed(0))
     layers = (0, 2)
     pooled = runner.new_caches(len(seqs))
@@ -111,3 +113,26 @@ def test_a_growing_pool_keeps_what_its_slots_hold(monkeypatch):
         torch.testing.assert_close(logits, runner.forward(t, alone), rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="exceeds"):
         caches[1].reserve(129)
+
+
+def test_wide_weights_are_float32_only_where_bfloat16_gemms_are_not_native(monkeypatch):
+    import serve.runner
+    from serve.linear import Dense, Int4, Upcast
+
+    model = tiny("bfloat16", on_int4_grid=True)
+    forced = LlamaRunner(model, 128, "int4", wide_upcast=True)
+    qkv = forced.prefill_blocks[0][1]
+    assert isinstance(qkv, Upcast) and qkv.weight.dtype == torch.float32 and isinstance(forced.blocks[0][1], Int4)
+    assert isinstance(forced.wide_head, Upcast)
+    x = torch.randn(30, 64, dtype=torch.bfloat16)
+    got = qkv(x)
+    assert got.dtype == torch.bfloat16  # the activations keep their dtype
+    torch.testing.assert_close(got.float(), x.float() @ qkv.weight.t(), rtol=1e-2, atol=1e-2)
+    # Decided by the CPU: float32 copies only for a lower-precision model where bfloat16 is emulated.
+    monkeypatch.setattr(serve.runner, "native_bf16_gemm", lambda: False)
+    assert isinstance(LlamaRunner(model, 128, "int4").prefill_blocks[0][1], Upcast)
+    f32 = LlamaRunner(tiny("float32"), 128, "none")
+    assert f32.prefill_blocks is f32.blocks and isinstance(f32.blocks[0][1], Dense)
+    monkeypatch.setattr(serve.runner, "native_bf16_gemm", lambda: True)
+    native = LlamaRunner(model, 128, "int4")
+    assert isinstance(native.prefill_blocks[0][1], Dense) and native.prefill_blocks[0][1].weight.dtype == torch.bfloat16

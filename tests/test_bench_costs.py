@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 from infra.target import build_tiny_llama
 from pipeline.bench_forward import build_runners, run_forward_bench
@@ -17,12 +18,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def test_forward_bench_times_every_variant_and_token_count(tmp_path):
     model = build_tiny_llama(seed=0, hidden_size=64, intermediate_size=128, max_positions=128)
     out = tmp_path / "f.json"
-    r = run_forward_bench(variants=("float32", "bfloat16", "int4"), tokens=(1, 3), context=16, repeats=2,
-                          max_seq_len=128, real=model, json_path=str(out), log=lambda s: None)
+    r = run_forward_bench(variants=("float32", "bfloat16", "int4", "int4-bf16wide"), tokens=(1, 3, 24),
+                          context=16, repeats=2, max_seq_len=128, real=model, json_path=str(out), log=lambda s: None)
     assert json.loads(out.read_text()) == r
-    assert set(r["ms"]) == {"float32", "bfloat16", "int4"} and r["weights"] == "real"
+    assert set(r["ms"]) == {"float32", "bfloat16", "int4", "int4-bf16wide"} and r["weights"] == "real"
     for name, by_t in r["ms"].items():
-        assert set(by_t) == {"1", "3"} and all(v > 0 for v in by_t.values())
+        assert set(by_t) == {"1", "3", "24"} and all(v > 0 for v in by_t.values())
         assert r["vs_t1"][name]["1"] == 1.0
 
 
@@ -31,6 +32,17 @@ def test_forward_bench_refuses_unknown_or_misplaced_variants():
         build_runners(["int3"], "cpu", 64, 3)
     with pytest.raises(ValueError, match="CPU path"):
         build_runners(["int4"], "cuda", 64, 3)
+    with pytest.raises(ValueError, match="CPU path"):
+        build_runners(["int4-bf16wide"], "cuda", 64, 3)
+
+
+def test_the_bf16wide_variant_keeps_bfloat16_wide_weights_on_any_cpu():
+    from serve.linear import Dense
+
+    model = build_tiny_llama(seed=0, hidden_size=64, intermediate_size=128, max_positions=128)
+    runners = build_runners(["int4", "int4-bf16wide"], "cpu", 64, 3, real=model)
+    wide = runners["int4-bf16wide"].prefill_blocks[0][1]
+    assert isinstance(wide, Dense) and wide.weight.dtype == torch.bfloat16
 
 
 def _prompts(tmp_path):

@@ -139,7 +139,7 @@ def test_the_demo_builds_a_missing_head_once_with_the_configured_settings(tmp_pa
         _, v1 = prepare(cfg)
     assert v1 == tmp_path / "drafts" / "head-v1"
     # The measured defaults and the serving engine as teacher, built once, then taken from disk.
-    assert calls == [(400, 2, "engine-none", {})]
+    assert calls == [(0, 2, "engine-none", {})]
 
 
 @pure
@@ -236,3 +236,15 @@ def test_report_counts_requests_decisions_and_names_each_version_s_paired_estima
     assert r["phases"] == {"general_s": 10, "code_s": 20, "shift_time": 4.0, "start_time": 1.0,
                            "requests_general": 1, "requests_code": 2}
     assert r["decisions"][1] == {"time": 6.0, "action": "promote", "version": "v2", "reason": "ok", "weight": None}
+
+
+def test_the_code_phase_sends_no_prompt_the_head_answered_in_its_warm_start():
+    from pipeline.demo import workload_prompts
+    from train.teacher_set import warm_prompts
+
+    cfg = OSDConfig()
+    wcfg = cfg.for_warm_start("head")
+    warm_code = {p.text for p in warm_prompts(wcfg, wcfg.train.warm_prompts) if p.domain == "code"}
+    assert len(warm_code) > 20  # every human turn of v1's 1536 prompts: code among them, so this can fail
+    general, code, speed = workload_prompts(cfg, 12, "head")
+    assert code and not warm_code & {p.text for p in code + speed + general}

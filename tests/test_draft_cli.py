@@ -14,10 +14,12 @@ def test_budget_minutes_reaches_the_config_for_either_family(monkeypatch):
     for family, epochs_field in (("head", "head_warm_epochs"), ("layer", "warm_epochs")):
         args = build_parser().parse_args(["draft", "init", "--family", family, "--budget-minutes", "2.5",
                                           "--epochs", "3"])
-        cfg = _draft_init_config(OSDConfig(), args)
+        cfg = _draft_init_config(OSDConfig(), args).for_warm_start(family)
         assert cfg.train.warm_budget_minutes == 2.5 and getattr(cfg.train, epochs_field) == 3
-    plain = build_parser().parse_args(["draft", "init"])
-    assert _draft_init_config(OSDConfig(), plain).train.warm_budget_minutes is None  # default: no budget
+    plain = build_parser().parse_args(["draft", "init", "--family", "layer"])
+    assert _draft_init_config(OSDConfig(), plain).train.warm_budget_minutes is None  # the layer's: no budget
+    head = _draft_init_config(OSDConfig(), build_parser().parse_args(["draft", "init"]))
+    assert head.for_warm_start("head").train.warm_budget_minutes == 12  # the head's: 12 minutes of answers
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "abc", "inf"])
@@ -40,3 +42,24 @@ def test_vocab_study_refuses_a_bad_eval_file_before_loading_anything(capsys, mon
     monkeypatch.setenv("OSD_STATE_DIR", str(tmp_path))
     assert main(["draft", "vocab-study", "--eval-file", "no-equals-sign"]) == 2
     assert "NAME=PATH" in capsys.readouterr().err
+
+
+def test_the_head_answers_its_own_prompts_and_the_layer_draft_keeps_warm_prompts(monkeypatch):
+    monkeypatch.delenv("OSD_CONFIG", raising=False)
+    flags = ["--prompts", "7", "--max-new-tokens", "9", "--turns", "first"]
+    head = _draft_init_config(OSDConfig(), build_parser().parse_args(["draft", "init", *flags]))
+    assert (head.train.head_warm_prompts, head.train.head_warm_max_new_tokens, head.train.head_warm_turns) == \
+        (7, 9, "first")
+    assert (head.train.warm_prompts, head.train.warm_max_new_tokens) == (256, 64)  # the layer's, untouched
+    seen = head.for_warm_start("head").train
+    assert (seen.warm_prompts, seen.warm_max_new_tokens, seen.warm_turns) == (7, 9, "first")
+    assert head.for_warm_start("head").for_warm_start("head") == head.for_warm_start("head")  # idempotent
+    assert head.for_warm_start("layer") == head
+    layer = _draft_init_config(OSDConfig(), build_parser().parse_args(["draft", "init", "--family", "layer", *flags]))
+    assert (layer.train.warm_prompts, layer.train.warm_max_new_tokens, layer.train.warm_turns) == (7, 9, "first")
+    assert layer.train.head_warm_prompts == OSDConfig().train.head_warm_prompts
+    # Defaults: the head answers 1536 prompts of every human turn, 128 tokens, with no ShareGPT text.
+    d = OSDConfig().for_warm_start("head").train
+    assert (d.warm_prompts, d.warm_max_new_tokens, d.warm_turns, d.head_warm_conversations) == (1536, 128, "all", 0)
+    assert OSDConfig.model_validate({"train": {"head_warm_budget_minutes": None}}).for_warm_start(
+        "head").train.warm_budget_minutes is None  # null in the config: every prompt

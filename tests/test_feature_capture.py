@@ -137,7 +137,7 @@ def test_the_head_warm_start_trains_on_captured_features_with_no_second_pass(tmp
     train_without_second_pass(monkeypatch, "compute_features ran for teacher records whose features were captured")
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
                                     "data": {"max_prompt_chars": 200},
-                                    "train": {"warm_prompts": 12, "warm_max_new_tokens": 8, "warm_batch_size": 4,
+                                    "train": {"head_warm_prompts": 12, "head_warm_max_new_tokens": 8, "warm_batch_size": 4,
                                               "held_out_every": 4}})
     teacher = EngineTeacher(cfg)
     out = run_head_warm_start(cfg, out_dir=tmp_path / "head", progress=False, conversations=0, epochs=1,
@@ -173,7 +173,7 @@ def test_without_captured_features_the_warm_start_computes_them(tmp_path, monkey
     monkeypatch.setattr(train.ds_engine, "DistillEngine", _Engine)
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
                                     "data": {"max_prompt_chars": 200},
-                                    "train": {"warm_prompts": 8, "warm_max_new_tokens": 6, "warm_teacher": "hf",
+                                    "train": {"head_warm_prompts": 8, "head_warm_max_new_tokens": 6, "warm_teacher": "hf",
                                               "held_out_every": 4}})
     out = run_head_warm_start(cfg, out_dir=tmp_path / "head", progress=False, conversations=0, epochs=1)
     assert sum(calls) == 8 and out["train_tokens"] > 0  # Hugging Face's answers: one forward over all of them

@@ -2,7 +2,6 @@
 every PromQL expression parses, and every metric it names is one the platform registers, under
 the name Ray's Prometheus endpoint actually exposes (checked on a live Ray endpoint)."""
 
-import json
 import os
 import re
 import time

@@ -132,12 +132,12 @@ def test_draft_init_flags_put_target_and_training_on_the_device(tmp_path):
 
     from pipeline.cli import _draft_init_config
 
-    args = argparse.Namespace(prompts=None, max_new_tokens=None, teacher=None, budget_minutes=None, turns="all",
+    args = argparse.Namespace(prompts=None, max_new_tokens=None, teacher=None, budget_minutes=None, turns="first",
                               prompt_chars=4000, device="cuda", family="head", epochs=None, conversations=None,
                               config=None)
     cfg = _draft_init_config(OSDConfig(), args)
     assert cfg.model.device == "cuda" and cfg.train.device == "cuda"
-    assert cfg.train.warm_turns == "all" and cfg.train.warm_prompt_chars == 4000
+    assert cfg.train.head_warm_turns == "first" and cfg.train.warm_prompt_chars == 4000
     from pipeline.teacher_engine import teacher_for
 
     assert teacher_for(cfg) is None  # the warm start's own static batches, not the one-request GPU engine
@@ -168,8 +168,8 @@ def test_the_warm_start_with_the_batch_teacher_and_curve_points(tmp_path, monkey
     train_without_second_pass(monkeypatch, "compute_features ran: the batch teacher captured every answer's features")
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
                                     "data": {"max_prompt_chars": 200},
-                                    "train": {"warm_prompts": 16, "warm_max_new_tokens": 6, "warm_teacher": "batch",
-                                              "warm_cuda_batch_size": 5, "held_out_every": 4, "warm_turns": "all"}})
+                                    "train": {"head_warm_prompts": 16, "head_warm_max_new_tokens": 6, "warm_teacher": "batch",
+                                              "warm_cuda_batch_size": 5, "held_out_every": 4, "head_warm_turns": "all"}})
     out = run_head_warm_start(cfg, out_dir=tmp_path / "head", progress=False, conversations=0, epochs=1,
                               curve=(0.25, 0.5))
     assert out["teacher_records"] > 0 and out["held_out_records"] > 0
@@ -180,6 +180,6 @@ def test_the_warm_start_with_the_batch_teacher_and_curve_points(tmp_path, monkey
     assert points["0.5"]["metrics"]["held_out_records"] == out["held_out_records"]  # one held-out set for all
     with pytest.raises(ValueError, match="fractions must lie in"):
         run_head_warm_start(cfg, out_dir=tmp_path / "x", progress=False, curve=(1.0,))
-    few = cfg.model_copy(update={"train": cfg.train.model_copy(update={"warm_prompts": 1, "held_out_every": 1000})})
+    few = cfg.model_copy(update={"train": cfg.train.model_copy(update={"head_warm_prompts": 1, "held_out_every": 1000})})
     with pytest.raises(TeacherDataError, match="held-out teacher records"):
         run_head_warm_start(few, out_dir=tmp_path / "y", progress=False, conversations=0, epochs=1)

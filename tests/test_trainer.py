@@ -328,3 +328,14 @@ def test_an_autocast_step_runs_its_forward_in_bfloat16_and_keeps_float32_weights
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["bfloat16"] == {"forward": "torch.bfloat16", "weights": ["torch.float32"], "moved": True}
     assert out["none"] == {"forward": "torch.float32", "weights": ["torch.float32"], "moved": True}
+
+
+def test_auto_autocast_is_bfloat16_only_where_bfloat16_is_native(monkeypatch):
+    import infra.cpu
+    from train.head_warm_start import warm_autocast
+
+    monkeypatch.setattr(infra.cpu, "native_bf16_gemm", lambda: False)  # an AVX2-only CPU
+    assert warm_autocast("auto", "cpu") is None and warm_autocast("auto", "cuda") == torch.bfloat16
+    assert warm_autocast("bfloat16", "cpu") == torch.bfloat16 and warm_autocast("none", "cuda") is None
+    monkeypatch.setattr(infra.cpu, "native_bf16_gemm", lambda: True)  # AVX-512 or AMX
+    assert warm_autocast("auto", "cpu") == torch.bfloat16

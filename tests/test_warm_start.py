@@ -16,7 +16,8 @@ def draft_init(state, *args, family: tuple[str, ...] = ("--family", "layer")) ->
     summary it prints last."""
     env = {**os.environ, "OSD_MODEL__TARGET": "tiny-random", "OSD_STATE_DIR": str(state),
            "OSD_TRAIN__DRAFT_LAYERS": "1", "OSD_TRAIN__LR": "0.001", "OSD_TRAIN__TOKEN_BUDGET": "200",
-           "OSD_TRAIN__WARM_MAX_NEW_TOKENS": "12", "OSD_DATA__MAX_PROMPT_CHARS": "200"}
+           "OSD_TRAIN__WARM_MAX_NEW_TOKENS": "12",
+           "OSD_TRAIN__HEAD_WARM_MAX_NEW_TOKENS": "12", "OSD_DATA__MAX_PROMPT_CHARS": "200"}
     p = subprocess.run([sys.executable, "-m", "pipeline.cli", "draft", "init", *family, "--prompts", "40",
                         *args], env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

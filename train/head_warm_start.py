@@ -85,6 +85,8 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
                         epochs: int | None = None, token_budget: int | None = None,
                         generate: Any = None, curve: tuple[float, ...] = ()) -> dict[str, Any]:
     """Teacher records + ShareGPT fixed text -> target features -> a trained head (module doc).
+    The prompts, their answers' length and turns are train.head_warm_prompts,
+    head_warm_max_new_tokens and head_warm_turns (OSDConfig.for_warm_start);
     conversations and epochs default to train.head_warm_conversations and head_warm_epochs;
     generate: the teacher's generator (train.teacher_data.BatchGenerate; default Hugging Face).
     With model.device cuda the target generates there in static batches (train/teacher_batch.py)
@@ -100,6 +102,7 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
     from train.head_train import coverage_curve
     from train.teacher_set import batch_teacher, on_cuda
 
+    cfg = cfg.for_warm_start("head")
     tc = cfg.train
     out_dir = Path(out_dir) if out_dir else warm_start_path(cfg, "head")
     if out_dir.exists() and not force:
@@ -176,6 +179,15 @@ class _Fit:
         save_head(head, out_dir, target_ref=target_ref(self.loaded), lineage=lineage, metrics=metrics,
                   overwrite=self.force)
         return metrics
+
+
+def warm_autocast(setting: str, device: str) -> torch.dtype | None:
+    """train.head_warm_autocast as a dtype (None: float32). "auto": bfloat16 where it is native."""
+    from infra.cpu import native_bf16_gemm
+
+    if setting == "auto":
+        setting = "bfloat16" if device.startswith("cuda") or native_bf16_gemm() else "none"
+    return torch.bfloat16 if setting == "bfloat16" else None
 
 
 def _prefix(fs: Any, frac: float) -> Any:
@@ -272,7 +284,7 @@ def _train(cfg: OSDConfig, head: Any, target: Any, fs_train: Any, epochs: int,
 
     tc = cfg.train
     init_distributed(0, 1, "127.0.0.1", free_port(), tc.device)
-    engine = DistillEngine(head, tc, autocast=torch.bfloat16 if tc.head_warm_autocast == "bfloat16" else None)
+    engine = DistillEngine(head, tc, autocast=warm_autocast(tc.head_warm_autocast, tc.device))
     t = time.perf_counter()
     losses = train_epochs(engine, fs_train, head_loss_fn(target.lm_head.weight.detach()), epochs=epochs,
                           token_budget=token_budget, log=_log)

@@ -149,7 +149,7 @@ class TrainerWorker:
     def _warm_records(self, loaded: Any) -> list:
         from train.teacher_set import cached_warm_records
 
-        recs = cached_warm_records(self.cfg, loaded)
+        recs = cached_warm_records(self.cfg.for_warm_start(self.fam.name), loaded)  # the prompts its init used
         # Teacher records are records: a head replays them through the same feature path.
         how = " (their target features recomputed, as for live records)" if self.fam.name == "head" else ""
         _log(self.rank, f"replay mixes in {len(recs)} warm-start records{how}" if recs else
