@@ -359,8 +359,9 @@ class TrainConfig(_Section):
     head_warm_max_new_tokens: int = Field(128, ge=1)
     head_warm_turns: Literal["first", "all"] = "all"
     # ... and generates for at most this many minutes (warm_budget_minutes; None: every prompt),
-    # so the warm start fits its half hour on a slower CPU too: 2 AVX-512 cores answer about
-    # 1,500 of the prompts in 12 minutes, 2 AVX2-only Zen 3 cores about a quarter of that.
+    # checked between shards, so the warm start fits its half hour on a slower CPU too: at the
+    # ~230 tok/s of 2 AVX-512 cores 12 minutes answer about all 1,536 prompts; 2 AVX2-only Zen 3
+    # cores answered 512 (2 shards, 18 minutes; `osd draft init` 24.9 minutes in all).
     head_warm_budget_minutes: float | None = Field(12.0, gt=0)
     head_warm_conversations: int = Field(0, ge=0)
     head_warm_epochs: int = Field(2, ge=1)

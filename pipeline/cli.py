@@ -653,8 +653,8 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
     di.add_argument("--force", action="store_true", help="rebuild even if published; ignore checkpoints")
     di.add_argument("--family", choices=DRAFT_FAMILIES, default="head",
                     help="head: one layer over the target's hidden states (out <state_dir>/drafts/head-v1; "
-                         "about 17 minutes on 2 cores); layer: copied target layers (out <state_dir>/drafts/v1) "
-                         "(default head)")
+                         "up to about 25 minutes on 2 cores: 12 of answers, then training); layer: copied target "
+                         "layers (out <state_dir>/drafts/v1) (default head)")
     di.add_argument("--conversations", type=int,
                     help="head: ShareGPT train conversations as fixed text (default train.head_warm_conversations)")
     di.add_argument("--draft-vocab", type=int, help="head: draft vocabulary size V_d (default 8192)")
@@ -739,7 +739,7 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--out", default="reports/demo", help="report directory (default reports/demo)")
     demo.add_argument("--family", choices=DRAFT_FAMILIES, default="head",
-                      help="v1's draft family: head (`osd draft init --family head`, about 17 minutes once on "
+                      help="v1's draft family: head (`osd draft init --family head`, up to about 25 minutes once on "
                            "2 cores) or layer (`osd draft init`); built once and cached (default head)")
     demo.set_defaults(func=_cmd_demo)
 

@@ -312,7 +312,7 @@ def prepare(cfg: OSDConfig, family: str = "head") -> tuple[Any, Path]:
         from train.warm_start import warm_start_family
 
         _log(f"no warm-started {family} draft yet: running `osd draft init --family {family}` once "
-             f"({'about 17 minutes' if family == 'head' else 'about 9 minutes'} on 2 cores; cached for later runs)")
+             f"({'up to about 25 minutes' if family == 'head' else 'about 9 minutes'} on 2 cores; cached for later runs)")
         warm_start_family(cfg, family, generate=teacher_for(cfg))
     return loaded, v1
 

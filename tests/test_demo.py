@@ -128,7 +128,7 @@ def test_the_demo_builds_a_missing_head_once_with_the_configured_settings(tmp_pa
 
     calls = []
 
-    def fake(cfg, **kw):  # the real warm start takes ~17 minutes: only its arguments are checked
+    def fake(cfg, **kw):  # the real warm start takes ~25 minutes: only its arguments are checked
         teacher = kw.pop("generate")
         calls.append((cfg.train.head_warm_conversations, cfg.train.head_warm_epochs, teacher.tag, kw))
         (tmp_path / "drafts" / "head-v1").mkdir(parents=True)
