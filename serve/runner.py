@@ -195,11 +195,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         scores = torch.bmm(qg, k.transpose(1, 2)).float().mul_(hd ** -0.5)
         if mask is not None:
             scores = scores.view(nkv, group, t, -1).masked_fill_(~mask, float("-inf")).view(nkv, group * t, -1)
-        out = torch.bmm(scores.softmax(-1).to(v.dtype), v)
+        probs = scores.softmax(-1).to(v.dtype)
+        if mask is not None and not native_bf16_gemm():
+            return _rowwise_pv(probs.view(nkv, group, t, -1), v, mask).reshape(t, nh * hd)
+        out = torch.bmm(probs, v)
         return out.view(nkv, group, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
     o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                        attn_mask=mask, enable_gqa=gqa)
     return o[0].transpose(0, 1).reshape(t, nh * hd)
+
+
+def _rowwise_pv(probs: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """probs [KV, G, T, L] times v [KV, L, hd], each row summed over its own visible prefix
+    only -> [T, KV, G, hd]. Where bfloat16 GEMMs are emulated (AVX2: infra/cpu.py) one bmm
+    over the block's full length, masked zeros included, now and then rounds a row otherwise
+    than the decode's bmm over that row's prefix (3 of 16 real 5-row verify blocks differed at
+    some layer on 2 Zen 3 cores), so there each row takes a decode's exact shapes: [KV, G, L_j]."""
+    lengths = mask.sum(-1).tolist()
+    return torch.stack([torch.bmm(probs[:, :, j, :n], v[:, :n]) for j, n in enumerate(lengths)])
 
 
 def _shared_head(weight: torch.Tensor, quant: str, dtype: torch.dtype) -> Dense | Int8 | Upcast:

@@ -200,6 +200,26 @@ def test_a_verify_block_rounds_exactly_as_one_row_decode_forwards_in_bfloat16(qu
         assert torch.equal(feats, torch.cat([x[1] for x in rows])), t
 
 
+def test_where_bfloat16_is_emulated_a_verify_block_attends_each_row_as_its_decode_does(monkeypatch):
+    """An AVX2-only CPU's path (infra/cpu.py): each row's probabilities times V over its own
+    prefix. One bmm over the whole block rounded these rows otherwise than their one-row
+    decodes on 2 Zen 3 cores (the contexts below are ones where it did)."""
+    import serve.runner
+    from serve.runner import attention
+
+    monkeypatch.setattr(serve.runner, "native_bf16_gemm", lambda: False)
+    t = 5
+    for start in (40, 322, 363, 392, 500):
+        gen = torch.Generator().manual_seed(start)
+        end = start + t
+        q = torch.randn(t, 9, 64, generator=gen).bfloat16()
+        k, v = (torch.randn(3, end, 64, generator=gen).bfloat16() for _ in range(2))
+        mask = torch.ones(end, end, dtype=torch.bool).tril()[start:end, :end]
+        block = attention(q, k, v, mask, True)
+        rows = [attention(q[j:j + 1], k[:, :start + j + 1], v[:, :start + j + 1], None, True) for j in range(t)]
+        assert torch.equal(block, torch.cat(rows)), start
+
+
 def test_a_head_beside_an_int4_target_keeps_int8_weights_close_to_its_own():
     """int4 codes of a one-layer head moved its greedy drafts off the float head's (README, "The
     head's weights"); int8 keeps its logits within a small fraction of the float head's."""
