@@ -113,7 +113,11 @@ def test_zero_two_workers_learn_and_export_loadable_drafts(ray_local, stream, re
     from infra.registry import Registry
 
     published = Registry.from_config(cfg).get(exports[-1]["version"])  # candidates land in the registry
-    assert published.lineage["parent"] == exports[-1]["parent"] and published.metrics["alpha_est"] is not None
+    assert published.lineage["parent"] == exports[-1]["parent"]
+    # Rank 0 estimates alpha on the held-out records it read itself. Which rank reads which
+    # records is a race (one XREADGROUP may take all 60), so rank 0 may hold none: then None.
+    m = published.metrics
+    assert (m["alpha_est"] is not None) == (m["held_out_records"] > 0), m
 
     target = load_target("tiny-random", progress=False).model
     before = build_draft(target, draft_spec_from_train(cfg.train))  # what the group started from
