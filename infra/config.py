@@ -50,6 +50,11 @@ class ModelConfig(_Section):
     # bfloat16 activations); "auto": int4 where the target ships as 4-bit weights (the GGUF's
     # Q4_1, which int4 reproduces exactly) on the CPU, none elsewhere. See resolved().
     quant: Literal["auto", "none", "int4"] = "auto"
+    # How an int4 target's forward runs on the CPU: "native", the project's own kernels
+    # (serve/model/native_runner.py: every layer in one call, built by `make setup`); "torch",
+    # PyTorch's int4 ops; "auto": native where its library loads and the model fits its tiles,
+    # else torch with one line saying why.
+    cpu_kernels: Literal["auto", "native", "torch"] = "auto"
     device: str = "cpu"
     # Torch intra-op threads; 0 leaves torch's default.
     num_threads: int = Field(0, ge=0)

@@ -29,8 +29,9 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads
                      intermediate_size=1536)
 # A variant: "float32", "bfloat16", "float16", or "int4" (int4 weights, bfloat16 activations;
 # its many-row weights as serving keeps them on this CPU: float32 where bfloat16 GEMMs are
-# not native, infra/cpu.py), and "int4-bf16wide" (int4, its many-row weights bfloat16 on any CPU).
-VARIANTS = ("float32", "bfloat16", "float16", "int4", "int4-bf16wide")
+# not native, infra/cpu.py), "int4-bf16wide" (int4, its many-row weights bfloat16 on any CPU),
+# and "int4-native" (the native forward, serve/model/native_runner.py, over the same weights).
+VARIANTS = ("float32", "bfloat16", "float16", "int4", "int4-bf16wide", "int4-native")
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
@@ -107,6 +108,11 @@ def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_to
     for v in variants:
         model = _model(v, device, max_seq_len, real, models)
         int4 = v.startswith("int4")
+        if v == "int4-native":
+            from serve.model.native_runner import NativeLlamaRunner
+
+            runners[v] = NativeLlamaRunner(model, max_seq_len)
+            continue
         runners[v] = LlamaRunner(model, max_seq_len, quant="int4" if int4 else "none",
                                  wide_upcast=False if v == "int4-bf16wide" else None)
         if device == "cuda" and not int4:

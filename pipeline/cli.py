@@ -454,7 +454,7 @@ def _add_registry_parser(sub: argparse._SubParsersAction) -> None:
     rg.set_defaults(func=_cmd_registry)
 
 
-VARIANT_CHOICES = ("float32", "bfloat16", "float16", "int4", "int4-bf16wide")
+VARIANT_CHOICES = ("float32", "bfloat16", "float16", "int4", "int4-bf16wide", "int4-native")
 
 
 def _add_bench_forward_parser(bench_sub: argparse._SubParsersAction) -> None:

@@ -12,8 +12,9 @@ Weights by rows: up to WIDE_ROWS rows the runner's step weights (int4 for an int
 beyond that its prompt weights (the model's own bfloat16, fused), because the weight-only
 int4 and int8 kernels cost about as much per row at any row count, while oneDNN's dense
 GEMM reuses each weight across rows; the head likewise beyond WIDE_HEAD_ROWS rows.
-A target that is not the CPU LlamaRunner (HFRunner, the CUDA-graph runner) runs its
-sequences one forward each.
+The native runner (serve/model/native_runner.py) takes the whole batch in one call of its
+own; a target that is neither (HFRunner, the CUDA-graph runner) runs its sequences one
+forward each.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ Output = tuple["torch.Tensor | None", "torch.Tensor | None"]  # (logits [T, V] f
 
 def forward_batch(runner: Any, items: list[Item], layers: tuple[int, ...] = ()) -> list[Output]:
     """Run every item's rows; returns per item (logits or None, features of `layers` or None)."""
+    if hasattr(runner, "forward_rows"):  # the native forward takes a batch in one call
+        return runner.forward_rows(items, layers)
     if type(runner) is not LlamaRunner or runner.device.type != "cpu" or len(items) == 1:
         return [_solo(runner, it, layers) for it in items]
     with torch.inference_mode():

@@ -57,7 +57,7 @@ from serve.k_policy import KPolicy, StepCosts, chain_cut, profile_forward
 from serve.processors import LogitsProcessor
 from serve.linear import QUANT_MODES
 from serve.runner import LlamaRunner, Runner
-from serve.runners import as_draft, make_runner
+from serve.runners import CPU_KERNELS, as_draft, make_runner
 from serve.graphs import GraphLlamaRunner, StagingRing
 from serve.scheduler import DONE, Scheduler
 from serve.seq import GenerationParams, Seq, Slot, SpecStats  # noqa: F401 (re-exported)
@@ -94,6 +94,8 @@ class EngineOptions:
     # How the decoder weights are multiplied (serve/linear.py): "none" as loaded, "int4"
     # group-wise 4-bit (the GGUF target's own Q4_1 codes), for the target and its drafts.
     quant: str = "none"
+    # An int4 target's CPU forward (infra/config.py ModelConfig.cpu_kernels): auto, native, torch.
+    cpu_kernels: str = "auto"
 
     @classmethod
     def from_config(cls, serve: "ServeConfig", model: "ModelConfig | None" = None) -> "EngineOptions":
@@ -102,7 +104,8 @@ class EngineOptions:
                    max_concurrency=serve.max_concurrency, prefill_chunk=serve.prefill_chunk,
                    max_queue=serve.max_queue,
                    queue_timeout_s=serve.queue_timeout_s, cuda_graphs=serve.cuda_graphs, tree=serve.tree,
-                   quant=model.resolved().quant if model is not None else "none")
+                   quant=model.resolved().quant if model is not None else "none",
+                   cpu_kernels=model.cpu_kernels if model is not None else "auto")
 
     def __post_init__(self) -> None:
         if self.k < 0:
@@ -119,6 +122,8 @@ class EngineOptions:
             raise EngineError(f"k_policy must be one of {', '.join(K_POLICIES)}, got {self.k_policy!r}")
         if self.quant not in QUANT_MODES:
             raise EngineError(f"quant must be one of {', '.join(QUANT_MODES)}, got {self.quant!r}")
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise EngineError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got {self.cpu_kernels!r}")
         if self.tree:
             try:
                 TreeShape.parse(self.tree)
@@ -195,7 +200,7 @@ class SpecEngine:
         """The model's runner; on CUDA a Llama gets CUDA graphs for its forwards of up to k+1
         tokens (decode, verify, draft steps) unless cuda_graphs is off."""
         try:
-            runner = make_runner(model, self.options.max_seq_len, quant)
+            runner = make_runner(model, self.options.max_seq_len, quant, self.options.cpu_kernels)
         except ValueError as e:
             raise EngineError(str(e)) from None
         want = self.options.cuda_graphs

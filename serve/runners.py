@@ -5,6 +5,7 @@ engine so it names no draft family."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 from serve.draft import Draft
@@ -14,17 +15,47 @@ from serve.runner import HFRunner, LlamaRunner, Runner
 from serve.suffix_draft import HybridDraft, WithSuffix
 
 
-def make_runner(model: Any, max_seq_len: int | None = None, quant: str = "none") -> Runner:
+CPU_KERNELS = ("auto", "native", "torch")
+_log = logging.getLogger(__name__)
+_said: set[str] = set()
+
+
+def make_runner(model: Any, max_seq_len: int | None = None, quant: str = "none",
+                cpu_kernels: str = "auto") -> Runner:
     """The fast runner for Llama models, the generic one for anything else; a head draft
     (infra/draft_head.py) gets its own runner. `quant` (serve/linear.py) applies to the
-    Llama runner only: the generic one refuses it."""
+    Llama runner only: the generic one refuses it. An int4 Llama on the CPU runs on the
+    native kernels (serve/model/native_runner.py) unless `cpu_kernels` is "torch"; "auto"
+    falls back to PyTorch's int4 path, saying why once, where they cannot run it."""
+    if cpu_kernels not in CPU_KERNELS:
+        raise ValueError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got {cpu_kernels!r}")
     if getattr(model, "osd_family", None) == "head":
         return HeadRunner(model, max_seq_len, quant)
     if getattr(model.config, "model_type", None) == "llama" and not getattr(model.config, "attention_bias", False):
+        if quant == "int4" and cpu_kernels != "torch":
+            native = _native_runner(model, max_seq_len, strict=cpu_kernels == "native")
+            if native is not None:
+                return native
         return LlamaRunner(model, max_seq_len, quant)
     if quant != "none":
         raise ValueError(f"quant {quant!r} needs a Llama model without attention biases")
     return HFRunner(model, max_seq_len)
+
+
+def _native_runner(model: Any, max_seq_len: int | None, strict: bool) -> Runner | None:
+    from serve.model.native_build import NativeUnavailable
+    from serve.model.native_runner import NativeLlamaRunner
+
+    try:
+        return NativeLlamaRunner(model, max_seq_len)
+    except (NativeUnavailable, ValueError) as e:
+        if strict:
+            raise ValueError(f"model.cpu_kernels native: {e}") from None
+        why = str(e)
+        if why not in _said:
+            _said.add(why)
+            _log.warning("int4 target on PyTorch's kernels: %s", why)
+        return None
 
 
 def as_draft(model: Any, runner_for: Callable[[Any], Any]) -> Draft:

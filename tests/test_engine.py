@@ -140,7 +140,7 @@ def test_hf_runner_engine_equals_target_greedy(greedy_targets, monkeypatch):
     import serve.engine
 
     target, drafts, refs = greedy_targets[0]
-    monkeypatch.setattr(serve.engine, "make_runner", lambda model, max_seq_len, quant="none": HFRunner(model, max_seq_len))
+    monkeypatch.setattr(serve.engine, "make_runner", lambda model, max_seq_len, quant="none", cpu_kernels="auto": HFRunner(model, max_seq_len))
     eng = SpecEngine(target, drafts["bad"], options=EngineOptions(k=3, max_seq_len=64, max_concurrency=1))
     assert isinstance(eng.target, HFRunner) and isinstance(eng.draft.runner, HFRunner)
     prompt, ref = refs[0]

@@ -1,0 +1,247 @@
+// The Llama forward over packed int4 weights: every layer of a step in one call, no Python
+// between them. Rows may belong to several sequences (a batched step): each row writes its
+// K/V at its own position of its own cache and attends over that cache's positions [0, pos].
+// Built once per instruction set (serve/model/native_build.py); the Python side is
+// serve/model/native_runner.py.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "gemm.h"
+#include "ops.h"
+#include "pool.h"
+
+extern "C" {
+
+struct OsdLayer {
+  const uint8_t* wqkv;  // Q4 [(H + 2 KV) * hd, D]
+  const uint8_t* wo;    // Q4 [D, H * hd]
+  const uint8_t* wgu;   // Q4 [2 I, D]: gate rows, then up rows
+  const uint8_t* wd;    // Q4 [D, I]
+  const float* ln1;     // [D]
+  const float* ln2;     // [D]
+};
+
+struct OsdModel {
+  int32_t n_layers, hidden, n_heads, n_kv, head_dim, inter, vocab, max_pos;  // vocab: the head's rows (16s)
+  int32_t n_tokens;  // the embedding's rows
+  float eps, attn_scale;
+  const OsdLayer* layers;
+  const uint16_t* embed;  // bf16 [vocab, D]
+  const float* norm;      // [D]
+  const uint8_t* head;    // Q8 [vocab, D], rows past n_tokens zero
+  const float* cos;       // [max_pos, hd]
+  const float* sin;       // [max_pos, hd], first half negated
+};
+
+struct OsdSeq {  // one sequence's cache: bf16 elements, strides in elements
+  uint16_t* k;
+  uint16_t* v;
+  int64_t s_layer, s_head, s_pos;
+};
+
+struct OsdBatch {
+  int32_t n_rows;
+  const int64_t* tokens;  // [n_rows]
+  const int32_t* pos;     // [n_rows] cache position each row is written at
+  const int32_t* seq;     // [n_rows] index into seqs
+  const OsdSeq* seqs;
+  int32_t n_logit_rows;   // rows whose logits are wanted
+  const int32_t* logit_rows;
+  float* logits;          // [n_logit_rows, vocab]
+  int32_t n_feat_layers;  // layers whose outputs are wanted (features)
+  const int32_t* feat_layers;
+  uint16_t* feats;        // bf16 [n_rows, n_feat_layers * D]
+  int32_t n_threads;
+};
+
+}  // extern "C"
+
+namespace osd {
+namespace {
+
+struct Quantized {  // activations of M rows, quantized for the next GEMM
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  void resize(int m, int k) {
+    q.resize(static_cast<size_t>(m) * k);
+    d.resize(static_cast<size_t>(m) * k / kBlock);
+    s.resize(static_cast<size_t>(m) * k / kBlock);
+  }
+  Act act(int k) const { return Act{q.data(), d.data(), s.data(), k}; }
+};
+
+struct Work {  // per-call buffers, kept per calling thread so a step allocates nothing
+  std::vector<float> x, tmp, qkv, att, gu, act, scores;
+  Quantized qa;
+};
+
+Work& work() {
+  thread_local Work w;
+  return w;
+}
+
+template <class F>
+void for_rows(int rows, int threads, F&& fn) {  // small elementwise work: split only when it pays
+  if (rows < 4 || threads <= 1) {
+    for (int r = 0; r < rows; ++r) fn(r);
+    return;
+  }
+  Pool::get().run(threads, [&](int i, int n) {
+    int b, e;
+    split(rows, i, n, &b, &e);
+    for (int r = b; r < e; ++r) fn(r);
+  });
+}
+
+template <bool Q4>
+void gemm(const uint8_t* w, int n, int k, const Act& a, int m, float* y, int ldy, bool add, int threads) {
+  const int tiles = n / kTile;
+  Pool::get().run(threads, [&](int i, int nt) {
+    int b, e;
+    split(tiles, i, nt, &b, &e);
+    gemm_tiles<Q4>(w, k, a, m, y, ldy, add, b, e);
+  });
+}
+
+void quantize_rows(const float* x, int m, int k, int ldx, Quantized& qa, int threads) {
+  qa.resize(m, k);
+  const int kb = k / kBlock;
+  for_rows(m, threads, [&](int r) {
+    quantize_row(x + static_cast<int64_t>(r) * ldx, k, qa.q.data() + static_cast<int64_t>(r) * k,
+                 qa.d.data() + static_cast<int64_t>(r) * kb, qa.s.data() + static_cast<int64_t>(r) * kb);
+  });
+}
+
+void norm_quantize(const float* x, const float* w, int m, int d, float eps, Work& wk, int threads) {
+  wk.tmp.resize(static_cast<size_t>(m) * d);
+  for_rows(m, threads, [&](int r) { rms_norm(x + static_cast<int64_t>(r) * d, w, d, eps, wk.tmp.data() + r * d); });
+  quantize_rows(wk.tmp.data(), m, d, d, wk.qa, threads);
+}
+
+// RoPE on q and k, K/V written into each row's cache, then attention for every (row, head).
+void attention(const OsdModel& md, const OsdBatch& bt, int layer, Work& wk, int threads) {
+  const int m = bt.n_rows, hd = md.head_dim, nh = md.n_heads, nkv = md.n_kv;
+  const int width = (nh + 2 * nkv) * hd;
+  for_rows(m, threads, [&](int r) {
+    float* row = wk.qkv.data() + static_cast<int64_t>(r) * width;
+    const int64_t p = bt.pos[r];
+    const float* c = md.cos + p * hd;
+    const float* s = md.sin + p * hd;
+    for (int h = 0; h < nh + nkv; ++h) rope(row + h * hd, c, s, hd);
+    const OsdSeq& sq = bt.seqs[bt.seq[r]];
+    for (int h = 0; h < nkv; ++h) {
+      const int64_t off = layer * sq.s_layer + h * sq.s_head + p * sq.s_pos;
+      const float* kr = row + (nh + h) * hd;
+      const float* vr = row + (nh + nkv + h) * hd;
+      for (int i = 0; i < hd; ++i) {
+        sq.k[off + i] = float_to_bf16(kr[i]);
+        sq.v[off + i] = float_to_bf16(vr[i]);
+      }
+    }
+  });
+  int max_len = 0;
+  for (int r = 0; r < m; ++r) max_len = std::max(max_len, bt.pos[r] + 1);
+  const int workers = std::max(threads, 1);
+  wk.scores.resize(static_cast<size_t>(workers) * max_len);
+  const int items = m * nh, group = nh / nkv;
+  auto one = [&](int item, float* scores) {
+    const int r = item / nh, h = item % nh, kvh = h / group;
+    const OsdSeq& sq = bt.seqs[bt.seq[r]];
+    const int64_t off = layer * sq.s_layer + kvh * sq.s_head;
+    attend_row(wk.qkv.data() + static_cast<int64_t>(r) * width + h * hd, sq.k + off, sq.v + off, sq.s_pos,
+               bt.pos[r] + 1, hd, md.attn_scale, scores, wk.att.data() + static_cast<int64_t>(r) * nh * hd + h * hd);
+  };
+  Pool::get().run(workers, [&](int i, int n) {
+    int b, e;
+    split(items, i, n, &b, &e);
+    for (int it = b; it < e; ++it) one(it, wk.scores.data() + static_cast<int64_t>(i) * max_len);
+  });
+}
+
+void layer_forward(const OsdModel& md, const OsdBatch& bt, int l, Work& wk, int threads) {
+  const OsdLayer& ly = md.layers[l];
+  const int m = bt.n_rows, d = md.hidden, hd = md.head_dim;
+  const int qkv_w = (md.n_heads + 2 * md.n_kv) * hd, att_w = md.n_heads * hd;
+  norm_quantize(wk.x.data(), ly.ln1, m, d, md.eps, wk, threads);
+  gemm<true>(ly.wqkv, qkv_w, d, wk.qa.act(d), m, wk.qkv.data(), qkv_w, false, threads);
+  attention(md, bt, l, wk, threads);
+  quantize_rows(wk.att.data(), m, att_w, att_w, wk.qa, threads);
+  gemm<true>(ly.wo, d, att_w, wk.qa.act(att_w), m, wk.x.data(), d, true, threads);
+  norm_quantize(wk.x.data(), ly.ln2, m, d, md.eps, wk, threads);
+  gemm<true>(ly.wgu, 2 * md.inter, d, wk.qa.act(d), m, wk.gu.data(), 2 * md.inter, false, threads);
+  for_rows(m, threads, [&](int r) {
+    swiglu(wk.gu.data() + static_cast<int64_t>(r) * 2 * md.inter, md.inter,
+           wk.act.data() + static_cast<int64_t>(r) * md.inter);
+  });
+  quantize_rows(wk.act.data(), m, md.inter, md.inter, wk.qa, threads);
+  gemm<true>(ly.wd, d, md.inter, wk.qa.act(md.inter), m, wk.x.data(), d, true, threads);
+}
+
+int check(const OsdModel& md, const OsdBatch& bt) {
+  if (md.vocab % kTile || md.hidden % kBlock || md.inter % kBlock || (md.n_heads * md.head_dim) % kBlock) return 1;
+  if (md.head_dim % kLanes || md.head_dim > 256 || md.n_heads % md.n_kv) return 2;
+  for (int r = 0; r < bt.n_rows; ++r)
+    if (bt.pos[r] < 0 || bt.pos[r] >= md.max_pos || bt.tokens[r] < 0 || bt.tokens[r] >= md.n_tokens) return 3;
+  for (int i = 0; i < bt.n_logit_rows; ++i)
+    if (bt.logit_rows[i] < 0 || bt.logit_rows[i] >= bt.n_rows) return 4;
+  for (int i = 0; i < bt.n_feat_layers; ++i)
+    if (bt.feat_layers[i] < 0 || bt.feat_layers[i] >= md.n_layers) return 5;
+  return 0;
+}
+
+}  // namespace
+}  // namespace osd
+
+extern "C" {
+
+int osd_isa(void) { return osd::kIsa; }
+
+// Quantize x [M, K] and multiply by a packed weight [N, K]: y [M, N] (tests and benches).
+void osd_gemm(const uint8_t* w, int32_t q4, int32_t n, int32_t k, const float* x, int32_t m, float* y,
+              int32_t threads) {
+  osd::Quantized qa;
+  osd::quantize_rows(x, m, k, k, qa, 1);
+  if (q4) osd::gemm<true>(w, n, k, qa.act(k), m, y, n, false, threads);
+  else osd::gemm<false>(w, n, k, qa.act(k), m, y, n, false, threads);
+}
+
+// The whole forward; returns 0, or a code for arguments out of range (checked before any write).
+int32_t osd_forward(const OsdModel* md, const OsdBatch* bt) {
+  using namespace osd;
+  if (const int err = check(*md, *bt)) return err;
+  Work& wk = work();
+  const int m = bt->n_rows, d = md->hidden, threads = std::max(bt->n_threads, 1);
+  wk.x.resize(static_cast<size_t>(m) * d);
+  wk.qkv.resize(static_cast<size_t>(m) * (md->n_heads + 2 * md->n_kv) * md->head_dim);
+  wk.att.resize(static_cast<size_t>(m) * md->n_heads * md->head_dim);
+  wk.gu.resize(static_cast<size_t>(m) * 2 * md->inter);
+  wk.act.resize(static_cast<size_t>(m) * md->inter);
+  for (int r = 0; r < m; ++r) {
+    const uint16_t* e = md->embed + bt->tokens[r] * d;
+    for (int i = 0; i < d; ++i) wk.x[static_cast<size_t>(r) * d + i] = bf16_to_float(e[i]);
+  }
+  const int feat_w = bt->n_feat_layers * d;
+  for (int l = 0; l < md->n_layers; ++l) {
+    layer_forward(*md, *bt, l, wk, threads);
+    for (int f = 0; f < bt->n_feat_layers; ++f) {
+      if (bt->feat_layers[f] != l) continue;
+      for (int r = 0; r < m; ++r)
+        for (int i = 0; i < d; ++i)
+          bt->feats[static_cast<int64_t>(r) * feat_w + f * d + i] = float_to_bf16(wk.x[static_cast<size_t>(r) * d + i]);
+    }
+  }
+  const int nl = bt->n_logit_rows;
+  if (nl == 0) return 0;
+  std::vector<float>& sel = wk.gu;  // free again: the selected rows' hidden states
+  sel.resize(static_cast<size_t>(nl) * d);
+  for (int i = 0; i < nl; ++i)
+    std::memcpy(sel.data() + static_cast<size_t>(i) * d, wk.x.data() + static_cast<size_t>(bt->logit_rows[i]) * d,
+                sizeof(float) * d);
+  norm_quantize(sel.data(), md->norm, nl, d, md->eps, wk, threads);
+  gemm<false>(md->head, md->vocab, d, wk.qa.act(d), nl, bt->logits, md->vocab, false, threads);
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,372 @@
+// Small-M GEMMs over packed 4-bit and 8-bit weights with int8 activations.
+//
+// Weights are packed in tiles of 16 output columns by 32 inputs (serve/model/native_formats.py):
+//   Q4 tile-block, 320 bytes: 4 chunks of 64 bytes, chunk j byte (4c + i) holding column c's
+//     code at input 8j + i (low nibble) and 8j + 4 + i (high nibble); then 16 scales d and
+//     16 minima m as float16. w = d * code + m, codes 0..15 (the GGUF's Q4_1 blocks).
+//   Q8 tile-block, 576 bytes: 8 chunks of 64 bytes, chunk g byte (4c + i) holding column c's
+//     int8 weight at input 4g + i; then 16 scales d (float16) and 16 sums of the block's codes
+//     (int16), which undo the +128 shift of the activations in the VNNI path.
+// Activations are quantized per row in blocks of 32 (as llama.cpp's Q8_1): q = round(x / d),
+// d = max|x| / 127, with s = d * sum(q) for the Q4 minima.
+//
+// Every path computes each block's integer dot exactly and then the same float operations in
+// the same order, so a row's result does not depend on the other rows in the call, nor on
+// the instruction set: AVX-512, AVX2 and the scalar code give identical bits.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <immintrin.h>
+
+#include "ops.h"
+
+namespace osd {
+
+constexpr int kBlock = 32;
+constexpr int kTile = 16;
+constexpr int kQ4Bytes = 320;
+constexpr int kQ8Bytes = 576;
+
+struct Act {  // M quantized rows of K inputs
+  const int8_t* q;  // [M, K]
+  const float* d;   // [M, K / 32]
+  const float* s;   // [M, K / 32]
+  int k;
+};
+
+inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 31, man = h & 1023;
+  uint32_t bits;
+  if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in float
+    float v = static_cast<float>(man) * 5.9604644775390625e-08f;
+    std::memcpy(&bits, &v, 4);
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+#endif
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// Row r of x [M, K] (row stride ldx) into q/d/s at row r.
+inline void quantize_row(const float* x, int k, int8_t* q, float* d, float* s) {
+  for (int b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = fmax_(amax, std::fabs(xb[i]));
+    const float scale = amax / 127.f;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    int sum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
+      q[b * kBlock + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = scale;
+    s[b] = scale * static_cast<float>(sum);
+  }
+}
+
+// One column's float accumulation of one block, shared by the scalar path and the tails.
+inline float q4_step(float acc, int32_t isum, float dw, float mw, float da, float sa) {
+  acc = std::fma(static_cast<float>(isum), dw * da, acc);
+  return std::fma(mw, sa, acc);
+}
+
+inline float q8_step(float acc, int32_t isum, float dw, float da) {
+  return std::fma(static_cast<float>(isum), dw * da, acc);
+}
+
+// ---- scalar reference (also the path of builds with neither AVX2 nor AVX-512) ----
+
+inline void q4_tile_scalar(const uint8_t* w, int blocks, const Act& a, int r0, int rows, float* y, int ldy,
+                           bool add) {
+  for (int r = r0; r < r0 + rows; ++r) {
+    const int8_t* xq = a.q + static_cast<int64_t>(r) * a.k;
+    for (int c = 0; c < kTile; ++c) {
+      float acc = 0.f;
+      for (int b = 0; b < blocks; ++b) {
+        const uint8_t* blk = w + static_cast<int64_t>(b) * kQ4Bytes;
+        uint16_t dh, mh;
+        std::memcpy(&dh, blk + 256 + 2 * c, 2);
+        std::memcpy(&mh, blk + 288 + 2 * c, 2);
+        int32_t isum = 0;
+        for (int j = 0; j < 4; ++j)
+          for (int i = 0; i < 4; ++i) {
+            const uint8_t byte = blk[64 * j + 4 * c + i];
+            isum += (byte & 15) * xq[b * kBlock + 8 * j + i] + (byte >> 4) * xq[b * kBlock + 8 * j + 4 + i];
+          }
+        const int64_t ab = static_cast<int64_t>(r) * (a.k / kBlock) + b;
+        acc = q4_step(acc, isum, half_to_float(dh), half_to_float(mh), a.d[ab], a.s[ab]);
+      }
+      float* out = y + static_cast<int64_t>(r) * ldy + c;
+      *out = add ? *out + acc : acc;
+    }
+  }
+}
+
+inline void q8_tile_scalar(const uint8_t* w, int blocks, const Act& a, int r0, int rows, float* y, int ldy,
+                           bool add) {
+  for (int r = r0; r < r0 + rows; ++r) {
+    const int8_t* xq = a.q + static_cast<int64_t>(r) * a.k;
+    for (int c = 0; c < kTile; ++c) {
+      float acc = 0.f;
+      for (int b = 0; b < blocks; ++b) {
+        const uint8_t* blk = w + static_cast<int64_t>(b) * kQ8Bytes;
+        uint16_t dh;
+        std::memcpy(&dh, blk + 512 + 2 * c, 2);
+        int32_t isum = 0;
+        for (int g = 0; g < 8; ++g)
+          for (int i = 0; i < 4; ++i)
+            isum += static_cast<int8_t>(blk[64 * g + 4 * c + i]) * xq[b * kBlock + 4 * g + i];
+        const int64_t ab = static_cast<int64_t>(r) * (a.k / kBlock) + b;
+        acc = q8_step(acc, isum, half_to_float(dh), a.d[ab]);
+      }
+      float* out = y + static_cast<int64_t>(r) * ldy + c;
+      *out = add ? *out + acc : acc;
+    }
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr int kIsa = 2;
+constexpr int kRowTile = 8;  // 8 int and 8 float accumulators, with room for the codes
+
+inline void store16(float* out, __m512 acc, bool add) {
+  if (add) acc = _mm512_add_ps(_mm512_loadu_ps(out), acc);
+  _mm512_storeu_ps(out, acc);
+}
+
+// Rows innermost: R independent dpbusd chains, and each block's codes unpacked once for R rows.
+template <int R>
+inline void q4_tile(const uint8_t* w, int blocks, const Act& a, int r0, float* y, int ldy, bool add) {
+  const int kb = a.k / kBlock;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + static_cast<int64_t>(b) * kQ4Bytes;
+    const int8_t* xq = a.q + static_cast<int64_t>(r0) * a.k + b * kBlock;
+    __m512i is[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) is[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i raw = _mm512_loadu_si512(blk + 64 * j);
+      const __m512i lo = _mm512_and_si512(raw, low);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        is[r] = _mm512_dpbusd_epi32(is[r], lo, _mm512_set1_epi32(load_i32(xq + r * a.k + 8 * j)));
+        is[r] = _mm512_dpbusd_epi32(is[r], hi, _mm512_set1_epi32(load_i32(xq + r * a.k + 8 * j + 4)));
+      }
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 256)));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int64_t ab = static_cast<int64_t>(r0 + r) * kb + b;
+      const __m512 prod = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[ab]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), prod, acc[r]);
+      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[ab]), acc[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) store16(y + static_cast<int64_t>(r0 + r) * ldy, acc[r], add);
+}
+
+template <int R>
+inline void q8_tile(const uint8_t* w, int blocks, const Act& a, int r0, float* y, int ldy, bool add) {
+  const int kb = a.k / kBlock;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + static_cast<int64_t>(b) * kQ8Bytes;
+    const int8_t* xq = a.q + static_cast<int64_t>(r0) * a.k + b * kBlock;
+    __m512i is[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) is[r] = _mm512_setzero_si512();
+    // dpbusd multiplies unsigned by signed: the activations go in shifted by +128, and
+    // 128 * (the block's code sum) comes off again, exactly.
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m512i wv = _mm512_loadu_si512(blk + 64 * g);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+        is[r] = _mm512_dpbusd_epi32(is[r], _mm512_xor_si512(_mm512_set1_epi32(load_i32(xq + r * a.k + 4 * g)), flip), wv);
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 512)));
+    const __m512i corr = _mm512_slli_epi32(
+        _mm512_cvtepi16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 544))), 7);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int64_t ab = static_cast<int64_t>(r0 + r) * kb + b;
+      const __m512i exact = _mm512_sub_epi32(is[r], corr);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[ab])), acc[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) store16(y + static_cast<int64_t>(r0 + r) * ldy, acc[r], add);
+}
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int kIsa = 1;
+constexpr int kRowTile = 4;
+
+inline void store8(float* out, __m256 acc, bool add) {
+  if (add) acc = _mm256_add_ps(_mm256_loadu_ps(out), acc);
+  _mm256_storeu_ps(out, acc);
+}
+
+// Half h (columns 8h..8h+7) of a tile; R rows.
+template <int R>
+inline void q4_half(const uint8_t* w, int blocks, const Act& a, int r0, int h, float* y, int ldy, bool add) {
+  const int kb = a.k / kBlock;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + static_cast<int64_t>(b) * kQ4Bytes;
+    __m256i is[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) is[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 4; ++j) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
+      const __m256i lo = _mm256_and_si256(raw, low);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = a.q + static_cast<int64_t>(r0 + r) * a.k + b * kBlock + 8 * j;
+        const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xq)));
+        const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xq + 4)));
+        is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 256 + 16 * h)));
+    const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288 + 16 * h)));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int64_t ab = static_cast<int64_t>(r0 + r) * kb + b;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[ab]), acc[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) store8(y + static_cast<int64_t>(r0 + r) * ldy + 8 * h, acc[r], add);
+}
+
+template <int R>
+inline void q8_half(const uint8_t* w, int blocks, const Act& a, int r0, int h, float* y, int ldy, bool add) {
+  const int kb = a.k / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + static_cast<int64_t>(b) * kQ8Bytes;
+    __m256i is[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) is[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; ++g) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * g + 32 * h));
+      const __m256i mag = _mm256_abs_epi8(raw);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xq = a.q + static_cast<int64_t>(r0 + r) * a.k + b * kBlock + 4 * g;
+        // |w| * (x with w's sign): maddubs takes its first operand unsigned, and the pair
+        // sums stay within int16 (2 * 127 * 127).
+        const __m256i px = _mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq)), raw));
+        is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(px, ones));
+      }
+    }
+    const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 512 + 16 * h)));
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const int64_t ab = static_cast<int64_t>(r0 + r) * kb + b;
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[ab])), acc[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) store8(y + static_cast<int64_t>(r0 + r) * ldy + 8 * h, acc[r], add);
+}
+
+template <int R>
+inline void q4_tile(const uint8_t* w, int blocks, const Act& a, int r0, float* y, int ldy, bool add) {
+  q4_half<R>(w, blocks, a, r0, 0, y, ldy, add);
+  q4_half<R>(w, blocks, a, r0, 1, y, ldy, add);
+}
+
+template <int R>
+inline void q8_tile(const uint8_t* w, int blocks, const Act& a, int r0, float* y, int ldy, bool add) {
+  q8_half<R>(w, blocks, a, r0, 0, y, ldy, add);
+  q8_half<R>(w, blocks, a, r0, 1, y, ldy, add);
+}
+
+#else
+constexpr int kIsa = 0;
+constexpr int kRowTile = 1;
+
+template <int R>
+inline void q4_tile(const uint8_t* w, int blocks, const Act& a, int r0, float* y, int ldy, bool add) {
+  q4_tile_scalar(w, blocks, a, r0, R, y, ldy, add);
+}
+
+template <int R>
+inline void q8_tile(const uint8_t* w, int blocks, const Act& a, int r0, float* y, int ldy, bool add) {
+  q8_tile_scalar(w, blocks, a, r0, R, y, ldy, add);
+}
+#endif
+
+// Rows [r0, r0 + rows) of one tile, in row tiles of kRowTile and one remainder instantiation.
+template <int R, bool Q4>
+inline void tile_rows(const uint8_t* w, int blocks, const Act& a, int r0, int rows, float* y, int ldy, bool add) {
+  if constexpr (R == 0) {
+    return;
+  } else {
+    if (rows == R) {
+      if constexpr (Q4) q4_tile<R>(w, blocks, a, r0, y, ldy, add);
+      else q8_tile<R>(w, blocks, a, r0, y, ldy, add);
+    } else {
+      tile_rows<R - 1, Q4>(w, blocks, a, r0, rows, y, ldy, add);
+    }
+  }
+}
+
+// y[:, tile columns] for tiles [t0, t1) of a packed [N, K] weight, all M rows of `a`.
+template <bool Q4>
+inline void gemm_tiles(const uint8_t* w, int k, const Act& a, int m, float* y, int ldy, bool add, int t0, int t1) {
+  const int blocks = k / kBlock;
+  const int64_t tile_bytes = static_cast<int64_t>(blocks) * (Q4 ? kQ4Bytes : kQ8Bytes);
+  for (int t = t0; t < t1; ++t) {
+    const uint8_t* wt = w + t * tile_bytes;
+    for (int r0 = 0; r0 < m; r0 += kRowTile) {
+      const int rows = m - r0 < kRowTile ? m - r0 : kRowTile;
+      tile_rows<kRowTile, Q4>(wt, blocks, a, r0, rows, y + t * kTile, ldy, add);
+    }
+  }
+}
+
+}  // namespace osd

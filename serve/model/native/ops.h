@@ -1,0 +1,213 @@
+// The forward's small operations, written as plain loops in a fixed order (sums in 16 lanes,
+// then a fixed tree), so that every instruction set gives the same bits and a row's result
+// never depends on the other rows.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <immintrin.h>
+
+namespace osd {
+
+constexpr int kLanes = 16;
+
+// max/min that compile to one instruction (std::fmax is a libm call where NaNs must be handled).
+inline float fmax_(float a, float b) { return a > b ? a : b; }
+inline float fmin_(float a, float b) { return a < b ? a : b; }
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's conversion
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if ((bits & 0x7F800000u) == 0x7F800000u) return static_cast<uint16_t>((bits >> 16) | ((bits & 0xFFFF) ? 64 : 0));
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+// e^x by range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (Cephes' expf
+// coefficients), within 2 ulp; only + * fma and bit operations, so it vectorises identically.
+inline float fexp(float x) {
+  x = fmin_(fmax_(x, -87.0f), 88.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = std::fma(n, -0.693359375f, x);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p, r * r, r) + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+inline float lane_sum(const float* acc) {  // a fixed tree over 16 lanes
+  float t[8];
+  for (int l = 0; l < 8; ++l) t[l] = acc[l] + acc[l + 8];
+  for (int l = 0; l < 4; ++l) t[l] = t[l] + t[l + 4];
+  return (t[0] + t[2]) + (t[1] + t[3]);
+}
+
+// y = x / rms(x) * w, n a multiple of 16.
+inline void rms_norm(const float* x, const float* w, int n, float eps, float* y) {
+  float acc[kLanes] = {};
+  for (int i = 0; i < n; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] = std::fma(x[i + l], x[i + l], acc[l]);
+  const float inv = 1.0f / std::sqrt(lane_sum(acc) / static_cast<float>(n) + eps);
+  for (int i = 0; i < n; ++i) y[i] = (x[i] * inv) * w[i];
+}
+
+// Rotate-half RoPE of one head in place: x * cos + roll(x, hd/2) * sin, sin's first half negated.
+inline void rope(float* x, const float* cos, const float* sin, int hd) {
+  float rot[256];
+  const int half = hd / 2;
+  for (int i = 0; i < half; ++i) {
+    rot[i] = x[i + half];
+    rot[i + half] = x[i];
+  }
+  for (int i = 0; i < hd; ++i) x[i] = std::fma(rot[i], sin[i], x[i] * cos[i]);
+}
+
+// silu(g) * u over n values: gu holds g then u ([2n]).
+inline void swiglu(const float* gu, int n, float* out) {
+  for (int i = 0; i < n; ++i) {
+    const float g = gu[i];
+    out[i] = (g / (1.0f + fexp(-g))) * gu[n + i];
+  }
+}
+
+// q . k for one key: 16 lanes (lane l sums the products at i = l mod 16 in order of i),
+// then lane_sum's tree. The intrinsic paths keep exactly that order.
+#if defined(__AVX512F__)
+inline __m512 bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+inline float dot_key(const float* q, const uint16_t* k, int hd) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int i = 0; i < hd; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), bf16x16(k + i), acc);
+  const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+}
+
+// out[0:32] = sum_j p[j] * v_j[0:32], in order of j.
+inline void pv_chunk32(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  for (int j = 0; j < len; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    a0 = _mm512_fmadd_ps(pj, bf16x16(v + j * stride), a0);
+    a1 = _mm512_fmadd_ps(pj, bf16x16(v + j * stride + 16), a1);
+  }
+  _mm512_storeu_ps(out, a0);
+  _mm512_storeu_ps(out + 16, a1);
+}
+
+inline void pv_chunk16(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
+  __m512 a0 = _mm512_setzero_ps();
+  for (int j = 0; j < len; ++j) a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), bf16x16(v + j * stride), a0);
+  _mm512_storeu_ps(out, a0);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+inline float dot_key(const float* q, const uint16_t* k, int hd) {
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();  // lanes 0-7 and 8-15
+  for (int i = 0; i < hd; i += 16) {
+    lo = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), bf16x8(k + i), lo);
+    hi = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), bf16x8(k + i + 8), hi);
+  }
+  const __m256 t8 = _mm256_add_ps(lo, hi);
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+}
+
+inline void pv_chunk32(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
+  __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int j = 0; j < len; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    for (int c = 0; c < 4; ++c) a[c] = _mm256_fmadd_ps(pj, bf16x8(v + j * stride + 8 * c), a[c]);
+  }
+  for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + 8 * c, a[c]);
+}
+
+inline void pv_chunk16(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (int j = 0; j < len; ++j) {
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    a0 = _mm256_fmadd_ps(pj, bf16x8(v + j * stride), a0);
+    a1 = _mm256_fmadd_ps(pj, bf16x8(v + j * stride + 8), a1);
+  }
+  _mm256_storeu_ps(out, a0);
+  _mm256_storeu_ps(out + 8, a1);
+}
+#else
+inline float dot_key(const float* q, const uint16_t* k, int hd) {
+  float acc[kLanes] = {};
+  for (int i = 0; i < hd; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] = std::fma(q[i + l], bf16_to_float(k[i + l]), acc[l]);
+  return lane_sum(acc);
+}
+
+template <int W>
+inline void pv_chunk(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
+  for (int i = 0; i < W; ++i) out[i] = 0.f;
+  for (int j = 0; j < len; ++j)
+    for (int i = 0; i < W; ++i) out[i] = std::fma(p[j], bf16_to_float(v[j * stride + i]), out[i]);
+}
+
+inline void pv_chunk32(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
+  pv_chunk<32>(p, v, stride, len, out);
+}
+
+inline void pv_chunk16(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
+  pv_chunk<16>(p, v, stride, len, out);
+}
+#endif
+
+// One query row against keys/values [0, len) of one cache head (bf16, position stride
+// `stride`): softmax(q.k * scale) . v into out [hd], hd a multiple of 16. `scores` holds len floats.
+inline void attend_row(const float* q, const uint16_t* k, const uint16_t* v, int64_t stride, int len, int hd,
+                       float scale, float* scores, float* out) {
+  float mx = -INFINITY;
+  for (int j = 0; j < len; ++j) {
+    const float s = dot_key(q, k + j * stride, hd) * scale;
+    scores[j] = s;
+    mx = fmax_(mx, s);
+  }
+  float sum[kLanes] = {};
+  int j = 0;
+  for (; j + kLanes <= len; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) {
+      scores[j + l] = fexp(scores[j + l] - mx);
+      sum[l] += scores[j + l];
+    }
+  for (int l = 0; j < len; ++j, ++l) {
+    scores[j] = fexp(scores[j] - mx);
+    sum[l] += scores[j];
+  }
+  const float inv = 1.0f / lane_sum(sum);
+  for (int jj = 0; jj < len; ++jj) scores[jj] *= inv;
+  int c = 0;
+  for (; c + 32 <= hd; c += 32) pv_chunk32(scores, v + c, stride, len, out + c);
+  if (c < hd) pv_chunk16(scores, v + c, stride, len, out + c);
+}
+
+}  // namespace osd

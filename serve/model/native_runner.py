@@ -1,0 +1,175 @@
+"""The int4 target's forward in native code (serve/model/native/): one call per step runs
+every layer, for the rows of one sequence or of many (a batched step).
+
+`NativeLlamaRunner` is a LlamaRunner whose eager forwards (decode, verify, prompt chunks of up
+to NATIVE_MAX_ROWS rows, and the batched step) go through the library; what it does not cover
+(draft trees' masked forwards, CUDA graphs, longer prompts) stays on the PyTorch path it
+inherits, over the same caches. Its arithmetic (serve/model/native/gemm.h): the GGUF's Q4_1
+weights and a Q8_0 head, activations quantized per row to int8 blocks as llama.cpp does, so
+its logits agree with the PyTorch int4 runner to quantization rounding, not bit for bit; a
+row's result never depends on the other rows, so a verify equals its decodes exactly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from serve.model.native_build import load
+from serve.model.native_formats import pack_q4, pack_q8
+from serve.batch_forward import Item
+from serve.runner import LlamaRunner, StaticKVCache, _cached, _tensor_key
+
+# Rows up to which a forward takes the native path; longer prompt chunks take the inherited
+# path's dense bfloat16 GEMMs (osd bench forward: see the README's CPU figures).
+NATIVE_MAX_ROWS = 512
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int32
+
+
+class OsdLayer(ctypes.Structure):
+    _fields_ = [("wqkv", _P), ("wo", _P), ("wgu", _P), ("wd", _P), ("ln1", _P), ("ln2", _P)]
+
+
+class OsdModel(ctypes.Structure):
+    _fields_ = [("n_layers", _I), ("hidden", _I), ("n_heads", _I), ("n_kv", _I), ("head_dim", _I), ("inter", _I),
+                ("vocab", _I), ("max_pos", _I), ("n_tokens", _I), ("eps", ctypes.c_float), ("attn_scale", ctypes.c_float),
+                ("layers", _P), ("embed", _P), ("norm", _P), ("head", _P), ("cos", _P), ("sin", _P)]
+
+
+class OsdSeq(ctypes.Structure):
+    _fields_ = [("k", _P), ("v", _P), ("s_layer", ctypes.c_int64), ("s_head", ctypes.c_int64),
+                ("s_pos", ctypes.c_int64)]
+
+
+class OsdBatch(ctypes.Structure):
+    _fields_ = [("n_rows", _I), ("tokens", _P), ("pos", _P), ("seq", _P), ("seqs", _P), ("n_logit_rows", _I),
+                ("logit_rows", _P), ("logits", _P), ("n_feat_layers", _I), ("feat_layers", _P), ("feats", _P),
+                ("n_threads", _I)]
+
+
+ERRORS = {1: "dimensions the kernels do not tile", 2: "a head layout the kernels do not support",
+          3: "a token or position out of range", 4: "a logits row out of range", 5: "a feature layer out of range"}
+
+
+def native_supported(model: Any) -> str | None:
+    """None where the native forward can run `model`, else why not."""
+    cfg = model.config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if hd % 16 or hd > 256:
+        return f"head_dim {hd} (needs a multiple of 16, at most 256)"
+    for name, n, multiple in (("hidden_size", cfg.hidden_size, 32), ("intermediate_size", cfg.intermediate_size, 32),
+                              ("attention width", cfg.num_attention_heads * hd, 32)):
+        if n % multiple:
+            return f"{name} {n} is not a multiple of {multiple} (the kernels' tiles)"
+    return None
+
+
+class NativeLlamaRunner(LlamaRunner):
+    def __init__(self, model: Any, max_seq_len: int | None = None, quant: str = "int4",
+                 wide_upcast: bool | None = None, lib: ctypes.CDLL | None = None):
+        if quant != "int4":
+            raise ValueError("the native forward serves int4 targets (model.quant int4)")
+        why = native_supported(model)
+        if why:
+            raise ValueError(f"the native forward cannot run this model: {why}")
+        super().__init__(model, max_seq_len, quant, wide_upcast)
+        self.lib = lib if lib is not None else load()
+        inner, cfg = model.model, model.config
+        self._keep: list[Any] = []  # everything the C structs point into
+
+        def q4(*ws: torch.Tensor) -> torch.Tensor:
+            srcs = tuple(w.detach() for w in ws)
+            return _cached(("native-q4",) + tuple(_tensor_key(w) for w in srcs), srcs,
+                           lambda: pack_q4(torch.cat(srcs) if len(srcs) > 1 else srcs[0]))
+
+        def f32(w: torch.Tensor) -> torch.Tensor:
+            out = w.detach().float().contiguous()
+            self._keep.append(out)
+            return out
+
+        layers = (OsdLayer * len(inner.layers))()
+        for i, layer in enumerate(inner.layers):
+            at, mlp = layer.self_attn, layer.mlp
+            ws = (q4(at.q_proj.weight, at.k_proj.weight, at.v_proj.weight), q4(at.o_proj.weight),
+                  q4(mlp.gate_proj.weight, mlp.up_proj.weight), q4(mlp.down_proj.weight))
+            self._keep.extend(ws)
+            layers[i] = OsdLayer(*(w.data_ptr() for w in ws), f32(layer.input_layernorm.weight).data_ptr(),
+                                 f32(layer.post_attention_layernorm.weight).data_ptr())
+        head_w = model.lm_head.weight.detach()
+        # The head in whole tiles of 16 rows: a vocabulary that is not a multiple of 16 gets zero
+        # rows, whose logits are computed and dropped.
+        self._vocab_rows = -(-cfg.vocab_size // 16) * 16
+        head = _cached(("native-q8", _tensor_key(head_w)), (head_w,),
+                       lambda: pack_q8(F.pad(head_w, (0, 0, 0, self._vocab_rows - cfg.vocab_size))))
+        # RoPE tables in float32 from the model's own rotary module (its scaling kept).
+        with torch.no_grad():
+            pos = torch.arange(self.max_seq_len).unsqueeze(0)
+            cos, sin = inner.rotary_emb(torch.zeros(1, dtype=torch.float32), pos)
+        half = self.head_dim // 2
+        cos32 = cos[0].float().contiguous()
+        sin32 = torch.cat([-sin[0][:, :half], sin[0][:, half:]], dim=-1).float().contiguous()
+        embed = self.embed.contiguous()
+        self._keep.extend([layers, head, cos32, sin32, embed])
+        self._model = OsdModel(len(inner.layers), cfg.hidden_size, self.n_heads, self.n_kv, self.head_dim,
+                               cfg.intermediate_size, self._vocab_rows, self.max_seq_len, cfg.vocab_size, float(self.eps),
+                               float(self.head_dim ** -0.5), ctypes.addressof(layers), embed.data_ptr(),
+                               f32(self.norm).data_ptr(), head.data_ptr(), cos32.data_ptr(), sin32.data_ptr())
+
+    def _run(self, tokens: torch.Tensor, cache: StaticKVCache, layers: tuple[int, ...],
+             logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if tokens.shape[0] > NATIVE_MAX_ROWS:
+            return super()._run(tokens, cache, layers, logits)
+        return self.forward_rows([Item(tokens, cache, logits)], layers)[0]
+
+    @torch.inference_mode()
+    def forward_rows(self, items: list[Item], layers: tuple[int, ...] = ()) -> list[tuple]:
+        """Every item's rows in one native forward: per item (logits [T, V] float32 or None,
+        features of `layers` [T, len(layers) * D] in the model's dtype, or None)."""
+        sizes = [it.tokens.shape[0] for it in items]
+        for it, t in zip(items, sizes):
+            if it.cache.length + t > it.cache.max_len:
+                raise ValueError(f"sequence of {it.cache.length + t} tokens exceeds the cache's {it.cache.max_len}")
+        for it, t in zip(items, sizes):
+            it.cache.reserve(it.cache.length + t)
+        n = sum(sizes)
+        tokens = torch.cat([it.tokens.reshape(-1) for it in items]).to(torch.int64).contiguous()
+        pos = torch.cat([torch.arange(it.cache.length, it.cache.length + t, dtype=torch.int32)
+                         for it, t in zip(items, sizes)])
+        seq = torch.repeat_interleave(torch.arange(len(items), dtype=torch.int32), torch.tensor(sizes))
+        seqs = (OsdSeq * len(items))()
+        for i, it in enumerate(items):
+            k, v = it.cache.k, it.cache.v
+            if k.dtype != torch.bfloat16 or k.device.type != "cpu" or k.stride(-1) != 1 or v.stride() != k.stride():
+                raise ValueError("the native forward needs this runner's own caches (bfloat16 on the CPU)")
+            seqs[i] = OsdSeq(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2))
+        offsets = [0]
+        for t in sizes:
+            offsets.append(offsets[-1] + t)
+        rows = torch.cat([torch.arange(offsets[i], offsets[i + 1], dtype=torch.int32)
+                          for i, it in enumerate(items) if it.logits] or [torch.zeros(0, dtype=torch.int32)])
+        out = torch.empty(rows.numel(), self._vocab_rows, dtype=torch.float32)
+        feat_layers = torch.tensor(layers, dtype=torch.int32)
+        feats = torch.empty(n, len(layers) * self.hidden[0], dtype=torch.bfloat16) if layers else None
+        batch = OsdBatch(n, tokens.data_ptr(), pos.data_ptr(), seq.data_ptr(), ctypes.addressof(seqs), rows.numel(),
+                         rows.data_ptr(), out.data_ptr(), len(layers), feat_layers.data_ptr(),
+                         feats.data_ptr() if feats is not None else None, torch.get_num_threads())
+        err = self.lib.osd_forward(ctypes.byref(self._model), ctypes.byref(batch))
+        if err:
+            raise ValueError(f"native forward refused its input: {ERRORS.get(err, err)}")
+        for it, t in zip(items, sizes):
+            it.cache.length += t
+        if self._vocab_rows != self.vocab_size:
+            out = out[:, :self.vocab_size].contiguous()
+        results, lo = [], 0
+        for i, it in enumerate(items):
+            lg = None
+            if it.logits:
+                lg, lo = out[lo:lo + sizes[i]], lo + sizes[i]
+            ft = feats[offsets[i]:offsets[i + 1]].to(self.dtype) if feats is not None else None
+            results.append((lg, ft))
+        return results
