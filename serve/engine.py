@@ -199,8 +199,14 @@ class SpecEngine:
     def _runner(self, model: Any, quant: str = "none") -> Runner:
         """The model's runner; on CUDA a Llama gets CUDA graphs for its forwards of up to k+1
         tokens (decode, verify, draft steps) unless cuda_graphs is off."""
+        kernels = self.options.cpu_kernels
+        if self.options.tree:  # trees verify through masked forwards, which the native kernels lack
+            if kernels == "native":
+                raise EngineError("serve.tree needs model.cpu_kernels auto or torch: the native forward "
+                                  "verifies chains, not trees")
+            kernels = "torch"
         try:
-            runner = make_runner(model, self.options.max_seq_len, quant, self.options.cpu_kernels)
+            runner = make_runner(model, self.options.max_seq_len, quant, kernels)
         except ValueError as e:
             raise EngineError(str(e)) from None
         want = self.options.cuda_graphs

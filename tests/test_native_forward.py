@@ -1,0 +1,341 @@
+"""The native CPU forward (serve/model/): its kernels against the weights they encode, every
+build this CPU runs giving the same bits, a row's result independent of the rows beside it
+(so a verify equals its decodes and a batched step equals each sequence alone), its logits
+against the PyTorch int4 runner's, speculation equal to its own AR, and the set-up's
+fallbacks (no AVX-512, no compiler) saying why."""
+
+import ctypes
+import logging
+
+import pytest
+import torch
+from chi2 import chi2_pvalue
+
+from infra.target import build_tiny_llama
+from serve.batch_forward import Item, forward_batch
+from serve.drafts import build_draft
+from serve.engine import EngineError, EngineOptions, GenerationParams, SpecEngine
+from serve.linear import dequantize_int4, int4_codes
+from serve.model import native_build
+from serve.model.native_build import NativeUnavailable
+from serve.model.native_formats import dequantize_q4, pack_q4, pack_q4_codes, pack_q8, q8_codes
+from serve.model.native_runner import NativeLlamaRunner
+from serve.runner import LlamaRunner
+from serve.runners import make_runner
+from serve.verify import SamplingParams, warp_probs
+
+pytestmark = [pytest.mark.pure]
+
+VARIANTS = native_build.supported()
+needs_native = pytest.mark.skipif(not VARIANTS, reason="this CPU runs no native variant")
+# head_dim 32 and 16 (the kernels take multiples of 16), grouped-query attention, a vocabulary
+# that is not a multiple of 16 (the head's padded tile).
+SHAPES = {"hd32": dict(vocab_size=304, hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256),
+          "hd16-odd-vocab": dict(vocab_size=300, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128)}
+
+
+def tiny(shape="hd32", seed=0, on_grid=False, layers=3):
+    m = build_tiny_llama(seed=seed, num_layers=layers, max_positions=160, dtype="bfloat16", **SHAPES[shape])
+    m.config.eos_token_id = None
+    if on_grid:  # decoder weights int4 holds exactly: the float model is the model both runners encode
+        with torch.no_grad():
+            for name, p in m.model.layers.named_parameters():
+                if p.dim() == 2:
+                    p.copy_(dequantize_int4(*int4_codes(p)).to(p.dtype))
+    return m
+
+
+def runner(model, variant=None):
+    lib = native_build.load_variant(variant) if variant else None
+    return NativeLlamaRunner(model, 160, lib=lib)
+
+
+def logits(r, tokens, prefix=0):
+    cache = r.new_cache()
+    if prefix:
+        r.forward(tokens[:prefix], cache)
+    return r.forward(tokens[prefix:], cache)
+
+
+def gemm(lib, packed, q4, n, k, x):
+    y = torch.empty(x.shape[0], n)
+    lib.osd_gemm(packed.data_ptr(), int(q4), n, k, x.data_ptr(), x.shape[0], y.data_ptr(), 2)
+    return y
+
+
+# ---------------------------------------------------------------- kernels
+
+
+@needs_native
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("q4", [True, False])
+def test_gemm_multiplies_by_the_weights_it_packs(variant, q4):
+    """Against float64 products with the packed weights: the only error left is the
+    activations' int8 rounding (blocks of 32, scale max/127)."""
+    lib = native_build.load_variant(variant)
+    n, k = 96, 160
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(1))
+    if q4:
+        packed, wref = pack_q4(w), dequantize_q4(*int4_codes(w))
+    else:
+        codes, scale = q8_codes(w)
+        packed, wref = pack_q8(w), codes.float() * scale.repeat_interleave(32, 1)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(2))
+    ref = x.double() @ wref.double().t()
+    err = (gemm(lib, packed, q4, n, k, x).double() - ref).abs().max() / ref.abs().max()
+    assert 1e-5 < err < 2e-2  # int8 activations: not exact, and not far off
+
+
+@needs_native
+@pytest.mark.parametrize("q4", [True, False])
+def test_gemm_rows_do_not_depend_on_their_neighbours_and_variants_agree_bitwise(q4):
+    n, k = 64, 96
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(3))
+    packed = pack_q4(w) if q4 else pack_q8(w)
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(4))  # 19: full row tiles and a rest
+    outs = {}
+    for v in VARIANTS:
+        lib = native_build.load_variant(v)
+        outs[v] = gemm(lib, packed, q4, n, k, x)
+        alone = torch.cat([gemm(lib, packed, q4, n, k, x[i:i + 1].contiguous()) for i in range(19)])
+        assert torch.equal(alone, outs[v]), v
+    first = next(iter(outs.values()))
+    assert all(torch.equal(first, o) for o in outs.values())
+
+
+def test_pack_q4_keeps_the_codes_and_scales_in_their_places():
+    """One weight of known code per column and block, read back from the packed bytes."""
+    n, k = 16, 64
+    codes = torch.arange(n * k).reshape(n, k) % 16
+    scale = torch.arange(1, n * k // 32 + 1, dtype=torch.float32).reshape(n, k // 32)
+    lo = -scale
+    packed = pack_q4_codes(codes, scale, lo)
+    assert packed.numel() == (n // 16) * (k // 32) * 320
+    blk = packed[320:640]  # tile 0, block 1
+    c, j, i = 5, 2, 3  # column 5, chunk 2, byte 3: inputs 32 + 16 + 3 (low) and 32 + 20 + 3 (high)
+    byte = int(blk[64 * j + 4 * c + i])
+    assert byte & 15 == codes[c, 32 + 8 * j + i] and byte >> 4 == codes[c, 32 + 8 * j + 4 + i]
+    d = blk[256:288].view(torch.float16)
+    m = blk[288:320].view(torch.float16)
+    assert d[c].item() == scale[c, 1].item() and m[c].item() == lo[c, 1].item()
+
+
+# ---------------------------------------------------------------- the forward
+
+
+@needs_native
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("t", [1, 5, 16, 33])
+@pytest.mark.parametrize("prefix", [0, 9])
+def test_native_logits_match_the_torch_int4_runner_to_rounding(shape, t, prefix):
+    """Both encode the same int4 weights (a model on int4's grid, so the float32 model is the
+    one they compute); the native path rounds activations to int8 blocks where PyTorch's
+    rounds them to bfloat16, so each is held against the float32 logits: the native error is
+    of the size of the PyTorch int4 runner's."""
+    model = tiny(shape, seed=t, on_grid=True)
+    ref32 = LlamaRunner(tiny(shape, seed=t, on_grid=True).float(), 160)
+    tokens = torch.randint(0, model.config.vocab_size, (prefix + t,), generator=torch.Generator().manual_seed(t))
+    want = logits(ref32, tokens, prefix)
+    native = logits(runner(model), tokens, prefix)
+    torch_int4 = logits(LlamaRunner(model, 160, "int4"), tokens, prefix)
+    err_native = (native - want).abs().max().item()
+    err_torch = (torch_int4 - want).abs().max().item()
+    assert native.shape == want.shape and native.dtype == torch.float32
+    assert err_native < 0.05 * want.abs().max().item()
+    assert err_native < 3 * err_torch + 1e-2, (err_native, err_torch)
+
+
+@needs_native
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_verify_block_equals_its_decodes_bit_for_bit(variant):
+    model = tiny()
+    r = runner(model, variant)
+    tokens = torch.randint(0, 304, (30,), generator=torch.Generator().manual_seed(5))
+    for t in (2, 5, 16):
+        a, b = r.new_cache(), r.new_cache()
+        r.forward(tokens[:11], a)
+        r.forward(tokens[:11], b)
+        block = r.forward(tokens[11:11 + t], a)
+        decodes = torch.cat([r.forward(tokens[i:i + 1], b) for i in range(11, 11 + t)])
+        assert torch.equal(block, decodes), t
+        assert torch.equal(a.k[:, :, :11 + t], b.k[:, :, :11 + t])
+
+
+@needs_native
+def test_every_variant_computes_the_same_logits():
+    model = tiny()
+    tokens = torch.randint(0, 304, (21,), generator=torch.Generator().manual_seed(6))
+    outs = [logits(runner(model, v), tokens, 13) for v in VARIANTS]
+    assert all(torch.equal(outs[0], o) for o in outs)
+
+
+@needs_native
+def test_a_batched_step_equals_each_sequence_alone():
+    """Decode rows in a pool, a verify block and a prompt chunk in one native call: every
+    sequence's logits, features and cache equal its own forward's, bit for bit."""
+    model = tiny()
+    r = runner(model)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 304, (n,), generator=gen) for n in (5, 12, 3, 8)]
+    new = [torch.randint(0, 304, (t,), generator=gen) for t in (1, 1, 4, 6)]
+    pooled = r.new_caches(4, growable=True)
+    alone = [r.new_cache() for _ in prompts]
+    for p, c1, c2 in zip(prompts, pooled, alone):
+        r.forward(p, c1)
+        r.forward(p, c2)
+    items = [Item(t, c, logits=(i != 3)) for i, (t, c) in enumerate(zip(new, pooled))]
+    got = forward_batch(r, items, layers=(0, 2))
+    for i, (t, c) in enumerate(zip(new, alone)):
+        lg, ft = r.forward_features(t, c, (0, 2))
+        if i == 3:
+            assert got[i][0] is None
+        else:
+            assert torch.equal(got[i][0], lg)
+        assert torch.equal(got[i][1], ft)
+        n = c.length
+        assert pooled[i].length == n and torch.equal(pooled[i].k[:, :, :n], c.k[:, :, :n])
+
+
+@needs_native
+def test_features_are_the_layers_outputs():
+    """forward_features' layer outputs feed the head draft: the last layer's, normed and
+    multiplied by the head weights (float64 here), give the logits up to int8 rounding."""
+    model = tiny()
+    r = runner(model)
+    tokens = torch.randint(0, 304, (6,), generator=torch.Generator().manual_seed(8))
+    lg, feats = r.forward_features(tokens, r.new_cache(), (1, 2))
+    assert feats.shape == (6, 2 * 128) and feats.dtype == torch.bfloat16
+    h = feats[:, 128:].double()
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps)
+    want = (normed * model.model.norm.weight.double()) @ model.lm_head.weight.double().t()
+    assert (lg.double() - want).abs().max() < 0.03 * want.abs().max()
+
+
+@needs_native
+def test_bad_input_is_refused_before_anything_is_written():
+    model = tiny()
+    r = runner(model)
+    cache = r.new_cache()
+    r.forward(torch.tensor([1, 2, 3]), cache)
+    before = cache.k.clone()
+    with pytest.raises(ValueError, match="out of range"):
+        r.forward(torch.tensor([4, 304]), cache)
+    assert cache.length == 3 and torch.equal(cache.k, before)
+    with pytest.raises(ValueError, match="exceeds"):
+        r.forward(torch.zeros(158, dtype=torch.long), cache)
+    assert cache.length == 3
+
+
+# ---------------------------------------------------------------- the engine on it
+
+
+@needs_native
+@pytest.mark.parametrize("draft", ["truncate:1", "suffix", "head:untrained", "head:untrained+suffix"])
+def test_greedy_speculation_equals_the_native_targets_own_decoding(draft):
+    model = tiny(layers=4)
+    opts = dict(k=3, max_seq_len=160, quant="int4", k_policy="fixed")
+    own = SpecEngine(model, None, options=EngineOptions(**opts))
+    assert isinstance(own.target, NativeLlamaRunner)
+    spec = SpecEngine(model, build_draft(draft, model), options=EngineOptions(**opts))
+    params = GenerationParams(max_new_tokens=24)
+    gen = torch.Generator().manual_seed(9)
+    drafted = 0
+    for _ in range(3):
+        prompt = torch.randint(0, 304, (7,), generator=gen).tolist() * 2  # repeats: the suffix draft proposes
+        out = spec.generate(prompt, params)
+        assert out.output_ids == own.generate(prompt, params).output_ids
+        drafted += out.stats.num_draft_tokens
+    assert drafted > 0
+
+
+V8 = dict(vocab_size=8, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64)
+
+
+@needs_native
+def test_sampling_on_the_native_target_follows_its_distribution():
+    """Chi-square: sampled speculation on the native int4 target draws the first two tokens
+    from the distribution of its own one-row forwards (vocabulary 8: the head's padded tile)."""
+    target = build_tiny_llama(seed=3, num_layers=2, max_positions=32, dtype="bfloat16", **V8)
+    target.config.eos_token_id = None
+    eng = SpecEngine(target, build_draft("truncate:1", target),
+                     options=EngineOptions(k=2, max_seq_len=32, quant="int4", k_policy="fixed"))
+    assert isinstance(eng.target, NativeLlamaRunner)
+    sampling = SamplingParams(temperature=0.9, top_p=0.95)
+    counts = torch.zeros(8, 8, dtype=torch.long)
+    drafted = accepted = 0
+    for i in range(2000):
+        sp = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=i)
+        r = eng.generate([1, 2, 3], GenerationParams(max_new_tokens=3, sampling=sp, capture=False))
+        counts[r.output_ids[0], r.output_ids[1]] += 1
+        drafted += r.stats.num_draft_tokens
+        accepted += r.stats.num_accepted_tokens
+    assert drafted - accepted > 200 and accepted > 200  # both the accept and the residual paths ran
+
+    def last(ids):
+        return eng.target.forward(torch.tensor(ids), eng.target.new_cache())[-1]
+
+    p1 = warp_probs(last([1, 2, 3]), sampling)
+    p2 = torch.stack([warp_probs(last([1, 2, 3, t]), sampling) for t in range(8)])
+    assert chi2_pvalue(counts, p1[:, None] * p2) > 1e-3
+
+
+def test_trees_keep_the_torch_kernels():
+    model = tiny()
+    eng = SpecEngine(model, build_draft("truncate:1", model),
+                     options=EngineOptions(k=3, max_seq_len=160, quant="int4", tree="4,2,2"))
+    assert type(eng.target) is LlamaRunner
+    with pytest.raises(EngineError, match="serve.tree"):
+        SpecEngine(model, None, options=EngineOptions(max_seq_len=160, quant="int4", tree="4,2,2",
+                                                      cpu_kernels="native"))
+
+
+# ---------------------------------------------------------------- set-up and fallbacks
+
+
+def test_an_avx2_only_cpu_builds_the_avx2_variant(tmp_path, monkeypatch):
+    zen3 = {"avx", "avx2", "fma", "f16c", "sse4_2"}
+    assert native_build.supported(zen3) == ["avx2"]
+    assert native_build.supported({"sse2"}) == []
+    monkeypatch.setenv("OSD_NATIVE_DIR", str(tmp_path))
+    out = native_build.build("avx2")
+    assert out.exists() and out.parent.parent == tmp_path
+    if "avx2" in VARIANTS:
+        lib = native_build._bind(ctypes.CDLL(str(out)))
+        assert lib.osd_isa() == native_build.ISA_CODES["avx2"]
+
+
+def test_without_a_compiler_the_int4_target_falls_back_saying_why(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("OSD_NATIVE_DIR", str(tmp_path))  # nothing built there
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    native_build.load_variant.cache_clear()
+    try:
+        with pytest.raises(NativeUnavailable, match="no C\\+\\+ compiler"):
+            native_build.load()
+        assert "unavailable" in native_build.status() and "no-such-compiler" in native_build.status()
+        model = tiny()
+        with caplog.at_level(logging.WARNING):
+            r = make_runner(model, 160, "int4")
+        assert type(r) is LlamaRunner
+        assert "no C++ compiler" in caplog.text
+        with pytest.raises(ValueError, match="cpu_kernels native"):
+            make_runner(model, 160, "int4", "native")
+        with pytest.raises(EngineError, match="cpu_kernels"):
+            EngineOptions(cpu_kernels="fast")
+    finally:
+        native_build.load_variant.cache_clear()
+
+
+def test_a_compile_error_is_reported_not_half_built(tmp_path, monkeypatch):
+    monkeypatch.setenv("OSD_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_build, "COMMON_FLAGS", native_build.COMMON_FLAGS + ("-fno-such-flag",))
+    with pytest.raises(NativeUnavailable, match="compiling the avx2 kernels failed"):
+        native_build.build("avx2")
+    assert not list(tmp_path.rglob("*.so"))
+
+
+def test_torch_kernels_on_request_and_for_models_the_tiles_do_not_fit():
+    assert type(make_runner(tiny(), 160, "int4", "torch")) is LlamaRunner
+    odd = build_tiny_llama(seed=0, num_layers=1, max_positions=64, dtype="bfloat16", vocab_size=300,
+                           hidden_size=48, num_heads=3, num_kv_heads=1, intermediate_size=96)
+    with pytest.raises(ValueError, match="hidden_size 48"):
+        NativeLlamaRunner(odd, 64)
