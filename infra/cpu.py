@@ -4,6 +4,8 @@ start (its autocast dtype), which must not guess from the dtype alone."""
 from __future__ import annotations
 
 import functools
+import os
+from pathlib import Path
 
 import torch
 
@@ -18,3 +20,28 @@ def native_bf16_gemm() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch without the probe: assume the fast path
         return True
+
+
+def usable_cores(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
+    """The cores this process may run on: its affinity, capped by a cgroup v2 CPU quota (a
+    container's limit, which the affinity mask does not show)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        quota, period = cgroup.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, cores)
+
+
+def replica_threads(forward_threads: int, num_threads: int, num_replicas: int, num_cpus_per_replica: float) -> int:
+    """A serving replica's forward threads: serve.forward_threads, else model.num_threads, where
+    set; else a lone replica takes every usable core (2 threads served 35.8 against 32.9 tok/s
+    for 1 on 2 cores, README), and replicas that share a machine take their
+    num_cpus_per_replica each."""
+    if forward_threads or num_threads:
+        return forward_threads or num_threads
+    if num_replicas == 1:
+        return usable_cores()
+    return max(1, int(num_cpus_per_replica))

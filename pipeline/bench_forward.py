@@ -95,7 +95,7 @@ MAX_COMPILED_TOKENS = 64
 
 
 def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_tokens: int,
-                  real: Any = None, inductor: bool = False) -> dict[str, Any]:
+                  real: Any = None, inductor: bool = False, vs_llamacpp: bool = False) -> dict[str, Any]:
     """name -> runner: each variant eagerly, on CUDA each non-int4 variant as graphs too, and
     with `inductor` each variant through torch.compile as well."""
     bad = [v for v in variants if v not in VARIANTS]
@@ -122,18 +122,25 @@ def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_to
             runners[f"{v}-graph"].max_graph_tokens = max_tokens
         if inductor:
             runners[f"{v}-inductor"] = InductorRunner(runners[v])
+    if vs_llamacpp:
+        if device != "cpu" or real is None:
+            raise ValueError("--vs-llamacpp times llama.cpp on the target's GGUF: it needs --real on the CPU")
+        from infra.target import smollm2_gguf_path
+        from pipeline.bench_llamacpp import LlamaCppRunner
+
+        runners["llama.cpp"] = LlamaCppRunner(smollm2_gguf_path(), torch.get_num_threads(), max_seq_len)
     return runners
 
 
 def run_forward_bench(*, device: str = "cpu", variants: Sequence[str] = ("float32", "bfloat16", "int4"),
                       tokens: tuple[int, ...] = (1, 2, 3, 5, 9, 17, 33), context: int = 256,
                       max_seq_len: int = 2048, repeats: int = 30, real: Any = None, inductor: bool = False,
-                      json_path: str | None = None,
+                      vs_llamacpp: bool = False, json_path: str | None = None,
                       log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
     """Times every (runner, T) in one run, interleaved per repeat; `real`: the target model to
     time instead of a random one of its shape."""
     dev = torch.device(device)
-    runners = build_runners(variants, device, max_seq_len, max(tokens), real, inductor)
+    runners = build_runners(variants, device, max_seq_len, max(tokens), real, inductor, vs_llamacpp)
     vocab = next(iter(runners.values())).vocab_size
     once = _timer(dev)
     gen = torch.Generator().manual_seed(0)

@@ -312,7 +312,8 @@ def _cmd_bench_forward(cfg: OSDConfig, args: argparse.Namespace) -> int:
     if not tokens or min(tokens) < 1:
         print(f"osd: error: --tokens must be comma-separated positive integers, got {args.tokens!r}", file=sys.stderr)
         return 2
-    variants = args.variants or (["float32", "bfloat16", "int4"] if args.device == "cpu" else ["bfloat16"])
+    variants = args.variants or (["float32", "bfloat16", "int4", "int4-native"] if args.device == "cpu"
+                                 else ["bfloat16"])
     real = None
     if args.real:
         from infra.target import load_target
@@ -320,7 +321,8 @@ def _cmd_bench_forward(cfg: OSDConfig, args: argparse.Namespace) -> int:
         real = load_target(cfg.model.target, cfg.model.for_training(), progress=True).model
     try:
         run_forward_bench(device=args.device, variants=variants, tokens=tokens, context=args.context,
-                          repeats=args.repeats, real=real, inductor=args.inductor, json_path=args.json)
+                          repeats=args.repeats, real=real, inductor=args.inductor, vs_llamacpp=args.vs_llamacpp,
+                          json_path=args.json)
     except ValueError as e:
         print(f"osd: error: {e}", file=sys.stderr)
         return 2
@@ -463,12 +465,15 @@ def _add_bench_forward_parser(bench_sub: argparse._SubParsersAction) -> None:
     bf.add_argument("--device", default="cpu", help="cpu or cuda")
     bf.add_argument("--variants", nargs="+", choices=VARIANT_CHOICES, metavar="V",
                     help="float32, bfloat16, float16, int4 (int4 weights, bfloat16 activations; CPU; many-row "
-                         "weights float32 where this CPU emulates bfloat16) and/or int4-bf16wide (many-row weights "
-                         "bfloat16 anyway); default: float32 bfloat16 int4 on CPU, bfloat16 on CUDA")
+                         "weights float32 where this CPU emulates bfloat16), int4-bf16wide (many-row weights "
+                         "bfloat16 anyway) and/or int4-native (the native kernels, serve/model/); default: float32 "
+                         "bfloat16 int4 int4-native on CPU, bfloat16 on CUDA")
     bf.add_argument("--inductor", action="store_true", help="also time each variant through torch.compile "
                     "(Inductor; a compile per token count, about a minute each on 2 cores)")
     bf.add_argument("--real", action="store_true", help="time the real target (model.target) instead of random "
                                                         "weights of SmolLM2-135M's shape")
+    bf.add_argument("--vs-llamacpp", action="store_true", help="also time llama.cpp's forward of the same T tokens "
+                    "on the target's own GGUF (with --real; needs the bench extra, llama-cpp-python)")
     bf.add_argument("--tokens", default="1,2,3,5,9,17,33", help="comma-separated token counts T")
     bf.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     bf.add_argument("--repeats", type=int, default=30)

@@ -233,7 +233,9 @@ def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
     """The demo's settings on top of the user's: its own state dir, a fast export and rollout cadence."""
     d = cfg.model_dump(mode="json")
     d["state_dir"] = str(state)
-    d["serve"].update(num_replicas=1, num_cpus_per_replica=1.0, max_concurrency=2)
+    # The trainer shares the machine's cores with the replica here: one forward thread, as before.
+    d["serve"].update(num_replicas=1, num_cpus_per_replica=1.0, max_concurrency=2,
+                      forward_threads=d["serve"]["forward_threads"] or 1)
     d["stream"].update(redis_url="")
     d["registry"].update(uri="")
     # Few records per candidate at demo traffic: replay them (as the warm start's epochs do) at a

@@ -27,6 +27,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infra.config import OSDConfig
+from infra.cpu import replica_threads
 from serve.openai_api import (
     SSE_DONE,
     APIError,
@@ -69,8 +70,8 @@ class TargetReplica:
         from serve.metrics import ServeMetrics
 
         self.cfg = cfg = OSDConfig.model_validate(cfg_dict)
-        threads = cfg.model.num_threads or max(1, int(cfg.serve.num_cpus_per_replica))
-        torch.set_num_threads(threads)
+        torch.set_num_threads(replica_threads(cfg.serve.forward_threads, cfg.model.num_threads,
+                                              cfg.serve.num_replicas, cfg.serve.num_cpus_per_replica))
         loaded = load_target(cfg.model.target, cfg.model, progress=False)
         self.tokenizer = loaded.tokenizer
         self._token_texts: dict[int, str] = {}
