@@ -61,6 +61,8 @@ struct OsdBatch {
 namespace osd {
 namespace {
 
+constexpr int kMaxQueries = 8;  // queries of one KV head attended together
+
 struct Quantized {  // activations of M rows, quantized for the next GEMM
   std::vector<int8_t> q;
   std::vector<float> d, s;
@@ -74,6 +76,7 @@ struct Quantized {  // activations of M rows, quantized for the next GEMM
 
 struct Work {  // per-call buffers, kept per calling thread so a step allocates nothing
   std::vector<float> x, tmp, qkv, att, gu, act, scores;
+  std::vector<int> items;  // attention work items, 4 ints each
   Quantized qa;
 };
 
@@ -141,22 +144,43 @@ void attention(const OsdModel& md, const OsdBatch& bt, int layer, Work& wk, int 
       }
     }
   });
+  // Work items: (sequence, KV head, a chunk of its queries); a sequence's rows are adjacent.
+  const int group = nh / nkv;
+  std::vector<int>& items = wk.items;
+  items.clear();
   int max_len = 0;
   for (int r = 0; r < m; ++r) max_len = std::max(max_len, bt.pos[r] + 1);
   const int workers = std::max(threads, 1);
-  wk.scores.resize(static_cast<size_t>(workers) * max_len);
-  const int items = m * nh, group = nh / nkv;
-  auto one = [&](int item, float* scores) {
-    const int r = item / nh, h = item % nh, kvh = h / group;
-    const OsdSeq& sq = bt.seqs[bt.seq[r]];
-    const int64_t off = layer * sq.s_layer + kvh * sq.s_head;
-    attend_row(wk.qkv.data() + static_cast<int64_t>(r) * width + h * hd, sq.k + off, sq.v + off, sq.s_pos,
-               bt.pos[r] + 1, hd, md.attn_scale, scores, wk.att.data() + static_cast<int64_t>(r) * nh * hd + h * hd);
-  };
-  Pool::get().run(workers, [&](int i, int n) {
+  const int chunk = std::clamp((m * nh + 4 * workers - 1) / (4 * workers), 1, kMaxQueries);
+  for (int r0 = 0; r0 < m;) {
+    int r1 = r0 + 1;
+    while (r1 < m && bt.seq[r1] == bt.seq[r0]) ++r1;
+    const int nq = (r1 - r0) * group;
+    for (int g = 0; g < nkv; ++g)
+      for (int q0 = 0; q0 < nq; q0 += chunk) items.insert(items.end(), {r0, g, q0, std::min(nq, q0 + chunk)});
+    r0 = r1;
+  }
+  wk.scores.resize(static_cast<size_t>(workers) * kMaxQueries * max_len);
+  const int n_items = static_cast<int>(items.size() / 4);
+  Pool::get().run(workers, [&](int w, int nw) {
     int b, e;
-    split(items, i, n, &b, &e);
-    for (int it = b; it < e; ++it) one(it, wk.scores.data() + static_cast<int64_t>(i) * max_len);
+    split(n_items, w, nw, &b, &e);
+    const float* qs[kMaxQueries];
+    float* outs[kMaxQueries];
+    int lens[kMaxQueries];
+    for (int it = b; it < e; ++it) {
+      const int r0 = items[4 * it], g = items[4 * it + 1], q0 = items[4 * it + 2], q1 = items[4 * it + 3];
+      for (int q = q0; q < q1; ++q) {  // query q: row r0 + q / group, head g * group + q % group
+        const int r = r0 + q / group, h = g * group + q % group;
+        qs[q - q0] = wk.qkv.data() + static_cast<int64_t>(r) * width + h * hd;
+        outs[q - q0] = wk.att.data() + static_cast<int64_t>(r) * nh * hd + h * hd;
+        lens[q - q0] = bt.pos[r] + 1;
+      }
+      const OsdSeq& sq = bt.seqs[bt.seq[r0]];
+      const int64_t off = layer * sq.s_layer + g * sq.s_head;
+      attend_rows(qs, lens, q1 - q0, sq.k + off, sq.v + off, sq.s_pos, hd, md.attn_scale,
+                  wk.scores.data() + static_cast<int64_t>(w) * kMaxQueries * max_len, outs);
+    }
   });
 }
 

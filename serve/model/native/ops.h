@@ -104,22 +104,35 @@ inline float dot_key(const float* q, const uint16_t* k, int hd) {
   return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
 }
 
-// out[0:32] = sum_j p[j] * v_j[0:32], in order of j.
+// out[0:W] = sum_j p[j] * v_j[0:W] as four partial sums over j = 0, 1, 2, 3 (mod 4), each in
+// order of j, added as (A0 + A1) + (A2 + A3): four independent FMA chains instead of one.
 inline void pv_chunk32(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  for (int j = 0; j < len; ++j) {
+  __m512 a[4][2];
+  for (int k = 0; k < 4; ++k) a[k][0] = a[k][1] = _mm512_setzero_ps();
+  int j = 0;
+  for (; j + 4 <= len; j += 4)
+    for (int k = 0; k < 4; ++k) {
+      const __m512 pj = _mm512_set1_ps(p[j + k]);
+      a[k][0] = _mm512_fmadd_ps(pj, bf16x16(v + (j + k) * stride), a[k][0]);
+      a[k][1] = _mm512_fmadd_ps(pj, bf16x16(v + (j + k) * stride + 16), a[k][1]);
+    }
+  for (int k = 0; j < len; ++j, ++k) {
     const __m512 pj = _mm512_set1_ps(p[j]);
-    a0 = _mm512_fmadd_ps(pj, bf16x16(v + j * stride), a0);
-    a1 = _mm512_fmadd_ps(pj, bf16x16(v + j * stride + 16), a1);
+    a[k][0] = _mm512_fmadd_ps(pj, bf16x16(v + j * stride), a[k][0]);
+    a[k][1] = _mm512_fmadd_ps(pj, bf16x16(v + j * stride + 16), a[k][1]);
   }
-  _mm512_storeu_ps(out, a0);
-  _mm512_storeu_ps(out + 16, a1);
+  for (int h = 0; h < 2; ++h)
+    _mm512_storeu_ps(out + 16 * h, _mm512_add_ps(_mm512_add_ps(a[0][h], a[1][h]), _mm512_add_ps(a[2][h], a[3][h])));
 }
 
 inline void pv_chunk16(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
-  __m512 a0 = _mm512_setzero_ps();
-  for (int j = 0; j < len; ++j) a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), bf16x16(v + j * stride), a0);
-  _mm512_storeu_ps(out, a0);
+  __m512 a[4];
+  for (int k = 0; k < 4; ++k) a[k] = _mm512_setzero_ps();
+  int j = 0;
+  for (; j + 4 <= len; j += 4)
+    for (int k = 0; k < 4; ++k) a[k] = _mm512_fmadd_ps(_mm512_set1_ps(p[j + k]), bf16x16(v + (j + k) * stride), a[k]);
+  for (int k = 0; j < len; ++j, ++k) a[k] = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), bf16x16(v + j * stride), a[k]);
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 inline __m256 bf16x8(const uint16_t* p) {
@@ -139,24 +152,28 @@ inline float dot_key(const float* q, const uint16_t* k, int hd) {
   return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
 }
 
-inline void pv_chunk32(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
-  __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int j = 0; j < len; ++j) {
+inline void pv_chunk16(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
+  __m256 a[4][2];
+  for (int k = 0; k < 4; ++k) a[k][0] = a[k][1] = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 4 <= len; j += 4)
+    for (int k = 0; k < 4; ++k) {
+      const __m256 pj = _mm256_set1_ps(p[j + k]);
+      a[k][0] = _mm256_fmadd_ps(pj, bf16x8(v + (j + k) * stride), a[k][0]);
+      a[k][1] = _mm256_fmadd_ps(pj, bf16x8(v + (j + k) * stride + 8), a[k][1]);
+    }
+  for (int k = 0; j < len; ++j, ++k) {
     const __m256 pj = _mm256_set1_ps(p[j]);
-    for (int c = 0; c < 4; ++c) a[c] = _mm256_fmadd_ps(pj, bf16x8(v + j * stride + 8 * c), a[c]);
+    a[k][0] = _mm256_fmadd_ps(pj, bf16x8(v + j * stride), a[k][0]);
+    a[k][1] = _mm256_fmadd_ps(pj, bf16x8(v + j * stride + 8), a[k][1]);
   }
-  for (int c = 0; c < 4; ++c) _mm256_storeu_ps(out + 8 * c, a[c]);
+  for (int h = 0; h < 2; ++h)
+    _mm256_storeu_ps(out + 8 * h, _mm256_add_ps(_mm256_add_ps(a[0][h], a[1][h]), _mm256_add_ps(a[2][h], a[3][h])));
 }
 
-inline void pv_chunk16(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  for (int j = 0; j < len; ++j) {
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    a0 = _mm256_fmadd_ps(pj, bf16x8(v + j * stride), a0);
-    a1 = _mm256_fmadd_ps(pj, bf16x8(v + j * stride + 8), a1);
-  }
-  _mm256_storeu_ps(out, a0);
-  _mm256_storeu_ps(out + 8, a1);
+inline void pv_chunk32(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
+  pv_chunk16(p, v, stride, len, out);  // 16 registers hold 16 columns' four partial sums
+  pv_chunk16(p, v + 16, stride, len, out + 16);
 }
 #else
 inline float dot_key(const float* q, const uint16_t* k, int hd) {
@@ -168,9 +185,10 @@ inline float dot_key(const float* q, const uint16_t* k, int hd) {
 
 template <int W>
 inline void pv_chunk(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
-  for (int i = 0; i < W; ++i) out[i] = 0.f;
+  float a[4][W] = {};
   for (int j = 0; j < len; ++j)
-    for (int i = 0; i < W; ++i) out[i] = std::fma(p[j], bf16_to_float(v[j * stride + i]), out[i]);
+    for (int i = 0; i < W; ++i) a[j & 3][i] = std::fma(p[j], bf16_to_float(v[j * stride + i]), a[j & 3][i]);
+  for (int i = 0; i < W; ++i) out[i] = (a[0][i] + a[1][i]) + (a[2][i] + a[3][i]);
 }
 
 inline void pv_chunk32(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
@@ -182,16 +200,10 @@ inline void pv_chunk16(const float* p, const uint16_t* v, int64_t stride, int le
 }
 #endif
 
-// One query row against keys/values [0, len) of one cache head (bf16, position stride
-// `stride`): softmax(q.k * scale) . v into out [hd], hd a multiple of 16. `scores` holds len floats.
-inline void attend_row(const float* q, const uint16_t* k, const uint16_t* v, int64_t stride, int len, int hd,
-                       float scale, float* scores, float* out) {
+// softmax(scores * 1) in place over [0, len): exp(s - max) / sum, the sum in 16 lanes.
+inline void softmax_row(float* scores, int len) {
   float mx = -INFINITY;
-  for (int j = 0; j < len; ++j) {
-    const float s = dot_key(q, k + j * stride, hd) * scale;
-    scores[j] = s;
-    mx = fmax_(mx, s);
-  }
+  for (int j = 0; j < len; ++j) mx = fmax_(mx, scores[j]);
   float sum[kLanes] = {};
   int j = 0;
   for (; j + kLanes <= len; j += kLanes)
@@ -205,9 +217,28 @@ inline void attend_row(const float* q, const uint16_t* k, const uint16_t* v, int
   }
   const float inv = 1.0f / lane_sum(sum);
   for (int jj = 0; jj < len; ++jj) scores[jj] *= inv;
-  int c = 0;
-  for (; c + 32 <= hd; c += 32) pv_chunk32(scores, v + c, stride, len, out + c);
-  if (c < hd) pv_chunk16(scores, v + c, stride, len, out + c);
+}
+
+// Several query rows against one cache head's keys/values (bf16, position stride `stride`):
+// query i attends over positions [0, len[i]), softmax(q.k * scale) . v into out[i] [hd], hd a
+// multiple of 16. Keys outermost, so each key comes from memory once for all the queries; each
+// query's arithmetic is a lone query's. `scores` holds n * max(len) floats.
+inline void attend_rows(const float* const* q, const int* len, int n, const uint16_t* k, const uint16_t* v,
+                        int64_t stride, int hd, float scale, float* scores, float* const* out) {
+  int max_len = 0;
+  for (int i = 0; i < n; ++i) max_len = len[i] > max_len ? len[i] : max_len;
+  for (int j = 0; j < max_len; ++j) {
+    const uint16_t* kj = k + j * stride;
+    for (int i = 0; i < n; ++i)
+      if (j < len[i]) scores[i * max_len + j] = dot_key(q[i], kj, hd) * scale;
+  }
+  for (int i = 0; i < n; ++i) {
+    float* p = scores + i * max_len;
+    softmax_row(p, len[i]);
+    int c = 0;
+    for (; c + 32 <= hd; c += 32) pv_chunk32(p, v + c, stride, len[i], out[i] + c);
+    if (c < hd) pv_chunk16(p, v + c, stride, len[i], out[i] + c);
+  }
 }
 
 }  // namespace osd
