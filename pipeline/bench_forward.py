@@ -34,6 +34,12 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads
 VARIANTS = ("float32", "bfloat16", "float16", "int4", "int4-bf16wide", "int4-native")
 
 
+# A pause before each timed forward, so that it starts on idle cores: the runner before it
+# leaves its thread pool spinning for a while (torch's OpenMP, llama.cpp's, the native
+# kernels'), which would otherwise charge one method's idle threads to the next.
+SETTLE_S = 0.01
+
+
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
     def once(fn: Callable[[], Any]) -> float:
         if device.type == "cuda":
@@ -154,6 +160,7 @@ def run_forward_bench(*, device: str = "cpu", variants: Sequence[str] = ("float3
         for t in tokens:
             for name, runner in runners.items():
                 cache = caches[name]
+                time.sleep(SETTLE_S)
                 ms = once(lambda: runner.forward(blocks[t], cache))
                 cache.truncate(context)
                 if rep >= 3:

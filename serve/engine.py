@@ -57,6 +57,7 @@ from serve.k_policy import KPolicy, StepCosts, chain_cut, profile_forward
 from serve.processors import LogitsProcessor
 from serve.linear import QUANT_MODES
 from serve.runner import LlamaRunner, Runner
+from serve.model.native_runner import NativeLlamaRunner
 from serve.runners import CPU_KERNELS, as_draft, make_runner
 from serve.graphs import GraphLlamaRunner, StagingRing
 from serve.scheduler import DONE, Scheduler
@@ -167,6 +168,11 @@ class SpecEngine:
         self.options = options or EngineOptions()
         self.tokenizer = tokenizer
         self.target = self._runner(target_model, self.options.quant)
+        if isinstance(self.target, NativeLlamaRunner):
+            # The native forward runs on its own threads. torch's pool threads spin on the same
+            # cores after each of the step's small torch ops and stall it (2026-11-27, 2 cores:
+            # a 2.7 ms forward took 12 ms in the engine), so torch keeps one thread.
+            torch.set_num_threads(1)
         self.draft = self._draft_runner(draft_model) if draft_model is not None else None
         # The CUDA path (serve/gpu_stages.py): device-resident stages, one host read per step.
         self.gpu = self.target.device.type == "cuda"

@@ -339,3 +339,18 @@ def test_torch_kernels_on_request_and_for_models_the_tiles_do_not_fit():
                            hidden_size=48, num_heads=3, num_kv_heads=1, intermediate_size=96)
     with pytest.raises(ValueError, match="hidden_size 48"):
         NativeLlamaRunner(odd, 64)
+
+
+def test_a_lone_replica_takes_every_usable_core(tmp_path):
+    from infra.cpu import replica_threads, usable_cores
+
+    cores = usable_cores(tmp_path / "absent")
+    assert cores >= 1
+    quota = tmp_path / "cpu.max"
+    quota.write_text("100000 100000\n")  # a container limited to one core
+    assert usable_cores(quota) == 1
+    quota.write_text("max 100000\n")
+    assert usable_cores(quota) == cores
+    assert replica_threads(0, 0, 1, 1.0) == usable_cores()
+    assert replica_threads(0, 0, 3, 2.0) == 2  # replicas sharing a machine: their CPUs each
+    assert replica_threads(3, 2, 1, 1.0) == 3 and replica_threads(0, 2, 1, 1.0) == 2

@@ -52,6 +52,20 @@ class OsdBatch(ctypes.Structure):
                 ("n_threads", _I)]
 
 
+_threads: int | None = None
+
+
+def forward_threads() -> int:
+    """The threads every native forward in this process uses: torch's intra-op count when
+    first asked, which is what the process was given (serve.forward_threads on a replica,
+    OMP_NUM_THREADS, or the cores); recorded once, because an engine over a native target
+    lowers torch's own count to one afterwards (serve/engine.py)."""
+    global _threads
+    if _threads is None:
+        _threads = torch.get_num_threads()
+    return _threads
+
+
 ERRORS = {1: "dimensions the kernels do not tile", 2: "a head layout the kernels do not support",
           3: "a token or position out of range", 4: "a logits row out of range", 5: "a feature layer out of range"}
 
@@ -79,6 +93,7 @@ class NativeLlamaRunner(LlamaRunner):
             raise ValueError(f"the native forward cannot run this model: {why}")
         super().__init__(model, max_seq_len, quant, wide_upcast)
         self.lib = lib if lib is not None else load()
+        self.threads = forward_threads()
         inner, cfg = model.model, model.config
         self._keep: list[Any] = []  # everything the C structs point into
 
@@ -157,7 +172,7 @@ class NativeLlamaRunner(LlamaRunner):
         feats = torch.empty(n, len(layers) * self.hidden[0], dtype=torch.bfloat16) if layers else None
         batch = OsdBatch(n, tokens.data_ptr(), pos.data_ptr(), seq.data_ptr(), ctypes.addressof(seqs), rows.numel(),
                          rows.data_ptr(), out.data_ptr(), len(layers), feat_layers.data_ptr(),
-                         feats.data_ptr() if feats is not None else None, torch.get_num_threads())
+                         feats.data_ptr() if feats is not None else None, self.threads)
         err = self.lib.osd_forward(ctypes.byref(self._model), ctypes.byref(batch))
         if err:
             raise ValueError(f"native forward refused its input: {ERRORS.get(err, err)}")

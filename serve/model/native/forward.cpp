@@ -235,6 +235,7 @@ void osd_gemm(const uint8_t* w, int32_t q4, int32_t n, int32_t k, const float* x
 int32_t osd_forward(const OsdModel* md, const OsdBatch* bt) {
   using namespace osd;
   if (const int err = check(*md, *bt)) return err;
+  Pool::Hot hot;
   Work& wk = work();
   const int m = bt->n_rows, d = md->hidden, threads = std::max(bt->n_threads, 1);
   wk.x.resize(static_cast<size_t>(m) * d);

@@ -1,5 +1,7 @@
-// A fork-join pool for the forward's parallel phases: workers spin briefly between phases
-// (a step runs a few hundred of them, microseconds apart), then sleep on the generation word.
+// A fork-join pool for the forward's parallel phases: within a forward (a Hot scope) workers
+// spin between phases, which come microseconds apart; outside one they sleep almost at once,
+// leaving the cores to whatever the process does between steps (sampling, other runtimes'
+// thread pools), and are woken by the next forward's first phase.
 #pragma once
 
 #include <atomic>
@@ -18,6 +20,12 @@ class Pool {
     static Pool* pool = new Pool();
     return *pool;
   }
+
+  class Hot {  // workers keep spinning between phases while one is alive
+   public:
+    Hot() { Pool::get().hot_.store(true, std::memory_order_relaxed); }
+    ~Hot() { Pool::get().hot_.store(false, std::memory_order_relaxed); }
+  };
 
   // fn(i, n) for i in [0, n) on n threads; the caller runs i = 0 and returns when all are done.
   template <class F>
@@ -40,7 +48,8 @@ class Pool {
   }
 
  private:
-  static constexpr int kSpins = 1 << 15;
+  static constexpr int kSpins = 1 << 15;   // inside a forward: longer than any phase
+  static constexpr int kColdSpins = 1 << 8;  // outside: about a microsecond
 
   void ensure(int workers) {
     while (static_cast<int>(threads_.size()) < workers) {
@@ -57,7 +66,7 @@ class Pool {
       uint32_t g;
       int spins = 0;
       while ((g = gen_.load(std::memory_order_acquire)) == seen) {
-        if (++spins < kSpins) {
+        if (++spins < (hot_.load(std::memory_order_relaxed) ? kSpins : kColdSpins)) {
           _mm_pause();
         } else {
           sleepers_.fetch_add(1, std::memory_order_acq_rel);
@@ -76,6 +85,7 @@ class Pool {
   std::atomic<uint32_t> gen_{0};
   std::atomic<int> remaining_{0};
   std::atomic<int> sleepers_{0};
+  std::atomic<bool> hot_{false};
   void (*fn_)(void*, int, int) = nullptr;
   void* ctx_ = nullptr;
   int active_ = 0;
