@@ -53,6 +53,18 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
     return once
 
 
+def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
+    """GB/s moved by copying a tensor far larger than the caches (bytes read plus written), best of `repeats`."""
+    src = torch.ones(mib << 18, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
 def _model(variant: str, device: str, max_seq_len: int, real: Any, cache: dict[str, Any]) -> Any:
     """The model a variant runs: one per dtype, shared by eager/graph/int4 runners."""
     dtype = "bfloat16" if variant.startswith("int4") else variant
@@ -166,11 +178,14 @@ def run_forward_bench(*, device: str = "cpu", variants: Sequence[str] = ("float3
                 if rep >= 3:
                     times[name][t].append(ms)
     rows = {name: {t: statistics.median(v) for t, v in r.items()} for name, r in times.items()}
+    streamed = {name: r.weight_bytes / rows[name][tokens[0]] / 1e6 for name, r in runners.items()
+                if getattr(r, "weight_bytes", None) and device == "cpu"}
     result = {"device": device, "variants": list(variants), "context": context, "repeats": repeats,
               "weights": "real" if real is not None else "random (SmolLM2-135M shape)",
               "ms": {name: {str(t): v for t, v in r.items()} for name, r in rows.items()},
               "vs_t1": {name: {str(t): v / r[tokens[0]] for t, v in r.items()} for name, r in rows.items()},
               "compile_s": {name: r.compile_s for name, r in runners.items() if isinstance(r, InductorRunner)},
+              "weights_gb_s": streamed, "copy_gb_s": copy_bandwidth() if streamed else None,
               "threads": torch.get_num_threads(), "torch": torch.__version__,
               "machine": platform.processor() or platform.machine()}
     print_forward_table(result, rows, tokens, log)
@@ -188,6 +203,9 @@ def print_forward_table(result: dict[str, Any], rows: dict[str, dict[int, float]
     log(f"{'T':>4}" + "".join(f"{name:>22}" for name in rows))
     for t in tokens:
         log(f"{t:>4}" + "".join(f"{r[t]:>13.2f} ms {r[t] / r[tokens[0]]:>5.2f}x" for r in rows.values()))
+    for name, gbs in result["weights_gb_s"].items():
+        log(f"{name}: its T={tokens[0]} forward streams its packed weights at {gbs:.1f} GB/s; this machine "
+            f"copies {result['copy_gb_s']:.1f} GB/s (a 256 MiB tensor copy, read + write)")
     for name, sec in result["compile_s"].items():
         log(f"{name}: compiling took {sec:.0f} s over {len(tokens)} token counts")
     base = rows.get("float32")

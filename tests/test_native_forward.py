@@ -197,6 +197,36 @@ def test_a_batched_step_equals_each_sequence_alone():
 
 
 @needs_native
+def test_forwards_from_two_threads_stay_exact():
+    """Two engines' threads may call the library at once: it runs one forward at a time."""
+    import threading
+
+    model = tiny()
+    runners = [runner(model), runner(model)]
+    tokens = torch.randint(0, 304, (45,), generator=torch.Generator().manual_seed(10))
+
+    def once(r):
+        c = r.new_cache()
+        r.forward(tokens[:40], c)
+        return r.forward(tokens[40:], c)
+
+    want = once(runners[0])
+    bad = []
+
+    def loop(r):
+        for _ in range(50):
+            if not torch.equal(once(r), want):
+                bad.append(r)
+
+    threads = [threading.Thread(target=loop, args=(r,)) for r in runners]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not bad and not any(t.is_alive() for t in threads)
+
+
+@needs_native
 def test_features_are_the_layers_outputs():
     """forward_features' layer outputs feed the head draft: the last layer's, normed and
     multiplied by the head weights (float64 here), give the logits up to int8 rounding."""

@@ -108,11 +108,13 @@ class NativeLlamaRunner(LlamaRunner):
             return out
 
         layers = (OsdLayer * len(inner.layers))()
+        packed = 0
         for i, layer in enumerate(inner.layers):
             at, mlp = layer.self_attn, layer.mlp
             ws = (q4(at.q_proj.weight, at.k_proj.weight, at.v_proj.weight), q4(at.o_proj.weight),
                   q4(mlp.gate_proj.weight, mlp.up_proj.weight), q4(mlp.down_proj.weight))
             self._keep.extend(ws)
+            packed += sum(int(w.numel()) for w in ws)
             layers[i] = OsdLayer(*(w.data_ptr() for w in ws), f32(layer.input_layernorm.weight).data_ptr(),
                                  f32(layer.post_attention_layernorm.weight).data_ptr())
         head_w = model.lm_head.weight.detach()
@@ -130,6 +132,8 @@ class NativeLlamaRunner(LlamaRunner):
         sin32 = torch.cat([-sin[0][:, :half], sin[0][:, half:]], dim=-1).float().contiguous()
         embed = self.embed.contiguous()
         self._keep.extend([layers, head, cos32, sin32, embed])
+        # The bytes a one-row forward streams: every packed weight once (osd bench forward's GB/s).
+        self.weight_bytes = packed + int(head.numel())
         self._model = OsdModel(len(inner.layers), cfg.hidden_size, self.n_heads, self.n_kv, self.head_dim,
                                cfg.intermediate_size, self._vocab_rows, self.max_seq_len, cfg.vocab_size, float(self.eps),
                                float(self.head_dim ** -0.5), ctypes.addressof(layers), embed.data_ptr(),

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <vector>
 
 #include "gemm.h"
@@ -85,25 +86,30 @@ Work& work() {
   return w;
 }
 
+// One forward at a time in a process: the pool runs one phase at a time, and two callers
+// (engines on two Python threads) would open phases over each other.
+std::mutex& forward_lock() {
+  static std::mutex* m = new std::mutex();
+  return *m;
+}
+
 template <class F>
 void for_rows(int rows, int threads, F&& fn) {  // small elementwise work: split only when it pays
   if (rows < 4 || threads <= 1) {
     for (int r = 0; r < rows; ++r) fn(r);
     return;
   }
-  Pool::get().run(threads, [&](int i, int n) {
-    int b, e;
-    split(rows, i, n, &b, &e);
-    for (int r = b; r < e; ++r) fn(r);
-  });
+  Pool::get().run(threads, rows, [&](int r, int) { fn(r); });
 }
 
 template <bool Q4>
 void gemm(const uint8_t* w, int n, int k, const Act& a, int m, float* y, int ldy, bool add, int threads) {
+  // Items of a few tiles each: eight a thread, so a thread off its core leaves little behind.
   const int tiles = n / kTile;
-  Pool::get().run(threads, [&](int i, int nt) {
+  const int items = std::min(tiles, std::max(1, threads) * 8);
+  Pool::get().run(threads, items, [&](int i, int) {
     int b, e;
-    split(tiles, i, nt, &b, &e);
+    split(tiles, i, items, &b, &e);
     gemm_tiles<Q4>(w, k, a, m, y, ldy, add, b, e);
   });
 }
@@ -162,13 +168,11 @@ void attention(const OsdModel& md, const OsdBatch& bt, int layer, Work& wk, int 
   }
   wk.scores.resize(static_cast<size_t>(workers) * kMaxQueries * max_len);
   const int n_items = static_cast<int>(items.size() / 4);
-  Pool::get().run(workers, [&](int w, int nw) {
-    int b, e;
-    split(n_items, w, nw, &b, &e);
+  Pool::get().run(workers, n_items, [&](int it, int w) {
     const float* qs[kMaxQueries];
     float* outs[kMaxQueries];
     int lens[kMaxQueries];
-    for (int it = b; it < e; ++it) {
+    {
       const int r0 = items[4 * it], g = items[4 * it + 1], q0 = items[4 * it + 2], q1 = items[4 * it + 3];
       for (int q = q0; q < q1; ++q) {  // query q: row r0 + q / group, head g * group + q % group
         const int r = r0 + q / group, h = g * group + q % group;
@@ -225,6 +229,7 @@ int osd_isa(void) { return osd::kIsa; }
 // Quantize x [M, K] and multiply by a packed weight [N, K]: y [M, N] (tests and benches).
 void osd_gemm(const uint8_t* w, int32_t q4, int32_t n, int32_t k, const float* x, int32_t m, float* y,
               int32_t threads) {
+  std::lock_guard<std::mutex> hold(osd::forward_lock());
   osd::Quantized qa;
   osd::quantize_rows(x, m, k, k, qa, 1);
   if (q4) osd::gemm<true>(w, n, k, qa.act(k), m, y, n, false, threads);
@@ -235,6 +240,7 @@ void osd_gemm(const uint8_t* w, int32_t q4, int32_t n, int32_t k, const float* x
 int32_t osd_forward(const OsdModel* md, const OsdBatch* bt) {
   using namespace osd;
   if (const int err = check(*md, *bt)) return err;
+  std::lock_guard<std::mutex> hold(forward_lock());
   Pool::Hot hot;
   Work& wk = work();
   const int m = bt->n_rows, d = md->hidden, threads = std::max(bt->n_threads, 1);
