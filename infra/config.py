@@ -137,7 +137,7 @@ class ServeConfig(_Section):
     num_replicas: int = Field(1, ge=1)
     num_cpus_per_replica: float = Field(1.0, gt=0)
     # A replica's forward threads (torch's and the native kernels'). 0: model.num_threads where
-    # set, else every usable core but one for a lone replica (infra/cpu.py replica_threads),
+    # set, else every usable core for a lone replica (infra/cpu.py replica_threads),
     # else num_cpus_per_replica each.
     forward_threads: int = Field(0, ge=0)
     max_new_tokens: int = Field(256, ge=1)

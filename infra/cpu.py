@@ -37,13 +37,14 @@ def usable_cores(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
 
 def replica_threads(forward_threads: int, num_threads: int, num_replicas: int, num_cpus_per_replica: float) -> int:
     """A serving replica's forward threads: serve.forward_threads, else model.num_threads, where
-    set; else a lone replica takes every usable core but one, which the local stack (the HTTP
-    ingress, Ray's proxy, Redis) keeps; replicas that share a machine take their
-    num_cpus_per_replica each. On 2 cores (2026-11-27, `osd bench load`, 30 s a level) one
-    forward thread served 170 / 283 / 290 tok/s at 1 / 8 / 16 clients, two threads 154 / - /
-    132-154: the native forward's second thread waited on cores the ingress was using."""
+    set; else a lone replica takes every usable core, sharing them with the local stack (the
+    HTTP ingress, Ray's proxy, Redis: the native forward's threads claim work item by item, so
+    one that the ingress takes off its core holds up little); replicas that share a machine
+    take their num_cpus_per_replica each. On 2 cores (2026-11-27, `osd bench load`, 30 s a
+    level) two threads served 149 / 396 tok/s at 1 / 16 clients, one thread 172 / 322: one
+    leaves the ingress a core of its own, which pays only while the load is light."""
     if forward_threads or num_threads:
         return forward_threads or num_threads
     if num_replicas == 1:
-        return max(1, usable_cores() - 1)
+        return usable_cores()
     return max(1, int(num_cpus_per_replica))

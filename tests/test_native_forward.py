@@ -381,6 +381,6 @@ def test_a_lone_replica_takes_every_usable_core(tmp_path):
     assert usable_cores(quota) == 1
     quota.write_text("max 100000\n")
     assert usable_cores(quota) == cores
-    assert replica_threads(0, 0, 1, 1.0) == max(1, usable_cores() - 1)  # one core for the local stack
+    assert replica_threads(0, 0, 1, 1.0) == usable_cores()
     assert replica_threads(0, 0, 3, 2.0) == 2  # replicas sharing a machine: their CPUs each
     assert replica_threads(3, 2, 1, 1.0) == 3 and replica_threads(0, 2, 1, 1.0) == 2
