@@ -78,11 +78,7 @@ def _batched(r: LlamaRunner, items: list[Item], layers: tuple[int, ...]) -> list
     its = [items[i] for i in order]
     sizes = [it.tokens.shape[0] for it in its]
     starts = [it.cache.length for it in its]
-    for it, t in zip(its, sizes):
-        if it.cache.length + t > it.cache.max_len:
-            raise ValueError(f"sequence of {it.cache.length + t} tokens exceeds the cache's {it.cache.max_len}")
-    for it, t in zip(its, sizes):
-        it.cache.reserve(it.cache.length + t)
+    reserve(its, sizes)
     n = sum(sizes)
     tokens = torch.cat([it.tokens for it in its])
     pos = torch.cat([r.arange[s:s + t] for s, t in zip(starts, sizes)])
@@ -107,6 +103,15 @@ def _batched(r: LlamaRunner, items: list[Item], layers: tuple[int, ...]) -> list
             lg, lo = logits[lo:lo + t], lo + t
         out[i] = (lg, feats[offsets[j]:offsets[j] + t] if feats is not None else None)
     return out
+
+
+def reserve(items: list[Item], sizes: list[int]) -> None:
+    """Room in every item's cache for its new rows, checked for all before any grows."""
+    for it, t in zip(items, sizes):
+        if it.cache.length + t > it.cache.max_len:
+            raise ValueError(f"sequence of {it.cache.length + t} tokens exceeds the cache's {it.cache.max_len}")
+    for it, t in zip(items, sizes):
+        it.cache.reserve(it.cache.length + t)
 
 
 def _offsets(sizes: list[int]) -> list[int]:

@@ -42,3 +42,21 @@ def first_two_tokens_pvalue(target, prompt: list[int], outputs: list[list[int]],
         p1 = warp_probs(target(torch.tensor([prompt])).logits[0, -1], sampling)
         p2 = warp_probs(target(torch.tensor([prompt + [t] for t in range(vocab)])).logits[:, -1], sampling)
     return chi2_pvalue(counts, p1[:, None] * p2)
+
+
+def sample_first_two(eng, prompt, sampling, n: int):
+    """n sampled generations of 3 tokens from `eng` (SamplingParams like `sampling`, seeds
+    0..n-1): (counts [V, V] of the first two tokens, draft tokens proposed, accepted)."""
+    from serve.engine import GenerationParams
+    from serve.verify import SamplingParams
+
+    vocab = eng.target.vocab_size
+    counts = torch.zeros(vocab, vocab, dtype=torch.long)
+    drafted = accepted = 0
+    for i in range(n):
+        sp = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=i)
+        r = eng.generate(prompt, GenerationParams(max_new_tokens=3, sampling=sp, capture=False))
+        counts[r.output_ids[0], r.output_ids[1]] += 1
+        drafted += r.stats.num_draft_tokens
+        accepted += r.stats.num_accepted_tokens
+    return counts, drafted, accepted

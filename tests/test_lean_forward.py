@@ -4,7 +4,7 @@ stays exact in bfloat16, for chains and trees (chi-square)."""
 
 import pytest
 import torch
-from chi2 import chi2_pvalue
+from chi2 import chi2_pvalue, sample_first_two
 
 from infra.target import build_tiny_llama
 from serve.drafts import build_draft
@@ -328,14 +328,7 @@ def test_sampling_in_bfloat16_follows_the_targets_distribution(tree):
     draft = build_draft("truncate:1", target)
     eng = SpecEngine(target, draft, options=EngineOptions(k=2, max_seq_len=32, tree=tree, k_policy="fixed"))
     sampling = SamplingParams(temperature=0.9, top_p=0.95)
-    counts = torch.zeros(8, 8, dtype=torch.long)
-    drafted = accepted = 0
-    for i in range(N_SAMPLES):
-        sp = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=i)
-        r = eng.generate([1, 2, 3], GenerationParams(max_new_tokens=3, sampling=sp, capture=False))
-        counts[r.output_ids[0], r.output_ids[1]] += 1
-        drafted += r.stats.num_draft_tokens
-        accepted += r.stats.num_accepted_tokens
+    counts, drafted, accepted = sample_first_two(eng, [1, 2, 3], sampling, N_SAMPLES)
     assert drafted - accepted > 200 and accepted > 200  # both the accept and the residual paths ran
     assert chi2_pvalue(counts, _exact_first_two(target, [1, 2, 3], sampling)) > 1e-3
 

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 import torch
-from chi2 import chi2_pvalue
+from chi2 import chi2_pvalue, sample_first_two
 
 from infra.target import build_tiny_llama
 from serve.batch_forward import Item, forward_batch
@@ -291,14 +291,7 @@ def test_sampling_on_the_native_target_follows_its_distribution():
                      options=EngineOptions(k=2, max_seq_len=32, quant="int4", k_policy="fixed"))
     assert isinstance(eng.target, NativeLlamaRunner)
     sampling = SamplingParams(temperature=0.9, top_p=0.95)
-    counts = torch.zeros(8, 8, dtype=torch.long)
-    drafted = accepted = 0
-    for i in range(2000):
-        sp = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=i)
-        r = eng.generate([1, 2, 3], GenerationParams(max_new_tokens=3, sampling=sp, capture=False))
-        counts[r.output_ids[0], r.output_ids[1]] += 1
-        drafted += r.stats.num_draft_tokens
-        accepted += r.stats.num_accepted_tokens
+    counts, drafted, accepted = sample_first_two(eng, [1, 2, 3], sampling, 2000)
     assert drafted - accepted > 200 and accepted > 200  # both the accept and the residual paths ran
 
     def last(ids):

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from serve.model.native_build import load
 from serve.model.native_formats import pack_q4, pack_q8
-from serve.batch_forward import Item
+from serve.batch_forward import Item, reserve
 from serve.runner import LlamaRunner, StaticKVCache, _cached, _tensor_key
 
 # Rows up to which a forward takes the native path; longer prompt chunks take the inherited
@@ -150,11 +150,7 @@ class NativeLlamaRunner(LlamaRunner):
         """Every item's rows in one native forward: per item (logits [T, V] float32 or None,
         features of `layers` [T, len(layers) * D] in the model's dtype, or None)."""
         sizes = [it.tokens.shape[0] for it in items]
-        for it, t in zip(items, sizes):
-            if it.cache.length + t > it.cache.max_len:
-                raise ValueError(f"sequence of {it.cache.length + t} tokens exceeds the cache's {it.cache.max_len}")
-        for it, t in zip(items, sizes):
-            it.cache.reserve(it.cache.length + t)
+        reserve(items, sizes)
         n = sum(sizes)
         tokens = torch.cat([it.tokens.reshape(-1) for it in items]).to(torch.int64).contiguous()
         pos = torch.cat([torch.arange(it.cache.length, it.cache.length + t, dtype=torch.int32)
