@@ -37,10 +37,11 @@ Neither can change the output, only the cost. Never past the token budget or the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Iterator, Sequence
 
 import torch
 
@@ -168,11 +169,6 @@ class SpecEngine:
         self.options = options or EngineOptions()
         self.tokenizer = tokenizer
         self.target = self._runner(target_model, self.options.quant)
-        if isinstance(self.target, NativeLlamaRunner):
-            # The native forward runs on its own threads. torch's pool threads spin on the same
-            # cores after each of the step's small torch ops and stall it (2026-11-27, 2 cores:
-            # a 2.7 ms forward took 12 ms in the engine), so torch keeps one thread.
-            torch.set_num_threads(1)
         self.draft = self._draft_runner(draft_model) if draft_model is not None else None
         # The CUDA path (serve/gpu_stages.py): device-resident stages, one host read per step.
         self.gpu = self.target.device.type == "cuda"
@@ -365,6 +361,23 @@ class SpecEngine:
         max_rows = min(self.options.max_concurrency * (k + 1), 64) if k else 0
         return profile_forward(forward, min(k, span - context - 1), max_rows=max_rows,
                                alone_rows=min(alone, span - context - 1) + 1)
+
+    @contextlib.contextmanager
+    def step_threads(self) -> Iterator[None]:
+        """Around a step (serve/scheduler.py run_once): torch at one thread while the target is
+        the native forward, which runs on threads of its own. torch's OpenMP workers spin on
+        the same cores after each of the step's small torch ops and stalled it (2026-11-27, 2
+        cores: a 2.7 ms forward took 12 ms in the engine); outside steps torch keeps its count,
+        for whatever else the process runs (a warm start's training after its generation)."""
+        if not isinstance(self.target, NativeLlamaRunner):
+            yield
+            return
+        n = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(n)
 
     # -- the batched step's hooks (serve/scheduler.py) ---------------------------------
 

@@ -121,7 +121,8 @@ class Scheduler:
             if not self.active:
                 return False
             try:
-                self.step(self.active)
+                with self.engine.step_threads():
+                    self.step(self.active)
             except Exception as e:  # a failed forward fails the requests it carried, not the engine
                 for seq in self.active:
                     seq.error = e

@@ -52,14 +52,3 @@ def redis_url(redis_server):
     return redis_server.url
 
 
-
-@pytest.fixture(autouse=True)
-def _torch_threads_restored():
-    """An engine over a native int4 target lowers torch's thread count (serve/engine.py):
-    every test starts with the count the session had."""
-    import torch
-
-    n = torch.get_num_threads()
-    yield
-    if torch.get_num_threads() != n:
-        torch.set_num_threads(n)

@@ -53,13 +53,18 @@ class OsdBatch(ctypes.Structure):
 
 
 _threads: int | None = None
+# Forwards of at most this many rows run on one thread: a step that small is bound by reading
+# the weights, which one core nearly saturates (one row: 3.5 against 3.1 ms on 2 cores), and
+# the other core serves the HTTP ingress meanwhile: one client's output went from 151 to 193
+# tok/s (`osd bench load`, 2026-11-27), 8 and 16 clients' stayed within noise.
+SMALL_FORWARD_ROWS = 4
 
 
 def forward_threads() -> int:
     """The threads every native forward in this process uses: torch's intra-op count when
     first asked, which is what the process was given (serve.forward_threads on a replica,
     OMP_NUM_THREADS, or the cores); recorded once, because an engine over a native target
-    lowers torch's own count to one afterwards (serve/engine.py)."""
+    lowers torch's own count to one during its steps (serve/engine.py step_threads)."""
     global _threads
     if _threads is None:
         _threads = torch.get_num_threads()
@@ -172,7 +177,8 @@ class NativeLlamaRunner(LlamaRunner):
         feats = torch.empty(n, len(layers) * self.hidden[0], dtype=torch.bfloat16) if layers else None
         batch = OsdBatch(n, tokens.data_ptr(), pos.data_ptr(), seq.data_ptr(), ctypes.addressof(seqs), rows.numel(),
                          rows.data_ptr(), out.data_ptr(), len(layers), feat_layers.data_ptr(),
-                         feats.data_ptr() if feats is not None else None, self.threads)
+                         feats.data_ptr() if feats is not None else None,
+                         1 if n <= SMALL_FORWARD_ROWS else self.threads)
         err = self.lib.osd_forward(ctypes.byref(self._model), ctypes.byref(batch))
         if err:
             raise ValueError(f"native forward refused its input: {ERRORS.get(err, err)}")

@@ -43,7 +43,6 @@ class Pool {
     ctx_ = &fn;
     count_.store(count, std::memory_order_relaxed);
     limit_.store(threads, std::memory_order_relaxed);
-    done_.store(0, std::memory_order_relaxed);
     const uint64_t gen = (word_.load(std::memory_order_relaxed) >> 32) + 1;
     // The phase opens (item 0 is next). A worker that misses it, falling asleep just as it
     // opens, only leaves its items to the others: nobody waits for a worker that has none.
@@ -53,7 +52,9 @@ class Pool {
       wake_.notify_all();
     }
     work(gen, 0);
-    for (int spins = 0; done_.load(std::memory_order_acquire) != count; ++spins) {
+    // Every item is claimed; each is done once no worker is inside the phase. (A count of
+    // finished items, reset each phase, once took a late increment and waited forever.)
+    for (int spins = 0; busy_.load(std::memory_order_seq_cst) != 0; spins = spins < kSpins ? spins + 1 : spins) {
       if (spins < kSpins) _mm_pause();
       else sched_yield();  // a worker holding an item is off its core: let it have ours
     }
@@ -65,15 +66,14 @@ class Pool {
 
   // Claim and run items of phase `gen` until none is left or the phase is over.
   void work(uint64_t gen, int who) {
-    uint64_t w = word_.load(std::memory_order_acquire);
+    uint64_t w = word_.load(std::memory_order_seq_cst);
     for (;;) {
       if ((w >> 32) != gen) return;
       const int next = static_cast<int>(w & 0xFFFFFFFFu);
       if (next >= count_.load(std::memory_order_relaxed)) return;
-      if (word_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+      if (word_.compare_exchange_weak(w, w + 1, std::memory_order_seq_cst, std::memory_order_seq_cst)) {
         fn_(ctx_, next, who);
-        done_.fetch_add(1, std::memory_order_acq_rel);
-        w = word_.load(std::memory_order_acquire);
+        w = word_.load(std::memory_order_seq_cst);
       }
     }
   }
@@ -96,7 +96,12 @@ class Pool {
         if (gen != seen) {
           seen = gen;
           // id < limit_: this phase wants this many threads; the claim itself checks the phase.
-          if (id < limit_.load(std::memory_order_relaxed)) work(gen, id);
+          // busy_ first: the caller then waits for this worker if it may still claim an item.
+          if (id < limit_.load(std::memory_order_relaxed)) {
+            busy_.fetch_add(1, std::memory_order_seq_cst);
+            work(gen, id);
+            busy_.fetch_sub(1, std::memory_order_seq_cst);
+          }
           spins = 0;
           continue;
         }
@@ -115,7 +120,7 @@ class Pool {
 
   std::vector<std::thread> threads_;
   std::atomic<uint64_t> word_{0};  // phase generation << 32 | the next unclaimed item
-  std::atomic<int> done_{0};
+  std::atomic<int> busy_{0};  // workers inside work()
   std::atomic<uint32_t> wake_{0};
   std::atomic<int> sleepers_{0};
   std::atomic<bool> hot_{false};
