@@ -200,6 +200,9 @@ class StreamConfig(_Section):
     # Approximate cap on the stream (XADD MAXLEN ~): old records are trimmed, never a request
     # held. 0: memory_budget_mb / record_kb (see max_entries).
     maxlen: int = Field(0, ge=0)
+    # Records (and dead letters) older than this many seconds are trimmed (XTRIM MINID) by the
+    # producer, so served text is kept no longer than this whatever the traffic. 0: no limit.
+    retention_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     # Producer. Records wait here for the writer thread; when it is full, submit() drops.
     queue_size: int = Field(10_000, ge=1)
     # XADDs per pipelined round trip.

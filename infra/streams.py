@@ -7,6 +7,8 @@ never waited for, when the queue is full, Redis is unreachable (short socket tim
 a doubling back-off during which nothing is tried), Redis is full (maxmemory with
 noeviction: it refuses writes rather than evict stream data), or the trainers' backlog is
 over the lag budget (fresh data is worth more than a backlog the trimming would eat anyway).
+With `stream.retention_s` set it also deletes what is older than that from the stream and its
+dead-letter stream (XTRIM MINID), every TRIM_EVERY_S seconds whether or not records come.
 
 Consumer (training side). A consumer-group reader with at-least-once delivery: entries stay
 pending until the caller acks them, entries a dead consumer held longer than claim_idle_ms
@@ -49,6 +51,29 @@ _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
 def dead_letter_stream(stream: str) -> str:
     return f"{stream}:dead"
+
+
+def retention_min_id(now_s: float, retention_s: float) -> str | None:
+    """The oldest stream id a retention of `retention_s` seconds keeps at `now_s` (epoch
+    seconds), or None for no retention (0). Ids are `<ms>-<seq>` from the writer's clock, so
+    every entry written before now - retention_s is below `<ms>-0`."""
+    if not retention_s >= 0:
+        raise ValueError(f"retention_s must be >= 0, got {retention_s}")
+    if retention_s == 0:
+        return None
+    return f"{max(0, int((now_s - retention_s) * 1000))}-0"
+
+
+def trim_expired(client: redis.Redis, stream: str, retention_s: float, *, now_s: float | None = None) -> int:
+    """Delete the entries of `stream` and its dead-letter stream older than `retention_s`
+    (exact XTRIM MINID: a retention is a promise, unlike the MAXLEN cap's ~). Returns how many."""
+    min_id = retention_min_id(time.time() if now_s is None else now_s, retention_s)
+    if min_id is None:
+        return 0
+    pipe = client.pipeline(transaction=False)
+    for key in (stream, dead_letter_stream(stream)):
+        pipe.xtrim(key, minid=min_id, approximate=False)
+    return sum(pipe.execute())
 
 
 def connect(url: str, cfg: StreamConfig, *, retries: int = 0) -> redis.Redis:
@@ -135,6 +160,9 @@ def group_info(client: redis.Redis, stream: str) -> dict[str, dict[str, Any]]:
 QUEUE_FULL, REDIS_DOWN, REDIS_FULL, LAG, INVALID, ERROR, CLOSED = (
     "queue_full", "redis_down", "redis_full", "lag", "invalid", "error", "closed")
 _STOP = object()
+# How often the producer trims to stream.retention_s: one XTRIM pair per this many seconds,
+# writing or idle, so a record outlives the retention by at most this.
+TRIM_EVERY_S = 5.0
 
 
 @dataclass
@@ -168,6 +196,7 @@ class RecordProducer:
         self._backoff = cfg.reconnect_backoff_s
         self._lag_at = float("-inf")
         self._full = False  # the last batch met an out-of-memory Redis
+        self._trim_at = float("-inf")
         self._thread = threading.Thread(target=self._run, name=f"osd-producer[{self.stream}]", daemon=True)
         self._thread.start()
 
@@ -250,7 +279,13 @@ class RecordProducer:
 
     def _run(self) -> None:
         while True:
-            item = self._q.get()  # blocks idle at no CPU cost; close() wakes it with _STOP
+            try:
+                # Blocks idle at no CPU cost; close() wakes it with _STOP. With a retention it
+                # also wakes to trim a stream nothing is written to.
+                item = self._q.get(timeout=TRIM_EVERY_S if self.cfg.retention_s else None)
+            except queue.Empty:
+                self._trim(time.monotonic())
+                continue
             batch, stop = [], item is _STOP
             if not stop:
                 batch.append(item)
@@ -274,6 +309,9 @@ class RecordProducer:
 
     def _write(self, batch: list[Any]) -> None:
         now = time.monotonic()
+        # First, so the stream is trimmed even while the lag budget drops every batch, and a
+        # flush() returns with it trimmed; a trim that finds Redis gone drops this batch.
+        self._trim(now)
         if now < self._down_until:
             self._finish(0, {REDIS_DOWN: len(batch)})
             return
@@ -317,6 +355,18 @@ class RecordProducer:
                         next(r for r in errors if not isinstance(r, OutOfMemoryError)))
         self._mark_up()
         self._finish(len(results) - len(errors), {REDIS_FULL: full, ERROR: len(errors) - full, INVALID: invalid})
+
+    def _trim(self, now: float) -> None:
+        """Trim to stream.retention_s, at most every TRIM_EVERY_S, never while Redis is down."""
+        if not self.cfg.retention_s or now < self._trim_at + TRIM_EVERY_S or now < self._down_until:
+            return
+        self._trim_at = now
+        try:
+            trim_expired(self._client, self.stream, self.cfg.retention_s)
+        except _UNREACHABLE as e:
+            self._mark_down(e)
+        except RedisError as e:  # e.g. a Redis before 6.2, which has no MINID
+            log.warning("record producer: trimming to stream.retention_s failed: %s", e)
 
     def _over_budget(self, now: float) -> bool:
         budget = self.cfg.lag_budget

@@ -90,7 +90,6 @@ _CHAT: dict[str, tuple[Callable[[Any], bool], str]] = {
     "reasoning_effort": (_null, "this model is not a reasoning model"),
     "verbosity": (_null, _NO),
     "web_search_options": (_null, "this server has no web search"),
-    "store": (_false, "this server stores no completions"),
     "echo": (_false, "echo is supported on /v1/completions only"),
     "chat_template": (_null, "the target's own chat template is always used"),
     "chat_template_kwargs": (_empty, "the target's own chat template is always used"),

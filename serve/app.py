@@ -35,6 +35,7 @@ from serve.openai_api import (
     CompletionRequest,
     IncrementalText,
     DetokenizeRequest,
+    RECORD_HEADER,
     chat_logprobs,
     completion_logprobs,
     TokenizeRequest,
@@ -46,6 +47,7 @@ from serve.openai_api import (
     openapi_with_bodies,
     osd_extension,
     parse_body,
+    record_choice,
     parse_request,
     sse_error,
     usage_chunk,
@@ -196,6 +198,8 @@ class TargetReplica:
 
         # Tokenizing runs off the event loop, so a long prompt never stalls other requests.
         ids, user_text = await asyncio.to_thread(self._token_ids, req)
+        # "record" is record_choice's (every client opt-out folded in); an unrecorded request
+        # is not captured either, so its text never joins the replica's suffix index.
         record = self.cfg.serve.record if req.get("record") is None else bool(req["record"])
         record = record and self.producer is not None
         s = req["sampling"]
@@ -525,14 +529,15 @@ class OpenAIIngress:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _engine_request(self, req: Any, request_id: str | None = None) -> dict[str, Any]:
+    def _engine_request(self, req: Any, request_id: str | None = None,
+                        record_header: str | None = None) -> dict[str, Any]:
         out: dict[str, Any] = {
             "request_id": new_id("req"),
             # The X-Request-Id (a client's, or the one Serve's proxy assigns) fixes the canary arm.
             "route_key": request_id,
             "sampling": {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seed": req.seed},
             "stop": list(req.stop_list()),
-            "record": req.osd_record,
+            "record": record_choice(req.osd_record, req.store, record_header),
             "speculate": req.osd_speculate,
             "processors": req.processors(),
             "ignore_eos": req.ignore_eos,
@@ -572,7 +577,7 @@ class OpenAIIngress:
         req = parse_request(kind, await self._body(request), self.cfg.serve.max_new_tokens,
                             self.cfg.serve.capture_top_k)
         self._check_model(req.model)
-        ereq = self._engine_request(req, _request_id(request))
+        ereq = self._engine_request(req, _request_id(request), request.headers.get(RECORD_HEADER))
         # completions' echo: the prompt's text first (token-id prompts are decoded by a replica).
         echo = await self._prompt_text(req.prompt) if isinstance(req, CompletionRequest) and req.echo else ""
         if req.stream:

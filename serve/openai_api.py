@@ -89,6 +89,9 @@ class _Request(BaseModel):
     parallel_tool_calls: bool | None = None  # no tools are ever called (tools are refused)
     # Extension: write a training record for this request (default: the server's setting).
     osd_record: bool | None = None
+    # OpenAI's: false keeps this request out of the records (record_choice); true or absent
+    # leaves it to osd_record and the server's setting.
+    store: bool | None = None
     # Extension: false runs this request autoregressively (no draft), e.g. for a same-server
     # AR baseline; output is the same under greedy decoding either way.
     osd_speculate: bool = True
@@ -386,6 +389,26 @@ def openapi_with_bodies(schema: dict[str, Any]) -> dict[str, Any]:
         op.setdefault("responses", {}).update(
             {code: {"description": what} for code, what in _ERROR_STATUSES.items()})
     return schema
+
+
+RECORD_HEADER = "X-OSD-Record"
+_HEADER_OFF = ("off", "false", "0")
+
+
+def record_choice(osd_record: bool | None, store: bool | None, header: str | None) -> bool | None:
+    """Whether this request's training record is written: False when the client opted out in
+    any of its three ways (`osd_record: false`, `store: false`, the X-OSD-Record header set
+    to off/false/0), True when `osd_record: true` asked for one, None for the server's
+    setting (serve.record). The one rule: the replica captures, records and adds to its
+    suffix index only what this lets through. A header value other than those or `on` is
+    APIError(400) naming the header (a typo must not silently record)."""
+    value = None if header is None else header.strip().lower()
+    if value is not None and value not in _HEADER_OFF and value != "on":
+        raise APIError(400, f"{RECORD_HEADER} header must be off, false, 0 (no record) or on, got {header!r}",
+                       param=RECORD_HEADER, code="invalid_header")
+    if osd_record is False or store is False or value in _HEADER_OFF:
+        return False
+    return osd_record
 
 
 def new_id(prefix: str) -> str:

@@ -10,6 +10,7 @@ from serve.openai_api import (
     IncrementalText,
     chat_chunk,
     parse_request,
+    record_choice,
 )
 
 pytestmark = pytest.mark.pure
@@ -75,3 +76,33 @@ def test_chat_chunk_is_sse():
     body = json.loads(line[len("data: "):])
     assert body["choices"][0] == {"index": 0, "delta": {"content": "x"}, "finish_reason": "stop"}
     assert body["usage"] == {"total_tokens": 3}
+
+
+@pytest.mark.parametrize("osd_record,store,header,want", [
+    (None, None, None, None),  # nothing said: the server's setting
+    (True, None, None, True),
+    (None, True, "on", None),  # store: true and "on" keep the default
+    (False, None, None, False),
+    (None, False, None, False),
+    (True, False, None, False),  # any opt-out wins over osd_record: true
+    (True, None, "off", False),
+    (None, None, "FALSE", False),
+    (None, None, " 0 ", False),
+])
+def test_record_choice_any_opt_out_stops_the_record(osd_record, store, header, want):
+    assert record_choice(osd_record, store, header) is want
+
+
+@pytest.mark.parametrize("header", ["no", "", "1", "true", "of"])
+def test_record_choice_refuses_an_unknown_header_value_naming_the_header(header):
+    with pytest.raises(APIError) as e:
+        record_choice(None, None, header)
+    assert e.value.status == 400 and e.value.param == "X-OSD-Record" and "X-OSD-Record" in e.value.message
+
+
+@pytest.mark.parametrize("kind,body", [(ChatCompletionRequest, b'{"messages": [{"role": "user", "content": "x"}]'),
+                                       (CompletionRequest, b'{"prompt": "x"')])
+def test_store_is_parsed_on_both_routes(kind, body):
+    assert parse_request(kind, body + b', "store": false}', 64).store is False
+    assert parse_request(kind, body + b', "store": true}', 64).store is True
+    assert parse_request(kind, body + b'}', 64).store is None

@@ -216,7 +216,6 @@ REFUSED_CHAT = [
     ("modalities", {"modalities": ["text", "audio"]}),
     ("audio", {"audio": {"voice": "alloy", "format": "wav"}}),
     ("prediction", {"prediction": {"type": "content", "content": "x"}}),
-    ("store", {"store": True}),
     ("web_search_options", {"web_search_options": {}}),
     ("min_p", {"extra_body": {"min_p": 0.1}}),
     ("guided_json", {"extra_body": {"guided_json": {"type": "object"}}}),

@@ -211,6 +211,29 @@ def slots(app) -> dict:
     return get(app, "/osd/stats").json()["replicas"][0]["slots"]
 
 
+@pytest.mark.parametrize("fields,headers", [
+    ({"store": False}, {}),
+    ({}, {"X-OSD-Record": "off"}),
+    ({}, {"x-osd-record": "0"}),  # header names are case-insensitive
+    ({"osd_record": True}, {"X-OSD-Record": "false"}),  # an opt-out wins
+])
+def test_each_opt_out_writes_no_record(app, fields, headers):
+    # record_id is set exactly when the replica submitted a record (TargetReplica._finish).
+    r = post(app, "/v1/chat/completions", chat("keep me out", max_tokens=4, **fields), headers={**AUTH, **headers})
+    assert r.status_code == 200 and r.json()["osd"]["record_id"] is None
+
+
+@pytest.mark.parametrize("fields,headers", [({}, {}), ({"store": True}, {"X-OSD-Record": "on"})])
+def test_a_request_without_opt_out_is_recorded(app, fields, headers):
+    r = post(app, "/v1/chat/completions", chat("record me", max_tokens=4, **fields), headers={**AUTH, **headers})
+    assert r.status_code == 200 and r.json()["osd"]["record_id"]
+
+
+def test_a_bad_record_header_is_a_400_naming_it(app):
+    r = post(app, "/v1/chat/completions", chat("x", max_tokens=4), headers={**AUTH, "X-OSD-Record": "maybe"})
+    assert r.status_code == 400 and "X-OSD-Record" in r.json()["error"]["message"]
+
+
 def test_every_route_but_healthz_needs_the_key(app):
     for path in ("/osd/stats", "/openapi.json", "/-/routes", "/v1/models", "/no/such/route"):
         r = get(app, path, headers={})
