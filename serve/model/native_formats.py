@@ -17,12 +17,8 @@ TILE = 16
 BLOCK = INT4_GROUP  # 32
 
 
-def packable(w: torch.Tensor) -> bool:
-    return w.dim() == 2 and w.shape[0] % TILE == 0 and w.shape[1] % BLOCK == 0
-
-
 def _check(w: torch.Tensor) -> tuple[int, int]:
-    if not packable(w):
+    if w.dim() != 2 or w.shape[0] % TILE or w.shape[1] % BLOCK:
         raise ValueError(f"native weights need [N, K] with N a multiple of {TILE} and K of {BLOCK}, "
                          f"got {tuple(w.shape)}")
     return w.shape[0], w.shape[1]
@@ -41,9 +37,8 @@ def _as_bytes(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def pack_q4(w: torch.Tensor) -> torch.Tensor:
     """[N, K] float weight -> the Q4 stream, uint8 [N/16 * K/32 * 320]."""
-    n, k = _check(w)
-    codes, scale, lo = int4_codes(w, BLOCK)
-    return pack_q4_codes(codes, scale, lo)
+    _check(w)
+    return pack_q4_codes(*int4_codes(w, BLOCK))
 
 
 def pack_q4_codes(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:

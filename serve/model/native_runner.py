@@ -23,8 +23,9 @@ from serve.model.native_formats import pack_q4, pack_q8
 from serve.batch_forward import Item, reserve
 from serve.runner import LlamaRunner, StaticKVCache, _cached, _tensor_key
 
-# Rows up to which a forward takes the native path; longer prompt chunks take the inherited
-# path's dense bfloat16 GEMMs (osd bench forward: see the README's CPU figures).
+# Rows up to which a forward takes the native path (64 rows: 37.9 against PyTorch int4's
+# 71.2 ms, osd bench forward --real); longer prompt chunks, which the engine does not make
+# (serve.prefill_chunk 64, 8x that alone), take the inherited path. Not measured past 64 rows.
 NATIVE_MAX_ROWS = 512
 
 _P = ctypes.c_void_p
@@ -96,8 +97,10 @@ class NativeLlamaRunner(LlamaRunner):
         why = native_supported(model)
         if why:
             raise ValueError(f"the native forward cannot run this model: {why}")
-        super().__init__(model, max_seq_len, quant, wide_upcast)
+        # The library first: where it cannot load, make_runner falls back to a LlamaRunner and
+        # should not have built this one's PyTorch weights for nothing.
         self.lib = lib if lib is not None else load()
+        super().__init__(model, max_seq_len, quant, wide_upcast)
         self.threads = forward_threads()
         inner, cfg = model.model, model.config
         self._keep: list[Any] = []  # everything the C structs point into
