@@ -269,6 +269,12 @@ def tiny_tokenizer() -> Any:
     return tok
 
 
+# The Hugging Face model types the platform runs on its lean forward and drafts for
+# (serve/model/families.py says what differs between them); others take the generic runner.
+LEAN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+TINY_FAMILIES = LEAN_FAMILIES
+
+
 def build_tiny_llama(
     seed: int = 0,
     vocab_size: int = 259,
@@ -281,10 +287,33 @@ def build_tiny_llama(
     dtype: str = "float32",
 ) -> Any:
     """A seeded random Llama; the same arguments always give the same weights."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return build_tiny("llama", seed, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
+                      intermediate_size, max_positions, dtype)
 
-    config = LlamaConfig(
+
+def build_tiny(
+    family: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 259,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_positions: int = 512,
+    dtype: str = "float32",
+    **config: Any,
+) -> Any:
+    """A seeded random model of a transformers `family` (TINY_FAMILIES), `config` overriding its
+    config's fields (rope_parameters, attention_bias, head_dim, ...). Biases and norm weights are
+    random too, so a forward that drops one shows."""
+    import torch
+    import transformers
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"tiny family {family!r}: one of {', '.join(TINY_FAMILIES)}")
+    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    cfg = getattr(transformers, f"{name}Config")(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -296,17 +325,24 @@ def build_tiny_llama(
         eos_token_id=min(258, vocab_size - 1),
         pad_token_id=min(256, vocab_size - 1),
         tie_word_embeddings=False,
+        **config,
     )
     gen = torch.random.fork_rng(devices=[])
     with gen:
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = getattr(transformers, f"{name}ForCausalLM")(cfg)
     model.to(getattr(torch, dtype))
     # Default HF init gives near-uniform logits; widen them so decoding is not all ties.
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed + 1)
         w = model.lm_head.weight
         w.copy_(torch.randn(w.shape, generator=g, dtype=torch.float32).to(w.dtype) * 0.5)
+        for pname, p in model.named_parameters():
+            if family != "llama" or config:  # the plain tiny Llama keeps the weights it always had
+                if pname.endswith("bias"):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+                elif "norm" in pname:
+                    p.copy_(1 + torch.randn(p.shape, generator=g) * 0.1)
     return model.eval()
 
 
