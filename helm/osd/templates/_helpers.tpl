@@ -91,6 +91,9 @@ so the file alone says where state, the registry and the trainers go.
 {{- $fixed := dict "state_dir" .Values.stateDir
       "registry" (dict "uri" (include "osd.registryUri" .))
       "train" (dict "resources" (dict .Values.workers.trainer.resourceName 1)) -}}
+{{- if .Values.model.path }}
+{{- $_ := set $fixed "model" (dict "target" .Values.model.path) -}}
+{{- end }}
 {{- toYaml (mustMergeOverwrite (deepCopy .Values.config) $fixed) -}}
 {{- end -}}
 
@@ -173,6 +176,9 @@ spec:
       volumeMounts:
         - {name: config, mountPath: /etc/osd, readOnly: true}
         - {name: state, mountPath: {{ $.Values.stateDir }}}
+        {{- if $.Values.model.volume }}
+        - {name: model, mountPath: {{ $.Values.model.mountPath }}, readOnly: true}
+        {{- end }}
   volumes:
     - name: config
       configMap:
@@ -184,6 +190,10 @@ spec:
       {{- else }}
       emptyDir: {}
       {{- end }}
+    {{- with $.Values.model.volume }}
+    - name: model
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
   {{- with $group.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}
