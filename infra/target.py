@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 from infra.config import ModelConfig
 from infra.gguf_file import GgufError, GgufInfo, read_gguf_info
+from infra.quant_codes import keep_exact_scales
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random"
@@ -412,6 +413,13 @@ def load_target(
     path: Path | None
     if spec == TINY_RANDOM or spec.startswith(TINY_RANDOM + ":"):
         model, tok, path = build_tiny_llama(_parse_tiny_seed(spec), dtype=cfg.dtype), tiny_tokenizer(), None
+    elif cfg.quant == "int4":
+        # float32 first: the 4-bit blocks' exact scales are read off it (infra/quant_codes.py)
+        # before the cast to the activations' bfloat16 loses them.
+        path = target_dir(spec, cfg, progress)
+        model, tok = load_hf_dir(path, cfg.model_copy(update={"dtype": "float32"}))
+        keep_exact_scales(model)
+        model.to(getattr(torch, cfg.dtype))
     else:
         path = target_dir(spec, cfg, progress)
         model, tok = load_hf_dir(path, cfg)

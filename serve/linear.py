@@ -9,13 +9,10 @@ through one of these, so the forward does not care how a weight is stored:
   on CPU. It reads a quarter of bfloat16's bytes, and a one-row step of a
   135M model is bound by the bytes it reads.
 
-Why int4 can be exact for the shipped target: its GGUF stores every decoder linear as
-Q4_1, blocks of 32 weights w = d·q + m with q in 0..15, and llama.cpp's Q4_1 quantizer
-sets m to the block's minimum and d to (max - min) / 15, so every block holds both codes 0
-and 15. Group-wise min/max quantization of the dequantized weights therefore gives back
-the same codes, and the same d and m up to the precision the scales are kept in:
-`int4_codes` recovers the GGUF's own 4-bit weights, it does not add a second rounding.
-The kernel computes w = (q - 8)·s + z, so z = m + 8·d.
+Why int4 can be exact for a GGUF target: its Q4_0 and Q4_1 blocks are int4 codes with a
+scale and a minimum per group of 32, which infra/quant_codes.py recovers bit for bit (the
+loader keeps their float16 scales on each weight). The kernel computes w = (q - 8)·s + z, so
+z = m + 8·d.
 """
 
 from __future__ import annotations
@@ -25,30 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-INT4_GROUP = 32  # the GGUF's Q4_0/Q4_1 block size
+from infra.quant_codes import INT4_GROUP, dequantize_int4, int4_codes  # noqa: F401 (re-exported)
+
 QUANT_MODES = ("none", "int4")
-
-
-def int4_codes(w: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric min/max quantization in groups along the last dim: (codes [N, K] int32 in
-    0..15, scale [N, K/group] fp32, minimum [N, K/group] fp32), w ≈ codes·scale + minimum."""
-    n, k = w.shape
-    if k % group:
-        raise ValueError(f"int4 needs the input dim ({k}) to be a multiple of the group size {group}")
-    wg = w.detach().float().reshape(n, k // group, group)
-    lo = wg.amin(-1)
-    hi = wg.amax(-1)
-    scale = (hi - lo) / 15
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = ((wg - lo.unsqueeze(-1)) / safe.unsqueeze(-1)).round_().clamp_(0, 15).to(torch.int32)
-    return codes.reshape(n, k), scale, lo
-
-
-def dequantize_int4(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor,
-                    group: int = INT4_GROUP) -> torch.Tensor:
-    n, k = codes.shape
-    wg = codes.float().reshape(n, k // group, group) * scale.unsqueeze(-1) + lo.unsqueeze(-1)
-    return wg.reshape(n, k)
 
 
 class AddAfter:
@@ -94,8 +70,9 @@ class Int4(AddAfter):
     group: int = INT4_GROUP
 
     @classmethod
-    def from_weight(cls, w: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP) -> "Int4":
-        codes, scale, lo = int4_codes(w, group)
+    def from_weight(cls, w: torch.Tensor, dtype: torch.dtype, group: int = INT4_GROUP,
+                    scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> "Int4":
+        codes, scale, lo = int4_codes(w, group, scales)
         zero = lo + 8 * scale
         if w.shape[0] % 16:
             raise ValueError(f"int4 needs the output dim ({w.shape[0]}) to be a multiple of 16")
@@ -131,7 +108,9 @@ class Int8(AddAfter):
         return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
 
 
-def make_linear(w: torch.Tensor, quant: str, dtype: torch.dtype) -> Dense | Int4 | Int8 | Upcast:
+def make_linear(w: torch.Tensor, quant: str, dtype: torch.dtype,
+                scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> Dense | Int4 | Int8 | Upcast:
+    """w as `quant` keeps it; `scales`: int4's exact block scales where known (infra/quant_codes.py)."""
     if quant == "none":
         return Dense(w)
     if quant == "upcast":  # internal: a runner's wide weights (LlamaRunner), never a user's quant
@@ -143,5 +122,5 @@ def make_linear(w: torch.Tensor, quant: str, dtype: torch.dtype) -> Dense | Int4
         # (a head draft's odd vocabulary) stays dense rather than failing the runner.
         if w.shape[0] % 16 or w.shape[1] % INT4_GROUP:
             return Dense(w)
-        return Int4.from_weight(w, dtype)
+        return Int4.from_weight(w, dtype, scales=scales)
     raise ValueError(f"unknown quant {quant!r}: expected one of {', '.join(QUANT_MODES)}")

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from infra.cpu import native_bf16_gemm
+from infra.quant_codes import EXACT_SCALES
 from serve.linear import QUANT_MODES, Dense, Int4, Int8, Upcast, make_linear
 from serve.model.families import Family, lean_family
 
@@ -165,8 +166,18 @@ def shared_linear(sources: tuple[torch.Tensor, ...], quant: str, dtype: torch.dt
     once per set of tensors: a `truncate:L` draft shares the target's layers, and the bench's
     several engines over one model would otherwise each hold a copy."""
     srcs = tuple(w.detach() for w in sources)
+    scales = exact_scales(sources) if quant == "int4" else None
     return _cached((quant, dtype) + tuple(_tensor_key(w) for w in srcs), srcs,
-                   lambda: make_linear(srcs[0] if len(srcs) == 1 else torch.cat(srcs), quant, dtype))
+                   lambda: make_linear(srcs[0] if len(srcs) == 1 else torch.cat(srcs), quant, dtype, scales))
+
+
+def exact_scales(sources: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
+    """The block scales the loader kept on every one of `sources` (infra/quant_codes.py),
+    concatenated as the weights are; None unless all have them."""
+    kept = [getattr(w, EXACT_SCALES, None) for w in sources]
+    if any(k is None for k in kept):
+        return None
+    return tuple(torch.cat(parts) for parts in zip(*kept))
 
 
 # Blocks of up to this many rows (decode, verify, draft trees) attend row by row in the same

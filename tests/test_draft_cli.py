@@ -63,3 +63,16 @@ def test_the_head_answers_its_own_prompts_and_the_layer_draft_keeps_warm_prompts
     assert (d.warm_prompts, d.warm_max_new_tokens, d.warm_turns, d.head_warm_conversations) == (1536, 128, "all", 0)
     assert OSDConfig.model_validate({"train": {"head_warm_budget_minutes": None}}).for_warm_start(
         "head").train.warm_budget_minutes is None  # null in the config: every prompt
+
+
+def test_model_flag_names_the_target_for_serve_and_draft_init(monkeypatch, tmp_path):
+    from pipeline import cli
+
+    model = tmp_path / "m.gguf"
+    init = _draft_init_config(OSDConfig(), build_parser().parse_args(["draft", "init", "--model", str(model)]))
+    assert init.model.target == str(model)
+    seen = {}
+    monkeypatch.setattr("pipeline.launch.run_server", lambda cfg, api_key=None: seen.setdefault("cfg", cfg) and 0)
+    args = build_parser().parse_args(["serve", "--model", str(model)])
+    cli._cmd_serve(OSDConfig(), args)
+    assert seen["cfg"].model.target == str(model)

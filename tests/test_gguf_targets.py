@@ -160,3 +160,37 @@ def test_chat_needs_the_files_chat_template(tmp_path):
     with_template = _load(tmp_path / "c.gguf", tmp_path / "cache")
     ids = chat_prompt_ids(with_template.tokenizer, [{"role": "user", "content": "hi"}])
     assert with_template.tokenizer.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_int4_serving_keeps_the_files_4bit_blocks_bit_for_bit(qtype, tmp_path):
+    """The served model is bfloat16, which cannot hold the blocks' values; the scales read off the
+    float32 weights at load make the int4 weights the file's own again, in the native layout."""
+    from infra.quant_codes import EXACT_SCALES
+    from serve.model.native_formats import dequantize_q4
+
+    ref = write_gguf(build_tiny("qwen2", seed=9, **SHAPE), tmp_path / "m.gguf", qtype)
+    cfg = ModelConfig(target=str(tmp_path / "m.gguf"), cache_dir=tmp_path / "cache").resolved()
+    loaded = load_target(cfg.target, cfg, progress=False)
+    want = dict(ref.named_parameters())
+    checked = 0
+    for name, w in loaded.model.named_parameters():
+        if not name.endswith("proj.weight"):
+            continue
+        assert w.dtype == torch.bfloat16 and getattr(w, EXACT_SCALES, None) is not None, name
+        codes, scale, lo = int4_codes(w, scales=getattr(w, EXACT_SCALES))
+        assert torch.equal(dequantize_q4(codes, scale, lo), want[name].float()), name
+        checked += 1
+    assert checked == 7 * SHAPE["num_layers"]
+
+
+def test_a_q8_0_head_keeps_its_scales_and_a_k_quant_is_requantized(tmp_path):
+    from infra.quant_codes import EXACT_SCALES, keep_exact_scales
+
+    q8 = write_gguf(build_tiny("llama", seed=10, **SHAPE), tmp_path / "q8.gguf", "Q8_0")
+    keep_exact_scales(q8)
+    assert getattr(q8.lm_head.weight, EXACT_SCALES, None) is not None
+    assert getattr(q8.model.layers[0].mlp.down_proj.weight, EXACT_SCALES, None) is None  # 8-bit, not 4
+    qk = write_gguf(build_tiny("llama", seed=10, **K_SHAPE), tmp_path / "qk.gguf", "Q4_K")
+    keep_exact_scales(qk)
+    assert getattr(qk.model.layers[0].mlp.down_proj.weight, EXACT_SCALES, None) is None

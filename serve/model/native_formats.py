@@ -2,7 +2,7 @@
 [N, K] weight with torch: tiles of 16 output columns by 32 inputs, each tile's blocks along K
 contiguous, so a thread streams its columns' bytes once per step whatever the row count.
 
-- Q4: the GGUF's Q4_1 blocks, w = d * code + m, codes 0..15 (serve/linear.py int4_codes
+- Q4: the GGUF's Q4_0/Q4_1 blocks, w = d * code + m, codes 0..15 (infra/quant_codes.py
   recovers them from the dequantized weights), d and m in float16 as the GGUF keeps them.
 - Q8: symmetric int8 blocks of 32 with a float16 scale (the GGUF's Q8_0), for the head.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from serve.linear import INT4_GROUP, int4_codes
+from infra.quant_codes import INT4_GROUP, int4_codes, q8_scale
 
 TILE = 16
 BLOCK = INT4_GROUP  # 32
@@ -35,10 +35,11 @@ def _as_bytes(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.view(torch.uint8).reshape(x.shape[0], x.shape[1], -1)
 
 
-def pack_q4(w: torch.Tensor) -> torch.Tensor:
-    """[N, K] float weight -> the Q4 stream, uint8 [N/16 * K/32 * 320]."""
+def pack_q4(w: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """[N, K] float weight -> the Q4 stream, uint8 [N/16 * K/32 * 320]; `scales`: the blocks'
+    exact scale and minimum where known (infra/quant_codes.py)."""
     _check(w)
-    return pack_q4_codes(*int4_codes(w, BLOCK))
+    return pack_q4_codes(*int4_codes(w, BLOCK, scales))
 
 
 def pack_q4_codes(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
@@ -52,21 +53,22 @@ def pack_q4_codes(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) ->
     return torch.cat([nibbles, d, m], dim=-1).reshape(-1).contiguous()
 
 
-def q8_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def q8_codes(w: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 per block of 32: (codes [N, K] int8, scale [N, K/32] float32), the scale
-    rounded to float16 first so the codes are computed against the scale the kernel reads."""
+    rounded to float16 first so the codes are computed against the scale the kernel reads;
+    `scale`: the blocks' exact one where known (a Q8_0 tensor's, infra/quant_codes.py)."""
     n, k = _check(w)
     wg = w.detach().float().reshape(n, k // BLOCK, BLOCK)
-    scale = (wg.abs().amax(-1) / 127).half().float()
+    scale = q8_scale(w) if scale is None else scale.float()
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = (wg / safe.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
     return codes.reshape(n, k), scale
 
 
-def pack_q8(w: torch.Tensor) -> torch.Tensor:
+def pack_q8(w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """[N, K] float weight -> the Q8 stream, uint8 [N/16 * K/32 * 576]."""
     n, k = _check(w)
-    codes, scale = q8_codes(w)
+    codes, scale = q8_codes(w, scale)
     c = codes.reshape(n // TILE, TILE, k // BLOCK, 8, 4).permute(0, 2, 3, 1, 4)  # tile, block, g, col, i
     body = c.contiguous().view(torch.uint8).reshape(n // TILE, k // BLOCK, 512)
     sums = codes.reshape(n, k // BLOCK, BLOCK).sum(-1, dtype=torch.int32)

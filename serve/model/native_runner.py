@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from serve.model.native_build import load
 from serve.model.native_formats import pack_q4, pack_q8
 from serve.batch_forward import Item, reserve
-from serve.runner import LlamaRunner, StaticKVCache, _cached, _tensor_key
+from serve.runner import LlamaRunner, StaticKVCache, _cached, _tensor_key, exact_scales
 
 # Rows up to which a forward takes the native path (64 rows: 37.9 against PyTorch int4's
 # 71.2 ms, osd bench forward --real); longer prompt chunks, which the engine does not make
@@ -107,9 +107,9 @@ class NativeLlamaRunner(LlamaRunner):
         self._keep: list[Any] = []  # everything the C structs point into
 
         def q4(*ws: torch.Tensor) -> torch.Tensor:
-            srcs = tuple(w.detach() for w in ws)
+            srcs, scales = tuple(w.detach() for w in ws), exact_scales(ws)
             return _cached(("native-q4",) + tuple(_tensor_key(w) for w in srcs), srcs,
-                           lambda: pack_q4(torch.cat(srcs) if len(srcs) > 1 else srcs[0]))
+                           lambda: pack_q4(torch.cat(srcs) if len(srcs) > 1 else srcs[0], scales))
 
         def f32(w: torch.Tensor) -> torch.Tensor:
             out = w.detach().float().contiguous()
@@ -135,8 +135,10 @@ class NativeLlamaRunner(LlamaRunner):
         # The head in whole tiles of 16 rows: a vocabulary that is not a multiple of 16 gets zero
         # rows, whose logits are computed and dropped.
         self._vocab_rows = -(-cfg.vocab_size // 16) * 16
+        pad = (0, 0, 0, self._vocab_rows - cfg.vocab_size)
+        head_scale = exact_scales((model.lm_head.weight,))
         head = _cached(("native-q8", _tensor_key(head_w)), (head_w,),
-                       lambda: pack_q8(F.pad(head_w, (0, 0, 0, self._vocab_rows - cfg.vocab_size))))
+                       lambda: pack_q8(F.pad(head_w, pad), F.pad(head_scale[0], pad) if head_scale else None))
         # RoPE tables in float32 from the model's own rotary module (its scaling kept).
         with torch.no_grad():
             pos = torch.arange(self.max_seq_len).unsqueeze(0)
