@@ -205,8 +205,11 @@ def prepare_gguf(
 
 def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
     import torch
+    from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from infra.gguf_rope import gguf_rope_parameters
 
     if not progress:
         hf_logging.disable_progress_bar()
@@ -215,18 +218,21 @@ def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
         _log("[1/3] loading GGUF through transformers (dequantising; ~15-35 s)")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    head_dim = gguf_info(gguf).head_dim
-    if head_dim is not None:  # transformers leaves a family's default head_dim where the file sets its own
-        config.head_dim = head_dim
-    gmodel, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
-                                                        dtype=torch.float32, output_loading_info=True)
+    info = gguf_info(gguf)
+    if info.head_dim is not None:  # transformers leaves a family's default head_dim where the file sets its own
+        config.head_dim = info.head_dim
+    rope = gguf_rope_parameters(GGUFReader(gguf), info.architecture, config)
+    if rope is not None:  # transformers drops a llama/qwen file's RoPE scaling (infra/gguf_rope.py)
+        config.rope_parameters = rope
+    gmodel, loading = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                           dtype=torch.float32, output_loading_info=True)
     # A tensor transformers could not place (a shape the config got wrong, a name it does not
     # map) is silently re-initialised there: refuse the file rather than serve random weights.
-    odd = [k for k in ("missing_keys", "mismatched_keys", "unexpected_keys") if info.get(k)
-           and not (k == "missing_keys" and set(info[k]) <= {"lm_head.weight"} and config.tie_word_embeddings)]
+    odd = [k for k in ("missing_keys", "mismatched_keys", "unexpected_keys") if loading.get(k)
+           and not (k == "missing_keys" and set(loading[k]) <= {"lm_head.weight"} and config.tie_word_embeddings)]
     if odd:
         raise TargetError(f"{gguf}: its tensors do not fit the model its metadata describes: "
-                          + "; ".join(f"{k.replace('_', ' ')} {sorted(map(str, info[k]))[:4]}" for k in odd))
+                          + "; ".join(f"{k.replace('_', ' ')} {sorted(map(str, loading[k]))[:4]}" for k in odd))
     if progress:
         _log(f"      loaded in {time.perf_counter() - t0:.1f} s")
         _log("[2/3] rebuilding as a plain model and saving safetensors")

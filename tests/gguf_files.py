@@ -91,6 +91,7 @@ def write_gguf(model, path: Path, qtype: str, arch: str | None = None, chat_temp
     w.add_eos_token_id(258)
     if chat_template:
         w.add_chat_template(CHAT_TEMPLATE)
+    _write_rope(w, cfg)
     state = ref.state_dict()
     for name, tensor in state.items():
         gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -120,3 +121,22 @@ def write_gguf(model, path: Path, qtype: str, arch: str | None = None, chat_temp
     w.write_tensors_to_file()
     w.close()
     return ref.eval()
+
+
+def _write_rope(w, cfg) -> None:
+    """RoPE scaling as llama.cpp's converter writes it: llama3 as the rope_freqs tensor of
+    divisors, linear and yarn as metadata."""
+    rope = cfg.rope_parameters
+    kind = rope.get("rope_type", "default")
+    if kind == "llama3":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+        hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        plain = rope["rope_theta"] ** -(torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+        w.add_tensor("rope_freqs.weight", (plain / scaled.double()).float().numpy())
+    elif kind in ("linear", "yarn"):
+        w.add_rope_scaling_type(gguf.RopeScalingType(kind))
+        w.add_rope_scaling_factor(rope["factor"])
+        if "original_max_position_embeddings" in rope:
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])

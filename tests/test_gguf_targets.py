@@ -194,3 +194,23 @@ def test_a_q8_0_head_keeps_its_scales_and_a_k_quant_is_requantized(tmp_path):
     qk = write_gguf(build_tiny("llama", seed=10, **K_SHAPE), tmp_path / "qk.gguf", "Q4_K")
     keep_exact_scales(qk)
     assert getattr(qk.model.layers[0].mlp.down_proj.weight, EXACT_SCALES, None) is None
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("rope", [LLAMA3_ROPE, {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+                                  {**LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 2048}],
+                         ids=["llama3.2", "linear", "llama3-other"])
+def test_rope_scaling_comes_back_from_the_file(rope, tmp_path):
+    """transformers' GGUF reader drops a llama file's RoPE scaling; without infra/gguf_rope.py
+    these logits are another model's."""
+    shape = {**SHAPE, "max_positions": 16384}
+    ref = write_gguf(build_tiny("llama", seed=11, **shape, rope_parameters=rope), tmp_path / "m.gguf", "F32")
+    loaded = _load(tmp_path / "m.gguf", tmp_path / "cache")
+    assert loaded.model.config.rope_parameters["rope_type"] == rope["rope_type"]
+    torch.testing.assert_close(_logits(loaded.model, IDS), _logits(ref, IDS), rtol=1e-4, atol=1e-4)
+    plain = build_tiny("llama", seed=11, **shape)
+    plain.load_state_dict(ref.state_dict())
+    assert (_logits(plain, IDS) - _logits(ref, IDS)).abs().max() > 1e-3  # the scaling matters here
