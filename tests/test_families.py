@@ -72,7 +72,7 @@ def test_llama3_rope_scaling_changes_the_logits_past_the_original_context():
     assert (hf_logits(scaled, ids[:50], ids[50:]) - hf_logits(plain, ids[:50], ids[50:])).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("variant", ["qwen2", "qwen3", "llama-bias"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_bfloat16_lean_logits_stay_near_float32(variant):
     model = tiny(variant, seed=3, dtype="bfloat16")
     ref = tiny(variant, seed=3, dtype="bfloat16").float()
@@ -83,7 +83,7 @@ def test_bfloat16_lean_logits_stay_near_float32(variant):
     assert lean_err <= 2 * hf_err + 0.01 * exact.abs().max()
 
 
-@pytest.mark.parametrize("variant", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_greedy_speculation_equals_autoregression(variant):
     model = tiny(variant, seed=4)
     prompt = [5, 17, 200, 3, 99]
@@ -98,7 +98,7 @@ def test_greedy_speculation_equals_autoregression(variant):
         assert spec.generate(prompt, GenerationParams(max_new_tokens=24)).output_ids == want, name
 
 
-@pytest.mark.parametrize("variant", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_batched_rows_equal_each_sequence_alone(variant):
     model = tiny(variant, seed=5, dtype="bfloat16")
     eng = SpecEngine(model, build_draft("suffix", model), options=EngineOptions(k=2, max_seq_len=128, quant="int4", max_concurrency=4))
@@ -106,6 +106,8 @@ def test_batched_rows_equal_each_sequence_alone(variant):
     params = GenerationParams(max_new_tokens=12)
     alone = [eng.generate(p, params).output_ids for p in prompts]
     assert [r.output_ids for r in eng.generate_many(prompts, params)] == alone
+    ar = SpecEngine(model, options=EngineOptions(k=0, max_seq_len=128, quant="int4"))
+    assert [ar.generate(p, params).output_ids for p in prompts] == alone  # int4 speculation is exact too
 
 
 def test_mistral_sliding_window_caps_the_context():
@@ -124,7 +126,7 @@ def test_unsupported_models_take_the_generic_runner():
         make_runner(model, 64, "int4")
 
 
-@pytest.mark.parametrize("variant", ["qwen2", "qwen3", "llama-bias"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
 def test_int4_families_take_the_native_forward_near_pytorch_int4(variant):
     native = pytest.importorskip("serve.model.native_runner")
     model = tiny(variant, seed=6, dtype="bfloat16")
