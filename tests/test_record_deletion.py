@@ -95,3 +95,19 @@ def test_each_role_may_do_its_part_only(redis_url):
         with pytest.raises(redis.exceptions.NoPermissionError):
             trainer.xdel(STREAM, got[0].entry_id)
         assert delete_records(connect(redis_url, cfg, role="admin"), STREAM, RecordMatch(tenant="acme")).stream == 1
+
+
+def test_osd_records_delete(redis_url, tmp_path, monkeypatch, capsys):
+    from pipeline.cli import main
+
+    client = redis.Redis.from_url(redis_url)
+    _fill(client)
+    for name, value in {"OSD_STREAM__REDIS_URL": redis_url, "OSD_STREAM__STREAM": STREAM,
+                        "OSD_STATE_DIR": str(tmp_path)}.items():
+        monkeypatch.setenv(name, value)
+    assert main(["records", "delete"]) == 2 and "name what to delete" in capsys.readouterr().err
+    assert main(["records", "delete", "--tenant", "acme", "--user", "bob"]) == 0
+    assert "deleted 1 record(s)" in capsys.readouterr().out
+    assert ("acme", "bob") not in _owners(client)
+    cfg = OSDConfig.model_validate({"state_dir": str(tmp_path)})
+    assert Registry.from_config(cfg).audit_log()[-1]["match"] == {"tenant": "acme", "user": "bob"}
