@@ -395,8 +395,8 @@ class TargetReplica:
         from infra.record_match import RecordMatch
         from serve.suffix_draft import suffix_of
 
-        suffix = suffix_of(self.router.routing.stable_runner)
-        removed = suffix.forget(RecordMatch(**match).matches_owner) if suffix is not None else 0
+        suffixes = {id(s): s for s in map(suffix_of, self.router.runners()) if s is not None}
+        removed = sum(s.forget(RecordMatch(**match).matches_owner) for s in suffixes.values())
         return {"replica": self.replica_id, "removed": removed}
 
     def check_health(self) -> None:
