@@ -507,7 +507,7 @@ class OpenAIIngress:
         from serve.ops.source import StreamPoller
         from serve.ops.routes import OpsRoutes
 
-        self.ops = OpsRoutes(self.cfg, self.api_key, self._recent_stats)
+        self.ops = OpsRoutes(self.cfg, self.keys.ops_key, self._recent_stats)
         self.stream_poller = StreamPoller(self.cfg).start()
 
     # -- helpers ---------------------------------------------------------------

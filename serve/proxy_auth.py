@@ -39,12 +39,13 @@ _UNAUTHORIZED = json.dumps({"error": {
 class APIKeyMiddleware:
     """Pure ASGI: refuse any HTTP request but OPEN_PATHS without `Authorization: Bearer <key>`."""
 
-    def __init__(self, app: Any, api_key: str | None = None, tenant_keys: list[str] | None = None):
+    def __init__(self, app: Any, api_key: str | None = None, tenant_keys: list[tuple[str, bool]] | None = None):
         self.app = app
         key = api_key if api_key is not None else os.environ.get("OSD_API_KEY", "")
-        self.key = key
-        keys = [key] + (tenant_keys if tenant_keys is not None else tenant_keys_from(os.environ))
-        self.expected = [f"Bearer {k}".encode() for k in keys if k] or None
+        entries = tenant_keys if tenant_keys is not None else tenant_keys_from(os.environ)
+        # The ops page's session key, as the ingress picks it (serve/tenancy.py KeyRing.ops_key).
+        self.key = key or next((k for k, admin in entries if admin), "")
+        self.expected = [f"Bearer {k}".encode() for k in [key, *(k for k, _ in entries)] if k] or None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         path = scope.get("path", "")
@@ -54,8 +55,8 @@ class APIKeyMiddleware:
         headers = dict(scope.get("headers") or [])
         got = headers.get(b"authorization", b"")
         # Every key compared, each in constant time: the time taken does not say which matched.
-        if sum(hmac.compare_digest(got, e) for e in self.expected) or ops_auth.session_ok(
-                self.key, path, headers.get(b"cookie", b"")):
+        if sum(hmac.compare_digest(got, e) for e in self.expected) or (self.key and ops_auth.session_ok(
+                self.key, path, headers.get(b"cookie", b""))):
             return await self.app(scope, receive, send)
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"),
@@ -63,11 +64,11 @@ class APIKeyMiddleware:
         await send({"type": "http.response.body", "body": _UNAUTHORIZED})
 
 
-def tenant_keys_from(environ: Mapping[str, str]) -> list[str]:
-    """The keys of serve.api_keys as OSD_SERVE__API_KEYS carries them (a YAML list of
-    {key, tenant, admin}); the config model validates the rest where the ingress loads it."""
+def tenant_keys_from(environ: Mapping[str, str]) -> list[tuple[str, bool]]:
+    """(key, admin) of each serve.api_keys entry as OSD_SERVE__API_KEYS carries them (a YAML
+    list of {key, tenant, admin}); the config model validates the rest where the ingress loads it."""
     entries = yaml.safe_load(environ.get(KEYS_ENV) or "[]") or []
-    return [str(e["key"]) for e in entries if isinstance(e, dict) and e.get("key")]
+    return [(str(e["key"]), bool(e.get("admin"))) for e in entries if isinstance(e, dict) and e.get("key")]
 
 
 def middlewares() -> list:

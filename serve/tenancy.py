@@ -9,6 +9,7 @@ delete it").
 from __future__ import annotations
 
 import hmac
+import secrets
 from dataclasses import dataclass
 
 from infra.config import DEFAULT_TENANT, ServeConfig
@@ -47,10 +48,20 @@ class KeyRing:
         self.entries = [(f"Bearer {k.key}".encode(), Caller(k.tenant, k.admin)) for k in serve_cfg.api_keys]
         if legacy_key:
             self.entries.append((f"Bearer {legacy_key}".encode(), Caller(DEFAULT_TENANT, True)))
+        self.ops_key = self._ops_key(legacy_key, serve_cfg)
 
     @property
     def open(self) -> bool:
         return not self.entries
+
+    def _ops_key(self, legacy_key: str | None, serve_cfg: ServeConfig) -> str | None:
+        """The key the ops page signs its sessions with: OSD_API_KEY, else the first admin key;
+        None (an open page) only where no key is set at all. Tenant keys with no admin key
+        lock it with a key nobody has."""
+        if self.open:
+            return None
+        admin = next((k.key for k in serve_cfg.api_keys if k.admin), None)
+        return legacy_key or admin or secrets.token_urlsafe(32)
 
     def caller(self, authorization: str) -> Caller | None:
         """The caller an Authorization header names; None for a missing or unknown key. Every

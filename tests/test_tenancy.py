@@ -94,8 +94,8 @@ def test_a_match_names_something_and_old_records_are_the_default_tenant():
 
 
 def test_the_proxy_accepts_every_tenants_key():
-    env = {"OSD_SERVE__API_KEYS": "[{key: acme-key-1, tenant: acme}, {key: beta-key-1}]"}
-    assert tenant_keys_from(env) == ["acme-key-1", "beta-key-1"]
+    env = {"OSD_SERVE__API_KEYS": "[{key: acme-key-1, tenant: acme}, {key: beta-key-1, admin: true}]"}
+    assert tenant_keys_from(env) == [("acme-key-1", False), ("beta-key-1", True)]
     seen = []
 
     async def app(scope, receive, send):
@@ -109,3 +109,15 @@ def test_the_proxy_accepts_every_tenants_key():
         scope = {"type": "http", "path": "/v1/models", "headers": [(b"authorization", f"Bearer {key}".encode())]}
         asyncio.run(mw(scope, None, send))
     assert seen[:2] == ["/v1/models", "/v1/models"] and 401 in seen[2:]
+    # Without OSD_API_KEY the ops sessions are signed with the first admin key, never with "".
+    assert APIKeyMiddleware(app, api_key="", tenant_keys=tenant_keys_from(env)).key == "beta-key-1"
+    assert APIKeyMiddleware(app, api_key="", tenant_keys=[("acme-key-1", False)]).key == ""
+
+
+def test_the_ops_page_is_never_open_once_any_key_is_set():
+    assert KeyRing(_serve(), legacy_key=None).ops_key == "root-key-1"
+    assert KeyRing(_serve(), legacy_key="legacy").ops_key == "legacy"
+    tenants_only = load_config(environ={}, overrides={"serve": {"api_keys": KEYS[:2]}}).serve
+    locked = KeyRing(tenants_only, None).ops_key
+    assert locked and locked not in {k["key"] for k in KEYS}
+    assert KeyRing(load_config(environ={}).serve, None).ops_key is None
