@@ -15,8 +15,7 @@ import redis
 
 from infra.config import OSDConfig
 from infra.record_match import RecordMatch
-from infra.records import RecordError, decode
-from infra.streams import FIELD, connect, dead_letter_stream
+from infra.streams import FIELD, connect, dead_letter_stream, scan_records
 
 DEAD_FIELD = b"orig." + FIELD  # where a dead letter keeps the original payload (streams._dead_letter)
 
@@ -27,23 +26,9 @@ class Deleted:
     dead_letters: int = 0
 
 
-def matching_ids(client: redis.Redis, key: str, field: bytes, match: RecordMatch, batch: int = 500) -> list[bytes]:
+def matching_ids(client: redis.Redis, key: str, field: bytes, match: RecordMatch) -> list[bytes]:
     """Ids of the entries of `key` whose payload in `field` decodes to a record `match` names."""
-    out: list[bytes] = []
-    start = "-"
-    while True:
-        entries = client.xrange(key, min=start, max="+", count=batch)
-        for eid, fields in entries:
-            try:
-                rec = decode(fields[field])
-            except (KeyError, RecordError):
-                continue
-            if match.matches_owner(rec):
-                out.append(eid)
-        if len(entries) < batch:
-            return out
-        last = entries[-1][0]
-        start = "(" + (last.decode() if isinstance(last, bytes) else last)
+    return [eid for eid, rec in scan_records(client, key, field=field) if match.matches_owner(rec)]
 
 
 def delete_records(client: redis.Redis, stream: str, match: RecordMatch) -> Deleted:

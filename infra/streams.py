@@ -30,7 +30,7 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -115,23 +115,30 @@ def _s(x: Any) -> Any:
     return x.decode() if isinstance(x, bytes) else x
 
 
-def read_records(client: redis.Redis, stream: str, *, since_s: float = 0.0, batch: int = 500) -> list[Record]:
-    """Every decodable record still in the stream written at or after `since_s` (epoch seconds),
-    oldest first, without touching any consumer group. Undecodable entries are skipped here:
-    the consumers dead-letter them."""
-    out: list[Record] = []
-    start = f"{int(since_s * 1000)}-0"
+def scan_records(client: redis.Redis, key: str, *, field: bytes = FIELD, start: str = "-",
+                 batch: int = 500) -> Iterator[tuple[bytes, Record]]:
+    """(entry id, record) of every decodable entry of `key` from id `start` on, oldest first,
+    read in pages of `batch` without touching any consumer group. Undecodable entries are
+    skipped here: the consumers dead-letter them. field: where the payload is (a dead letter
+    keeps it under b"orig.rec")."""
     while True:
-        entries = client.xrange(stream, min=start, max="+", count=batch)
+        entries = client.xrange(key, min=start, max="+", count=batch)
         for eid, fields in entries:
             try:
-                out.append(decode(fields[FIELD]))
+                rec = decode(fields[field])
             except (KeyError, RecordError):
                 continue
+            yield eid, rec
         if len(entries) < batch:
-            return out
+            return
         ms, seq = _s(entries[-1][0]).split("-")
         start = f"{ms}-{int(seq) + 1}"
+
+
+def read_records(client: redis.Redis, stream: str, *, since_s: float = 0.0, batch: int = 500) -> list[Record]:
+    """Every decodable record still in the stream written at or after `since_s` (epoch seconds),
+    oldest first (scan_records)."""
+    return [rec for _, rec in scan_records(client, stream, start=f"{int(since_s * 1000)}-0", batch=batch)]
 
 
 def recent_records(client: redis.Redis, stream: str, max_tokens: int, *, batch: int = 200) -> list[Record]:
