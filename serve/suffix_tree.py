@@ -560,6 +560,7 @@ class SuffixProposer:
         self.pools: dict[Hashable, SuffixIndex] = {None: SuffixIndex(*self._pool_args)}
         # global key -> (pool, the caller's tag): what `forget` matches a finished output by.
         self._tags: dict[int, tuple[Hashable, Any]] = {}
+        self._prune_at = 64
         self._max_request_tokens = _check_int("max_request_tokens", max_request_tokens, 1)
         self.max_depth = self.pools[None].max_depth
         tail = self.max_depth if prompt_tail is None else prompt_tail
@@ -609,9 +610,10 @@ class SuffixProposer:
         self.pool(pool).append(key, tokens)
         if tag is not None:
             self._tags[key] = (pool, tag)
-            if len(self._tags) > 2 * sum(len(i.seq_ids()) for i in self.pools.values()) + 64:
-                # Evicted sequences leave their tags behind; drop those now and then.
+            if len(self._tags) > self._prune_at:
+                # Evicted sequences leave their tags behind: drop those, when the tags have doubled.
                 self._tags = {k: t for k, t in self._tags.items() if k in self.pools[t[0]]}
+                self._prune_at = 2 * len(self._tags) + 64
 
     def forget(self, matches: Callable[[Any], bool]) -> int:
         """Remove every shared sequence whose tag `matches(tag)` (deletion of records); returns

@@ -121,3 +121,11 @@ def test_the_ops_page_is_never_open_once_any_key_is_set():
     locked = KeyRing(tenants_only, None).ops_key
     assert locked and locked not in {k["key"] for k in KEYS}
     assert KeyRing(load_config(environ={}).serve, None).ops_key is None
+
+
+def test_tags_of_evicted_outputs_do_not_pile_up():
+    p = SuffixProposer(50, max_depth=4)  # room for about five outputs of ten tokens
+    for i in range(500):
+        p.remember([1], list(range(10 * i, 10 * i + 9)), pool="acme", tag=Origin("acme", None, f"r{i}", "acme"))
+    assert len(p._tags) <= 2 * len(p.pools["acme"].seq_ids()) + 64
+    assert p.forget(RecordMatch(request_id="r499").matches_owner) == 1
