@@ -70,7 +70,7 @@ class ModelConfig(_Section):
         is 2-3x faster per token than float32 and its weights are the GGUF's own; a target
         without 4-bit weights keeps float32, which decodes it exactly as loaded."""
         target = target or self.target
-        four_bit = target in GGUF_INT4_TARGETS and self.device.startswith("cpu")
+        four_bit = self.device.startswith("cpu") and (target in GGUF_INT4_TARGETS or _gguf_four_bit(target))
         wants_int4 = self.quant == "int4" or (self.quant == "auto" and four_bit)
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if wants_int4 else "float32")
         quant = self.quant if self.quant != "auto" else ("int4" if four_bit and dtype == "bfloat16" else "none")
@@ -88,6 +88,18 @@ class ModelConfig(_Section):
             raise ValueError(f"model.quant int4 is the CPU bfloat16 path (dtype {self.dtype}, device "
                              f"{self.device}): set model.dtype bfloat16 and device cpu, or model.quant none")
         return self
+
+
+def _gguf_four_bit(target: str) -> bool:
+    """A GGUF file whose decoder is mostly 4-bit (infra/gguf_file.py) serves as int4."""
+    if not target.lower().endswith(".gguf"):
+        return False
+    from infra.gguf_file import GgufError, read_gguf_info
+
+    try:
+        return read_gguf_info(Path(target).expanduser()).four_bit
+    except GgufError:
+        return False  # loading the target says what is wrong with the file
 
 
 class DataConfig(_Section):

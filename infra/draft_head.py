@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from infra.draft_spec import DraftLoadError, DraftSpec, DraftSpecError, target_mismatch
+from infra.target import LEAN_FAMILIES
 
 EMBED = "model.embed_tokens.weight"
 LAYER = ("ln1", "q_proj", "k_proj", "v_proj", "o_proj", "ln2", "gate_proj", "up_proj", "down_proj")
@@ -208,8 +209,9 @@ def build_head(target_model: Any, spec: DraftSpec, d2t: torch.Tensor | None = No
     the fc as the mean of the features and in_proj as their sum with the embedding: a start
     whose scale matches the target's, for training to move."""
     tcfg = target_model.config
-    if getattr(tcfg, "model_type", None) != "llama":
-        raise DraftSpecError(f"the head family needs a Llama target, got {getattr(tcfg, 'model_type', None)!r}")
+    if getattr(tcfg, "model_type", None) not in LEAN_FAMILIES:
+        raise DraftSpecError(f"the head family needs a target of {', '.join(LEAN_FAMILIES)}, "
+                             f"got {getattr(tcfg, 'model_type', None)!r}")
     if spec.family != "head":
         raise DraftSpecError(f"build_head needs spec.family 'head', got {spec.family!r}")
     v = tcfg.vocab_size

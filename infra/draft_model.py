@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from infra.draft_spec import DraftLoadError, DraftSpec, DraftSpecError, target_mismatch  # noqa: F401 (re-exported)
-from infra.target import MANIFEST, TargetError, identify_target, target_identity, verify_manifest
+from infra.target import LEAN_FAMILIES, MANIFEST, TargetError, identify_target, target_identity, verify_manifest
 
 # The directory's files and their atomic write, shared with the head (re-exported here).
 from infra.draft_files import (  # noqa: F401 (re-exported)
@@ -151,8 +151,9 @@ def _assemble(cfg: Any, tensors: dict[str, torch.Tensor], shared: set[str], dtyp
 
 
 def _check_spec(spec: DraftSpec, tcfg: Any) -> None:
-    if getattr(tcfg, "model_type", None) != "llama":
-        raise DraftSpecError(f"drafts are Llama models; the target is {getattr(tcfg, 'model_type', None)!r}")
+    if getattr(tcfg, "model_type", None) not in LEAN_FAMILIES:
+        raise DraftSpecError(f"layer drafts need a target of {', '.join(LEAN_FAMILIES)}; "
+                             f"the target is {getattr(tcfg, 'model_type', None)!r}")
     new_hidden = spec.hidden_size is not None and spec.hidden_size != tcfg.hidden_size
     if new_hidden and not spec.independent_head:
         raise DraftSpecError(

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from infra.draft_spec import target_mismatch as _target_mismatch
+from infra.target import LEAN_FAMILIES
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -587,8 +588,9 @@ def safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
 
 def _skeleton_shapes(directory: Path, config: dict[str, Any]) -> dict[str, list[int]]:
     """State-dict shapes of the draft config.json describes, built on the meta device (no memory)."""
-    if config.get("model_type") != "llama":
-        raise RegistryError(f"config.json: model_type {config.get('model_type')!r}; drafts are llama models")
+    if config.get("model_type") not in LEAN_FAMILIES:
+        raise RegistryError(f"config.json: model_type {config.get('model_type')!r}; drafts are models of "
+                            f"{', '.join(LEAN_FAMILIES)}")
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -20,6 +20,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from infra.config import ModelConfig
+from infra.gguf_file import GgufError, GgufInfo, read_gguf_info
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random"
@@ -142,10 +144,32 @@ def smollm2_cache_dir(cache_root: Path, gguf_sha: str) -> Path:
 def prepare_smollm2(
     cache_root: Path, force: bool = False, progress: bool = True, gguf: Path | None = None
 ) -> Path:
-    """Convert the GGUF into a cached HF directory once; return that directory."""
-    gguf = gguf or smollm2_gguf_path()
-    gguf_sha = sha256_file(gguf)  # ~0.1 s; the cache key
-    out = smollm2_cache_dir(cache_root, gguf_sha)
+    """Convert the shipped GGUF into a cached HF directory once; return that directory."""
+    return prepare_gguf(gguf or smollm2_gguf_path(), cache_root, force, progress, name=SMOLLM2)
+
+
+def is_gguf_spec(spec: str) -> bool:
+    return spec.lower().endswith(".gguf")
+
+
+def gguf_info(path: Path) -> GgufInfo:
+    try:
+        return read_gguf_info(path)
+    except GgufError as e:
+        raise TargetError(str(e)) from None
+
+
+def prepare_gguf(
+    gguf: Path, cache_root: Path, force: bool = False, progress: bool = True, name: str | None = None
+) -> Path:
+    """Convert a GGUF file into a cached HF directory once, keyed by the file's digest; return
+    that directory. The file is checked first (infra/gguf_file.py), so one that cannot be
+    served leaves nothing in the cache."""
+    gguf = gguf.expanduser()
+    gguf_info(gguf)
+    gguf_sha = sha256_file(gguf)  # the cache key
+    label = name or re.sub(r"[^A-Za-z0-9._-]+", "-", gguf.stem)[:64]
+    out = cache_root / f"{label}-{gguf_sha[:16]}"
     if out.exists() and not force:
         if (out / MANIFEST).is_file():
             if progress:
@@ -189,7 +213,19 @@ def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
     if progress:
         _log("[1/3] loading GGUF through transformers (dequantising; ~15-35 s)")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    gmodel = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    head_dim = gguf_info(gguf).head_dim
+    if head_dim is not None:  # transformers leaves a family's default head_dim where the file sets its own
+        config.head_dim = head_dim
+    gmodel, info = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
+                                                        dtype=torch.float32, output_loading_info=True)
+    # A tensor transformers could not place (a shape the config got wrong, a name it does not
+    # map) is silently re-initialised there: refuse the file rather than serve random weights.
+    odd = [k for k in ("missing_keys", "mismatched_keys", "unexpected_keys") if info.get(k)
+           and not (k == "missing_keys" and set(info[k]) <= {"lm_head.weight"} and config.tie_word_embeddings)]
+    if odd:
+        raise TargetError(f"{gguf}: its tensors do not fit the model its metadata describes: "
+                          + "; ".join(f"{k.replace('_', ' ')} {sorted(map(str, info[k]))[:4]}" for k in odd))
     if progress:
         _log(f"      loaded in {time.perf_counter() - t0:.1f} s")
         _log("[2/3] rebuilding as a plain model and saving safetensors")
@@ -269,6 +305,12 @@ def tiny_tokenizer() -> Any:
     return tok
 
 
+# The Hugging Face model types the platform runs on its lean forward and drafts for
+# (serve/model/families.py says what differs between them); others take the generic runner.
+LEAN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+TINY_FAMILIES = LEAN_FAMILIES
+
+
 def build_tiny_llama(
     seed: int = 0,
     vocab_size: int = 259,
@@ -281,10 +323,33 @@ def build_tiny_llama(
     dtype: str = "float32",
 ) -> Any:
     """A seeded random Llama; the same arguments always give the same weights."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return build_tiny("llama", seed, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
+                      intermediate_size, max_positions, dtype)
 
-    config = LlamaConfig(
+
+def build_tiny(
+    family: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 259,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_positions: int = 512,
+    dtype: str = "float32",
+    **config: Any,
+) -> Any:
+    """A seeded random model of a transformers `family` (TINY_FAMILIES), `config` overriding its
+    config's fields (rope_parameters, attention_bias, head_dim, ...). Biases and norm weights are
+    random too, so a forward that drops one shows."""
+    import torch
+    import transformers
+
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"tiny family {family!r}: one of {', '.join(TINY_FAMILIES)}")
+    name = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[family]
+    cfg = getattr(transformers, f"{name}Config")(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -296,17 +361,24 @@ def build_tiny_llama(
         eos_token_id=min(258, vocab_size - 1),
         pad_token_id=min(256, vocab_size - 1),
         tie_word_embeddings=False,
+        **config,
     )
     gen = torch.random.fork_rng(devices=[])
     with gen:
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        model = getattr(transformers, f"{name}ForCausalLM")(cfg)
     model.to(getattr(torch, dtype))
     # Default HF init gives near-uniform logits; widen them so decoding is not all ties.
     with torch.no_grad():
         g = torch.Generator().manual_seed(seed + 1)
         w = model.lm_head.weight
         w.copy_(torch.randn(w.shape, generator=g, dtype=torch.float32).to(w.dtype) * 0.5)
+        for pname, p in model.named_parameters():
+            if family != "llama" or config:  # the plain tiny Llama keeps the weights it always had
+                if pname.endswith("bias"):
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+                elif "norm" in pname:
+                    p.copy_(1 + torch.randn(p.shape, generator=g) * 0.1)
     return model.eval()
 
 
@@ -340,19 +412,27 @@ def load_target(
     path: Path | None
     if spec == TINY_RANDOM or spec.startswith(TINY_RANDOM + ":"):
         model, tok, path = build_tiny_llama(_parse_tiny_seed(spec), dtype=cfg.dtype), tiny_tokenizer(), None
-    elif spec == SMOLLM2:
-        path = prepare_smollm2(cfg.cache_dir, progress=progress)
-        model, tok = load_hf_dir(path, cfg)
     else:
-        path = Path(spec).expanduser()
-        if not path.exists():
-            raise TargetError(
-                f"unknown target {spec!r}: not {SMOLLM2!r}, not {TINY_RANDOM!r}, "
-                f"and no directory of that name exists"
-            )
+        path = target_dir(spec, cfg, progress)
         model, tok = load_hf_dir(path, cfg)
     model.to(cfg.device).eval()
     return LoadedModel(model, tok, spec, path, time.perf_counter() - t0)
+
+
+def target_dir(spec: str, cfg: ModelConfig, progress: bool = False) -> Path:
+    """The Hugging Face directory a target's weights load from: the shipped GGUF's or a GGUF
+    file's cached conversion, or the directory `spec` names."""
+    if spec == SMOLLM2:
+        return prepare_smollm2(cfg.cache_dir, progress=progress)
+    path = Path(spec).expanduser()
+    if is_gguf_spec(spec):
+        return prepare_gguf(path, cfg.cache_dir, progress=progress)
+    if not path.exists():
+        raise TargetError(
+            f"unknown target {spec!r}: not {SMOLLM2!r}, not {TINY_RANDOM!r}, not a .gguf file, "
+            f"and no directory of that name exists"
+        )
+    return path
 
 
 # ---------------------------------------------------------------- identity
@@ -397,10 +477,4 @@ def identify_target(spec: str | None = None, cfg: ModelConfig | None = None, mod
     spec = spec or cfg.target
     if _is_tiny(spec):
         return _described_identity(spec)
-    if spec == SMOLLM2:
-        return _dir_identity(prepare_smollm2(cfg.cache_dir, progress=progress))
-    path = Path(spec).expanduser()
-    if not path.is_dir():
-        raise TargetError(f"unknown target {spec!r}: not {SMOLLM2!r}, not {TINY_RANDOM!r}, "
-                          f"and no directory of that name exists")
-    return _dir_identity(path)
+    return _dir_identity(target_dir(spec, cfg, progress))

@@ -141,9 +141,14 @@ def _cmd_serve(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
     updates = {k: v for k, v in (("host", args.host), ("port", args.port), ("num_replicas", args.replicas),
                                  ("draft", args.draft)) if v is not None}
-    if updates:  # re-validated, so a bad flag fails like a bad config value
-        cfg = load_config(args.config, overrides={"serve": updates})
+    if updates or args.model:  # re-validated, so a bad flag fails like a bad config value
+        cfg = load_config(args.config, overrides={"serve": updates, **_model_flag(args)})
     return run_server(cfg, api_key=os.environ.get("OSD_API_KEY"))
+
+
+def _model_flag(args: argparse.Namespace) -> dict:
+    """--model PATH (a GGUF file or a Hugging Face directory) as a config override of model.target."""
+    return {"model": {"target": str(Path(args.model).expanduser().resolve())}} if args.model else {}
 
 
 def _draft_init_config(cfg: OSDConfig, args: argparse.Namespace) -> OSDConfig:
@@ -158,7 +163,8 @@ def _draft_init_config(cfg: OSDConfig, args: argparse.Namespace) -> OSDConfig:
                      warm_turns=args.turns, warm_budget_minutes=args.budget_minutes)
     updates = {k: v for k, v in flags.items() if v is not None}
     model = {"device": args.device} if args.device else {}  # the target generates where the draft trains
-    return load_config(args.config, overrides={"train": updates, "model": model}) if updates else cfg
+    model.update(_model_flag(args).get("model", {}))
+    return load_config(args.config, overrides={"train": updates, "model": model}) if updates or model else cfg
 
 
 def _cmd_draft_init(cfg: OSDConfig, args: argparse.Namespace) -> int:
@@ -655,6 +661,7 @@ def _add_draft_and_train_parsers(sub: argparse._SubParsersAction) -> None:
                     help="who writes the teacher answers: the serving engine, continuously batched in the "
                          "serving weight format, Hugging Face generate, or batch: static batches with the head's "
                          "features captured, what --device cuda uses (default train.warm_teacher: engine)")
+    di.add_argument("--model", metavar="PATH", help=MODEL_HELP)
     di.add_argument("--out", help="where to publish (default <state_dir>/drafts/head-v1, or v1 for layer)")
     di.add_argument("--force", action="store_true", help="rebuild even if published; ignore checkpoints")
     di.add_argument("--family", choices=DRAFT_FAMILIES, default="head",
@@ -722,6 +729,10 @@ def _add_vocab_study_parser(dr_sub: argparse._SubParsersAction) -> None:
     vs.set_defaults(func=_cmd_draft_vocab_study)
 
 
+MODEL_HELP = ("the target: a GGUF file or a Hugging Face directory of Llama, Mistral, Qwen2 or Qwen3 (other "
+              "directories run on the generic runner) (default model.target)")
+
+
 def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     """osd serve, osd up and osd demo: the stack, the loop, the demo."""
     sv = sub.add_parser("serve", help="start local Ray, Redis and the OpenAI-compatible app; print the URL")
@@ -731,6 +742,7 @@ def _add_run_parsers(sub: argparse._SubParsersAction) -> None:
     sv.add_argument("--draft", help="auto (suffix, chosen by measurement), none, self, truncate:L, suffix, "
                                     "head+suffix (the warm-started head with it), DIR+suffix or a draft directory "
                                     "(default serve.draft: auto)")
+    sv.add_argument("--model", metavar="PATH", help=MODEL_HELP)
     sv.set_defaults(func=_cmd_serve)
 
 

@@ -18,6 +18,9 @@ from serve.errors import RequestError
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     continue_final_message: bool = False) -> list[int]:
     template = tokenizer.chat_template or ""
+    if not template:
+        raise RequestError("this model carries no chat template (none in its GGUF metadata or its directory's "
+                           "tokenizer config): send a plain prompt to /v1/completions instead")
     out = []
     for i, m in enumerate(messages):
         if m.get("tool_calls") and "tool_calls" not in template:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from serve.runner import StaticKVCache, decoder_layer, prefix_attend, shared_linear
+from serve.runner import Block, StaticKVCache, decoder_layer, prefix_attend, shared_linear
 
 
 class LeanHead:
@@ -35,9 +35,9 @@ class LeanHead:
         self.fc = linear(head.fc)
         self.in_proj = linear(head.in_proj)
         # The one decoder layer, as the target's blocks: (ln1, q|k|v, o, ln2, gate|up, down).
-        self.block = (head.ln1.detach(), linear(layer["q_proj"], layer["k_proj"], layer["v_proj"]),
-                      linear(layer["o_proj"]), head.ln2.detach(),
-                      linear(layer["gate_proj"], layer["up_proj"]), linear(layer["down_proj"]))
+        self.block = Block(head.ln1.detach(), linear(layer["q_proj"], layer["k_proj"], layer["v_proj"]),
+                           linear(layer["o_proj"]), head.ln2.detach(),
+                           linear(layer["gate_proj"], layer["up_proj"]), linear(layer["down_proj"]))
         self.lm_head = linear(head.lm_head)
         self.norm_e, self.norm_g, self.norm = head.norm_e.detach(), head.norm_g.detach(), head.norm.detach()
         half = self.head_dim // 2

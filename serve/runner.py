@@ -1,7 +1,8 @@
 """Model runners: one forward over new tokens against a preallocated KV cache.
 
-`LlamaRunner` is a lean re-implementation of the Llama forward over a Hugging Face
-LlamaForCausalLM's weights (q|k|v and gate|up fused into one GEMM each). It exists
+`LlamaRunner` is a lean re-implementation of the Llama forward over a Hugging Face model's
+weights (q|k|v and gate|up fused into one GEMM each), for Llama and the families that differ
+from it in a few facts (Mistral, Qwen2, Qwen3: serve/model/families.py). It exists
 because the per-op Python and allocation work inside HF's generic forward is a large
 share of a 135M model's step on CPU. Same math as HF (RMSNorm, rotate-half RoPE, SDPA),
 so logits match HF to float rounding.
@@ -15,13 +16,14 @@ positions to the cache), cache.truncate(n) for rollback, and cache_key.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from infra.cpu import native_bf16_gemm
 from serve.linear import QUANT_MODES, Dense, Int4, Int8, Upcast, make_linear
+from serve.model.families import Family, lean_family
 
 
 class KVCache(Protocol):
@@ -241,20 +243,41 @@ def prefix_attend(cache: StaticKVCache, start: int, end: int, mask: torch.Tensor
     return attend
 
 
-def decoder_layer(h: torch.Tensor, block: tuple, cos: torch.Tensor, sin: torch.Tensor, attend, i: int,
+class Block(NamedTuple):
+    """One decoder layer's weights as the lean forward multiplies them; the optional ones are
+    what a family adds to Llama's (serve/model/families.py)."""
+    ln1: torch.Tensor
+    qkv: Any  # q|k|v fused (serve/linear.py)
+    o: Any
+    ln2: torch.Tensor
+    gu: Any  # gate|up fused
+    down: Any
+    qkv_bias: torch.Tensor | None = None  # [(H + 2 KV) * hd]
+    o_bias: torch.Tensor | None = None  # [D]
+    q_norm: torch.Tensor | None = None  # [hd], per head
+    k_norm: torch.Tensor | None = None
+
+
+def decoder_layer(h: torch.Tensor, block: Block, cos: torch.Tensor, sin: torch.Tensor, attend, i: int,
                   n_heads: int, n_kv: int, head_dim: int, eps: float) -> torch.Tensor:
-    """One Llama decoder layer over T rows h [T, D], block = (ln1, q|k|v, o, ln2, gate|up,
-    down): the target's stack and the head draft's single layer both run it. cos/sin
-    [T, 1, hd], sin with its first half negated; `attend(i, q, k, v)` stores the layer's new
-    K/V and returns its attention output [T, H*hd]."""
-    ln1, wqkv, wo, ln2, wgu, wd = block
+    """One decoder layer over T rows h [T, D]: the target's stack and the head draft's single
+    layer both run it. cos/sin [T, 1, hd], sin with its first half negated; `attend(i, q, k,
+    v)` stores the layer's new K/V and returns its attention output [T, H*hd]. Every op is
+    row by row, so a row's result does not depend on the others."""
     t, hidden = h.shape[0], (h.shape[-1],)
-    qkv = wqkv(F.rms_norm(h, hidden, ln1, eps)).view(t, n_heads + 2 * n_kv, head_dim)
+    qkv = block.qkv(F.rms_norm(h, hidden, block.ln1, eps))
+    if block.qkv_bias is not None:
+        qkv = qkv + block.qkv_bias
+    qkv = qkv.view(t, n_heads + 2 * n_kv, head_dim)
     qk = qkv[:, : n_heads + n_kv]
+    if block.q_norm is not None:
+        qk = torch.cat([F.rms_norm(qk[:, :n_heads], (head_dim,), block.q_norm, eps),
+                        F.rms_norm(qk[:, n_heads:], (head_dim,), block.k_norm, eps)], dim=1)
     qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # rotate-half RoPE, q and k at once
-    h = wo.add(h, attend(i, qk[:, :n_heads], qk[:, n_heads:], qkv[:, n_heads + n_kv:]))
-    g, u = wgu(F.rms_norm(h, hidden, ln2, eps)).chunk(2, dim=-1)
-    return wd.add(h, F.silu(g).mul_(u))
+    att = attend(i, qk[:, :n_heads], qk[:, n_heads:], qkv[:, n_heads + n_kv:])
+    h = block.o.add(h, att) if block.o_bias is None else h + (block.o(att) + block.o_bias)
+    g, u = block.gu(F.rms_norm(h, hidden, block.ln2, eps)).chunk(2, dim=-1)
+    return block.down.add(h, F.silu(g).mul_(u))
 
 
 class LlamaRunner:
@@ -271,8 +294,7 @@ class LlamaRunner:
     def __init__(self, model: Any, max_seq_len: int | None = None, quant: str = "none",
                  wide_upcast: bool | None = None):
         cfg = model.config
-        if getattr(cfg, "model_type", None) not in ("llama",):
-            raise TypeError(f"LlamaRunner needs a Llama model, got {cfg.model_type!r}")
+        self.family: Family = lean_family(model)
         if quant not in QUANT_MODES:
             raise ValueError(f"unknown quant {quant!r}: expected one of {', '.join(QUANT_MODES)}")
         if quant == "int4" and (model.lm_head.weight.dtype != torch.bfloat16 or model.lm_head.weight.device.type != "cpu"):
@@ -286,7 +308,8 @@ class LlamaRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.hidden = (cfg.hidden_size,)
         self.eps = cfg.rms_norm_eps
-        self.max_seq_len = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_seq_len = self.family.context(min(max_seq_len or cfg.max_position_embeddings,
+                                                   cfg.max_position_embeddings))
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.head = self._make_head(model.lm_head.weight, quant)
@@ -295,20 +318,13 @@ class LlamaRunner:
         wide = wide_format(self.dtype, wide_upcast if self.device.type == "cpu" else False)
         self.wide_head = (self.head if quant == wide == "none"
                           else _shared_head(model.lm_head.weight, wide, self.dtype))
-        if any(getattr(layer.self_attn.q_proj, "bias", None) is not None for layer in inner.layers):
-            raise TypeError("LlamaRunner does not support attention biases; use HFRunner")
 
-        def stack(q: str) -> list[tuple]:
-            """Per layer (ln1, q|k|v, o, ln2, gate|up, down) with the weights in format q."""
+        def stack(q: str) -> list[Block]:
+            """Per layer its Block, with the weights in format q."""
             def linear(*ws: torch.Tensor) -> Dense | Int4:
                 return shared_linear(ws, q, self.dtype)
 
-            return [(layer.input_layernorm.weight,
-                     linear(layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
-                            layer.self_attn.v_proj.weight),
-                     linear(layer.self_attn.o_proj.weight), layer.post_attention_layernorm.weight,
-                     linear(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight), linear(layer.mlp.down_proj.weight))
-                    for layer in inner.layers]
+            return [_block(layer, linear, self.family) for layer in inner.layers]
 
         self.blocks = stack(quant)
         # Wide blocks (prompts; batched steps of many rows): the model's own weights, fused, when
@@ -461,6 +477,18 @@ class LlamaRunner:
             if i in layers:
                 kept[i] = h
         return h, torch.cat([kept[i] for i in layers], dim=-1) if layers else None
+
+
+def _block(layer: Any, linear: Callable[..., Any], family: Family) -> Block:
+    """A Hugging Face decoder layer's weights as a Block (linear fuses and formats them)."""
+    at, mlp = layer.self_attn, layer.mlp
+    qkv_bias = torch.cat([at.q_proj.bias, at.k_proj.bias, at.v_proj.bias]).detach() if family.qkv_bias else None
+    return Block(layer.input_layernorm.weight, linear(at.q_proj.weight, at.k_proj.weight, at.v_proj.weight),
+                 linear(at.o_proj.weight), layer.post_attention_layernorm.weight,
+                 linear(mlp.gate_proj.weight, mlp.up_proj.weight), linear(mlp.down_proj.weight),
+                 qkv_bias=qkv_bias, o_bias=at.o_proj.bias.detach() if family.o_bias else None,
+                 q_norm=at.q_norm.weight if family.qk_norm else None,
+                 k_norm=at.k_norm.weight if family.qk_norm else None)
 
 
 class _HFCache:

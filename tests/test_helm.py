@@ -325,6 +325,23 @@ def test_the_configmap_config_loads(rendered, tmp_path):
     assert cfg.registry.uri == uri
 
 
+def test_a_model_path_is_the_target_and_its_volume_is_mounted_read_only(rendered, tmp_path):
+    values, docs = rendered
+    path = tmp_path / "config.yaml"
+    path.write_text(config_of(docs))
+    target = load_config(path, environ={}).model.target
+    assert target == (values["model"]["path"] or values["config"]["model"]["target"])
+    for _, group in ray_groups(rayservice(docs)):
+        spec = group["template"]["spec"]
+        mounts = [m for m in spec["containers"][0]["volumeMounts"] if m["name"] == "model"]
+        if not values["model"]["volume"]:
+            assert not mounts
+            continue
+        assert mounts == [{"name": "model", "mountPath": values["model"]["mountPath"], "readOnly": True}]
+        (vol,) = [v for v in spec["volumes"] if v["name"] == "model"]
+        assert {k: v for k, v in vol.items() if k != "name"} == values["model"]["volume"]
+
+
 def test_ray_pods_read_the_config_key_and_redis_from_the_release(rendered):
     from serve.proxy_auth import CALLBACK, CALLBACK_ENV
 

@@ -273,7 +273,7 @@ def test_int4_is_refused_where_it_does_not_apply():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2, n_positions=64))
-    with pytest.raises(ValueError, match="Llama"):
+    with pytest.raises(ValueError, match="lean forward runs"):
         make_runner(gpt2, 64, quant="int4")
 
 

@@ -289,8 +289,8 @@ _BROKEN = {
     "config.json that does not fit the weights": (
         _edit_json("config.json", lambda b: b.update(intermediate_size=b["intermediate_size"] + 8)), True,
         "config.json implies"),
-    "not a llama config": (_edit_json("config.json", lambda b: b.update(model_type="gpt2")), True,
-                           "drafts are llama models"),
+    "not a family drafts are made for": (_edit_json("config.json", lambda b: b.update(model_type="gpt2")), True,
+                           "drafts are models of llama"),
     "no osd-manifest.json": (lambda d: (d / "osd-manifest.json").unlink(), False, "osd-manifest.json missing"),
     "edited after its manifest": (lambda d: (d / "draft.json").write_text((d / "draft.json").read_text() + " "),
                                   False, "changed since its osd-manifest.json"),

@@ -1,7 +1,7 @@
 """The int4 target's forward in native code (serve/model/native/): one call per step runs
 every layer, for the rows of one sequence or of many (a batched step).
 
-`NativeLlamaRunner` is a LlamaRunner whose eager forwards (decode, verify, prompt chunks of up
+`NativeLlamaRunner` is a LlamaRunner (any family it runs) whose eager forwards (decode, verify, prompt chunks of up
 to NATIVE_MAX_ROWS rows, and the batched step) go through the library; what it does not cover
 (draft trees' masked forwards, CUDA graphs, longer prompts) stays on the PyTorch path it
 inherits, over the same caches. Its arithmetic (serve/model/native/gemm.h): the GGUF's Q4_1
@@ -33,7 +33,8 @@ _I = ctypes.c_int32
 
 
 class OsdLayer(ctypes.Structure):
-    _fields_ = [("wqkv", _P), ("wo", _P), ("wgu", _P), ("wd", _P), ("ln1", _P), ("ln2", _P)]
+    _fields_ = [("wqkv", _P), ("wo", _P), ("wgu", _P), ("wd", _P), ("ln1", _P), ("ln2", _P),
+                ("bqkv", _P), ("bo", _P), ("q_norm", _P), ("k_norm", _P)]
 
 
 class OsdModel(ctypes.Structure):
@@ -115,6 +116,9 @@ class NativeLlamaRunner(LlamaRunner):
             self._keep.append(out)
             return out
 
+        def opt(w: torch.Tensor | None) -> int | None:  # a family's optional vector, or null
+            return None if w is None else f32(w).data_ptr()
+
         layers = (OsdLayer * len(inner.layers))()
         packed = 0
         for i, layer in enumerate(inner.layers):
@@ -123,8 +127,10 @@ class NativeLlamaRunner(LlamaRunner):
                   q4(mlp.gate_proj.weight, mlp.up_proj.weight), q4(mlp.down_proj.weight))
             self._keep.extend(ws)
             packed += sum(int(w.numel()) for w in ws)
+            blk = self.blocks[i]
             layers[i] = OsdLayer(*(w.data_ptr() for w in ws), f32(layer.input_layernorm.weight).data_ptr(),
-                                 f32(layer.post_attention_layernorm.weight).data_ptr())
+                                 f32(layer.post_attention_layernorm.weight).data_ptr(), opt(blk.qkv_bias),
+                                 opt(blk.o_bias), opt(blk.q_norm), opt(blk.k_norm))
         head_w = model.lm_head.weight.detach()
         # The head in whole tiles of 16 rows: a vocabulary that is not a multiple of 16 gets zero
         # rows, whose logits are computed and dropped.

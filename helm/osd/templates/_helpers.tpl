@@ -113,6 +113,9 @@ so the file alone says where state, the registry and the trainers go.
 {{- $fixed := dict "state_dir" .Values.stateDir
       "registry" (dict "uri" (include "osd.registryUri" .))
       "train" (dict "resources" (dict .Values.workers.trainer.resourceName 1)) -}}
+{{- if .Values.model.path }}
+{{- $_ := set $fixed "model" (dict "target" .Values.model.path) -}}
+{{- end }}
 {{- toYaml (mustMergeOverwrite (deepCopy .Values.config) $fixed) -}}
 {{- end -}}
 
@@ -222,6 +225,9 @@ spec:
         {{- if and $.Values.redis.tls.enabled (not (include "osd.externalRedis" $)) }}
         - {name: redis-tls, mountPath: {{ include "osd.redisTlsDir" $ }}, readOnly: true}
         {{- end }}
+        {{- if $.Values.model.volume }}
+        - {name: model, mountPath: {{ $.Values.model.mountPath }}, readOnly: true}
+        {{- end }}
   volumes:
     {{- if and $.Values.redis.tls.enabled (not (include "osd.externalRedis" $)) }}
     - name: redis-tls
@@ -239,6 +245,10 @@ spec:
       {{- else }}
       emptyDir: {}
       {{- end }}
+    {{- with $.Values.model.volume }}
+    - name: model
+      {{- toYaml . | nindent 6 }}
+    {{- end }}
   {{- with $group.nodeSelector }}
   nodeSelector:
     {{- toYaml . | nindent 4 }}

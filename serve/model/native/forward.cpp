@@ -22,6 +22,10 @@ struct OsdLayer {
   const uint8_t* wd;    // Q4 [D, I]
   const float* ln1;     // [D]
   const float* ln2;     // [D]
+  const float* bqkv;    // [(H + 2 KV) * hd] or null (Qwen2; Llama with attention_bias)
+  const float* bo;      // [D] or null
+  const float* q_norm;  // [hd] or null (Qwen3: RMSNorm of each q and k head before RoPE)
+  const float* k_norm;  // [hd] or null
 };
 
 struct OsdModel {
@@ -129,6 +133,15 @@ void norm_quantize(const float* x, const float* w, int m, int d, float eps, Work
   quantize_rows(wk.tmp.data(), m, d, d, wk.qa, threads);
 }
 
+// A family's additions to q|k|v before RoPE: biases, then per-head norms of q and k.
+void qkv_extras(const OsdModel& md, const OsdLayer& ly, float* row) {
+  const int hd = md.head_dim, nh = md.n_heads, nkv = md.n_kv;
+  if (ly.bqkv)
+    for (int i = 0; i < (nh + 2 * nkv) * hd; ++i) row[i] += ly.bqkv[i];
+  if (ly.q_norm)
+    for (int h = 0; h < nh + nkv; ++h) rms_norm(row + h * hd, h < nh ? ly.q_norm : ly.k_norm, hd, md.eps, row + h * hd);
+}
+
 // RoPE on q and k, K/V written into each row's cache, then attention for every (row, head).
 void attention(const OsdModel& md, const OsdBatch& bt, int layer, Work& wk, int threads) {
   const int m = bt.n_rows, hd = md.head_dim, nh = md.n_heads, nkv = md.n_kv;
@@ -138,6 +151,7 @@ void attention(const OsdModel& md, const OsdBatch& bt, int layer, Work& wk, int 
     const int64_t p = bt.pos[r];
     const float* c = md.cos + p * hd;
     const float* s = md.sin + p * hd;
+    qkv_extras(md, md.layers[layer], row);
     for (int h = 0; h < nh + nkv; ++h) rope(row + h * hd, c, s, hd);
     const OsdSeq& sq = bt.seqs[bt.seq[r]];
     for (int h = 0; h < nkv; ++h) {
@@ -197,6 +211,9 @@ void layer_forward(const OsdModel& md, const OsdBatch& bt, int l, Work& wk, int 
   attention(md, bt, l, wk, threads);
   quantize_rows(wk.att.data(), m, att_w, att_w, wk.qa, threads);
   gemm<true>(ly.wo, d, att_w, wk.qa.act(att_w), m, wk.x.data(), d, true, threads);
+  if (ly.bo)
+    for (int r = 0; r < m; ++r)
+      for (int i = 0; i < d; ++i) wk.x[static_cast<size_t>(r) * d + i] += ly.bo[i];
   norm_quantize(wk.x.data(), ly.ln2, m, d, md.eps, wk, threads);
   gemm<true>(ly.wgu, 2 * md.inter, d, wk.qa.act(d), m, wk.gu.data(), 2 * md.inter, false, threads);
   for_rows(m, threads, [&](int r) {
