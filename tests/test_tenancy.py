@@ -129,3 +129,15 @@ def test_tags_of_evicted_outputs_do_not_pile_up():
         p.remember([1], list(range(10 * i, 10 * i + 9)), pool="acme", tag=Origin("acme", None, f"r{i}", "acme"))
     assert len(p._tags) <= 2 * len(p.pools["acme"].seq_ids()) + 64
     assert p.forget(RecordMatch(request_id="r499").matches_owner) == 1
+
+
+def test_config_show_hides_keys_and_redis_passwords(capsys, monkeypatch):
+    from pipeline.cli import main
+
+    monkeypatch.setenv("OSD_SERVE__API_KEYS", "[{key: acme-key-1, tenant: acme}]")
+    monkeypatch.setenv("OSD_STREAM__USERS__PRODUCER__USERNAME", "osd-producer")
+    monkeypatch.setenv("OSD_STREAM__USERS__PRODUCER__PASSWORD", "hunter2-secret")
+    assert main(["config", "show"]) == 0
+    out = capsys.readouterr().out
+    assert "acme-key-1" not in out and "hunter2-secret" not in out
+    assert "tenant: acme" in out and "osd-producer" in out
