@@ -134,6 +134,31 @@ class SuffixConfig(_Section):
     max_chain: int = Field(15, ge=1, le=15)
 
 
+DEFAULT_TENANT = "default"  # the tenant of OSD_API_KEY, and of every request where no keys are set
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+RecordPolicy = Literal["always", "default-on", "default-off", "never"]
+
+
+class TenantConfig(_Section):
+    """What the platform keeps of one tenant's traffic (README, "What the platform stores")."""
+
+    # always: every request recorded (the client's opt-outs are not asked); default-on: unless
+    # the request opts out; default-off: only where it opts in (osd_record: true or
+    # X-OSD-Record: on); never. null: serve.record's (true: default-on, false: default-off).
+    record: RecordPolicy | None = None
+    # true: its outputs join, and its requests draft from, the one suffix index every tenant
+    # with share_suffix shares; false: an index of its own, which no other tenant drafts from.
+    share_suffix: bool = False
+
+
+class APIKeyConfig(_Section):
+    # The bearer token; the chart keeps these in its Secret (OSD_SERVE__API_KEYS).
+    key: str = Field(min_length=8, repr=False)
+    tenant: str = Field(DEFAULT_TENANT, pattern=TENANT_PATTERN)
+    # May delete records (DELETE /v1/osd/records) and read every tenant's figures (/osd/stats).
+    admin: bool = False
+
+
 class ServeConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -189,6 +214,34 @@ class ServeConfig(_Section):
     # Target top-k ids kept per verified position in each record.
     capture_top_k: int = Field(32, ge=1)
     suffix: SuffixConfig = SuffixConfig()
+    # Keys, each naming its tenant; with none, OSD_API_KEY alone (tenant `default`, admin).
+    api_keys: list[APIKeyConfig] = Field(default_factory=list)
+    # Per-tenant policy; a tenant not listed gets TenantConfig's defaults.
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+
+    @field_validator("api_keys")
+    @classmethod
+    def _distinct_keys(cls, v: list[APIKeyConfig]) -> list[APIKeyConfig]:
+        if len({k.key for k in v}) != len(v):
+            raise ValueError("two entries share a key: a key names one tenant")
+        return v
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, v: dict[str, TenantConfig]) -> dict[str, TenantConfig]:
+        import re
+
+        bad = [name for name in v if not re.match(TENANT_PATTERN, name)]
+        if bad:
+            raise ValueError(f"tenant names must match {TENANT_PATTERN}: {bad}")
+        return v
+
+    def tenant(self, name: str) -> TenantConfig:
+        return self.tenants.get(name) or TenantConfig()
+
+    def record_policy(self, tenant: str) -> str:
+        """The tenant's record policy, serve.record's where it names none."""
+        return self.tenant(tenant).record or ("default-on" if self.record else "default-off")
 
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -196,6 +249,22 @@ REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 def _stream_cap(maxlen: int, memory_budget_mb: int, record_kb: float) -> int:
     return maxlen or max(1, int(memory_budget_mb * 1024 // record_kb))
+
+
+class RedisUser(_Section):
+    # An ACL user of the Redis; empty: the URL's own credentials.
+    username: str = ""
+    password: str = Field("", repr=False)
+
+
+class RedisUsers(_Section):
+    """Least privilege on the stream (the chart renders the matching ACL): the serving replicas
+    only XADD (producer), trainers and the rollout controller read, ack and claim (trainer),
+    deletion (`osd records delete`, DELETE /v1/osd/records) may XDEL (admin)."""
+
+    producer: RedisUser = RedisUser()
+    trainer: RedisUser = RedisUser()
+    admin: RedisUser = RedisUser()
 
 
 class StreamConfig(_Section):
@@ -239,6 +308,7 @@ class StreamConfig(_Section):
     dedupe_window: int = Field(100_000, ge=0)
     # Private redis-server: seconds for it to answer PING.
     start_timeout_s: float = Field(10.0, gt=0)
+    users: RedisUsers = RedisUsers()
 
     @property
     def max_entries(self) -> int:
@@ -541,10 +611,14 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{hostport}"))
 
 
+SECRET_FIELDS = frozenset({"key", "password"})  # API keys, Redis ACL users' passwords
+
+
 def redact_urls(tree: Any) -> Any:
-    """A copy of a config tree (dicts, lists, scalars) with every URL's password redacted."""
+    """A copy of a config tree (dicts, lists, scalars) with every URL's password and every
+    secret field (SECRET_FIELDS) redacted."""
     if isinstance(tree, dict):
-        return {k: redact_urls(v) for k, v in tree.items()}
+        return {k: "***" if k in SECRET_FIELDS and v else redact_urls(v) for k, v in tree.items()}
     if isinstance(tree, list):
         return [redact_urls(v) for v in tree]
     return redact_url(tree) if isinstance(tree, str) else tree

@@ -23,8 +23,12 @@ Schema version 2 adds, after `domain`:
     target_sha256  string, null ok  identity of the target that computed the record
                                     (infra.target.target_identity); consumers refuse records
                                     of other target weights (RecordConsumer expect_target_sha256)
-`encode` writes version 2; `decode` reads 1 and 2 (a v1 record has target_sha256 None), so a
-rolling upgrade does not dead-letter records already in the stream.
+Schema version 3 adds, after `target_sha256`, who the record belongs to (what deletion matches):
+    tenant         string, null ok  the tenant of the API key that made the request
+    user           string, null ok  the OpenAI `user` field the request named, if any
+`encode` writes version 3; `decode` reads 1, 2 and 3 (a v1 record has target_sha256 None, a v1 or
+v2 record tenant and user None), so a rolling upgrade does not dead-letter records already in
+the stream.
 The version lives in the schema metadata so it can be checked before any column is read.
 
 Decoding is zero-copy for every numeric array except `accepted` (Arrow packs bools into
@@ -43,8 +47,8 @@ from typing import Any, Sequence
 import numpy as np
 import pyarrow as pa
 
-SCHEMA_VERSION = 2
-READ_VERSIONS = (1, 2)
+SCHEMA_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
 VERSION_KEY = b"osd.record.version"
 
 
@@ -87,6 +91,8 @@ class Record:
     draft_probs: np.ndarray  # [N] float32, NaN = none
     domain: str | None = None
     target_sha256: str | None = None  # schema v2; None in v1 records
+    tenant: str | None = None  # schema v3; None in v1 and v2 records
+    user: str | None = None  # schema v3; the request's OpenAI `user`, None where it named none
     record_id: str = field(default_factory=new_record_id)
     created_at: float = field(default_factory=time.time)
     schema_version: int = SCHEMA_VERSION
@@ -104,8 +110,14 @@ class Record:
 
 _META = [("record_id", pa.string()), ("request_id", pa.string()), ("created_at", pa.float64()),
          ("draft_version", pa.string()), ("domain", pa.string())]
-_NULLABLE = frozenset({"domain", "target_sha256"})
+_NULLABLE = frozenset({"domain", "target_sha256", "tenant", "user"})
 _V2 = [("target_sha256", pa.string())]
+_V3 = [("tenant", pa.string()), ("user", pa.string())]
+
+
+def _added_columns(version: int) -> list[tuple[str, pa.DataType]]:
+    # The metadata columns each version added after `domain`, in order.
+    return (_V2 if version >= 2 else []) + (_V3 if version >= 3 else [])
 
 
 @functools.lru_cache(maxsize=64)
@@ -114,7 +126,7 @@ def record_schema(top_k: int, version: int = 1) -> pa.Schema:
     the teacher cache (train/teacher_data.py) stores tables of that schema."""
     return pa.schema(
         _META
-        + (_V2 if version >= 2 else [])
+        + _added_columns(version)
         + [
             ("prompt_ids", pa.list_(pa.int32())),
             ("output_ids", pa.list_(pa.int32())),
@@ -181,6 +193,8 @@ def encode(record: Record) -> bytes:
         pa.array([str(record.draft_version)], pa.string()),
         pa.array([record.domain], pa.string()),
         pa.array([record.target_sha256], pa.string()),
+        pa.array([record.tenant], pa.string()),
+        pa.array([record.user], pa.string()),
         _one_row_list(pa.array(prompt)),
         _one_row_list(pa.array(out)),
         _one_row_list(pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), k)),
@@ -294,7 +308,7 @@ def _decode(payload: bytes | memoryview | pa.Buffer) -> Record:
         raise CorruptRecord(f"record batch invalid: {e}") from None
 
     c = {name: batch.column(i) for i, name in enumerate(batch.schema.names)}
-    for name, _ in _META + (_V2 if version >= 2 else []):
+    for name, _ in _META + _added_columns(version):
         if name not in _NULLABLE and c[name].null_count:
             raise CorruptRecord(f"column {name} is null")
 
@@ -317,6 +331,8 @@ def _decode(payload: bytes | memoryview | pa.Buffer) -> Record:
         draft_version=c["draft_version"][0].as_py(),
         domain=c["domain"][0].as_py(),
         target_sha256=c["target_sha256"][0].as_py() if version >= 2 else None,
+        tenant=c["tenant"][0].as_py() if version >= 3 else None,
+        user=c["user"][0].as_py() if version >= 3 else None,
         prompt_ids=_cell(c["prompt_ids"], "prompt_ids"),
         output_ids=out,
         topk_ids=ids.reshape(n, k),
@@ -342,6 +358,8 @@ def record_from_capture(
     record_id: str | None = None,
     created_at: float | None = None,
     target_sha256: str | None = None,
+    tenant: str | None = None,
+    user: str | None = None,
 ) -> Record:
     """Build a Record from one request and its capture.
 
@@ -365,6 +383,8 @@ def record_from_capture(
         draft_tokens=np.asarray(capture.draft_tokens, dtype=np.int32),
         draft_probs=np.asarray(capture.draft_probs, dtype=np.float32),
         target_sha256=target_sha256,
+        tenant=tenant,
+        user=user,
     )
     if record_id is not None:
         rec.record_id = record_id

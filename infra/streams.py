@@ -30,7 +30,8 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
@@ -76,8 +77,10 @@ def trim_expired(client: redis.Redis, stream: str, retention_s: float, *, now_s:
     return sum(pipe.execute())
 
 
-def connect(url: str, cfg: StreamConfig, *, retries: int = 0) -> redis.Redis:
-    """A client for redis:// or rediss:// URLs (user:password@ allowed).
+def connect(url: str, cfg: StreamConfig, *, retries: int = 0, role: str | None = None) -> redis.Redis:
+    """A client for redis:// or rediss:// URLs (user:password@ allowed). role: producer,
+    trainer or admin: that role's ACL user (stream.users) in place of the URL's credentials,
+    where one is configured.
 
     Binary replies (payloads are bytes); every call bounded by the config's timeouts; redis-py's
     default of 3 retries with up to 10 s back-off is replaced, because the producer must
@@ -85,8 +88,15 @@ def connect(url: str, cfg: StreamConfig, *, retries: int = 0) -> redis.Redis:
     if not url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"redis URL must start with redis://, rediss:// or unix://, got {url!r}")
     retry = Retry(ExponentialBackoff(cap=0.5, base=0.05) if retries else NoBackoff(), retries)
+    user = getattr(cfg.users, role) if role else None
+    creds: dict[str, str] = {}
+    if user is not None and user.username:
+        # The URL's own user:password@ would win over keyword arguments in redis-py: drop it.
+        url = _without_userinfo(url)
+        creds = {"username": user.username, "password": user.password}
     return redis.Redis.from_url(
         url,
+        **creds,
         socket_timeout=cfg.socket_timeout_s,
         socket_connect_timeout=cfg.connect_timeout_s,
         retry=retry,
@@ -96,27 +106,39 @@ def connect(url: str, cfg: StreamConfig, *, retries: int = 0) -> redis.Redis:
     )
 
 
+def _without_userinfo(url: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
 def _s(x: Any) -> Any:
     return x.decode() if isinstance(x, bytes) else x
 
 
-def read_records(client: redis.Redis, stream: str, *, since_s: float = 0.0, batch: int = 500) -> list[Record]:
-    """Every decodable record still in the stream written at or after `since_s` (epoch seconds),
-    oldest first, without touching any consumer group. Undecodable entries are skipped here:
-    the consumers dead-letter them."""
-    out: list[Record] = []
-    start = f"{int(since_s * 1000)}-0"
+def scan_records(client: redis.Redis, key: str, *, field: bytes = FIELD, start: str = "-",
+                 batch: int = 500) -> Iterator[tuple[bytes, Record]]:
+    """(entry id, record) of every decodable entry of `key` from id `start` on, oldest first,
+    read in pages of `batch` without touching any consumer group. Undecodable entries are
+    skipped here: the consumers dead-letter them. field: where the payload is (a dead letter
+    keeps it under b"orig.rec")."""
     while True:
-        entries = client.xrange(stream, min=start, max="+", count=batch)
+        entries = client.xrange(key, min=start, max="+", count=batch)
         for eid, fields in entries:
             try:
-                out.append(decode(fields[FIELD]))
+                rec = decode(fields[field])
             except (KeyError, RecordError):
                 continue
+            yield eid, rec
         if len(entries) < batch:
-            return out
+            return
         ms, seq = _s(entries[-1][0]).split("-")
         start = f"{ms}-{int(seq) + 1}"
+
+
+def read_records(client: redis.Redis, stream: str, *, since_s: float = 0.0, batch: int = 500) -> list[Record]:
+    """Every decodable record still in the stream written at or after `since_s` (epoch seconds),
+    oldest first (scan_records)."""
+    return [rec for _, rec in scan_records(client, stream, start=f"{int(since_s * 1000)}-0", batch=batch)]
 
 
 def recent_records(client: redis.Redis, stream: str, max_tokens: int, *, batch: int = 200) -> list[Record]:
@@ -185,7 +207,7 @@ class RecordProducer:
     def __init__(self, url: str, cfg: StreamConfig, *, client: redis.Redis | None = None):
         self.cfg = cfg
         self.stream = cfg.stream
-        self._client = client if client is not None else connect(url, cfg)
+        self._client = client if client is not None else connect(url, cfg, role="producer")
         self._q: queue.Queue = queue.Queue(cfg.queue_size)
         self._cond = threading.Condition()
         self._unfinished = 0  # submitted and queued, not yet written or dropped; flush waits for 0
@@ -458,7 +480,7 @@ class RecordConsumer:
         # no identity and pass.
         self.expect_target_sha256 = expect_target_sha256
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
-        self._client = client if client is not None else connect(url, cfg, retries=2)
+        self._client = client if client is not None else connect(url, cfg, retries=2, role="trainer")
         self._stats = ConsumerStats()
         self._seen: OrderedDict[str, str] = OrderedDict()  # record id -> entry id it was delivered in
         # Entries handed to the caller and not acked yet. A caller that holds records until a

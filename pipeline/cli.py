@@ -17,6 +17,7 @@ from infra.redis_server import RedisServerError
 from infra.registry import RegistryError
 from infra.target import TargetError
 from pipeline.launch import LaunchError
+from pipeline.records_cli import add_records_parser
 from pipeline.up import UpError
 from serve.errors import EngineError, RequestError
 
@@ -774,6 +775,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_draft_and_train_parsers(sub)
     _add_run_parsers(sub)
     _add_registry_parser(sub)
+    add_records_parser(sub)
     return p
 
 

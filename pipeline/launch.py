@@ -78,20 +78,26 @@ def preflight(cfg: OSDConfig) -> None:
             raise LaunchError(f"serve.draft {cfg.serve.draft!r}: {e}") from None
 
 
-def lock_down_local_cluster(api_key: str | None) -> None:
-    """Before a local ray.init: the proxy, a child of the raylet started there, inherits the key
-    and checks it on every route (serve/proxy_auth.py). Ray's control ports need no step here:
-    Ray 2.60 turns its token authentication on for a local cluster unless RAY_AUTH_MODE says
-    otherwise (set in the environment before it is imported, it would not apply to this process)."""
-    from serve.proxy_auth import CALLBACK, CALLBACK_ENV
+def lock_down_local_cluster(api_key: str | None, tenant_keys: list[dict] | None = None) -> None:
+    """Before a local ray.init: the proxy, a child of the raylet started there, inherits the keys
+    (OSD_API_KEY and serve.api_keys) and checks them on every route (serve/proxy_auth.py). Ray's
+    control ports need no step here: Ray 2.60 turns its token authentication on for a local
+    cluster unless RAY_AUTH_MODE says otherwise (set in the environment before it is imported,
+    it would not apply to this process)."""
+    import yaml
+
+    from serve.proxy_auth import CALLBACK, CALLBACK_ENV, KEYS_ENV
 
     if api_key:
         os.environ["OSD_API_KEY"] = api_key
+    if tenant_keys:
+        os.environ.setdefault(KEYS_ENV, yaml.safe_dump(tenant_keys, default_flow_style=True))
+    if api_key or tenant_keys:
         os.environ.setdefault(CALLBACK_ENV, CALLBACK)
 
 
 def warn_if_exposed(cfg: OSDConfig, api_key: str | None) -> None:
-    if not api_key and not is_loopback(cfg.serve.host):
+    if not api_key and not cfg.serve.api_keys and not is_loopback(cfg.serve.host):
         _log(f"WARNING: listening on {cfg.serve.host}:{cfg.serve.port} beyond loopback with no API key: anyone "
              f"who can reach it can generate and write training records. Set OSD_API_KEY.")
 
@@ -133,7 +139,7 @@ class LocalStack:
         address = os.environ.get("RAY_ADDRESS")
         _log("starting Ray" if not address else f"joining Ray at {address}")
         if not address:
-            lock_down_local_cluster(self.api_key)
+            lock_down_local_cluster(self.api_key, [k.model_dump() for k in cfg.serve.api_keys])
         ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
         serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
         _log(f"deploying {cfg.serve.num_replicas} target replica(s) of {cfg.model.target} with draft {cfg.serve.draft}")

@@ -15,7 +15,6 @@ build the same application.
 # No `from __future__ import annotations` here: FastAPI must see the real `Request` type on
 # the ingress methods to inject it.
 import asyncio
-import hmac
 import logging
 import os
 import time
@@ -132,17 +131,20 @@ class TargetReplica:
         stream that cannot be read leaves the index empty, and serving goes on)."""
         from infra.streams import connect, recent_records
         from serve.suffix_draft import suffix_of, warm_from_records
+        from serve.tenancy import origin_of
 
         suffix = suffix_of(self.router.routing.stable_runner)
         if suffix is None or not cfg.stream.redis_url:
             return
         try:
-            records = recent_records(connect(cfg.stream.redis_url, cfg.stream), cfg.stream.stream,
+            # The producer's user: under the chart's ACL it may not read, and the index then
+            # learns from this replica's own traffic only (README, least privilege).
+            records = recent_records(connect(cfg.stream.redis_url, cfg.stream, role="producer"), cfg.stream.stream,
                                      cfg.serve.suffix.max_tokens)
         except Exception as e:  # Redis down or slow: the index learns from this replica's own traffic
             print(f"[osd replica] suffix index not warmed from the stream: {e}", flush=True)
             return
-        added = warm_from_records(suffix, records)
+        added = warm_from_records(suffix, records, lambda r: origin_of(cfg.serve, r.tenant, r.user, r.request_id))
         print(f"[osd replica] suffix index warmed from the stream: {len(records)} records, {added} tokens", flush=True)
 
     def _load_version(self, version: str) -> Any:
@@ -194,6 +196,7 @@ class TargetReplica:
     async def _prepare(self, req: dict[str, Any]):
         from infra.prompts import domain_of
         from serve.engine import GenerationParams
+        from serve.tenancy import origin_of
         from serve.verify import SamplingParams
 
         # Tokenizing runs off the event loop, so a long prompt never stalls other requests.
@@ -220,6 +223,7 @@ class TargetReplica:
             ignore_eos=bool(req.get("ignore_eos")),
             stop_token_ids=tuple(req.get("stop_token_ids") or ()),
             logprobs=req.get("logprobs"),
+            origin=origin_of(self.cfg.serve, req.get("tenant"), req.get("user"), req["request_id"]),
         )
         return list(ids), params, (domain_of(user_text) if user_text else None), record
 
@@ -231,7 +235,8 @@ class TargetReplica:
         record_id = None
         if record and result.capture is not None:
             rec = record_from_capture(result.prompt_ids, result.output_ids, result.capture, request_id=req_id,
-                                      draft_version=version, domain=domain, target_sha256=self.target_sha256)
+                                      draft_version=version, domain=domain, target_sha256=self.target_sha256,
+                                      tenant=req.get("tenant"), user=req.get("user"))
             if self.producer.submit(rec):
                 record_id = rec.record_id
         now = time.perf_counter()
@@ -384,6 +389,16 @@ class TargetReplica:
             out["batch_series"] = self.engine.scheduler.log.series()
         return out
 
+    def forget(self, match: dict[str, str]) -> dict[str, Any]:
+        """Remove from this replica's suffix indexes the outputs a deletion names (RecordMatch's
+        fields); the ingress calls it on every replica it reaches."""
+        from infra.record_match import RecordMatch
+        from serve.suffix_draft import suffix_of
+
+        suffixes = {id(s): s for s in map(suffix_of, self.router.runners()) if s is not None}
+        removed = sum(s.forget(RecordMatch(**match).matches_owner) for s in suffixes.values())
+        return {"replica": self.replica_id, "removed": removed}
+
     def check_health(self) -> None:
         """Serve calls this every health_check_period_s; raising makes Serve restart the replica."""
         self.engine.check_health(self.cfg.serve.stall_timeout_s)
@@ -480,27 +495,37 @@ class OpenAIIngress:
     def __init__(self, replica: Any, cfg_dict: dict[str, Any], api_key: str | None = None):
         from serve.metrics import ServeMetrics
 
+        from serve.tenancy import KeyRing
+
         self.replica = replica
         self.cfg = OSDConfig.model_validate(cfg_dict)
         self.api_key = api_key or None
+        self.keys = KeyRing(self.cfg.serve, self.api_key)
         self.model_id = self.cfg.model.target
         self.replica_stats: dict[str, dict[str, Any]] = {}
         self.metrics = ServeMetrics()
         from serve.ops.source import StreamPoller
         from serve.ops.routes import OpsRoutes
 
-        self.ops = OpsRoutes(self.cfg, self.api_key, self._recent_stats)
+        self.ops = OpsRoutes(self.cfg, self.keys.ops_key, self._recent_stats)
         self.stream_poller = StreamPoller(self.cfg).start()
 
     # -- helpers ---------------------------------------------------------------
 
-    def _auth(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        if not hmac.compare_digest(header.encode(), f"Bearer {self.api_key}".encode()):
+    def _auth(self, request: Request) -> Any:
+        """The Caller (tenant, admin) the request's key names, or APIError(401)."""
+        caller = self.keys.caller(request.headers.get("authorization", ""))
+        if caller is None:
             raise APIError(401, "missing or wrong API key (send Authorization: Bearer <key>)",
                            type_="authentication_error", code="invalid_api_key")
+        return caller
+
+    def _admin(self, request: Request) -> Any:
+        caller = self._auth(request)
+        if not caller.admin:
+            raise APIError(403, "this needs an admin key (serve.api_keys admin: true)", type_="permission_error",
+                           code="forbidden")
+        return caller
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in (self.model_id, MODEL_ALIAS):
@@ -529,15 +554,23 @@ class OpenAIIngress:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _engine_request(self, req: Any, request_id: str | None = None,
-                        record_header: str | None = None) -> dict[str, Any]:
+    def _engine_request(self, req: Any, request_id: str | None = None, record_header: str | None = None,
+                        caller: Any = None) -> dict[str, Any]:
+        from infra.config import DEFAULT_TENANT
+        from serve.tenancy import record_decision
+
+        tenant = caller.tenant if caller is not None else DEFAULT_TENANT
         out: dict[str, Any] = {
             "request_id": new_id("req"),
+            "tenant": tenant,
+            "user": req.user[:256] if req.user else None,
             # The X-Request-Id (a client's, or the one Serve's proxy assigns) fixes the canary arm.
             "route_key": request_id,
             "sampling": {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seed": req.seed},
             "stop": list(req.stop_list()),
-            "record": record_choice(req.osd_record, req.store, record_header),
+            # The tenant's policy over the client's choice (serve/tenancy.py): a plain yes or no.
+            "record": record_decision(self.cfg.serve.record_policy(tenant),
+                                      record_choice(req.osd_record, req.store, record_header)),
             "speculate": req.osd_speculate,
             "processors": req.processors(),
             "ignore_eos": req.ignore_eos,
@@ -553,12 +586,13 @@ class OpenAIIngress:
                        add_special_tokens=req.add_special_tokens)
         return out
 
-    async def _guarded(self, request: Request, work: Any) -> Any:
-        """Run a route: APIError -> its OpenAI error; anything else -> a logged, counted 500."""
+    async def _guarded(self, request: Request, work: Any, admin: bool = False) -> Any:
+        """Run a route: APIError -> its OpenAI error; anything else -> a logged, counted 500.
+        admin: only an admin key may (403 for another key)."""
         from ray.serve.exceptions import BackPressureError
 
         try:
-            self._auth(request)
+            request.state.caller = self._admin(request) if admin else self._auth(request)
             return await work()
         except APIError as e:
             return _error_response(e)
@@ -577,7 +611,8 @@ class OpenAIIngress:
         req = parse_request(kind, await self._body(request), self.cfg.serve.max_new_tokens,
                             self.cfg.serve.capture_top_k)
         self._check_model(req.model)
-        ereq = self._engine_request(req, _request_id(request), request.headers.get(RECORD_HEADER))
+        ereq = self._engine_request(req, _request_id(request), request.headers.get(RECORD_HEADER),
+                                    request.state.caller)
         # completions' echo: the prompt's text first (token-id prompts are decoded by a replica).
         echo = await self._prompt_text(req.prompt) if isinstance(req, CompletionRequest) and req.echo else ""
         if req.stream:
@@ -688,6 +723,29 @@ class OpenAIIngress:
             "replicas": reps,
         }
 
+    async def _delete_records(self, request: Request) -> dict[str, Any]:
+        """DELETE /v1/osd/records?tenant=|user=|request_id=: the matching records out of the
+        stream, its dead letters and every reached replica's suffix indexes, then an audit entry."""
+        from infra.record_deletion import audit_deletion, delete_from_stream
+        from infra.record_match import RecordMatch
+
+        q = request.query_params
+        try:
+            match = RecordMatch(tenant=q.get("tenant") or None, user=q.get("user") or None,
+                                request_id=q.get("request_id") or None)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tenant") from None
+        deleted = await asyncio.to_thread(delete_from_stream, self.cfg, match) if self.cfg.stream.redis_url else None
+        # Several calls reach each replica (as _stats does); the first removes, the rest find nothing.
+        calls = [self.replica.forget.remote(match.as_dict()) for _ in range(3 * self.cfg.serve.num_replicas)]
+        answers = await asyncio.gather(*calls)
+        replicas = sorted({a["replica"] for a in answers})
+        removed = sum(a["removed"] for a in answers)
+        entry = await asyncio.to_thread(audit_deletion, self.cfg, match, deleted, "api",
+                                        by=request.state.caller.tenant, suffix_removed=removed, replicas=replicas)
+        return {"match": match.as_dict(), "deleted": entry["deleted"], "suffix_removed": removed,
+                "replicas": replicas}
+
     async def _recent_stats(self) -> list[dict[str, Any]]:
         """Each replica's stats with its recent requests (a few calls reach each replica)."""
         calls = [self.replica.stats.remote(True) for _ in range(3 * self.cfg.serve.num_replicas)]
@@ -753,7 +811,12 @@ class OpenAIIngress:
 
     @api.get("/osd/stats")
     async def osd_stats(self, request: Request) -> Any:
-        return await self._guarded(request, self._stats)
+        # Every tenant's figures together: an admin's to read.
+        return await self._guarded(request, self._stats, admin=True)
+
+    @api.delete("/v1/osd/records")
+    async def delete_records(self, request: Request) -> Any:
+        return await self._guarded(request, lambda: self._delete_records(request), admin=True)
 
     # The ops page (serve/ops/routes.py): its own auth, so a browser can sign in with a cookie.
     @api.get("/ops", include_in_schema=False)

@@ -126,6 +126,12 @@ class DraftRouter:
         if self._thread is not None and not self._stop.is_set() and not self._thread.is_alive():
             raise RuntimeError("the registry alias poller thread has died; drafts no longer follow the aliases")
 
+    def runners(self) -> list[Any]:
+        """Every runner held (stable, canary, loaded ones), each once: what record deletion clears."""
+        r = self.routing
+        held = (*self._runners.values(), r.stable_runner, r.canary_runner)
+        return list({id(x): x for x in held if x is not None}.values())
+
     def state(self) -> dict[str, Any]:
         r = self.routing
         return {"stable": r.stable, "canary": r.canary, "canary_weight": r.weight, "loads": self.loads,

@@ -396,19 +396,19 @@ _HEADER_OFF = ("off", "false", "0")
 
 
 def record_choice(osd_record: bool | None, store: bool | None, header: str | None) -> bool | None:
-    """Whether this request's training record is written: False when the client opted out in
-    any of its three ways (`osd_record: false`, `store: false`, the X-OSD-Record header set
-    to off/false/0), True when `osd_record: true` asked for one, None for the server's
-    setting (serve.record). The one rule: the replica captures, records and adds to its
-    suffix index only what this lets through. A header value other than those or `on` is
-    APIError(400) naming the header (a typo must not silently record)."""
+    """What the client asked of its training record: False when it opted out in any of its
+    three ways (`osd_record: false`, `store: false`, the X-OSD-Record header set to
+    off/false/0), True when it opted in (`osd_record: true` or the header `on`), None when it
+    said nothing. The tenant's policy then decides (serve/tenancy.py record_decision). A
+    header value other than those is APIError(400) naming the header (a typo must not
+    silently record)."""
     value = None if header is None else header.strip().lower()
     if value is not None and value not in _HEADER_OFF and value != "on":
         raise APIError(400, f"{RECORD_HEADER} header must be off, false, 0 (no record) or on, got {header!r}",
                        param=RECORD_HEADER, code="invalid_header")
     if osd_record is False or store is False or value in _HEADER_OFF:
         return False
-    return osd_record
+    return True if osd_record or value == "on" else None
 
 
 def new_id(prefix: str) -> str:

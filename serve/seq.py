@@ -17,6 +17,7 @@ from serve.graphs import StagingRing
 from serve.k_policy import RequestK
 from serve.processors import LogitsProcessor, ProcessorParams
 from serve.runner import KVCache, Runner
+from serve.tenancy import Origin
 from serve.verify import SamplingParams
 
 
@@ -40,6 +41,7 @@ class GenerationParams:
     # None: no log-probabilities; n >= 0: each emitted token's and the n most likely at its
     # position, of the raw target distribution (GenerationResult.logprobs).
     logprobs: int | None = None
+    origin: Origin = Origin()
 
     def shown(self, tokens: list[int]) -> list[int]:
         """The tokens whose text is output: all but a last one of stop_token_ids (vLLM leaves a

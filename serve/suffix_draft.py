@@ -1,10 +1,12 @@
 """The `suffix` draft: suffix decoding (serve/suffix_tree.py) as a draft the engine serves.
 
 It has no weights and no KV cache. Each request gets an index over its own prompt and
-output; the replica keeps one shared index over recent served outputs, bounded by
-`serve.suffix.max_tokens`, to which a request's output is added when it finishes, unless
-it opted out of capture (its text then never leaves the request). A proposal is the better
-of the two indexes' greedy chains.
+output; the replica keeps shared indexes over recent served outputs, each bounded by
+`serve.suffix.max_tokens`: one per tenant, or one for all where there are no tenants or a
+tenant shares (the request's Origin.pool). A request's output joins its pool's index when it
+finishes, unless it opted out of capture (its text then never leaves the request), tagged
+with its Origin so deletion can remove it (`forget`). A proposal is the better of the
+request's and its pool's greedy chains.
 
 Sampling stays exact: the chain is chosen without drawing (a point mass on each proposed
 token), so verification draws the target's own token at each position, from noise fixed by
@@ -67,7 +69,7 @@ class SuffixDraft(Draft):
         key = id(seq)
         fed = self._fed.get(key)
         if fed is None:
-            self.proposer.start(key, seq.tokens)
+            self.proposer.start(key, seq.tokens, seq.params.origin.pool)
         elif fed < len(seq.tokens):
             self.proposer.extend(key, seq.tokens[fed:])
         self._fed[key] = len(seq.tokens)
@@ -138,11 +140,16 @@ class SuffixDraft(Draft):
         self._follow(seq)  # the last step's tokens too
         del self._fed[id(seq)]
         keep = seq.params.capture and seq.finish is not None and seq.error is None
-        self.proposer.finish(id(seq), add_to_global=keep)
+        self.proposer.finish(id(seq), add_to_global=keep, tag=seq.params.origin)
+
+    def forget(self, matches: Any) -> int:
+        """Remove the shared outputs whose Origin `matches` (record deletion); returns how many."""
+        return self.proposer.forget(matches)
 
     def stats(self) -> dict[str, Any]:
-        index = self.proposer.global_index
-        return {"global_tokens": index.n_tokens, "global_bytes": index.nbytes,
+        pools = self.proposer.pools.values()
+        return {"global_tokens": sum(i.n_tokens for i in pools), "global_bytes": sum(i.nbytes for i in pools),
+                "pools": len(pools),
                 "proposal_rate": self.proposed / self.asked if self.asked else 0.0,
                 "calibration": self.calibration.table()}
 
@@ -234,11 +241,17 @@ def suffix_of(draft: Any) -> SuffixDraft | None:
     return draft if isinstance(draft, SuffixDraft) else getattr(draft, "suffix", None)
 
 
-def warm_from_records(suffix: SuffixDraft, records: list) -> int:
-    """Start a new replica's shared index from the fleet's recent records, oldest first (so
-    its own budget evicts the oldest): a restarted or added replica drafts from what was
-    served before. Records exist only for requests that allowed capture. Returns the tokens added."""
-    before = suffix.proposer.global_index.n_tokens
+def warm_from_records(suffix: SuffixDraft, records: list, origin_of: Any = None) -> int:
+    """Start a new replica's shared indexes from the fleet's recent records, oldest first (so
+    their budgets evict the oldest): a restarted or added replica drafts from what was served
+    before. Records exist only for requests that allowed capture. origin_of(record): its
+    Origin (which pool it joins; None: the shared one). Returns the tokens added."""
+    def total() -> int:
+        return sum(i.n_tokens for i in suffix.proposer.pools.values())
+
+    before = total()
     for rec in records:
-        suffix.proposer.remember(rec.prompt_ids.tolist(), rec.output_ids.tolist())
-    return suffix.proposer.global_index.n_tokens - before
+        origin = origin_of(rec) if origin_of is not None else None
+        suffix.proposer.remember(rec.prompt_ids.tolist(), rec.output_ids.tolist(),
+                                 pool=origin.pool if origin is not None else None, tag=origin)
+    return total() - before

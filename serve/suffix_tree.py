@@ -49,7 +49,8 @@ import itertools
 import math
 import sys
 from collections import Counter
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -533,10 +534,13 @@ class _Request:
     index: SuffixIndex
     prompt_len: int
     total: int  # tokens appended so far (the index may have trimmed its front)
+    pool: Hashable = None  # the shared index it drafts from and joins
 
 
 class SuffixProposer:
-    """One SuffixIndex per request plus a shared global one; proposes from the better.
+    """One SuffixIndex per request plus shared ones; proposes from the better of the request's
+    and its pool's (pool None: the global index; other pools, e.g. one per tenant, are made on
+    first use, each with the global index's budget, and never see each other's sequences).
 
     On `finish`, the request's output, preceded by the last `prompt_tail` prompt tokens
     (default max_depth), enters the global index as one sequence. The prompt tail lets a
@@ -552,39 +556,74 @@ class SuffixProposer:
         max_depth: int = 32,
         prompt_tail: int | None = None,
     ):
-        self.global_index = SuffixIndex(max_global_tokens, max_depth, max_global_bytes)
+        self._pool_args = (max_global_tokens, max_depth, max_global_bytes)
+        self.pools: dict[Hashable, SuffixIndex] = {None: SuffixIndex(*self._pool_args)}
+        # global key -> (pool, the caller's tag): what `forget` matches a finished output by.
+        self._tags: dict[int, tuple[Hashable, Any]] = {}
+        self._prune_at = 64
         self._max_request_tokens = _check_int("max_request_tokens", max_request_tokens, 1)
-        self.max_depth = self.global_index.max_depth
+        self.max_depth = self.pools[None].max_depth
         tail = self.max_depth if prompt_tail is None else prompt_tail
         self.prompt_tail = _check_int("prompt_tail", tail, 0)
         self._requests: dict[Hashable, _Request] = {}
         self._finished = itertools.count()  # global keys: a reused request id must not merge
 
-    def start(self, req_id: Hashable, prompt_ids: Sequence[int] | np.ndarray) -> None:
+    @property
+    def global_index(self) -> SuffixIndex:
+        return self.pools[None]
+
+    def pool(self, pool: Hashable) -> SuffixIndex:
+        index = self.pools.get(pool)
+        if index is None:
+            index = self.pools[pool] = SuffixIndex(*self._pool_args)
+        return index
+
+    def start(self, req_id: Hashable, prompt_ids: Sequence[int] | np.ndarray, pool: Hashable = None) -> None:
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} already started")
         index = SuffixIndex(self._max_request_tokens, self.max_depth)
         index.append(0, prompt_ids)
-        self._requests[req_id] = _Request(index, len(prompt_ids), len(prompt_ids))
+        self._requests[req_id] = _Request(index, len(prompt_ids), len(prompt_ids), pool)
 
     def extend(self, req_id: Hashable, tokens: Sequence[int] | np.ndarray) -> None:
         req = self._requests[req_id]
         req.index.append(0, tokens)
         req.total += len(tokens)
 
-    def finish(self, req_id: Hashable, add_to_global: bool) -> None:
-        """Forget the request; add its prompt tail + output to the global index unless the
-        request opted out of capture (add_to_global=False)."""
+    def finish(self, req_id: Hashable, add_to_global: bool, tag: Any = None) -> None:
+        """Forget the request; add its prompt tail + output to its pool's index unless the
+        request opted out of capture (add_to_global=False). `tag`: what `forget` matches it by."""
         req = self._requests.pop(req_id)
         if add_to_global:
             keep = req.total - req.prompt_len + self._tail_len(req.prompt_len)
-            self.global_index.append(next(self._finished), req.index.tail(0, keep))
+            self._add(req.pool, req.index.tail(0, keep), tag)
 
-    def remember(self, prompt_ids: Sequence[int] | np.ndarray, output_ids: Sequence[int] | np.ndarray) -> None:
+    def remember(self, prompt_ids: Sequence[int] | np.ndarray, output_ids: Sequence[int] | np.ndarray,
+                 pool: Hashable = None, tag: Any = None) -> None:
         """Add a finished request served elsewhere (a record from the stream), as `finish` adds
         one served here."""
         tail = list(prompt_ids)[len(prompt_ids) - self._tail_len(len(prompt_ids)):]
-        self.global_index.append(next(self._finished), tail + list(output_ids))
+        self._add(pool, tail + list(output_ids), tag)
+
+    def _add(self, pool: Hashable, tokens: list[int], tag: Any) -> None:
+        key = next(self._finished)
+        self.pool(pool).append(key, tokens)
+        if tag is not None:
+            self._tags[key] = (pool, tag)
+            if len(self._tags) > self._prune_at:
+                # Evicted sequences leave their tags behind: drop those, when the tags have doubled.
+                self._tags = {k: t for k, t in self._tags.items() if k in self.pools[t[0]]}
+                self._prune_at = 2 * len(self._tags) + 64
+
+    def forget(self, matches: Callable[[Any], bool]) -> int:
+        """Remove every shared sequence whose tag `matches(tag)` (deletion of records); returns
+        how many were still there."""
+        removed = 0
+        for key, (pool, tag) in list(self._tags.items()):
+            if matches(tag):
+                removed += self.pools[pool].remove(key)
+                del self._tags[key]
+        return removed
 
     def _tail_len(self, prompt_len: int) -> int:
         """Prompt tokens kept before a finished output in the global index: the last
@@ -597,7 +636,7 @@ class SuffixProposer:
         req = self._requests[req_id]
         ctx = req.index.tail(0, self.max_depth) if context is None else context
         local = getattr(req.index, walk)(ctx, *args)
-        shared = getattr(self.global_index, walk)(ctx, *args)
+        shared = getattr(self.pool(req.pool), walk)(ctx, *args)
         best = shared if shared.score > local.score else local
         best.source = "global" if best is shared else "request"
         return best

@@ -23,7 +23,7 @@ def running_app(data_dir, *, key: str, name: str, serve: dict, stream_name: str,
         "model": {"target": "tiny-random"}, "serve": {"port": port, **serve},
         "stream": {"redis_url": redis_srv.url, "stream": stream_name}, **(extra or {})})
     saved = dict(os.environ)
-    lock_down_local_cluster(key)
+    lock_down_local_cluster(key, [k.model_dump() for k in cfg.serve.api_keys])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         ray_serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -354,8 +354,68 @@ def test_ray_pods_read_the_config_key_and_redis_from_the_release(rendered):
         assert "secretKeyRef" in env["OSD_API_KEY"]["valueFrom"]
         assert env[CALLBACK_ENV]["value"] == CALLBACK
         assert "OSD_STREAM__REDIS_URL" in env
-        # Any other OSD_* variable would be read as a config path and fail the config.
-        assert not {n for n in env if n.startswith("OSD_")} - {"OSD_CONFIG", "OSD_API_KEY", "OSD_STREAM__REDIS_URL"}
+        # Every other OSD_* variable is read as a config path: each must name a field.
+        for var in {n for n in env if n.startswith("OSD_")} - {"OSD_CONFIG", "OSD_API_KEY"}:
+            assert _is_config_path(var), var
+
+
+def _is_config_path(var: str) -> bool:
+    model: Any = OSDConfig
+    for part in var[len("OSD_"):].lower().split("__"):
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return False
+        model = field.annotation
+    return True
+
+
+def _decoded_secret(docs: list[dict], key: str) -> str:
+    import base64
+
+    (data,) = [d["data"] for d in of_kind(docs, "Secret") if key in d.get("data", {})]
+    return base64.b64decode(data[key]).decode()
+
+
+def test_tenants_keys_reach_the_config_through_the_secret(chart, tmp_path):
+    _, docs = render(chart, CHART / "ci" / "tenants-tls-values.yaml")
+    keys = yaml.safe_load(_decoded_secret(docs, "tenant-api-keys"))
+    (tmp_path / "config.yaml").write_text(config_of(docs))
+    cfg = load_config(environ={"OSD_SERVE__API_KEYS": yaml.safe_dump(keys)}, path=tmp_path / "config.yaml")
+    assert [(k.tenant, k.admin) for k in cfg.serve.api_keys] == [("acme", False), ("beta", False), ("ops", True)]
+    assert cfg.serve.record_policy("acme") == "default-off" and cfg.serve.tenant("beta").share_suffix
+
+
+def test_redis_acl_users_are_the_codes_roles(rendered):
+    from infra.redis_acl import ROLES, acl_line
+
+    values, docs = rendered
+    for sts in of_kind(docs, "StatefulSet"):
+        (c,) = sts["spec"]["template"]["spec"]["containers"]
+        script = " ".join(c["args"])
+        if not values["redis"]["acl"]["enabled"]:
+            assert "user osd-" not in script
+            continue
+        stream = OSDConfig.model_validate(yaml.safe_load(config_of(docs))).stream.stream
+        for role in ROLES:
+            # The code's rule with the password as the shell fills it in (>%s, not its #sha256).
+            want = acl_line(role, f"osd-{role}", "", stream).split(" #", 1)
+            rendered_rule = f"{want[0]} >%s {want[1].split(' ', 1)[1]}"
+            assert rendered_rule in script, role
+            assert f"ACL_{role.upper()}_PASSWORD" in {e["name"] for e in c["env"]}
+        ray_env = {e["name"] for _, g in ray_groups(rayservice(docs)) for e in g["template"]["spec"]["containers"][0]["env"]}
+        assert {"OSD_STREAM__USERS__PRODUCER__PASSWORD", "OSD_STREAM__USERS__TRAINER__USERNAME"} <= ray_env
+
+
+def test_ray_token_auth_is_on_and_redis_tls_is_used_where_asked(chart):
+    _, docs = render(chart, None)
+    spec = rayservice(docs)["spec"]["rayClusterConfig"]
+    assert spec["authOptions"] == {"mode": "token"}
+    _, docs = render(chart, CHART / "ci" / "tenants-tls-values.yaml")
+    (c,) = of_kind(docs, "StatefulSet")[0]["spec"]["template"]["spec"]["containers"]
+    assert "--tls-port 6379" in " ".join(c["args"]) and "--port 0" in " ".join(c["args"])
+    for _, group in ray_groups(rayservice(docs)):
+        env = {e["name"]: e for e in group["template"]["spec"]["containers"][0]["env"]}
+        assert env["OSD_STREAM__REDIS_URL"]["value"].startswith("rediss://")
 
 
 def test_the_trainer_group_carries_the_trainer_resource(rendered):

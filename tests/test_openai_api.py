@@ -81,7 +81,9 @@ def test_chat_chunk_is_sse():
 @pytest.mark.parametrize("osd_record,store,header,want", [
     (None, None, None, None),  # nothing said: the server's setting
     (True, None, None, True),
-    (None, True, "on", None),  # store: true and "on" keep the default
+    (None, True, None, None),  # store: true keeps the default
+    (None, True, "on", True),  # the header's "on" opts in (a default-off tenant records it)
+    (None, None, " On ", True),
     (False, None, None, False),
     (None, False, None, False),
     (True, False, None, False),  # any opt-out wins over osd_record: true

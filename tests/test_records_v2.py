@@ -21,23 +21,31 @@ def make_record(i: int = 0, n: int = 6, k: int = 3, **over) -> Record:
     return Record(**{**fields, **over})
 
 
-def encode_v1(rec: Record) -> bytes:
-    """A payload as version-1 code wrote it: no target_sha256 column, version 1 in the metadata."""
-    batch = pa.ipc.open_stream(encode(rec)).read_next_batch().drop_columns(["target_sha256"])
-    schema = record_schema(rec.top_k, 1)
+LATER_COLUMNS = {1: ["target_sha256", "tenant", "user"], 2: ["tenant", "user"]}
+
+
+def encode_old(rec: Record, version: int) -> bytes:
+    """A payload as version-1 or -2 code wrote it: without the columns later versions added,
+    its version in the metadata."""
+    batch = pa.ipc.open_stream(encode(rec)).read_next_batch().drop_columns(LATER_COLUMNS[version])
+    schema = record_schema(rec.top_k, version)
     assert batch.schema.remove_metadata().equals(schema.remove_metadata())
-    batch = batch.replace_schema_metadata({VERSION_KEY: b"1"})
+    batch = batch.replace_schema_metadata({VERSION_KEY: str(version).encode()})
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, batch.schema) as w:
         w.write_batch(batch)
     return sink.getvalue().to_pybytes()
 
 
+def encode_v1(rec: Record) -> bytes:
+    return encode_old(rec, 1)
+
+
 @pytest.mark.pure
 def test_v2_round_trips_target_sha256_and_v1_still_decodes():
     rec = make_record(target_sha256="ab" * 32)
     out = decode(encode(rec))
-    assert SCHEMA_VERSION == 2 and out.schema_version == 2 and out.target_sha256 == "ab" * 32
+    assert SCHEMA_VERSION >= 2 and out.schema_version == SCHEMA_VERSION and out.target_sha256 == "ab" * 32
     assert decode(encode(make_record())).target_sha256 is None
     old = decode(encode_v1(rec))
     assert old.schema_version == 1 and old.target_sha256 is None

@@ -20,6 +20,9 @@ KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_NEW = 48
 QUEUE = 4  # requests waiting for a KV slot (2 slots): the 7th concurrent one gets 429
+# Tenants' keys beside KEY (OSD_API_KEY: tenant default, admin); quiet's policy is default-off.
+TENANT_KEYS = [{"key": "acme-key-123", "tenant": "acme"}, {"key": "quiet-key-123", "tenant": "quiet"}]
+ACME, QUIET = ({"Authorization": f"Bearer {k['key']}"} for k in TENANT_KEYS)
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +30,12 @@ def app(tmp_path_factory):
     # k_policy fixed: a served record is compared with a local engine's, and the cost rule's
     # choices follow measured timings, which two processes need not share.
     serve = {"draft": "truncate:1", "max_new_tokens": MAX_NEW, "k": 3, "max_queue": QUEUE, "max_concurrency": 2,
-             "queue_timeout_s": 20, "k_policy": "fixed"}
-    with running_app(tmp_path_factory.mktemp("app-redis"), key=KEY, name="osd-test", serve=serve,
-                     stream_name="test:records") as app:
+             "queue_timeout_s": 20, "k_policy": "fixed", "api_keys": TENANT_KEYS,
+             "tenants": {"quiet": {"record": "default-off"}}}
+    data = tmp_path_factory.mktemp("app-redis")
+    # state_dir: where deletion's audit entries go (the registry's audit log), not the working tree.
+    with running_app(data, key=KEY, name="osd-test", serve=serve, stream_name="test:records",
+                     extra={"state_dir": str(data / "state")}) as app:
         yield app
 
 
@@ -227,6 +233,52 @@ def test_each_opt_out_writes_no_record(app, fields, headers):
 def test_a_request_without_opt_out_is_recorded(app, fields, headers):
     r = post(app, "/v1/chat/completions", chat("record me", max_tokens=4, **fields), headers={**AUTH, **headers})
     assert r.status_code == 200 and r.json()["osd"]["record_id"]
+
+
+def _stored_record(app, record_id, timeout_s=15):
+    """The record `record_id` once the producer has written it (None if it never is)."""
+    import redis
+
+    from infra.records import decode
+    from infra.streams import FIELD
+
+    client = redis.Redis.from_url(app["cfg"].stream.redis_url)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for _, fields in client.xrange(app["cfg"].stream.stream):
+            rec = decode(fields[FIELD])
+            if rec.record_id == record_id:
+                return rec
+        time.sleep(0.1)
+    return None
+
+
+def test_a_tenants_record_names_its_tenant_user_and_response_id(app):
+    r = post(app, "/v1/chat/completions", chat("tenant text", max_tokens=4, user="alice"), headers=ACME)
+    assert r.status_code == 200
+    rec = _stored_record(app, r.json()["osd"]["record_id"])
+    assert (rec.tenant, rec.user, rec.request_id) == ("acme", "alice", r.json()["id"])
+
+
+def test_a_default_off_tenant_records_only_what_opts_in(app):
+    assert post(app, "/v1/chat/completions", chat("quiet", max_tokens=4), headers=QUIET).json()["osd"]["record_id"] is None
+    on = post(app, "/v1/chat/completions", chat("quiet", max_tokens=4), headers={**QUIET, "X-OSD-Record": "on"})
+    assert on.json()["osd"]["record_id"]
+
+
+def test_deleting_records_takes_an_admin_key_and_removes_them(app):
+    url = app["url"] + "/v1/osd/records"
+    assert requests.delete(url, params={"user": "bob"}, headers=ACME, timeout=30).status_code == 403
+    assert get(app, "/osd/stats", headers=ACME).status_code == 403
+    assert requests.delete(url, headers=AUTH, timeout=30).status_code == 400  # names nothing
+    r = post(app, "/v1/chat/completions", chat("forget me", max_tokens=4, user="bob"), headers=ACME)
+    rec_id = r.json()["osd"]["record_id"]
+    assert _stored_record(app, rec_id) is not None
+    d = requests.delete(url, params={"user": "bob", "tenant": "acme"}, headers=AUTH, timeout=30)
+    assert d.status_code == 200, d.text
+    body = d.json()
+    assert body["deleted"]["stream"] >= 1 and body["match"] == {"tenant": "acme", "user": "bob"} and body["replicas"]
+    assert _stored_record(app, rec_id, timeout_s=0.5) is None
 
 
 def test_a_bad_record_header_is_a_400_naming_it(app):

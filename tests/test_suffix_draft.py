@@ -81,6 +81,27 @@ def test_a_request_that_opted_out_of_capture_never_enters_the_shared_index(targe
     assert eng.draft.proposer.global_index.n_tokens > 0
 
 
+def test_a_tenant_never_drafts_from_another_tenants_outputs(target):
+    """One index per tenant (serve/tenancy.py suffix_pool): acme's repeat is drafted from its
+    own earlier answer, beta asking the same gets nothing of it."""
+    from serve.tenancy import Origin
+
+    eng = _engine(target)
+    prompt = _prompts()[2]  # no repeats inside: the request's own index has nothing to propose
+
+    def run(tenant):
+        return eng.generate(prompt, GenerationParams(max_new_tokens=40, origin=Origin(tenant, None, "r", tenant)))
+
+    first = run("acme")
+    acme_again, beta = run("acme"), run("beta")
+    assert acme_again.output_ids == beta.output_ids == first.output_ids  # greedy: the target's answer
+    assert acme_again.stats.num_accepted_tokens > 0.8 * len(first.output_ids)
+    # beta drafts exactly as acme's first request did, from nothing but its own text.
+    assert (beta.stats.num_draft_tokens, beta.stats.num_accepted_tokens) == (
+        first.stats.num_draft_tokens, first.stats.num_accepted_tokens)
+    assert set(eng.draft.proposer.pools) == {None, "acme", "beta"} and eng.draft.proposer.global_index.n_tokens == 0
+
+
 def test_a_cancelled_stream_leaves_no_state_and_adds_nothing(target):
     eng = _engine(target)
 

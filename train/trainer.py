@@ -108,7 +108,7 @@ class TrainerWorker:
         from train.metrics import TrainerMetrics
 
         # Loss, steps and checkpoints for Prometheus and the ops page (its own client: never the consumer's).
-        self.telemetry = TrainerMetrics(self.rank, connect(self.cfg.stream.redis_url, self.cfg.stream),
+        self.telemetry = TrainerMetrics(self.rank, connect(self.cfg.stream.redis_url, self.cfg.stream, role="trainer"),
                                         self.cfg.stream.stream)
         self.held_out: list[Any] = []
         self.trained_prompts: dict[bytes, None] = {}  # insertion-ordered set, oldest dropped first

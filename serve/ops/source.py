@@ -31,7 +31,7 @@ class OpsSource:
         self.cfg = cfg
         self.registry = registry or Registry.from_config(cfg)
         self.client = client if client is not None or not cfg.stream.redis_url else connect(
-            cfg.stream.redis_url, cfg.stream)
+            cfg.stream.redis_url, cfg.stream, role="trainer")
 
     # -- reading ---------------------------------------------------------------
 
@@ -223,7 +223,7 @@ class StreamPoller:
         from serve.metrics import StreamMetrics
 
         gauges = StreamMetrics()
-        client = connect(self.cfg.stream.redis_url, self.cfg.stream)
+        client = connect(self.cfg.stream.redis_url, self.cfg.stream, role="trainer")
         while not self._stop.is_set():
             try:
                 h = stream_health(client, self.cfg.stream.stream)

@@ -83,6 +83,28 @@ app.kubernetes.io/component: redis
 {{- if or .Values.externalRedis.url .Values.externalRedis.enabled }}true{{ end -}}
 {{- end -}}
 
+{{/* "true" where the chart's own Redis runs with one ACL user per role. */}}
+{{- define "osd.redisAcl" -}}
+{{- if and .Values.redis.enabled (not (include "osd.externalRedis" .)) .Values.redis.acl.enabled }}true{{ end -}}
+{{- end -}}
+
+{{/* The record stream's name (its ACL users' keys are it, its dead letters, its status hash). */}}
+{{- define "osd.streamName" -}}
+{{- (.Values.config.stream | default dict).stream | default "osd:records" -}}
+{{- end -}}
+
+{{/*
+What each role's Redis user may run: the same rules as infra/redis_acl.py ROLE_COMMANDS
+(tests/test_helm.py holds the two equal).
+*/}}
+{{- define "osd.redisAclCommands" -}}
+producer: "+ping +xadd +xtrim +xlen +xinfo|groups"
+trainer: "+ping +xreadgroup +xread +xrange +xrevrange +xlen +xack +xautoclaim +xclaim +xpending +xgroup|create +xinfo +xadd +hset +hgetall"
+admin: "+ping +xrange +xrevrange +xlen +xinfo +xdel +xtrim +hgetall"
+{{- end -}}
+
+{{- define "osd.redisTlsDir" -}}/etc/osd-redis-tls{{- end -}}
+
 {{/*
 The platform config the ConfigMap holds: .Values.config with what the chart decides filled in,
 so the file alone says where state, the registry and the trainers go.
@@ -106,9 +128,28 @@ so the file alone says where state, the registry and the trainers go.
     secretKeyRef:
       name: {{ include "osd.secretName" . }}
       key: {{ .Values.secretKeys.apiKey }}
-# Serve's HTTP proxy checks the key too, so Serve's own routes (/-/routes) are covered.
+# The tenants' keys (serve.api_keys); optional, so an existingSecret without them serves OSD_API_KEY alone.
+- name: OSD_SERVE__API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "osd.secretName" . }}
+      key: {{ .Values.secretKeys.tenantApiKeys }}
+      optional: true
+# Serve's HTTP proxy checks the keys too, so Serve's own routes (/-/routes) are covered.
 - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
   value: serve.proxy_auth:middlewares
+{{- if include "osd.redisAcl" . }}
+# Each client connects as its role's ACL user (stream.users; infra/streams.py connect).
+{{- range $role := list "producer" "trainer" "admin" }}
+- name: OSD_STREAM__USERS__{{ upper $role }}__USERNAME
+  value: osd-{{ $role }}
+- name: OSD_STREAM__USERS__{{ upper $role }}__PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "osd.secretName" $ }}
+      key: {{ $.Values.secretKeys.redisAclPassword }}-{{ $role }}
+{{- end }}
+{{- end }}
 {{- if include "osd.externalRedis" . }}
 - name: OSD_STREAM__REDIS_URL
   valueFrom:
@@ -122,8 +163,13 @@ so the file alone says where state, the registry and the trainers go.
     secretKeyRef:
       name: {{ include "osd.secretName" . }}
       key: {{ .Values.secretKeys.redisPassword }}
+{{- if .Values.redis.tls.enabled }}
+- name: OSD_STREAM__REDIS_URL
+  value: "rediss://:$(REDIS_PASSWORD)@{{ include "osd.component" (list . "redis") }}:6379/0?ssl_ca_certs={{ include "osd.redisTlsDir" . }}/ca.crt"
+{{- else }}
 - name: OSD_STREAM__REDIS_URL
   value: "redis://:$(REDIS_PASSWORD)@{{ include "osd.component" (list . "redis") }}:6379/0"
+{{- end }}
 {{- end }}
 {{- end -}}
 
@@ -176,10 +222,19 @@ spec:
       volumeMounts:
         - {name: config, mountPath: /etc/osd, readOnly: true}
         - {name: state, mountPath: {{ $.Values.stateDir }}}
+        {{- if and $.Values.redis.tls.enabled (not (include "osd.externalRedis" $)) }}
+        - {name: redis-tls, mountPath: {{ include "osd.redisTlsDir" $ }}, readOnly: true}
+        {{- end }}
         {{- if $.Values.model.volume }}
         - {name: model, mountPath: {{ $.Values.model.mountPath }}, readOnly: true}
         {{- end }}
   volumes:
+    {{- if and $.Values.redis.tls.enabled (not (include "osd.externalRedis" $)) }}
+    - name: redis-tls
+      secret:
+        secretName: {{ $.Values.redis.tls.secretName }}
+        items: [{key: ca.crt, path: ca.crt}]
+    {{- end }}
     - name: config
       configMap:
         name: {{ include "osd.component" (list $ "config") }}
