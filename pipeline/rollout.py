@@ -37,6 +37,7 @@ from typing import Any
 
 from pipeline.canary_rule import Arm, CanaryRule, decide, gate_verdict, request_sample
 from infra.config import OSDConfig
+from infra.faults import fault_point
 from infra.registry import AliasMoved, Registry, RegistryError
 
 # Decisions after which a version is never canaried again by the controller.
@@ -166,6 +167,7 @@ class CanaryController:
                 except AliasMoved as e:
                     _log(f"not starting {cand.id}: {e}")
                     return []
+                fault_point("rollout.after_alias_move")
                 self._restart_window()
                 self.metrics.weight(cand.id, self.steps[0])
                 self._record("start", cand.id, f"new candidate (parent {cand.lineage.get('parent')}, "
@@ -191,10 +193,13 @@ class CanaryController:
     def _act(self, d: Any, version: str, weight: float, stable: dict[str, Any], n_before: int) -> list:
         if d.action in ("rollback", "expire"):  # either way the canary goes and stable stays
             action = "rollback" if d.action == "rollback" else "expired"
-            self.registry.clear_canary(expect=version)
+            # The decision is durable before the alias moves (as Registry.rollback does): a
+            # controller killed in between finds it in the audit and never canaries it again.
             self.decided.add(version)
-            self.metrics.weight(version, 0.0)
             self._record(action, version, d.reason, d.evidence, weight=weight, stable=stable["version"])
+            self.registry.clear_canary(expect=version)
+            fault_point("rollout.after_alias_move")
+            self.metrics.weight(version, 0.0)
             self._restart_window()
         elif d.action == "promote":
             return self._promote(version, stable, d.evidence, n_before, d.reason)
@@ -203,6 +208,7 @@ class CanaryController:
             if not nxt or nxt[0] >= 1.0:  # decide() promotes at the last step; never on non-inferiority
                 raise ValueError(f"advance at the last canary step ({weight:.0%}) is not a promotion")
             self.registry.set_canary(version, nxt[0], reason=d.reason, expect=version)
+            fault_point("rollout.after_alias_move")
             self.metrics.weight(version, nxt[0])
             self._record("advance", version, d.reason, d.evidence, weight=nxt[0], stable=stable["version"])
             self._restart_window()
@@ -219,6 +225,7 @@ class CanaryController:
 
     def _promote(self, version: str, stable: dict, evidence: dict, n_before: int, reason: str = "") -> list:
         self.registry.promote(version, reason="canary passed", expect_canary=version)
+        fault_point("rollout.after_alias_move")
         self.decided.add(version)
         self.metrics.weight(version, 1.0)
         self._record("promote", version, reason or "canary at full weight", evidence,
