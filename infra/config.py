@@ -132,6 +132,11 @@ class ServeConfig(_Section):
     draft: str = "auto"
     # With draft: registry, how often each replica re-reads the aliases.
     alias_poll_s: float = Field(2.0, gt=0)
+    # A version that fails to load (registry mount away, a slow object store) is tried again
+    # after swap_retry_s, doubling up to 5 minutes, and refused for good after
+    # swap_max_failures failures; a digest mismatch or another target's draft at once.
+    swap_retry_s: float = Field(5.0, gt=0)
+    swap_max_failures: int = Field(5, ge=1)
     # Write a training record for each finished request (a request may override it).
     record: bool = True
     num_replicas: int = Field(1, ge=1)

@@ -84,6 +84,14 @@ class AliasMoved(RegistryError):
     """The alias no longer names what the caller decided on (someone else moved it)."""
 
 
+class AliasUnreadable(RegistryError):
+    """An alias file exists but does not parse (torn by a crash, or edited by hand)."""
+
+
+class WrongTarget(RegistryError):
+    """The version was made for another target: loading it again cannot succeed."""
+
+
 @dataclass(frozen=True)
 class Version:
     id: str
@@ -344,7 +352,7 @@ class Registry:
         v = self.get(version)
         why = _target_mismatch(v.target, expect_target_sha256)
         if why:
-            raise RegistryError(f"version {version} cannot be loaded: it was {why}")
+            raise WrongTarget(f"version {version} cannot be loaded: it was {why}")
         path = self._checked_files(v)
         # Every file was just hashed against this manifest: the draft's own osd-manifest.json
         # is compared with those digests instead of hashing each file a second time.
@@ -364,10 +372,17 @@ class Registry:
     def alias(self, name: str) -> dict[str, Any] | None:
         if name not in ALIASES:
             raise RegistryError(f"unknown alias {name!r}: aliases are {', '.join(ALIASES)}")
+        path = self._p("aliases", f"{name}.json")
         try:
-            return self._read_json(self._p("aliases", f"{name}.json"))
+            body = self._read_json(path)
         except FileNotFoundError:
             return None
+        except (OSError, ValueError) as e:
+            raise AliasUnreadable(f"alias file {path} is unreadable ({_one_line(e)}); "
+                                  f"`osd registry promote <version>` rewrites it") from None
+        if not isinstance(body, dict) or not isinstance(body.get("version"), str):
+            raise AliasUnreadable(f"alias file {path} names no version; `osd registry promote <version>` rewrites it")
+        return body
 
     def aliases(self) -> dict[str, dict[str, Any] | None]:
         return {name: self.alias(name) for name in ALIASES}
@@ -385,7 +400,10 @@ class Registry:
     def set_stable(self, version: str, reason: str = "") -> dict[str, Any]:
         with self._locked():
             self.get(version)  # must exist; under the lock, so gc cannot delete it before the write
-            cur = self.alias("stable")
+            try:
+                cur = self.alias("stable")
+            except AliasUnreadable:  # a torn alias is what this write repairs; its previous is lost
+                cur = None
             previous = cur["version"] if cur and cur["version"] != version else (cur or {}).get("previous")
             return self._write_stable(version, previous, reason)
 
