@@ -220,9 +220,10 @@ class StreamConfig(_Section):
     socket_timeout_s: float = Field(2.0, gt=0)
     connect_timeout_s: float = Field(1.0, gt=0)
     # After a failed write the producer drops without trying for the back-off, doubled per
-    # failure up to the max.
+    # failure up to the max: at most that long of drops after Redis is back (a try costs the
+    # writer thread connect_timeout_s, never a request).
     reconnect_backoff_s: float = Field(0.5, gt=0)
-    reconnect_backoff_max_s: float = Field(10.0, gt=0)
+    reconnect_backoff_max_s: float = Field(2.0, gt=0)
     # Consumer. Entries per XREADGROUP; BLOCK in ms (0: do not block), shorter than the socket timeout.
     read_count: int = Field(64, ge=1)
     block_ms: int = Field(1000, ge=0)
