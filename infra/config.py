@@ -287,6 +287,9 @@ class TrainConfig(_Section):
     device: str = "cpu"  # cpu: gloo; cuda: NCCL
     # How long surviving ranks wait in a collective for a dead one before failing.
     collective_timeout_s: float = Field(300.0, gt=0)
+    # `osd train` starts a failed group again (doubling back-off, 1 s to 30 s apart) for this
+    # long after the first failure in a row, so a Redis outage shorter than it ends nothing.
+    retry_for_s: float = Field(300.0, ge=0)
     # Custom Ray resources each worker asks for besides its CPU, e.g. {trainer: 1}, so the
     # workers land on the nodes that advertise them (a KubeRay worker group: helm/osd).
     resources: dict[str, float] = Field(default_factory=dict)

@@ -420,25 +420,53 @@ class TrainerGroup:
         remove_placement_group(self.pg)
 
 
-def run_with_restarts(cfg: OSDConfig, run_dir: str | os.PathLike, *, restarts: int = 2, init_draft: str | None = None,
-                      family: str | None = None, **run_kw) -> list[RunStats]:
-    """Run a group; if a worker dies, tear the group down and start a new one that resumes
-    from the newest COMPLETE checkpoint (its unacked records are reclaimed from the stream)."""
-    last_err: Exception | None = None
-    for attempt in range(restarts + 1):
-        group = TrainerGroup(cfg, run_dir, init_draft=init_draft, family=family)
+# Group starts after a failure: 1 s, 2 s, 4 s ... at most RETRY_CAP_S apart, for train.retry_for_s.
+RETRY_BASE_S = 1.0
+RETRY_CAP_S = 30.0
+# Errors of a worker or its start (Redis away during setup, a lost node); others end the run.
+_RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError)
+
+
+def run_with_restarts(cfg: OSDConfig, run_dir: str | os.PathLike, *, restarts: int | None = None,
+                      init_draft: str | None = None, family: str | None = None, sleep: Any = time.sleep,
+                      clock: Any = time.monotonic, **run_kw) -> list[RunStats]:
+    """Run a group; if it fails to start or a worker dies, tear it down and start a new one that
+    resumes from the newest COMPLETE checkpoint (its unacked records are reclaimed from the
+    stream), after a doubling back-off, for up to train.retry_for_s after the first failure in
+    a row (and at most `restarts` times when given): a Redis outage shorter than that does not
+    end standalone training. A run that lasted RETRY_CAP_S was healthy: its failure starts over."""
+    from infra.backoff import backoff_delay
+
+    budget = cfg.train.retry_for_s
+    failures, first_failure, last_err = 0, 0.0, None
+    while True:
+        started = clock()
         try:
-            return group.run(**run_kw)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            return _run_group(cfg, run_dir, init_draft, family, run_kw)
+        except _RETRYABLE as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, ValueError):  # a setting or draft the workers refuse: the same next time
                 raise cause from None
             last_err = e
-            print(f"[osd train] a worker failed ({type(e).__name__}); restarting the group "
-                  f"({attempt + 1}/{restarts})", flush=True)
-        finally:
-            group.shutdown()
-    raise RuntimeError(f"training failed after {restarts} restarts") from last_err
+        if failures == 0 or clock() - started >= RETRY_CAP_S:
+            failures, first_failure = 0, started
+        failures += 1
+        delay = backoff_delay(failures, RETRY_BASE_S, RETRY_CAP_S)
+        if (restarts is not None and failures > restarts) or clock() + delay > first_failure + budget:
+            raise RuntimeError(f"training failed after {failures - 1} restarts in {clock() - first_failure:.0f} s "
+                               f"(train.retry_for_s = {budget:g}); last error: {type(last_err).__name__}") from last_err
+        print(f"[osd train] the trainer group failed ({type(last_err).__name__}); starting it again in "
+              f"{delay:.0f} s (restart {failures}; train.retry_for_s = {budget:g})", flush=True)
+        sleep(delay)
+
+
+def _run_group(cfg: OSDConfig, run_dir: str | os.PathLike, init_draft: str | None, family: str | None,
+               run_kw: dict[str, Any]) -> list[RunStats]:
+    group = TrainerGroup(cfg, run_dir, init_draft=init_draft, family=family)  # shuts itself down if it fails
+    try:
+        return group.run(**run_kw)
+    finally:
+        group.shutdown()
 
 
 def save_stats(stats: list[RunStats], path: str | os.PathLike) -> None:
