@@ -290,6 +290,9 @@ class TrainConfig(_Section):
     # `osd train` starts a failed group again (doubling back-off, 1 s to 30 s apart) for this
     # long after the first failure in a row, so a Redis outage shorter than it ends nothing.
     retry_for_s: float = Field(300.0, ge=0)
+    # COMPLETE checkpoints kept (the chart shares one volume with the registry); older ones,
+    # and half-written ones a killed run left, are deleted once a newer one is COMPLETE.
+    keep_checkpoints: int = Field(3, ge=1)
     # Custom Ray resources each worker asks for besides its CPU, e.g. {trainer: 1}, so the
     # workers land on the nodes that advertise them (a KubeRay worker group: helm/osd).
     resources: dict[str, float] = Field(default_factory=dict)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -95,6 +96,26 @@ def write_durable(path: str | Path, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_path(path.parent)
+
+
+def prune_checkpoints(ckpt_dir: str | Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` COMPLETE checkpoints, and the half-written ones older
+    than the newest COMPLETE (a killed run's). Called once a new one is COMPLETE, so the disk
+    holds at most keep + 1 (the one being written); a newer tag without COMPLETE is being
+    written and is never touched. COMPLETE goes first, so a tag half-deleted by a crash is
+    never resumed from. Returns the tags removed, oldest first."""
+    d = Path(ckpt_dir)
+    complete = DistillEngine.complete_tags(d)
+    if not complete:
+        return []
+    newest = complete[-1]
+    doomed = list(complete[:-keep])
+    doomed += [p.name for p in d.iterdir() if p.is_dir() and re.match(r"step-\d+$", p.name)
+               and p.name < newest and p.name not in complete]
+    for tag in sorted(doomed):
+        (d / tag / COMPLETE).unlink(missing_ok=True)
+        shutil.rmtree(d / tag, ignore_errors=True)
+    return sorted(doomed)
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str = "cpu",
@@ -197,6 +218,7 @@ class DistillEngine:
             fsync_path(ckpt_dir / tag / CONSOLIDATED)
             write_durable(ckpt_dir / tag / COMPLETE, json.dumps(state).encode())
             fsync_path(ckpt_dir)  # the tag directory's own name
+            prune_checkpoints(ckpt_dir, self.cfg.keep_checkpoints)
         dist.barrier()  # the caller acks the records once this returns, so all of it is durable now
         return tag, weights
 
