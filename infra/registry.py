@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from infra.draft_spec import target_mismatch as _target_mismatch
+from infra.faults import fault_point
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -249,6 +250,7 @@ class Registry:
             self.fs.delete_dir(f"{vdir}/{payload}")
             raise RegistryError(f"cannot publish {files[0].parent}: {', '.join(bad)} changed since its osd-manifest.json "
                                 f"was written (corrupt, or edited by hand); re-save the draft")
+        fault_point("registry.before_manifest")  # the payload copied, no manifest: not a version yet
         body = {"format": FORMAT, "version": version, "created_at": time.time(), "payload": payload,
                 "files": digests, "lineage": lineage, "metrics": metrics, "target": target}
         data = json.dumps(body, indent=2, sort_keys=True).encode()
