@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from infra.config import TrainConfig
+from infra.durable import fsync_path, sync_tree, write_durable
 
 COMPLETE = "COMPLETE"
 CONSOLIDATED = "consolidated.safetensors"
@@ -65,37 +66,6 @@ def prebuild_ops() -> list[str]:
 
 class CheckpointError(RuntimeError):
     pass
-
-
-def fsync_path(path: str | Path) -> None:
-    """fsync a file, or a directory (which makes the names in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def sync_tree(root: str | Path) -> None:
-    """fsync every file and directory under `root`, and root's own name in its parent."""
-    root = Path(root)
-    for dirpath, _, filenames in os.walk(root, topdown=False):  # names after their contents
-        for name in filenames:
-            fsync_path(Path(dirpath) / name)
-        fsync_path(dirpath)
-    fsync_path(root.parent)
-
-
-def write_durable(path: str | Path, data: bytes) -> None:
-    """Write, fsync, rename into place, fsync the directory: the file is whole or absent."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
 
 
 def prune_checkpoints(ckpt_dir: str | Path, keep: int) -> list[str]:
