@@ -72,6 +72,23 @@ class CanaryController:
         self.errors = 0
         self.progress_s = 30.0
         self._last_progress = time.monotonic()
+        self._count_start(cfg)
+
+    def _count_start(self, cfg: OSDConfig) -> None:
+        """Starts of the controller, for the ops page (above 1: it was restarted) and Prometheus."""
+        from infra.loop_status import count_start
+        from infra.streams import connect
+
+        self.metrics.started()
+        try:
+            client = connect(cfg.stream.redis_url, cfg.stream)
+            n = count_start(client, cfg.stream.stream, "controller")
+            client.close()
+        except Exception as e:  # telemetry only: a controller starts without it
+            _log(f"could not count this start in Redis ({type(e).__name__}: {e})")
+            return
+        if n > 1:
+            _log(f"started again (start {n}): the canary and decisions carry on from the registry")
 
     # -- evidence --------------------------------------------------------------
 
@@ -285,6 +302,7 @@ class _Metrics:
                                 tag_keys=("draft_version", "arm"))
             self._n = m.Gauge("osd_rollout_window_requests", "Requests in the window",
                               tag_keys=("draft_version", "arm"))
+            self._starts = m.Counter("osd_rollout_controller_starts_total", "Rollout controller starts")
         except (ImportError, ValueError, TypeError, RuntimeError) as e:
             # Metrics are optional to a rollout: decisions and the audit log go on without them.
             _log(f"rollout metrics off: cannot create them ({type(e).__name__}: {e})")
@@ -294,6 +312,10 @@ class _Metrics:
     def weight(self, version: str, w: float) -> None:
         if self.ok:
             self._weight.set(w, {"draft_version": version})
+
+    def started(self) -> None:
+        if self.ok:
+            self._starts.inc(1)
 
     def decision(self, version: str, action: str) -> None:
         if self.ok:

@@ -127,6 +127,7 @@ class TrainerWorker:
             _log(self.rank, f"resumed from {resumed['tag']} ({resumed['resumed']}), {self.records_total} records so far")
             resumed["skipped"] = self._ack_covered(resumed)
             resumed.pop("covered_ids", None)  # could be thousands of ids: not for stats or logs
+        self.telemetry.started(resumed is not None)
         self.resumed = resumed
         return resumed
 

@@ -23,7 +23,8 @@ def pytest_collection_modifyitems(items):
 def run_killed(code: str, fault: str, args: dict, timeout: float = 120.0) -> subprocess.CompletedProcess:
     """Run `code` (a Python script that reads its arguments as JSON from argv[1]) in a fresh
     interpreter with OSD_FAULT=fault, and require that it died of SIGKILL at that point."""
-    env = {**os.environ, "OSD_FAULT": fault, "PYTHONPATH": str(ROOT)}
+    # One torch thread: the models are tiny and the cores shared; DeepSpeed on the CPU.
+    env = {**os.environ, "OSD_FAULT": fault, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     p = subprocess.run([sys.executable, "-c", code, json.dumps(args)], env=env, cwd=ROOT,
                        capture_output=True, text=True, timeout=timeout)
     assert p.returncode == -signal.SIGKILL, (

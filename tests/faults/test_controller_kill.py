@@ -52,6 +52,17 @@ def _after_restart(cfg, reg):
     return restarted
 
 
+def _restarts(cfg):
+    import redis
+
+    from serve.ops import page as ops_page
+    from serve.ops.source import OpsSource
+
+    summary = OpsSource(cfg, client=redis.Redis.from_url(cfg.stream.redis_url)).summary([])
+    assert "id=ops-restarts>Restarts: " in ops_page.page(summary, live=False)
+    return summary["loop"]["restarts"]
+
+
 def test_kill_after_starting_a_canary(tmp_path, redis_url, draft_dir):
     cfg, reg = _stable_and_candidate(tmp_path, redis_url, draft_dir)
     run_killed(_DECIDE, "rollout.after_alias_move", {"action": "continue", "cfg": cfg.model_dump(mode="json")})
@@ -69,6 +80,7 @@ def test_kill_after_each_decision_s_alias_move(tmp_path, redis_url, draft_dir, a
 
     run_killed(_DECIDE, "rollout.after_alias_move", {"action": action, "cfg": cfg.model_dump(mode="json")})
     restarted = _after_restart(cfg, reg)
+    assert _restarts(cfg)["controller"] >= 2  # the ops page shows it came back (start, killed one, this)
     got = reg.aliases()
     assert got["stable"]["version"] == stable
     assert (got["canary"] or {}).get("version") == canary, f"after {action}: v2 canaried again"

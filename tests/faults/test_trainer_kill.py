@@ -74,7 +74,8 @@ def _produce(cfg, recs):
 
 
 def _train(cfg, run_dir, idle_stop_s=2.0) -> dict:
-    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "DS_ACCELERATOR": "cpu", "HOME": str(run_dir)}
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "DS_ACCELERATOR": "cpu", "HOME": str(run_dir),
+           "OMP_NUM_THREADS": "1"}  # a tiny model: one thread is fastest, and the cores are shared
     p = subprocess.run([sys.executable, "-c", _TRAIN, json.dumps(
         {"cfg": cfg.model_dump(mode="json"), "run_dir": str(run_dir), "idle_stop_s": idle_stop_s})],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -98,6 +99,10 @@ def test_kill_at_a_boundary_loses_nothing_and_trains_nothing_twice(tmp_path, red
     assert (out["resumed"] is None) == (point == "trainer.mid_step")  # killed before any checkpoint
     # The checkpoint's records are not trained again; the others are trained once, after the restart.
     assert out["records_total"] == N_RECORDS, f"trained {out['records_total']} times for {N_RECORDS} records"
+    from infra.loop_status import read_starts
+    import redis
+
+    assert read_starts(redis.Redis.from_url(redis_url), cfg.stream.stream) == {"trainer-0": 2}  # ops: 1 restart
     for v in reg.list():  # every version the registry lists is whole: its digests check
         reg.local_path(v.id)
     if point == "registry.before_manifest":  # the kill left a payload without a manifest: gc takes it
