@@ -1,7 +1,6 @@
 """Redis stopped (SIGSTOP), killed (SIGKILL) and restarted, or its connections cut, under a
-producer's steady load: a
-submit never waits, every record is in the stream or counted as dropped with its reason,
-and writing resumes by itself once Redis is back."""
+producer's steady load: a submit never waits, every record is in the stream or counted as
+dropped with its reason, and writing resumes by itself once Redis is back."""
 
 import os
 import signal
