@@ -33,16 +33,21 @@ def sync_tree(root: str | Path) -> None:
     fsync_path(root.parent)
 
 
+def write_synced(path: str | Path, data: bytes) -> None:
+    """Write `data` to a new file and fsync it (its name is the caller's to make durable)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_durable(path: str | Path, data: bytes) -> None:
     """Write, fsync, rename into place, fsync the directory: the file is whole or absent. A
     write that fails (ENOSPC) removes its temp file, so a full disk leaves no litter."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp, data)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from infra.draft_spec import target_mismatch as _target_mismatch
-from infra.durable import TMP_MARK, fsync_path, sync_tree, write_durable
+from infra.durable import TMP_MARK, fsync_path, sync_tree, write_durable, write_synced
 from infra.faults import fault_point
 
 MANIFEST = "manifest.json"
@@ -254,10 +254,7 @@ class Registry:
         if self.local:  # ... manifest last, created exclusively, then fsynced with its name
             tmp = Path(f"{vdir}/.{MANIFEST}.{payload}")
             try:
-                with open(tmp, "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
+                write_synced(tmp, data)
                 os.link(tmp, mpath)
             except FileExistsError:
                 self.fs.delete_dir(f"{vdir}/{payload}")

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from infra.config import load_config
-from infra.registry import DigestMismatch, Registry
+from infra.registry import DigestMismatch
+from loop_helpers import registry_for_replica
 from serve.hot_swap import DraftRouter, Routing
 
 pytestmark = [pytest.mark.usefixtures("one_thread")]
@@ -14,18 +14,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread")]
 
 @pytest.fixture
 def setup(tiny, tmp_path):
-    from infra.draft_model import DraftSpec, build_draft, save_draft, target_ref
-
-    cfg = load_config(environ={}, overrides={
-        "state_dir": str(tmp_path), "model": {"target": "tiny-random"},
-        "serve": {"draft": "registry", "alias_poll_s": 0.05, "max_new_tokens": 16, "record": False}})
-    reg = Registry.from_config(cfg)
-    spec = DraftSpec(num_layers=1)
-    save_draft(build_draft(tiny.model, spec), spec, tmp_path / "d", target_ref=target_ref(tiny))
-    for v in ("v1", "v2"):
-        reg.publish(tmp_path / "d", v)
-    reg.promote("v1")
-    return cfg, reg
+    return registry_for_replica(tiny, tmp_path, (1, 1), alias_poll_s=0.05, max_new_tokens=16)
 
 
 def _wait(cond, what, timeout=20.0):

@@ -3,13 +3,12 @@ stream: no record is lost, none covered by a COMPLETE checkpoint is trained twic
 half-published version is ever loadable."""
 
 import json
-import random
 import subprocess
 import sys
 
 import pytest
-import torch
 
+from loop_helpers import greedy_records
 from tests.faults.conftest import ROOT, run_killed
 
 pytestmark = [pytest.mark.redis, pytest.mark.deepspeed]
@@ -34,24 +33,7 @@ print(json.dumps({"records_total": w.records_total, "trained": s.records_trained
 
 @pytest.fixture(scope="module")
 def records():
-    from infra.records import record_from_capture
-    from infra.target import load_target
-    from serve.engine import EngineOptions, GenerationParams, SpecEngine
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        lt = load_target("tiny-random", progress=False)
-        eng = SpecEngine(lt.model, None, lt.tokenizer, EngineOptions(k=0, capture_top_k=8, max_seq_len=128))
-        rng = random.Random(0)
-        out = []
-        for i in range(N_RECORDS):
-            r = eng.generate([rng.randrange(256) for _ in range(8)], GenerationParams(max_new_tokens=12))
-            out.append(record_from_capture(r.prompt_ids, r.output_ids, r.capture, request_id=f"r{i}",
-                                           draft_version="teacher", domain="other"))
-        return out
-    finally:
-        torch.set_num_threads(threads)
+    return greedy_records(N_RECORDS, prompt_len=8, max_new_tokens=12)
 
 
 def _cfg(tmp_path, redis_url):
