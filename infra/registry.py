@@ -26,6 +26,14 @@ osd-manifest.json must parse and agree, and draft.safetensors must be a well-for
 safetensors file holding exactly the draft's trainable tensors at the shapes config.json
 implies (checked from the file's header and a meta-device skeleton; no target needed).
 
+On a local filesystem the payload, the manifest and the directories naming them are
+fsynced before publish returns, and aliases are written, fsynced and renamed (then the
+directory fsynced), so a power loss cannot leave a torn alias or a manifest vouching for
+files that are not on disk. A write that fails (ENOSPC) removes what it wrote; gc sweeps
+the temp files a crash left. An alias file that does not parse anyway is AliasUnreadable
+(the replicas serve without a draft until a promote rewrites it). A cached copy of a remote
+version that fails its digests is fetched again.
+
 Aliases are whole-file replacements (rename on a local filesystem, one PUT on an object
 store), so a reader sees the old alias or the new one. On a local registry alias writes and
 gc's deletions take an exclusive flock on <root>/.lock, and gc re-reads the aliases under

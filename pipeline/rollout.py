@@ -22,7 +22,8 @@ One look (`tick`):
 
 State lives in the registry (aliases + audit), so a restarted controller carries on: the
 canary it finds keeps its weight, and versions with a decision in the audit are not tried
-again. That includes a person's `osd registry rollback`: the audit is re-read before any new
+again. A rollback or expiry is audited before the canary alias is dropped, so a controller
+killed in between cannot forget it (tests/faults/test_controller_kill.py). That includes a person's `osd registry rollback`: the audit is re-read before any new
 canary starts, so a version rolled back by hand is not canaried again (a person can still
 promote it or make it the canary). Alias moves are compare-and-set (the registry refuses one
 if the canary alias changed since this tick read it), so a tick racing a manual rollback
