@@ -36,3 +36,26 @@ def test_disk_stays_bounded_over_many_saves(tmp_path):
         assert len(list(d.iterdir())) <= 3
     assert DistillEngine.complete_tags(d)[-1] == "step-00000029"
 
+
+
+def test_a_full_disk_while_marking_complete_leaves_a_tag_that_is_never_resumed(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from infra.durable import write_durable
+
+    d = tmp_path / "checkpoints"
+    good = _tag(d, 1)
+    torn = _tag(d, 2, complete=False)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", full)
+        with pytest.raises(OSError):
+            write_durable(d / torn / COMPLETE, b"{}")
+    assert sorted(p.name for p in (d / torn).iterdir()) == ["mp_rank_00_model_states.pt"]  # no marker, no temp
+    assert DistillEngine.complete_tags(d) == [good]  # a resume takes the last whole one
+    _tag(d, 3)  # space again: the next checkpoint completes, and the torn one goes
+    assert prune_checkpoints(d, 3) == [torn]
