@@ -1,6 +1,7 @@
 """A replica's drafts under faults: a torn alias file at start, a version whose first load
 fails for a passing reason, and a client trying to choose its canary arm."""
 
+import asyncio
 import time
 
 import pytest
@@ -33,6 +34,10 @@ def test_torn_stable_alias_serves_without_a_draft_and_says_why(setup, capsys):
     try:
         assert rep.router.state()["stable"] == "none"
         assert "stable.json" in capsys.readouterr().out  # the log names the file it could not read
+        out = asyncio.run(rep.generate({"kind": "completion", "prompt": [5, 6, 7], "max_tokens": 8, "request_id": "r1",
+                                        "sampling": {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": None},
+                                        "stop": [], "record": False}))
+        assert out["output_ids"] and out["draft_version"] == "none"  # requests still succeed, unspeculated
         reg.promote("v1")  # repaired: the poller picks it up
         _wait(lambda: rep.router.state()["stable"] == "v1", "the replica never followed the repaired alias")
     finally:
