@@ -169,6 +169,11 @@ class ServeConfig(_Section):
     draft: str = "auto"
     # With draft: registry, how often each replica re-reads the aliases.
     alias_poll_s: float = Field(2.0, gt=0)
+    # A version that fails to load (registry mount away, a slow object store) is tried again
+    # after swap_retry_s, doubling up to 5 minutes, and refused for good after
+    # swap_max_failures failures; a digest mismatch or another target's draft at once.
+    swap_retry_s: float = Field(5.0, gt=0)
+    swap_max_failures: int = Field(5, ge=1)
     # Write a training record for each finished request (a request may override it).
     record: bool = True
     num_replicas: int = Field(1, ge=1)
@@ -296,9 +301,10 @@ class StreamConfig(_Section):
     socket_timeout_s: float = Field(2.0, gt=0)
     connect_timeout_s: float = Field(1.0, gt=0)
     # After a failed write the producer drops without trying for the back-off, doubled per
-    # failure up to the max.
+    # failure up to the max: at most that long of drops after Redis is back (a try costs the
+    # writer thread connect_timeout_s, never a request).
     reconnect_backoff_s: float = Field(0.5, gt=0)
-    reconnect_backoff_max_s: float = Field(10.0, gt=0)
+    reconnect_backoff_max_s: float = Field(2.0, gt=0)
     # Consumer. Entries per XREADGROUP; BLOCK in ms (0: do not block), shorter than the socket timeout.
     read_count: int = Field(64, ge=1)
     block_ms: int = Field(1000, ge=0)
@@ -363,6 +369,12 @@ class TrainConfig(_Section):
     device: str = "cpu"  # cpu: gloo; cuda: NCCL
     # How long surviving ranks wait in a collective for a dead one before failing.
     collective_timeout_s: float = Field(300.0, gt=0)
+    # `osd train` starts a failed group again (doubling back-off, 1 s to 30 s apart) for this
+    # long after the first failure in a row, so a Redis outage shorter than it ends nothing.
+    retry_for_s: float = Field(300.0, ge=0)
+    # COMPLETE checkpoints kept (the chart shares one volume with the registry); older ones,
+    # and half-written ones a killed run left, are deleted once a newer one is COMPLETE.
+    keep_checkpoints: int = Field(3, ge=1)
     # Custom Ray resources each worker asks for besides its CPU, e.g. {trainer: 1}, so the
     # workers land on the nodes that advertise them (a KubeRay worker group: helm/osd).
     resources: dict[str, float] = Field(default_factory=dict)

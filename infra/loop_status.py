@@ -5,6 +5,10 @@ reads, because the page must work with no Prometheus server. One hash per stream
 per component, each a small JSON object stamped with the time it was written:
 
     HSET <stream>:status trainer-0 '{"step": 12, "loss": 1.9, ..., "time": 1763...}'
+
+Beside it, how often each component started (HINCRBY <stream>:starts trainer-0 1): a count
+above 1 is a restart, which the ops page shows (a trainer or controller that keeps dying
+and coming back looks healthy otherwise).
 """
 
 from __future__ import annotations
@@ -31,3 +35,16 @@ def read_all(client: Any, stream: str) -> dict[str, dict[str, Any]]:
         except ValueError:
             continue
     return out
+
+
+def starts_key(stream: str) -> str:
+    return f"{stream}:starts"
+
+
+def count_start(client: Any, stream: str, component: str) -> int:
+    """One more start of `component`; returns its starts so far."""
+    return int(client.hincrby(starts_key(stream), component, 1))
+
+
+def read_starts(client: Any, stream: str) -> dict[str, int]:
+    return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in client.hgetall(starts_key(stream)).items()}

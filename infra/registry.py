@@ -26,6 +26,14 @@ osd-manifest.json must parse and agree, and draft.safetensors must be a well-for
 safetensors file holding exactly the draft's trainable tensors at the shapes config.json
 implies (checked from the file's header and a meta-device skeleton; no target needed).
 
+On a local filesystem the payload, the manifest and the directories naming them are
+fsynced before publish returns, and aliases are written, fsynced and renamed (then the
+directory fsynced), so a power loss cannot leave a torn alias or a manifest vouching for
+files that are not on disk. A write that fails (ENOSPC) removes what it wrote; gc sweeps
+the temp files a crash left. An alias file that does not parse anyway is AliasUnreadable
+(the replicas serve without a draft until a promote rewrites it). A cached copy of a remote
+version that fails its digests is fetched again.
+
 Aliases are whole-file replacements (rename on a local filesystem, one PUT on an object
 store), so a reader sees the old alias or the new one. On a local registry alias writes and
 gc's deletions take an exclusive flock on <root>/.lock, and gc re-reads the aliases under
@@ -43,6 +51,7 @@ import json
 import math
 import os
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -52,6 +61,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from infra.draft_spec import target_mismatch as _target_mismatch
+from infra.durable import TMP_MARK, fsync_path, sync_tree, write_durable, write_synced
+from infra.faults import fault_point
 from infra.target import LEAN_FAMILIES
 
 MANIFEST = "manifest.json"
@@ -83,6 +94,14 @@ class DigestMismatch(RegistryError):
 
 class AliasMoved(RegistryError):
     """The alias no longer names what the caller decided on (someone else moved it)."""
+
+
+class AliasUnreadable(RegistryError):
+    """An alias file exists but does not parse (torn by a crash, or edited by hand)."""
+
+
+class WrongTarget(RegistryError):
+    """The version was made for another target: loading it again cannot succeed."""
 
 
 @dataclass(frozen=True)
@@ -175,10 +194,8 @@ class Registry:
     def _replace_json(self, path: str, body: Any) -> None:
         """Readers see the old file or the new one, never a partial write."""
         data = json.dumps(body, indent=2, sort_keys=True).encode()
-        if self.local:
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-            Path(tmp).write_bytes(data)
-            os.replace(tmp, path)
+        if self.local:  # fsynced: an alias must not come back empty after a power loss
+            write_durable(path, data)
         else:
             self._write_bytes(path, data)  # one PUT: atomic on object stores
 
@@ -227,34 +244,36 @@ class Registry:
         if self._exists(mpath):
             raise VersionExists(f"version {version} already exists in {self.uri}; versions are immutable")
         payload = f"payload-{uuid.uuid4().hex[:12]}"
-        self.fs.create_dir(f"{vdir}/{payload}", recursive=True)
-        digests: dict[str, dict[str, Any]] = {}
-        for p in files:  # files first ...
-            h = hashlib.sha256()
-            with open(p, "rb") as src, self.fs.open_output_stream(f"{vdir}/{payload}/{p.name}") as dst:
-                while chunk := src.read(_CHUNK):
-                    h.update(chunk)
-                    dst.write(chunk)
-            digests[p.name] = {"sha256": h.hexdigest(), "size": p.stat().st_size}
+        try:
+            digests = self._copy_payload(files, f"{vdir}/{payload}")
+        except OSError as e:  # ENOSPC, a quota, a lost mount: no orphan waits for gc on a full disk
+            if self._exists(f"{vdir}/{payload}"):
+                self.fs.delete_dir(f"{vdir}/{payload}")
+            raise RegistryError(f"cannot publish {files[0].parent}: {_one_line(e)}; nothing was published") from None
         # The draft's own manifest, checked against the digests taken while copying (no second pass).
         bad = sorted(n for n, sha in expected.items() if digests.get(n, {}).get("sha256") != sha)
         if bad:
             self.fs.delete_dir(f"{vdir}/{payload}")
             raise RegistryError(f"cannot publish {files[0].parent}: {', '.join(bad)} changed since its osd-manifest.json "
                                 f"was written (corrupt, or edited by hand); re-save the draft")
+        fault_point("registry.before_manifest")  # the payload copied, no manifest: not a version yet
         body = {"format": FORMAT, "version": version, "created_at": time.time(), "payload": payload,
                 "files": digests, "lineage": lineage, "metrics": metrics, "target": target}
         data = json.dumps(body, indent=2, sort_keys=True).encode()
-        if self.local:  # ... manifest last, created exclusively
+        if self.local:  # ... manifest last, created exclusively, then fsynced with its name
             tmp = Path(f"{vdir}/.{MANIFEST}.{payload}")
-            tmp.write_bytes(data)
             try:
+                write_synced(tmp, data)
                 os.link(tmp, mpath)
             except FileExistsError:
                 self.fs.delete_dir(f"{vdir}/{payload}")
                 raise VersionExists(f"version {version} was published concurrently by another writer") from None
+            except OSError as e:
+                self.fs.delete_dir(f"{vdir}/{payload}")
+                raise RegistryError(f"cannot publish {version}: {_one_line(e)}; nothing was published") from None
             finally:
                 tmp.unlink(missing_ok=True)
+            fsync_path(vdir)
         else:
             if self._exists(mpath):
                 self.fs.delete_dir(f"{vdir}/{payload}")
@@ -263,6 +282,22 @@ class Registry:
             if self._read_json(mpath).get("payload") != payload:
                 raise VersionExists(f"version {version} was published concurrently by another writer")
         return _version(body)
+
+    def _copy_payload(self, files: list[Path], dest: str) -> dict[str, dict[str, Any]]:
+        """Copy the draft's files into `dest`, hashing as they go; on a local registry they are
+        fsynced (files, then the directories naming them) before the manifest can vouch for them."""
+        self.fs.create_dir(dest, recursive=True)
+        digests: dict[str, dict[str, Any]] = {}
+        for p in files:
+            h = hashlib.sha256()
+            with open(p, "rb") as src, self.fs.open_output_stream(f"{dest}/{p.name}") as dst:
+                while chunk := src.read(_CHUNK):
+                    h.update(chunk)
+                    dst.write(chunk)
+            digests[p.name] = {"sha256": h.hexdigest(), "size": p.stat().st_size}
+        if self.local:
+            sync_tree(dest)
+        return digests
 
     def _version_dirs(self) -> list[str]:
         import pyarrow.fs as pafs
@@ -311,26 +346,40 @@ class Registry:
         return self._checked_files(self.get(version))
 
     def _checked_files(self, v: Version) -> Path:
-        version = v.id
         if self.local:
-            path = self.payload_dir(v)
-        else:
-            path = self.cache_dir / version / v.payload
-            if not path.is_dir():
-                tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-                tmp.mkdir(parents=True)
-                for name in v.files:
-                    with self.fs.open_input_stream(self._p("versions", version, v.payload, name)) as src, \
-                            open(tmp / name, "wb") as dst:
-                        while chunk := src.read(_CHUNK):
-                            dst.write(chunk)
-                os.replace(tmp, path)
+            return self._verify(v, self.payload_dir(v))
+        path = self.cache_dir / v.id / v.payload
+        if path.is_dir():
+            try:
+                return self._verify(v, path)
+            except DigestMismatch:  # the cached copy went bad, maybe not the version: fetch it again
+                shutil.rmtree(path, ignore_errors=True)
+        self._fetch(v, path)
+        return self._verify(v, path)
+
+    def _fetch(self, v: Version, path: Path) -> None:
+        """Copy a remote version into the cache, whole or not at all (a failed copy is removed)."""
+        tmp = path.with_name(f".{path.name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
+        tmp.mkdir(parents=True)
+        try:
+            for name in v.files:
+                with self.fs.open_input_stream(self._p("versions", v.id, v.payload, name)) as src, \
+                        open(tmp / name, "wb") as dst:
+                    while chunk := src.read(_CHUNK):
+                        dst.write(chunk)
+            os.replace(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    @staticmethod
+    def _verify(v: Version, path: Path) -> Path:
         for name, meta in v.files.items():
             p = path / name
             if not p.is_file():
-                raise DigestMismatch(f"version {version}: {name} is missing")
+                raise DigestMismatch(f"version {v.id}: {name} is missing")
             if p.stat().st_size != int(meta["size"]) or _sha256(p) != meta["sha256"]:
-                raise DigestMismatch(f"version {version}: {name} does not match its sha256 in {MANIFEST}; "
+                raise DigestMismatch(f"version {v.id}: {name} does not match its sha256 in {MANIFEST}; "
                                      f"the version is corrupt and will not be loaded")
         return path
 
@@ -345,7 +394,7 @@ class Registry:
         v = self.get(version)
         why = _target_mismatch(v.target, expect_target_sha256)
         if why:
-            raise RegistryError(f"version {version} cannot be loaded: it was {why}")
+            raise WrongTarget(f"version {version} cannot be loaded: it was {why}")
         path = self._checked_files(v)
         # Every file was just hashed against this manifest: the draft's own osd-manifest.json
         # is compared with those digests instead of hashing each file a second time.
@@ -365,10 +414,17 @@ class Registry:
     def alias(self, name: str) -> dict[str, Any] | None:
         if name not in ALIASES:
             raise RegistryError(f"unknown alias {name!r}: aliases are {', '.join(ALIASES)}")
+        path = self._p("aliases", f"{name}.json")
         try:
-            return self._read_json(self._p("aliases", f"{name}.json"))
+            body = self._read_json(path)
         except FileNotFoundError:
             return None
+        except (OSError, ValueError) as e:
+            raise AliasUnreadable(f"alias file {path} is unreadable ({_one_line(e)}); "
+                                  f"`osd registry promote <version>` rewrites it") from None
+        if not isinstance(body, dict) or not isinstance(body.get("version"), str):
+            raise AliasUnreadable(f"alias file {path} names no version; `osd registry promote <version>` rewrites it")
+        return body
 
     def aliases(self) -> dict[str, dict[str, Any] | None]:
         return {name: self.alias(name) for name in ALIASES}
@@ -386,7 +442,10 @@ class Registry:
     def set_stable(self, version: str, reason: str = "") -> dict[str, Any]:
         with self._locked():
             self.get(version)  # must exist; under the lock, so gc cannot delete it before the write
-            cur = self.alias("stable")
+            try:
+                cur = self.alias("stable")
+            except AliasUnreadable:  # a torn alias is what this write repairs; its previous is lost
+                cur = None
             previous = cur["version"] if cur and cur["version"] != version else (cur or {}).get("previous")
             return self._write_stable(version, previous, reason)
 
@@ -499,6 +558,7 @@ class Registry:
                     removed.append(v.id)
         live = {v.id: v.payload for v in versions if v.id in keep}
         now = time.time()
+        removed += self._sweep_temp(now - orphan_age_s)
         for name in self._version_dirs():
             vdir = self._p("versions", name)
             for i in self.fs.get_file_info(pafs.FileSelector(vdir, allow_not_found=True)):
@@ -508,6 +568,23 @@ class Registry:
                 if now - mtime >= orphan_age_s:
                     self.fs.delete_dir(i.path)
                     removed.append(f"{name}/{i.base_name}")
+        return removed
+
+    def _sweep_temp(self, before: float) -> list[str]:
+        """Temp files older than `before` (epoch s) that a crash or a full disk left behind: an
+        alias's or a manifest's, never renamed into place. Local registries only (object
+        stores write in one PUT and leave none)."""
+        if not self.local:
+            return []
+        root = Path(self.root)
+        dirs = [root / "aliases", *(p for p in (root / "versions").iterdir() if p.is_dir())]
+        removed = []
+        for d in dirs:
+            for p in d.iterdir():
+                temp = TMP_MARK in p.name or p.name.startswith(f".{MANIFEST}.")
+                if temp and p.is_file() and p.stat().st_mtime < before:
+                    p.unlink(missing_ok=True)
+                    removed.append(str(p.relative_to(root)))
         return removed
 
     def __iter__(self) -> Iterator[Version]:

@@ -7,6 +7,12 @@ never waited for, when the queue is full, Redis is unreachable (short socket tim
 a doubling back-off during which nothing is tried), Redis is full (maxmemory with
 noeviction: it refuses writes rather than evict stream data), or the trainers' backlog is
 over the lag budget (fresh data is worth more than a backlog the trimming would eat anyway).
+The policy is counted drops, not a spool: a request's record is worth less than the
+request's latency, so nothing waits for Redis, and every record is either in the stream or
+counted in `stats().dropped` by reason (served as osd_records_dropped_total{reason}; the
+chart's OSDRecordStreamDown alert fires within a minute of redis_down / redis_full drops).
+The queue is written as soon as a record arrives, so a SIGKILL loses at most the batch in
+flight; an exit without close() still writes what is queued (an atexit hook, EXIT_FLUSH_S).
 With `stream.retention_s` set it also deletes what is older than that from the stream and its
 dead-letter stream (XTRIM MINID), every TRIM_EVERY_S seconds whether or not records come.
 
@@ -22,12 +28,14 @@ Entries hold one field, b"rec", the payload of infra.records.encode.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import socket
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
@@ -182,6 +190,9 @@ def group_info(client: redis.Redis, stream: str) -> dict[str, dict[str, Any]]:
 QUEUE_FULL, REDIS_DOWN, REDIS_FULL, LAG, INVALID, ERROR, CLOSED = (
     "queue_full", "redis_down", "redis_full", "lag", "invalid", "error", "closed")
 _STOP = object()
+# How long an exiting process waits for its queued records to be written (then counts the
+# rest as `closed`): bounded, so a Redis that is down cannot hold a shutdown.
+EXIT_FLUSH_S = 5.0
 # How often the producer trims to stream.retention_s: one XTRIM pair per this many seconds,
 # writing or idle, so a record outlives the retention by at most this.
 TRIM_EVERY_S = 5.0
@@ -221,6 +232,10 @@ class RecordProducer:
         self._trim_at = float("-inf")
         self._thread = threading.Thread(target=self._run, name=f"osd-producer[{self.stream}]", daemon=True)
         self._thread.start()
+        # An exit that never calls close() (a replica's process ending, a CLI returning) still
+        # writes what is queued: the daemon writer would be frozen mid-queue otherwise. A weak
+        # reference, so the hook keeps no producer alive.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- request side: never touches Redis --
 
@@ -435,6 +450,12 @@ class RecordProducer:
             was_down, self._stats.redis_up = not self._stats.redis_up, True
         if was_down:
             log.warning("record producer: redis reachable again, writing records")
+
+
+def _close_at_exit(ref: "weakref.ref[RecordProducer]") -> None:
+    producer = ref()
+    if producer is not None:
+        producer.close(timeout=EXIT_FLUSH_S)
 
 
 # -- consumer -------------------------------------------------------------------------------

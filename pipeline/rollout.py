@@ -22,7 +22,8 @@ One look (`tick`):
 
 State lives in the registry (aliases + audit), so a restarted controller carries on: the
 canary it finds keeps its weight, and versions with a decision in the audit are not tried
-again. That includes a person's `osd registry rollback`: the audit is re-read before any new
+again. A rollback or expiry is audited before the canary alias is dropped, so a controller
+killed in between cannot forget it (tests/faults/test_controller_kill.py). That includes a person's `osd registry rollback`: the audit is re-read before any new
 canary starts, so a version rolled back by hand is not canaried again (a person can still
 promote it or make it the canary). Alias moves are compare-and-set (the registry refuses one
 if the canary alias changed since this tick read it), so a tick racing a manual rollback
@@ -37,6 +38,7 @@ from typing import Any
 
 from pipeline.canary_rule import Arm, CanaryRule, decide, gate_verdict, request_sample
 from infra.config import OSDConfig
+from infra.faults import fault_point
 from infra.registry import AliasMoved, Registry, RegistryError
 
 # Decisions after which a version is never canaried again by the controller.
@@ -71,6 +73,23 @@ class CanaryController:
         self.errors = 0
         self.progress_s = 30.0
         self._last_progress = time.monotonic()
+        self._count_start(cfg)
+
+    def _count_start(self, cfg: OSDConfig) -> None:
+        """Starts of the controller, for the ops page (above 1: it was restarted) and Prometheus."""
+        from infra.loop_status import count_start
+        from infra.streams import connect
+
+        self.metrics.started()
+        try:
+            client = connect(cfg.stream.redis_url, cfg.stream)
+            n = count_start(client, cfg.stream.stream, "controller")
+            client.close()
+        except Exception as e:  # telemetry only: a controller starts without it
+            _log(f"could not count this start in Redis ({type(e).__name__}: {e})")
+            return
+        if n > 1:
+            _log(f"started again (start {n}): the canary and decisions carry on from the registry")
 
     # -- evidence --------------------------------------------------------------
 
@@ -166,6 +185,7 @@ class CanaryController:
                 except AliasMoved as e:
                     _log(f"not starting {cand.id}: {e}")
                     return []
+                fault_point("rollout.after_alias_move")
                 self._restart_window()
                 self.metrics.weight(cand.id, self.steps[0])
                 self._record("start", cand.id, f"new candidate (parent {cand.lineage.get('parent')}, "
@@ -191,10 +211,13 @@ class CanaryController:
     def _act(self, d: Any, version: str, weight: float, stable: dict[str, Any], n_before: int) -> list:
         if d.action in ("rollback", "expire"):  # either way the canary goes and stable stays
             action = "rollback" if d.action == "rollback" else "expired"
-            self.registry.clear_canary(expect=version)
+            # The decision is durable before the alias moves (as Registry.rollback does): a
+            # controller killed in between finds it in the audit and never canaries it again.
             self.decided.add(version)
-            self.metrics.weight(version, 0.0)
             self._record(action, version, d.reason, d.evidence, weight=weight, stable=stable["version"])
+            self.registry.clear_canary(expect=version)
+            fault_point("rollout.after_alias_move")
+            self.metrics.weight(version, 0.0)
             self._restart_window()
         elif d.action == "promote":
             return self._promote(version, stable, d.evidence, n_before, d.reason)
@@ -203,6 +226,7 @@ class CanaryController:
             if not nxt or nxt[0] >= 1.0:  # decide() promotes at the last step; never on non-inferiority
                 raise ValueError(f"advance at the last canary step ({weight:.0%}) is not a promotion")
             self.registry.set_canary(version, nxt[0], reason=d.reason, expect=version)
+            fault_point("rollout.after_alias_move")
             self.metrics.weight(version, nxt[0])
             self._record("advance", version, d.reason, d.evidence, weight=nxt[0], stable=stable["version"])
             self._restart_window()
@@ -219,6 +243,7 @@ class CanaryController:
 
     def _promote(self, version: str, stable: dict, evidence: dict, n_before: int, reason: str = "") -> list:
         self.registry.promote(version, reason="canary passed", expect_canary=version)
+        fault_point("rollout.after_alias_move")
         self.decided.add(version)
         self.metrics.weight(version, 1.0)
         self._record("promote", version, reason or "canary at full weight", evidence,
@@ -278,6 +303,7 @@ class _Metrics:
                                 tag_keys=("draft_version", "arm"))
             self._n = m.Gauge("osd_rollout_window_requests", "Requests in the window",
                               tag_keys=("draft_version", "arm"))
+            self._starts = m.Counter("osd_rollout_controller_starts_total", "Rollout controller starts")
         except (ImportError, ValueError, TypeError, RuntimeError) as e:
             # Metrics are optional to a rollout: decisions and the audit log go on without them.
             _log(f"rollout metrics off: cannot create them ({type(e).__name__}: {e})")
@@ -287,6 +313,10 @@ class _Metrics:
     def weight(self, version: str, w: float) -> None:
         if self.ok:
             self._weight.set(w, {"draft_version": version})
+
+    def started(self) -> None:
+        if self.ok:
+            self._starts.inc(1)
 
     def decision(self, version: str, action: str) -> None:
         if self.ok:

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from infra.backoff import backoff_delay
 from infra.config import OSDConfig
 
 # Trainer restarts: 1 s, 2 s, 4 s ... at most RESTART_CAP_S apart, without end. A run that
@@ -40,7 +41,7 @@ class UpError(RuntimeError):
 
 def restart_delay(failures: int, base_s: float = RESTART_BASE_S, cap_s: float = RESTART_CAP_S) -> float:
     """Seconds before the restart that follows the `failures`-th failure in a row (1, 2, ...)."""
-    return min(cap_s, base_s * 2.0 ** min(failures - 1, 60))
+    return backoff_delay(failures, base_s, cap_s)
 
 
 def _reason(e: BaseException) -> str:

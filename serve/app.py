@@ -97,7 +97,7 @@ class TargetReplica:
     # -- drafts: fixed, or registry versions that hot-swap (serve/hot_swap.py) -------
 
     def _make_router(self, cfg: OSDConfig, build_draft: Any) -> Any:
-        from infra.registry import Registry
+        from infra.registry import Registry, RegistryError
         from infra.target import identify_target
         from serve.drafts import resolve_auto
         from serve.hot_swap import DraftRouter, Routing
@@ -114,15 +114,20 @@ class TargetReplica:
             initial = Routing(spec if model is not None else "none",
                               self.engine.make_draft(model) if model is not None else None)
             return DraftRouter(self._load_version, initial, log)
-        router = DraftRouter(self._load_version, Routing("none", None), log)
-        aliases = self.registry.aliases()
-        if aliases["stable"]:
-            canary = aliases["canary"]
-            if not router.apply(aliases["stable"]["version"], canary and canary["version"],
-                                canary["weight"] if canary else 0.0):
-                log("the stable draft could not be loaded; serving autoregressively until the aliases move")
+        router = DraftRouter(self._load_version, Routing("none", None), log, retry_base_s=cfg.serve.swap_retry_s,
+                             max_failures=cfg.serve.swap_max_failures)
+        try:
+            aliases = self.registry.aliases()
+        except RegistryError as e:  # a torn alias file: serve without a draft until a poll reads a good one
+            log(f"{e}; serving autoregressively until the aliases can be read")
         else:
-            log(f"no stable alias in {self.registry.uri}; serving autoregressively until one is set")
+            if aliases["stable"]:
+                canary = aliases["canary"]
+                if not router.apply(aliases["stable"]["version"], canary and canary["version"],
+                                    canary["weight"] if canary else 0.0):
+                    log("the stable draft could not be loaded; serving autoregressively until the aliases move")
+            else:
+                log(f"no stable alias in {self.registry.uri}; serving autoregressively until one is set")
         router.follow_aliases(self.registry.aliases, cfg.serve.alias_poll_s)
         return router
 
@@ -155,7 +160,7 @@ class TargetReplica:
     def _pick(self, req: dict[str, Any]) -> tuple[str, Any]:
         if not req.get("speculate", True):
             return "none", None
-        return self.router.pick(req.get("route_key") or req["request_id"])
+        return self.router.pick(req["request_id"])  # made by the server: a client cannot pick its arm
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's user_config: {"stable": id, "canary": id | None, "canary_weight": w} pins the
@@ -554,18 +559,16 @@ class OpenAIIngress:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _engine_request(self, req: Any, request_id: str | None = None, record_header: str | None = None,
-                        caller: Any = None) -> dict[str, Any]:
+    def _engine_request(self, req: Any, record_header: str | None = None, caller: Any = None) -> dict[str, Any]:
         from infra.config import DEFAULT_TENANT
         from serve.tenancy import record_decision
 
         tenant = caller.tenant if caller is not None else DEFAULT_TENANT
         out: dict[str, Any] = {
+            # Server-made: it also picks the canary arm, so a client cannot choose its arm.
             "request_id": new_id("req"),
             "tenant": tenant,
             "user": req.user[:256] if req.user else None,
-            # The X-Request-Id (a client's, or the one Serve's proxy assigns) fixes the canary arm.
-            "route_key": request_id,
             "sampling": {"temperature": req.temperature, "top_k": req.top_k, "top_p": req.top_p, "seed": req.seed},
             "stop": list(req.stop_list()),
             # The tenant's policy over the client's choice (serve/tenancy.py): a plain yes or no.
@@ -611,8 +614,7 @@ class OpenAIIngress:
         req = parse_request(kind, await self._body(request), self.cfg.serve.max_new_tokens,
                             self.cfg.serve.capture_top_k)
         self._check_model(req.model)
-        ereq = self._engine_request(req, _request_id(request), request.headers.get(RECORD_HEADER),
-                                    request.state.caller)
+        ereq = self._engine_request(req, request.headers.get(RECORD_HEADER), request.state.caller)
         # completions' echo: the prompt's text first (token-id prompts are decoded by a replica).
         echo = await self._prompt_text(req.prompt) if isinstance(req, CompletionRequest) and req.echo else ""
         if req.stream:

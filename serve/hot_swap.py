@@ -7,10 +7,15 @@ and travels with it (SpecEngine's per-request `draft=`), so a swap only affects 
 that start after it; requests in flight finish on the draft they began with.
 
 Versions come from the registry by id: the digests are checked before the safetensors are
-read, and a version that fails, or that was made for another target (its recorded target
-identity is not the replica's), is refused (remembered with its reason, not retried), while
-the replica keeps serving what it had. Routing is one tuple replaced whole, so the request
-path never sees half a swap.
+read. A version whose digest fails, or that was made for another target (its recorded target
+identity is not the replica's), is refused for good; one that fails for another reason (a
+registry mount away, an object store timing out) is tried again after a doubling back-off
+and refused for good only after `serve.swap_max_failures` failures. Meanwhile the replica
+keeps serving what it had. Routing is one tuple replaced whole, so the request path never
+sees half a swap.
+
+The canary arm is chosen from the request id the server made, never from a header a client
+sends: a client could otherwise pick its arm (and skew the canary's evidence).
 
 Two ways to move the drafts, both ending in `apply()`:
 - `follow_aliases()`: a background thread re-reads the registry's stable/canary aliases
@@ -27,6 +32,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+# The longest wait between two loads of a version that keeps failing.
+RETRY_CAP_S = 300.0
 
 
 def canary_share(request_id: str) -> float:
@@ -44,11 +51,14 @@ class Routing:
 
 
 class DraftRouter:
-    def __init__(self, load_runner: Callable[[str], Any], initial: Routing, log: Callable[[str], None] = print):
+    def __init__(self, load_runner: Callable[[str], Any], initial: Routing, log: Callable[[str], None] = print,
+                 *, retry_base_s: float = 5.0, max_failures: int = 5, clock: Callable[[], float] = time.monotonic):
         self._load_runner = load_runner  # version id -> engine runner (raises on a bad version)
         self.routing = initial
         self._runners: dict[str, Any] = {initial.stable: initial.stable_runner}
-        self.refused: dict[str, str] = {}
+        self.refused: dict[str, str] = {}  # version -> why its last load failed
+        self._failures: dict[str, tuple[int, float]] = {}  # version -> (failures, next try at); absent: for good
+        self._retry_base_s, self._max_failures, self._clock = retry_base_s, max_failures, clock
         self.loads = 0
         self.swaps = 0
         self._log = log
@@ -66,16 +76,33 @@ class DraftRouter:
         if version in self._runners:
             return self._runners[version]
         if version in self.refused:
-            raise RuntimeError(self.refused[version])
+            if self._clock() < self._failures.get(version, (0, float("inf")))[1]:
+                raise RuntimeError(self.refused[version])
         try:
             runner = self._load_runner(version)
         except Exception as e:
-            self.refused[version] = f"{type(e).__name__}: {e}"
-            self._log(f"refused draft version {version}: {self.refused[version]}; keeping the current drafts")
+            self._refuse(version, e)
             raise RuntimeError(self.refused[version]) from None
+        self.refused.pop(version, None)
+        self._failures.pop(version, None)
         self.loads += 1
         self._runners[version] = runner
         return runner
+
+    def _refuse(self, version: str, e: Exception) -> None:
+        from infra.backoff import backoff_delay
+        from infra.registry import DigestMismatch, WrongTarget
+
+        failures = self._failures.get(version, (0, 0.0))[0] + 1
+        self.refused[version] = f"{type(e).__name__}: {e}"
+        if isinstance(e, (DigestMismatch, WrongTarget)) or failures >= self._max_failures:
+            self._failures.pop(version, None)  # no retry: the same bytes fail the same way
+            self._log(f"refused draft version {version} for good: {self.refused[version]}; keeping the current drafts")
+            return
+        delay = backoff_delay(failures, self._retry_base_s, RETRY_CAP_S)
+        self._failures[version] = (failures, self._clock() + delay)
+        self._log(f"draft version {version} failed to load ({failures}/{self._max_failures}): "
+                  f"{self.refused[version]}; keeping the current drafts, trying again in {delay:.0f} s")
 
     def apply(self, stable: str | None, canary: str | None = None, weight: float = 0.0) -> bool:
         """Move to these versions; False (routing unchanged for a refused version) on failure."""

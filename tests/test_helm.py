@@ -491,6 +491,17 @@ def test_prometheus_rules_use_the_platform_metrics(rendered):
         assert {"OSDAcceptanceFalling", "OSDRecordsDropped", "OSDStreamLagging", "OSDDraftRolledBack"} <= alerts
 
 
+def test_records_lost_to_a_stream_outage_alert_within_a_minute(rendered):
+    """Issue 44, bug 5: records dropped because Redis is down or full raised an alert only after
+    10 minutes; the policy (counted drops, README "What survives what") needs one within a minute."""
+    _, docs = rendered
+    for rule in of_kind(docs, "PrometheusRule"):
+        rules = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}
+        down = rules["OSDRecordStreamDown"]
+        assert "redis_down" in down["expr"] and "redis_full" in down["expr"] and "[1m]" in down["expr"]
+        assert down.get("for", "0m") in ("0m", "0s") and down["labels"]["severity"] == "critical"
+
+
 def test_grafana_dashboard_ships_the_generated_json(chart):
     from infra.grafana_dashboard import render
 

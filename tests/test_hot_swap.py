@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from infra.config import load_config
-from infra.registry import Registry
+from loop_helpers import registry_for_replica
 from serve.hot_swap import DraftRouter, Routing
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
@@ -16,18 +15,7 @@ pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
 @pytest.fixture
 def setup(tiny, tmp_path):
-    from infra.draft_model import DraftSpec, build_draft, save_draft, target_ref
-
-    cfg = load_config(environ={}, overrides={
-        "state_dir": str(tmp_path), "model": {"target": "tiny-random"},
-        "serve": {"draft": "registry", "alias_poll_s": 0.1, "max_new_tokens": 64, "record": False}})
-    reg = Registry.from_config(cfg)
-    for i, layers in enumerate((1, 2, 1), 1):
-        spec = DraftSpec(num_layers=layers)
-        save_draft(build_draft(tiny.model, spec), spec, tmp_path / f"d{i}", target_ref=target_ref(tiny))
-        reg.publish(tmp_path / f"d{i}", f"v{i}")
-    reg.promote("v1")
-    return cfg, reg
+    return registry_for_replica(tiny, tmp_path, (1, 2, 1), alias_poll_s=0.1, max_new_tokens=64)
 
 
 def _req(i, max_tokens=48):

@@ -3,12 +3,13 @@
 Tiny models, CPU, gloo. One Ray instance and one fixed record set for the module.
 """
 
-import random
 import threading
 import time
 
 import pytest
 import torch
+
+from loop_helpers import greedy_records
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.deepspeed]
 
@@ -18,25 +19,7 @@ N_RECORDS = 60
 @pytest.fixture(scope="module")
 def records():
     """A fixed record set: the tiny target's own greedy outputs with their top-8."""
-    from infra.records import record_from_capture
-    from infra.target import load_target
-    from serve.engine import EngineOptions, GenerationParams, SpecEngine
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        lt = load_target("tiny-random", progress=False)
-        eng = SpecEngine(lt.model, None, lt.tokenizer, EngineOptions(k=0, capture_top_k=8, max_seq_len=128))
-        rng = random.Random(0)
-        out = []
-        for i in range(N_RECORDS):
-            ids = [rng.randrange(256) for _ in range(10)]
-            r = eng.generate(ids, GenerationParams(max_new_tokens=20))
-            out.append(record_from_capture(r.prompt_ids, r.output_ids, r.capture, request_id=f"r{i}",
-                                           draft_version="teacher", domain="other"))
-        return out
-    finally:
-        torch.set_num_threads(threads)
+    return greedy_records(N_RECORDS, prompt_len=10, max_new_tokens=20)
 
 
 @pytest.fixture(scope="module")

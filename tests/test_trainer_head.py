@@ -284,5 +284,5 @@ def test_a_refusal_at_setup_is_raised_once_not_restarted(monkeypatch, tmp_path):
     failure = rex.RayTaskError("run", "tb", RuntimeError("worker lost"))
     starts.clear()
     with pytest.raises(RuntimeError, match="training failed after 2 restarts"):
-        trainer.run_with_restarts(cfg, tmp_path / "run", restarts=2)
+        trainer.run_with_restarts(cfg, tmp_path / "run", restarts=2, sleep=lambda s: None)
     assert len(starts) == 3

@@ -98,3 +98,16 @@ def test_the_default_warm_start_is_the_head_that_osd_up_and_osd_serve_then_take(
     v1 = Registry.from_config(cfg).local_path("v1")
     assert json.loads((v1 / "draft.json").read_text())["spec"]["family"] == "head"
 
+
+def test_too_few_prompts_for_a_held_out_record_is_said_plainly(tmp_path):
+    """Issue 44, bug 10: no held-out record made the acceptance estimate None, and formatting
+    it ended `osd draft init` in a TypeError."""
+    env = {**os.environ, "OSD_MODEL__TARGET": "tiny-random", "OSD_STATE_DIR": str(tmp_path),
+           "OSD_TRAIN__DRAFT_LAYERS": "1", "OSD_TRAIN__TOKEN_BUDGET": "200", "OSD_TRAIN__WARM_MAX_NEW_TOKENS": "8",
+           "OSD_TRAIN__HELD_OUT_EVERY": "1000000", "OSD_DATA__MAX_PROMPT_CHARS": "200"}
+    p = subprocess.run([sys.executable, "-m", "pipeline.cli", "draft", "init", "--family", "layer",
+                        "--prompts", "8", "--epochs", "1"], env=env, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert "Traceback" not in out, out[-3000:]
+    assert p.returncode == 0, out[-3000:]
+    assert "no held-out record" in out

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from infra.config import TrainConfig
+from infra.durable import fsync_path, sync_tree, write_durable
 
 COMPLETE = "COMPLETE"
 CONSOLIDATED = "consolidated.safetensors"
@@ -66,35 +68,24 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def fsync_path(path: str | Path) -> None:
-    """fsync a file, or a directory (which makes the names in it durable)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def sync_tree(root: str | Path) -> None:
-    """fsync every file and directory under `root`, and root's own name in its parent."""
-    root = Path(root)
-    for dirpath, _, filenames in os.walk(root, topdown=False):  # names after their contents
-        for name in filenames:
-            fsync_path(Path(dirpath) / name)
-        fsync_path(dirpath)
-    fsync_path(root.parent)
-
-
-def write_durable(path: str | Path, data: bytes) -> None:
-    """Write, fsync, rename into place, fsync the directory: the file is whole or absent."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_path(path.parent)
+def prune_checkpoints(ckpt_dir: str | Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` COMPLETE checkpoints, and the half-written ones older
+    than the newest COMPLETE (a killed run's). Called once a new one is COMPLETE, so the disk
+    holds at most keep + 1 (the one being written); a newer tag without COMPLETE is being
+    written and is never touched. COMPLETE goes first, so a tag half-deleted by a crash is
+    never resumed from. Returns the tags removed, oldest first."""
+    d = Path(ckpt_dir)
+    complete = DistillEngine.complete_tags(d)
+    if not complete:
+        return []
+    newest = complete[-1]
+    doomed = list(complete[:-keep])
+    doomed += [p.name for p in d.iterdir() if p.is_dir() and re.match(r"step-\d+$", p.name)
+               and p.name < newest and p.name not in complete]
+    for tag in sorted(doomed):
+        (d / tag / COMPLETE).unlink(missing_ok=True)
+        shutil.rmtree(d / tag, ignore_errors=True)
+    return sorted(doomed)
 
 
 def init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, device: str = "cpu",
@@ -197,6 +188,7 @@ class DistillEngine:
             fsync_path(ckpt_dir / tag / CONSOLIDATED)
             write_durable(ckpt_dir / tag / COMPLETE, json.dumps(state).encode())
             fsync_path(ckpt_dir)  # the tag directory's own name
+            prune_checkpoints(ckpt_dir, self.cfg.keep_checkpoints)
         dist.barrier()  # the caller acks the records once this returns, so all of it is durable now
         return tag, weights
 

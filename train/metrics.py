@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from infra.loop_status import publish
+from infra.loop_status import count_start, publish
 
 
 class TrainerMetrics:
@@ -35,7 +35,9 @@ class TrainerMetrics:
         return {"loss": m.Gauge("osd_trainer_loss", "Distillation loss of the last step", tag_keys=tag),
                 "steps": m.Counter("osd_trainer_steps_total", "Optimizer steps", tag_keys=tag),
                 "records": m.Counter("osd_trainer_records_consumed_total", "Records trained on", tag_keys=tag),
-                "exports": m.Counter("osd_trainer_exports_total", "Draft versions exported", tag_keys=tag)}
+                "exports": m.Counter("osd_trainer_exports_total", "Draft versions exported", tag_keys=tag),
+                "restarts": m.Counter("osd_trainer_restarts_total", "Trainer starts that resumed a checkpoint",
+                                      tag_keys=tag)}
 
     def step(self, loss: float, records_total: int) -> None:
         """records_total: the trainer's running count of records consumed (all ranks, resumes included)."""
@@ -50,6 +52,18 @@ class TrainerMetrics:
                 self._m["records"].inc(new_records, tags)
         if time.time() - self._last_publish >= self.publish_every_s:
             self._publish()
+
+    def started(self, resumed: bool) -> None:
+        """Counts this rank's start in Redis (the ops page's restarts) and, when it resumed a
+        checkpoint, in osd_trainer_restarts_total."""
+        if resumed and self._m is not None:
+            self._m["restarts"].inc(1, {"rank": str(self.rank)})
+        if self.client is None:
+            return
+        try:
+            count_start(self.client, self.stream, f"trainer-{self.rank}")
+        except Exception:  # telemetry is best effort, as in _publish
+            pass
 
     def checkpoint(self, tag: str, export: dict[str, Any] | None) -> None:
         self.status.update(last_checkpoint=tag, last_checkpoint_time=time.time())

@@ -13,6 +13,8 @@ time to export, and whether to stop, so the collectives never go out of step.
 Delivery: a record is acked only after the checkpoint that includes the step that used
 it is COMPLETE. A worker killed before that leaves its records pending; the restarted
 group takes them over with XAUTOCLAIM and trains on them again: at least once, none lost.
+The checkpoint lists the stream ids it covers, and a group resuming from it acks those
+first, so a kill between COMPLETE and the XACK does not train them twice.
 A live worker touches the records it holds (keep_alive) so they are never taken over early.
 """
 
@@ -31,6 +33,7 @@ import ray
 import torch
 
 from infra.config import OSDConfig
+from infra.faults import fault_point
 # pipeline/ (demo, bench_train) imports estimate_alpha and is_held_out from here.
 from train.evaluator import estimate_alpha, gate_records, is_held_out  # noqa: F401
 
@@ -122,6 +125,9 @@ class TrainerWorker:
             self.parent_version = resumed["parent_version"]
         if resumed:
             _log(self.rank, f"resumed from {resumed['tag']} ({resumed['resumed']}), {self.records_total} records so far")
+            resumed["skipped"] = self._ack_covered(resumed)
+            resumed.pop("covered_ids", None)  # could be thousands of ids: not for stats or logs
+        self.telemetry.started(resumed is not None)
         self.resumed = resumed
         return resumed
 
@@ -252,6 +258,7 @@ class TrainerWorker:
         batch = self.fam.batch(records)
         t0 = time.perf_counter()
         loss = self.engine.train_batch(batch, loss_fn)
+        fault_point("trainer.mid_step")  # stepped, not yet counted or checkpointed
         stats.train_s += time.perf_counter() - t0
         stats.steps += 1
         stats.tokens += batch.n_tokens
@@ -278,9 +285,12 @@ class TrainerWorker:
     def _checkpoint_and_export(self, unacked: list, losses: list[float], n_records: int) -> dict[str, Any]:
         """Collective: checkpoint (COMPLETE last), then ack what it covers, then rank 0 publishes."""
         self.versions += 1
+        covered = self._entry_ids(unacked + self._held_acks)
         tag, weights = self.engine.save(self.ckpt_dir, {"records_total": self.records_total,
                                                         "versions": self.versions,
-                                                        "parent_version": self.parent_version})
+                                                        "parent_version": self.parent_version,
+                                                        "covered_ids": covered})
+        fault_point("trainer.after_complete")
         acked = self.consumer.ack(unacked + self._held_acks)
         self._held_acks = []
         out: dict[str, Any] = {"acked": acked, "tag": tag}
@@ -288,6 +298,27 @@ class TrainerWorker:
             out["export"] = self._publish(weights, losses, n_records)
         self.telemetry.checkpoint(tag, out.get("export"))
         return out
+
+    def _entry_ids(self, deliveries: list) -> list[str]:
+        """Collective: the stream ids every rank's checkpoint covers (rank 0 writes COMPLETE)."""
+        import torch.distributed as dist
+
+        mine = [d.entry_id for d in deliveries]
+        if self.world_size == 1:
+            return mine
+        every: list = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        return [i for ids in every for i in ids]
+
+    def _ack_covered(self, resumed: dict[str, Any]) -> int:
+        """Ack what the checkpoint resumed from covers: a process killed between COMPLETE and its
+        XACK left those records pending, and they would be reclaimed and trained twice."""
+        ids = resumed.get("covered_ids") or []
+        n = self.consumer.ack(ids) if ids and self.rank == 0 else 0
+        if n:
+            _log(self.rank, f"{n} records the checkpoint already covers were still pending (killed before "
+                            f"their ack): acked now, not trained again")
+        return n
 
     def _publish(self, weights: dict[str, torch.Tensor], losses: list[float], n_records: int) -> dict[str, Any]:
         from infra.draft_model import target_ref_of
@@ -308,6 +339,7 @@ class TrainerWorker:
         # take it costs nothing: the checkpoint is COMPLETE and the candidate stays on disk.
         from infra.registry import Registry, RegistryError
 
+        fault_point("trainer.before_publish")  # checkpointed and acked, the candidate saved, not published
         try:
             reg = Registry.from_config(self.cfg)
             published = reg.publish(out_dir, version, lineage=lineage, metrics=metrics)
@@ -420,25 +452,53 @@ class TrainerGroup:
         remove_placement_group(self.pg)
 
 
-def run_with_restarts(cfg: OSDConfig, run_dir: str | os.PathLike, *, restarts: int = 2, init_draft: str | None = None,
-                      family: str | None = None, **run_kw) -> list[RunStats]:
-    """Run a group; if a worker dies, tear the group down and start a new one that resumes
-    from the newest COMPLETE checkpoint (its unacked records are reclaimed from the stream)."""
-    last_err: Exception | None = None
-    for attempt in range(restarts + 1):
-        group = TrainerGroup(cfg, run_dir, init_draft=init_draft, family=family)
+# Group starts after a failure: 1 s, 2 s, 4 s ... at most RETRY_CAP_S apart, for train.retry_for_s.
+RETRY_BASE_S = 1.0
+RETRY_CAP_S = 30.0
+# Errors of a worker or its start (Redis away during setup, a lost node); others end the run.
+_RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.GetTimeoutError)
+
+
+def run_with_restarts(cfg: OSDConfig, run_dir: str | os.PathLike, *, restarts: int | None = None,
+                      init_draft: str | None = None, family: str | None = None, sleep: Any = time.sleep,
+                      clock: Any = time.monotonic, **run_kw) -> list[RunStats]:
+    """Run a group; if it fails to start or a worker dies, tear it down and start a new one that
+    resumes from the newest COMPLETE checkpoint (its unacked records are reclaimed from the
+    stream), after a doubling back-off, for up to train.retry_for_s after the first failure in
+    a row (and at most `restarts` times when given): a Redis outage shorter than that does not
+    end standalone training. A run that lasted RETRY_CAP_S was healthy: its failure starts over."""
+    from infra.backoff import backoff_delay
+
+    budget = cfg.train.retry_for_s
+    failures, first_failure, last_err = 0, 0.0, None
+    while True:
+        started = clock()
         try:
-            return group.run(**run_kw)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            return _run_group(cfg, run_dir, init_draft, family, run_kw)
+        except _RETRYABLE as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, ValueError):  # a setting or draft the workers refuse: the same next time
                 raise cause from None
             last_err = e
-            print(f"[osd train] a worker failed ({type(e).__name__}); restarting the group "
-                  f"({attempt + 1}/{restarts})", flush=True)
-        finally:
-            group.shutdown()
-    raise RuntimeError(f"training failed after {restarts} restarts") from last_err
+        if failures == 0 or clock() - started >= RETRY_CAP_S:
+            failures, first_failure = 0, started
+        failures += 1
+        delay = backoff_delay(failures, RETRY_BASE_S, RETRY_CAP_S)
+        if (restarts is not None and failures > restarts) or clock() + delay > first_failure + budget:
+            raise RuntimeError(f"training failed after {failures - 1} restarts in {clock() - first_failure:.0f} s "
+                               f"(train.retry_for_s = {budget:g}); last error: {type(last_err).__name__}") from last_err
+        print(f"[osd train] the trainer group failed ({type(last_err).__name__}); starting it again in "
+              f"{delay:.0f} s (restart {failures}; train.retry_for_s = {budget:g})", flush=True)
+        sleep(delay)
+
+
+def _run_group(cfg: OSDConfig, run_dir: str | os.PathLike, init_draft: str | None, family: str | None,
+               run_kw: dict[str, Any]) -> list[RunStats]:
+    group = TrainerGroup(cfg, run_dir, init_draft=init_draft, family=family)  # shuts itself down if it fails
+    try:
+        return group.run(**run_kw)
+    finally:
+        group.shutdown()
 
 
 def save_stats(stats: list[RunStats], path: str | os.PathLike) -> None:

@@ -73,16 +73,23 @@ def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progres
     spec = draft_spec_from_train(tc)
     draft = build_draft(loaded.model, spec)
     alpha_before = estimate_alpha(draft, held, tc.max_seq_len)
+    if alpha_before is None:
+        _log(f"no held-out record among {len(prompts)} prompts (1 in train.held_out_every = {tc.held_out_every} "
+             f"is held out): v1 is published without an acceptance estimate; give more prompts for one")
     _log(f"draft: {tc.draft_layers} {tc.draft_layer_source} layers of the target; acceptance estimate before "
-         f"training {alpha_before:.3f}")
+         f"training {_estimate(alpha_before)}")
 
     engine, ckpt_dir, first_epoch = _resumable_engine(cfg, draft, train_recs, spec, force)
     epochs = _train_epochs(cfg, engine, train_recs, ckpt_dir, first_epoch, progress)
     out = _save_v1(cfg, loaded, spec, engine.export_weights(), out_dir, held=held, n_train=len(train_recs),
                    n_prompts=len(prompts), alpha_before=alpha_before, epochs=epochs, force=force)
-    _log(f"published v1 at {out_dir}: acceptance estimate {alpha_before:.3f} -> {out['alpha_est']:.3f} "
+    _log(f"published v1 at {out_dir}: acceptance estimate {_estimate(alpha_before)} -> {_estimate(out['alpha_est'])} "
          f"({time.perf_counter() - t0:.0f} s in all, {epochs.train_s:.0f} s training)")
     return {"version": "v1", "path": str(out_dir), "generate_s": gen_s, "train_s": epochs.train_s, **out}
+
+
+def _estimate(alpha: float | None) -> str:
+    return "n/a (no held-out record)" if alpha is None else f"{alpha:.3f}"
 
 
 def _teacher_split(cfg: OSDConfig, loaded: Any, prompts: list, progress: bool,

@@ -136,6 +136,7 @@ def _charts(s: dict[str, Any]) -> str:
 
 def _loop(lp: dict[str, Any]) -> str:
     drops = ", ".join(f"{_e(k)} {v}" for k, v in sorted(lp["records_dropped"].items())) or "none"
+    restarts = ", ".join(f"{_e(k)} {v}" for k, v in lp.get("restarts", {}).items()) or "none"
     st = lp["stream"]
     groups = "".join(f"<tr><td class=l>{_e(g['group'])}</td><td>{_e(g['lag'])}</td><td>{_e(g['pending'])}</td>"
                      f"<td>{_e(g['consumers'])}</td></tr>" for g in st["groups"])
@@ -156,7 +157,7 @@ def _loop(lp: dict[str, Any]) -> str:
     return (f"<h2>Loop health</h2><div class=cards><div class=card id=ops-records>Records written "
             f"{lp['records_written']} &middot; dropped: {drops} <span class=muted>({lp['replicas']} replicas seen)"
             f"</span><br>Stream length {_e(st['length'])} &middot; dead-lettered {_e(st['dead_lettered'])}"
-            f"<br>Last candidate {cand_s}{suffix_s}</div>"
+            f"<br>Last candidate {cand_s}{suffix_s}<br><span id=ops-restarts>Restarts: {restarts}</span></div>"
             f"<div class=card><table id=ops-groups><tr><th class=l>group</th><th>lag</th><th>pending</th>"
             f"<th>consumers</th></tr>{groups}</table></div>"
             f"<div class=card><table id=ops-trainers><tr><th class=l>trainer</th><th>step</th><th>loss</th>"

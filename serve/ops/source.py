@@ -57,7 +57,7 @@ class OpsSource:
 
     def stream_health(self) -> dict[str, Any]:
         if self.client is None:
-            return {"length": None, "dead_lettered": None, "groups": [], "status": {}}
+            return {"length": None, "dead_lettered": None, "groups": [], "status": {}, "starts": {}}
         return stream_health(self.client, self.cfg.stream.stream)
 
     # -- the document ------------------------------------------------------------
@@ -138,15 +138,17 @@ class OpsSource:
         for r in replicas:
             for reason, n in (r.get("dropped_by_reason") or {}).items():
                 dropped[reason] = dropped.get(reason, 0) + int(n)
-        health = _guarded(self.stream_health, {"length": None, "dead_lettered": None, "groups": [], "status": {}},
-                          problems)
+        health = _guarded(self.stream_health, {"length": None, "dead_lettered": None, "groups": [], "status": {},
+                                               "starts": {}}, problems)
         trainers = sorted((dict(v, component=k) for k, v in health.pop("status").items()
                            if k.startswith("trainer-")), key=lambda t: t["component"])
         versions = self.registry.list()
         last = versions[-1] if versions else None
         suffix = [r["suffix"] for r in replicas if r.get("suffix")]
         return {"records_written": sum(int(r.get("records_written", 0)) for r in replicas),
-                "records_dropped": dropped, "replicas": len(replicas), "stream": health, "trainers": trainers,
+                "records_dropped": dropped,
+                # Starts beyond the first of each trainer rank and the rollout controller.
+                "restarts": {k: n - 1 for k, n in sorted(health.pop("starts").items())}, "replicas": len(replicas), "stream": health, "trainers": trainers,
                 # The suffix draft's replica indexes (none unless it serves): size and hit rate.
                 "suffix": suffix and {"tokens": sum(x["global_tokens"] for x in suffix),
                                       "bytes": sum(x["global_bytes"] for x in suffix),
@@ -168,14 +170,14 @@ class OpsSource:
 
 def stream_health(client: Any, name: str) -> dict[str, Any]:
     """Length, dead letters, each group's lag (Redis 7's XINFO GROUPS) and the loop's status hash."""
-    from infra.loop_status import read_all
+    from infra.loop_status import read_all, read_starts
     from infra.streams import dead_letter_stream, group_info
 
     groups = [{"group": g, "lag": _int(i.get("lag")), "pending": _int(i.get("pending")),
                "consumers": _int(i.get("consumers")), "last_delivered": i.get("last-delivered-id")}
               for g, i in sorted(group_info(client, name).items())]
     return {"length": client.xlen(name), "dead_lettered": client.xlen(dead_letter_stream(name)),
-            "groups": groups, "status": read_all(client, name)}
+            "groups": groups, "status": read_all(client, name), "starts": read_starts(client, name)}
 
 
 def _current_weight(aliases: dict[str, Any]) -> tuple[float, float]:
