@@ -80,7 +80,7 @@ struct Quantized {  // activations of M rows, quantized for the next GEMM
 };
 
 struct Work {  // per-call buffers, kept per calling thread so a step allocates nothing
-  std::vector<float> x, tmp, qkv, att, gu, act, scores, kv;  // kv: each worker's widened keys and values
+  std::vector<float> x, tmp, qkv, att, gu, act, scores;
   std::vector<int> items;  // attention work items, 4 ints each
   Quantized qa;
 };
@@ -181,7 +181,6 @@ void attention(const OsdModel& md, const OsdBatch& bt, int layer, Work& wk, int 
     r0 = r1;
   }
   wk.scores.resize(static_cast<size_t>(workers) * kMaxQueries * max_len);
-  wk.kv.resize(static_cast<size_t>(workers) * 2 * max_len * hd);
   const int n_items = static_cast<int>(items.size() / 4);
   Pool::get().run(workers, n_items, [&](int it, int w) {
     const float* qs[kMaxQueries];
@@ -198,8 +197,7 @@ void attention(const OsdModel& md, const OsdBatch& bt, int layer, Work& wk, int 
       const OsdSeq& sq = bt.seqs[bt.seq[r0]];
       const int64_t off = layer * sq.s_layer + g * sq.s_head;
       attend_rows(qs, lens, q1 - q0, sq.k + off, sq.v + off, sq.s_pos, hd, md.attn_scale,
-                  wk.scores.data() + static_cast<int64_t>(w) * kMaxQueries * max_len,
-                  wk.kv.data() + static_cast<int64_t>(w) * 2 * max_len * hd, outs);
+                  wk.scores.data() + static_cast<int64_t>(w) * kMaxQueries * max_len, outs);
     }
   });
 }

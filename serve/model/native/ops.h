@@ -95,6 +95,45 @@ inline __m512 bf16x16(const uint16_t* p) {
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+inline float dot_key(const float* q, const uint16_t* k, int hd) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int i = 0; i < hd; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), bf16x16(k + i), acc);
+  const __m256 t8 = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
+  const __m128 t4 = _mm_add_ps(_mm256_castps256_ps128(t8), _mm256_extractf128_ps(t8, 1));
+  const __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+  return _mm_cvtss_f32(_mm_add_ss(t2, _mm_movehdup_ps(t2)));
+}
+
+// out[0:W] = sum_j p[j] * v_j[0:W] as four partial sums over j = 0, 1, 2, 3 (mod 4), each in
+// order of j, added as (A0 + A1) + (A2 + A3): four independent FMA chains instead of one.
+inline void pv_chunk32(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
+  __m512 a[4][2];
+  for (int k = 0; k < 4; ++k) a[k][0] = a[k][1] = _mm512_setzero_ps();
+  int j = 0;
+  for (; j + 4 <= len; j += 4)
+    for (int k = 0; k < 4; ++k) {
+      const __m512 pj = _mm512_set1_ps(p[j + k]);
+      a[k][0] = _mm512_fmadd_ps(pj, bf16x16(v + (j + k) * stride), a[k][0]);
+      a[k][1] = _mm512_fmadd_ps(pj, bf16x16(v + (j + k) * stride + 16), a[k][1]);
+    }
+  for (int k = 0; j < len; ++j, ++k) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    a[k][0] = _mm512_fmadd_ps(pj, bf16x16(v + j * stride), a[k][0]);
+    a[k][1] = _mm512_fmadd_ps(pj, bf16x16(v + j * stride + 16), a[k][1]);
+  }
+  for (int h = 0; h < 2; ++h)
+    _mm512_storeu_ps(out + 16 * h, _mm512_add_ps(_mm512_add_ps(a[0][h], a[1][h]), _mm512_add_ps(a[2][h], a[3][h])));
+}
+
+inline void pv_chunk16(const float* p, const uint16_t* v, int64_t stride, int len, float* out) {
+  __m512 a[4];
+  for (int k = 0; k < 4; ++k) a[k] = _mm512_setzero_ps();
+  int j = 0;
+  for (; j + 4 <= len; j += 4)
+    for (int k = 0; k < 4; ++k) a[k] = _mm512_fmadd_ps(_mm512_set1_ps(p[j + k]), bf16x16(v + (j + k) * stride), a[k]);
+  for (int k = 0; j < len; ++j, ++k) a[k] = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), bf16x16(v + j * stride), a[k]);
+  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 inline __m256 bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(
@@ -180,108 +219,14 @@ inline void softmax_row(float* scores, int len) {
   for (int jj = 0; jj < len; ++jj) scores[jj] *= inv;
 }
 
-#if defined(__AVX512F__)
-// The (l, l + 8), (+4), (0+2, 1+3), (+1) stages of lane_sum for 16 vectors at once, by
-// transposing adds: the result's lane l holds the sum of vector kLaneKey[l]; the pairs added
-// are lane_sum's, so each sum has its bits.
-inline __m512 sum16(const __m512* a) {
-  __m512 b[8], c[4], d[2];
-  for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-  for (int i = 0; i < 2; ++i)
-    d[i] = _mm512_add_ps(
-        _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(c[2 * i]), _mm512_castps_pd(c[2 * i + 1]))),
-        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(c[2 * i]), _mm512_castps_pd(c[2 * i + 1]))));
-  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
-  // e's lane l holds vector (l % 4) * 4 + l / 4; put vector j in lane j.
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, e);
-}
-
-// q . k_j for 16 float keys (rows of kf, hd apart), each as dot_key sums it.
-inline __m512 dot16(const float* q, const float* kf, int hd) {
-  __m512 acc[16];
-  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
-  for (int i = 0; i < hd; i += 16) {
-    const __m512 qi = _mm512_loadu_ps(q + i);
-#pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(kf + j * hd + i), acc[j]);
-  }
-  return sum16(acc);
-}
-
-inline float dot_keyf(const float* q, const float* k, int hd) {  // dot_key over a float key
-  __m512 acc = _mm512_setzero_ps();
-  for (int i = 0; i < hd; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i), acc);
-  float lanes[16];
-  _mm512_storeu_ps(lanes, acc);
-  return lane_sum(lanes);
-}
-
-// pv_chunk32 over float values (rows hd apart): the same FMAs in the same order.
-inline void pv_f32(const float* p, const float* vf, int hd, int len, float* out) {
-  __m512 a[4][2];
-  for (int k = 0; k < 4; ++k) a[k][0] = a[k][1] = _mm512_setzero_ps();
-  int j = 0;
-  for (; j + 4 <= len; j += 4)
-    for (int k = 0; k < 4; ++k) {
-      const __m512 pj = _mm512_set1_ps(p[j + k]);
-      a[k][0] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vf + (j + k) * hd), a[k][0]);
-      a[k][1] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vf + (j + k) * hd + 16), a[k][1]);
-    }
-  for (int k = 0; j < len; ++j, ++k) {
-    const __m512 pj = _mm512_set1_ps(p[j]);
-    a[k][0] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vf + j * hd), a[k][0]);
-    a[k][1] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(vf + j * hd + 16), a[k][1]);
-  }
-  for (int h = 0; h < 2; ++h)
-    _mm512_storeu_ps(out + 16 * h, _mm512_add_ps(_mm512_add_ps(a[0][h], a[1][h]), _mm512_add_ps(a[2][h], a[3][h])));
-}
-
-inline void pv_f16(const float* p, const float* vf, int hd, int len, float* out) {
-  __m512 a[4];
-  for (int k = 0; k < 4; ++k) a[k] = _mm512_setzero_ps();
-  int j = 0;
-  for (; j + 4 <= len; j += 4)
-    for (int k = 0; k < 4; ++k) a[k] = _mm512_fmadd_ps(_mm512_set1_ps(p[j + k]), _mm512_loadu_ps(vf + (j + k) * hd), a[k]);
-  for (int k = 0; j < len; ++j, ++k) a[k] = _mm512_fmadd_ps(_mm512_set1_ps(p[j]), _mm512_loadu_ps(vf + j * hd), a[k]);
-  _mm512_storeu_ps(out, _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
-}
-#endif
-
 // Several query rows against one cache head's keys/values (bf16, position stride `stride`):
 // query i attends over positions [0, len[i]), softmax(q.k * scale) . v into out[i] [hd], hd a
-// multiple of 16. `scores` holds n * max(len) floats, `scratch` 2 * max(len) * hd. Each
-// query's arithmetic is a lone query's, on every instruction set. On AVX-512 the keys and
-// values are widened to float once for all the queries and 16 keys' scores come out of one
-// transposing sum (sum16); elsewhere each key is widened per query.
+// multiple of 16. Keys outermost, so each key comes from memory once for all the queries; each
+// query's arithmetic is a lone query's. `scores` holds n * max(len) floats.
 inline void attend_rows(const float* const* q, const int* len, int n, const uint16_t* k, const uint16_t* v,
-                        int64_t stride, int hd, float scale, float* scores, float* scratch, float* const* out) {
+                        int64_t stride, int hd, float scale, float* scores, float* const* out) {
   int max_len = 0;
   for (int i = 0; i < n; ++i) max_len = len[i] > max_len ? len[i] : max_len;
-#if defined(__AVX512F__)
-  float* kf = scratch;
-  float* vf = scratch + static_cast<int64_t>(max_len) * hd;
-  for (int j = 0; j < max_len; ++j)
-    for (int c = 0; c < hd; c += 16) {
-      _mm512_storeu_ps(kf + j * hd + c, bf16x16(k + j * stride + c));
-      _mm512_storeu_ps(vf + j * hd + c, bf16x16(v + j * stride + c));
-    }
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int i = 0; i < n; ++i) {
-    float* p = scores + i * max_len;
-    int j = 0;
-    for (; j + 16 <= len[i]; j += 16) _mm512_storeu_ps(p + j, _mm512_mul_ps(dot16(q[i], kf + j * hd, hd), sc));
-    for (; j < len[i]; ++j) p[j] = dot_keyf(q[i], kf + j * hd, hd) * scale;
-    softmax_row(p, len[i]);
-    int c = 0;
-    for (; c + 32 <= hd; c += 32) pv_f32(p, vf + c, hd, len[i], out[i] + c);
-    if (c < hd) pv_f16(p, vf + c, hd, len[i], out[i] + c);
-  }
-#else
-  (void)scratch;
   for (int j = 0; j < max_len; ++j) {
     const uint16_t* kj = k + j * stride;
     for (int i = 0; i < n; ++i)
@@ -294,7 +239,6 @@ inline void attend_rows(const float* const* q, const int* len, int n, const uint
     for (; c + 32 <= hd; c += 32) pv_chunk32(p, v + c, stride, len[i], out[i] + c);
     if (c < hd) pv_chunk16(p, v + c, stride, len[i], out[i] + c);
   }
-#endif
 }
 
 }  // namespace osd
