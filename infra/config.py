@@ -289,6 +289,10 @@ class StreamConfig(_Section):
     # Records (and dead letters) older than this many seconds are trimmed (XTRIM MINID) by the
     # producer, so served text is kept no longer than this whatever the traffic. 0: no limit.
     retention_s: float = Field(0.0, ge=0, allow_inf_nan=False)
+    # After a trim by retention_s removed records, the producer asks Redis to rewrite its AOF
+    # (BGREWRITEAOF) at most this often, so the trimmed records' bytes leave the disk too, not
+    # only memory. 0: never (Redis's own growth-based rewrites only).
+    aof_rewrite_s: float = Field(3600.0, ge=0, allow_inf_nan=False)
     # Producer. Records wait here for the writer thread; when it is full, submit() drops.
     queue_size: int = Field(10_000, ge=1)
     # XADDs per pipelined round trip.

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 
-# Beyond XADD the producer trims (retention, MAXLEN) and reads the trainers' backlog size
-# (XINFO GROUPS, XLEN: counts, never a record). The trainer moves undecodable entries to the
+# Beyond XADD the producer trims (retention, MAXLEN), rewrites the AOF after a retention trim
+# (BGREWRITEAOF, so trimmed bytes leave the disk) and reads the trainers' backlog size (XINFO
+# GROUPS, XLEN: counts, never a record). The trainer moves undecodable entries to the
 # dead-letter stream (XADD there) and writes the loop's status hash.
 ROLE_COMMANDS = {
-    "producer": "+ping +xadd +xtrim +xlen +xinfo|groups",
+    "producer": "+ping +xadd +xtrim +xlen +xinfo|groups +bgrewriteaof",
     "trainer": "+ping +xreadgroup +xread +xrange +xrevrange +xlen +xack +xautoclaim +xclaim +xpending "
                "+xgroup|create +xinfo +xadd +hset +hgetall",
     "admin": "+ping +xrange +xrevrange +xlen +xinfo +xdel +xtrim +hgetall",

@@ -73,6 +73,18 @@ def retention_min_id(now_s: float, retention_s: float) -> str | None:
     return f"{max(0, int((now_s - retention_s) * 1000))}-0"
 
 
+def rewrite_aof(client: redis.Redis) -> bool:
+    """Ask Redis to rewrite its append-only file in the background, so entries trimmed from
+    memory leave the disk as well. False where a rewrite is already running or Redis keeps no
+    AOF (nothing to do)."""
+    try:
+        client.bgrewriteaof()
+    except redis.ResponseError as e:  # "Background append only file rewriting already in progress"
+        log.info("record producer: no AOF rewrite now: %s", e)
+        return False
+    return True
+
+
 def trim_expired(client: redis.Redis, stream: str, retention_s: float, *, now_s: float | None = None) -> int:
     """Delete the entries of `stream` and its dead-letter stream older than `retention_s`
     (exact XTRIM MINID: a retention is a promise, unlike the MAXLEN cap's ~). Returns how many."""
@@ -230,6 +242,7 @@ class RecordProducer:
         self._lag_at = float("-inf")
         self._full = False  # the last batch met an out-of-memory Redis
         self._trim_at = float("-inf")
+        self._rewrite_at = float("-inf")
         self._thread = threading.Thread(target=self._run, name=f"osd-producer[{self.stream}]", daemon=True)
         self._thread.start()
         # An exit that never calls close() (a replica's process ending, a CLI returning) still
@@ -399,7 +412,10 @@ class RecordProducer:
             return
         self._trim_at = now
         try:
-            trim_expired(self._client, self.stream, self.cfg.retention_s)
+            trimmed = trim_expired(self._client, self.stream, self.cfg.retention_s)
+            if trimmed and self.cfg.aof_rewrite_s and now >= self._rewrite_at + self.cfg.aof_rewrite_s:
+                self._rewrite_at = now
+                rewrite_aof(self._client)
         except _UNREACHABLE as e:
             self._mark_down(e)
         except RedisError as e:  # e.g. a Redis before 6.2, which has no MINID

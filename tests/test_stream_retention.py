@@ -98,3 +98,40 @@ def test_an_idle_producer_still_trims(redis_url, monkeypatch):
         while _ids(client, c.stream) != kept and time.monotonic() < deadline:
             time.sleep(0.02)
     assert _ids(client, c.stream) == kept
+
+
+@pytest.mark.redis
+def test_a_trim_that_removed_records_rewrites_the_aof_so_they_leave_the_disk(redis_url):
+    c = cfg(retention_s=600.0)
+    client = redis.Redis.from_url(redis_url)
+    client.config_set("appendonly", "yes")
+    try:
+        _check_rewrites(client, c, redis_url)
+    finally:
+        client.config_set("appendonly", "no")
+
+
+def _check_rewrites(client: redis.Redis, c, redis_url: str) -> None:
+    _wait_no_rewrite(client)
+    before = client.info("persistence").get("aof_rewrites", 0)
+    _seed_old_and_new(client, c.stream, time.time())
+    with RecordProducer(redis_url, c) as p:
+        assert p.submit(make_record(99)) and p.flush(10)
+    _wait_no_rewrite(client)
+    assert client.info("persistence")["aof_rewrites"] > before
+    after = client.info("persistence")["aof_rewrites"]
+    never = cfg(retention_s=600.0, aof_rewrite_s=0.0, stream=c.stream + ":2")  # 0: never asks
+    _seed_old_and_new(client, never.stream, time.time())
+    with RecordProducer(redis_url, never) as p:
+        assert p.submit(make_record(98)) and p.flush(10)
+    _wait_no_rewrite(client)
+    assert client.info("persistence")["aof_rewrites"] == after
+
+
+def _wait_no_rewrite(client: redis.Redis) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        info = client.info("persistence")
+        if not info.get("aof_rewrite_in_progress") and not info.get("aof_rewrite_scheduled"):
+            return
+        time.sleep(0.05)
