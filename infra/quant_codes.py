@@ -92,21 +92,64 @@ def _exact_q8(w: torch.Tensor) -> tuple[torch.Tensor] | None:
     return (scale.half(),)
 
 
-def keep_exact_scales(model: Any) -> int:
+def keep_exact_scales(model: Any, known: dict[str, torch.Tensor] | None = None) -> int:
     """On a float32 model fresh from a GGUF: record on each decoder linear weight whose every block
     is exactly 4-bit its blocks' scales, and on the output head (8-bit) likewise, before a cast to
-    bfloat16 loses them. Returns how many weights got them."""
+    bfloat16 loses them. `known`: scales read from the file's blocks (BLOCK_SCALES_FILE:
+    `<param>.scale`, `<param>.min`, float32), taken where they reproduce the weight. Returns how
+    many weights got them."""
+    known = known or {}
     kept = 0
-    for layer in model.model.layers:
-        for module in (*layer.self_attn.children(), *layer.mlp.children()):
-            w = getattr(module, "weight", None)
-            found = _exact_int4(w) if isinstance(w, torch.Tensor) and w.dim() == 2 else None
-            if found is not None:
-                setattr(w, EXACT_SCALES, found)
-                kept += 1
+    for name, w in model.named_parameters():
+        if not name.startswith("model.layers.") or w.dim() != 2:
+            continue
+        found: tuple[torch.Tensor, ...] | None = None
+        if f"{name}.scale" in known and fits(w, known[f"{name}.scale"], known[f"{name}.min"]):
+            found = (known[f"{name}.scale"], known[f"{name}.min"])
+        elif w.shape[1] % INT4_GROUP == 0:
+            found = _exact_int4(w)
+        if found is not None:
+            setattr(w, EXACT_SCALES, found)
+            kept += 1
     head = model.lm_head.weight
     found_q8 = _exact_q8(head)
     if found_q8 is not None:
         setattr(head, EXACT_SCALES, found_q8)
         kept += 1
     return kept
+
+
+# ---------------------------------------------------------------- Q4_K, from the file's blocks
+
+BLOCK_SCALES_FILE = "osd-int4-scales.safetensors"  # in a converted GGUF's cache directory
+
+
+def q4k_scales(raw: Any, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_K tensor's blocks (uint8 [rows, bytes]) -> per group of 32 (scale, minimum) float32
+    [rows, K/32], w = scale·q + minimum exactly as gguf dequantizes it (scale = d·sc, minimum =
+    -dmin·m, the 6-bit sc and m unpacked by gguf's own Q4_K.get_scale_min). A k-quant block
+    need not hold codes 0 and 15, so these cannot be read off the weights; they come from here."""
+    import numpy as np
+    from gguf.quants import Q4_K
+
+    blocks = np.asarray(raw).reshape(-1, 144)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    scale = d * sc.astype(np.float32)
+    lo = -(dmin * m.astype(np.float32))
+    return torch.from_numpy(scale.reshape(rows, -1)), torch.from_numpy(lo.reshape(rows, -1))
+
+
+def unpermute_rows(x: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's converter order of a llama q/k weight's rows (each head's two rotary
+    halves interleaved), for anything row-aligned with that weight."""
+    return x.reshape(n_head, x.shape[0] // n_head // 2, 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
+
+
+def fits(w: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> bool:
+    """Whether (scale, lo) reproduce the float32 weight w exactly with codes 0..15."""
+    if scale.shape != (w.shape[0], w.shape[1] // INT4_GROUP) or scale.shape != lo.shape:
+        return False
+    codes, _, _ = int4_codes(w, scales=(scale, lo))
+    return torch.equal(dequantize_int4(codes, scale, lo), w.detach().float())

@@ -251,6 +251,36 @@ def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
     plain.generation_config = gmodel.generation_config
     plain.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    _save_block_scales(GGUFReader(gguf), info.architecture, plain, out)
+
+
+def _save_block_scales(reader: Any, arch: str, model: Any, out: Path) -> None:
+    """The Q4_K tensors' block scales (infra/quant_codes.py q4k_scales) beside the weights, by
+    Hugging Face name, each kept only where it reproduces the converted weight exactly."""
+    import gguf
+    from safetensors.torch import save_file
+
+    from infra.quant_codes import BLOCK_SCALES_FILE, fits, q4k_scales, unpermute_rows
+
+    q4k = {t.name: t for t in reader.tensors if t.tensor_type.name == "Q4_K"}
+    if not q4k or arch.upper() not in gguf.MODEL_ARCH.__members__:
+        return
+    cfg = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    kept: dict[str, Any] = {}
+    for name, w in model.named_parameters():
+        gname = names.get_name(name, try_suffixes=(".weight",))
+        t = q4k.get(gname) if gname else None
+        if t is None:
+            continue
+        scale, lo = q4k_scales(t.data, w.shape[0])
+        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            scale, lo = unpermute_rows(scale, heads), unpermute_rows(lo, heads)
+        if fits(w, scale, lo):
+            kept[f"{name}.scale"], kept[f"{name}.min"] = scale.contiguous(), lo.contiguous()
+    if kept:
+        save_file(kept, str(out / BLOCK_SCALES_FILE))
 
 
 # ---------------------------------------------------------------- local HF directory
@@ -424,13 +454,22 @@ def load_target(
         # before the cast to the activations' bfloat16 loses them.
         path = target_dir(spec, cfg, progress)
         model, tok = load_hf_dir(path, cfg.model_copy(update={"dtype": "float32"}))
-        keep_exact_scales(model)
+        keep_exact_scales(model, _block_scales(path))
         model.to(getattr(torch, cfg.dtype))
     else:
         path = target_dir(spec, cfg, progress)
         model, tok = load_hf_dir(path, cfg)
     model.to(cfg.device).eval()
     return LoadedModel(model, tok, spec, path, time.perf_counter() - t0)
+
+
+def _block_scales(path: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    from infra.quant_codes import BLOCK_SCALES_FILE
+
+    file = path / BLOCK_SCALES_FILE
+    return load_file(str(file)) if file.is_file() else {}
 
 
 def target_dir(spec: str, cfg: ModelConfig, progress: bool = False) -> Path:

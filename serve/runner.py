@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from infra.cpu import native_bf16_gemm
-from infra.quant_codes import EXACT_SCALES
+from infra.quant_codes import EXACT_SCALES, int4_codes
 from serve.linear import QUANT_MODES, Dense, Int4, Int8, Upcast, make_linear
 from serve.model.families import Family, lean_family
 
@@ -172,12 +172,15 @@ def shared_linear(sources: tuple[torch.Tensor, ...], quant: str, dtype: torch.dt
 
 
 def exact_scales(sources: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
-    """The block scales the loader kept on every one of `sources` (infra/quant_codes.py),
-    concatenated as the weights are; None unless all have them."""
+    """The block scales the loader kept on `sources` (infra/quant_codes.py), concatenated as the
+    weights are; None where none has them. In a fused weight whose parts the file kept in
+    different types (Q4_K_M's q and k in Q4_K, v in Q6_K), a part without them takes its own
+    min/max scales, so the others stay exact."""
     kept = [getattr(w, EXACT_SCALES, None) for w in sources]
-    if any(k is None for k in kept):
+    if all(k is None for k in kept):
         return None
-    return tuple(torch.cat(parts) for parts in zip(*kept))
+    kept = [k if k is not None else int4_codes(w)[1:] for k, w in zip(kept, sources)]
+    return tuple(torch.cat([p.float() for p in parts]) for parts in zip(*kept))
 
 
 # Blocks of up to this many rows (decode, verify, draft trees) attend row by row in the same

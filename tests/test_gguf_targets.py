@@ -17,7 +17,7 @@ from infra.target import TargetError, build_tiny, identify_target, load_target
 from serve.chat_template import chat_prompt_ids
 from serve.engine import EngineOptions, GenerationParams, SpecEngine
 from serve.errors import RequestError
-from serve.linear import int4_codes
+from serve.linear import dequantize_int4, int4_codes
 from serve.runners import make_runner
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
@@ -162,14 +162,15 @@ def test_chat_needs_the_files_chat_template(tmp_path):
     assert with_template.tokenizer.decode(ids) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q4_K"])
 def test_int4_serving_keeps_the_files_4bit_blocks_bit_for_bit(qtype, tmp_path):
     """The served model is bfloat16, which cannot hold the blocks' values; the scales read off the
     float32 weights at load make the int4 weights the file's own again, in the native layout."""
     from infra.quant_codes import EXACT_SCALES
     from serve.model.native_formats import dequantize_q4
 
-    ref = write_gguf(build_tiny("qwen2", seed=9, **SHAPE), tmp_path / "m.gguf", qtype)
+    shape = K_SHAPE if qtype == "Q4_K" else SHAPE
+    ref = write_gguf(build_tiny("llama", seed=9, **shape), tmp_path / "m.gguf", qtype)  # llama: q/k rows permuted
     cfg = ModelConfig(target=str(tmp_path / "m.gguf"), cache_dir=tmp_path / "cache").resolved()
     loaded = load_target(cfg.target, cfg, progress=False)
     want = dict(ref.named_parameters())
@@ -179,12 +180,14 @@ def test_int4_serving_keeps_the_files_4bit_blocks_bit_for_bit(qtype, tmp_path):
             continue
         assert w.dtype == torch.bfloat16 and getattr(w, EXACT_SCALES, None) is not None, name
         codes, scale, lo = int4_codes(w, scales=getattr(w, EXACT_SCALES))
-        assert torch.equal(dequantize_q4(codes, scale, lo), want[name].float()), name
+        assert torch.equal(dequantize_int4(codes, scale, lo), want[name].float()), name  # the file's codes
+        if qtype != "Q4_K":  # float16 scales, as the native layout keeps them: still exact
+            assert torch.equal(dequantize_q4(codes, scale, lo), want[name].float()), name
         checked += 1
-    assert checked == 7 * SHAPE["num_layers"]
+    assert checked == 7 * shape["num_layers"]
 
 
-def test_a_q8_0_head_keeps_its_scales_and_a_k_quant_is_requantized(tmp_path):
+def test_a_q8_0_head_keeps_its_scales_and_a_k_quants_come_from_its_blocks(tmp_path):
     from infra.quant_codes import EXACT_SCALES, keep_exact_scales
 
     q8 = write_gguf(build_tiny("llama", seed=10, **SHAPE), tmp_path / "q8.gguf", "Q8_0")
@@ -192,7 +195,7 @@ def test_a_q8_0_head_keeps_its_scales_and_a_k_quant_is_requantized(tmp_path):
     assert getattr(q8.lm_head.weight, EXACT_SCALES, None) is not None
     assert getattr(q8.model.layers[0].mlp.down_proj.weight, EXACT_SCALES, None) is None  # 8-bit, not 4
     qk = write_gguf(build_tiny("llama", seed=10, **K_SHAPE), tmp_path / "qk.gguf", "Q4_K")
-    keep_exact_scales(qk)
+    keep_exact_scales(qk)  # a Q4_K block's scales cannot be read off its weights: the file's blocks give them
     assert getattr(qk.model.layers[0].mlp.down_proj.weight, EXACT_SCALES, None) is None
 
 
