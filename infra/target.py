@@ -31,7 +31,6 @@ from typing import Any, Callable
 
 from infra.config import ModelConfig
 from infra.gguf_file import GgufError, GgufInfo, read_gguf_info
-from infra.quant_codes import keep_exact_scales
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random"
@@ -454,6 +453,8 @@ def load_target(
         # before the cast to the activations' bfloat16 loses them.
         path = target_dir(spec, cfg, progress)
         model, tok = load_hf_dir(path, cfg.model_copy(update={"dtype": "float32"}))
+        from infra.quant_codes import keep_exact_scales  # torch: not for every importer of infra
+
         keep_exact_scales(model, _block_scales(path))
         model.to(getattr(torch, cfg.dtype))
     else:

@@ -148,7 +148,8 @@ def _cmd_serve(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
 def _model_flag(args: argparse.Namespace) -> dict:
     """--model PATH (a GGUF file or a Hugging Face directory) as a config override of model.target."""
-    return {"model": {"target": str(Path(args.model).expanduser().resolve())}} if args.model else {}
+    model = getattr(args, "model", None)  # callers may build their own Namespace without it
+    return {"model": {"target": str(Path(model).expanduser().resolve())}} if model else {}
 
 
 def _draft_init_config(cfg: OSDConfig, args: argparse.Namespace) -> OSDConfig:

@@ -531,11 +531,13 @@ def test_make_runner_picks_by_model_type(greedy_targets):
     assert isinstance(make_runner(target, 64), LlamaRunner)
     assert make_runner(target, 64).max_seq_len == 64
     cfg = copy.deepcopy(target.config)
-    cfg.attention_bias = True  # LlamaRunner has no biases: the generic runner takes it
+    cfg.attention_bias = True  # biases are a family difference the lean runner takes
+    assert isinstance(make_runner(LlamaForCausalLM(cfg), 64), LlamaRunner)
+    cfg.mlp_bias = True  # an MLP with biases is not: the generic runner takes it
     assert isinstance(make_runner(LlamaForCausalLM(cfg), 64), HFRunner)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=259, n_positions=64, n_embd=32, n_layer=1, n_head=2)).eval()
     assert isinstance(make_runner(gpt2), HFRunner)
-    with pytest.raises(TypeError, match="Llama"):
+    with pytest.raises(TypeError, match="model_type 'gpt2': the lean forward runs llama"):
         LlamaRunner(gpt2)
 
 

@@ -121,9 +121,12 @@ def test_missing_gguf_package_is_clear(monkeypatch):
 
 def test_interrupted_cache_is_not_used(tmp_path, monkeypatch):
     # A cache directory without its manifest (killed mid-conversion) must not load.
-    fake = tmp_path / "fake.gguf"
-    fake.write_bytes(b"GGUF" + b"\0" * 64)
-    from infra.target import sha256_file, smollm2_cache_dir
+    from gguf_files import write_gguf
+
+    from infra.target import build_tiny, sha256_file, smollm2_cache_dir
+
+    fake = tmp_path / "fake.gguf"  # a real GGUF, so the check before converting passes
+    write_gguf(build_tiny("llama", vocab_size=259, num_layers=1), fake, "F16")
 
     out = smollm2_cache_dir(tmp_path / "cache", sha256_file(fake))
     out.mkdir(parents=True)
@@ -135,9 +138,9 @@ def test_interrupted_cache_is_not_used(tmp_path, monkeypatch):
 def test_bad_gguf_leaves_no_cache(tmp_path):
     fake = tmp_path / "broken.gguf"
     fake.write_bytes(b"GGUF" + b"\x03\0\0\0" + b"\xff" * 100)
-    with pytest.raises(TargetError, match="cannot convert"):
+    with pytest.raises(TargetError, match="not a readable GGUF file"):
         prepare_smollm2(tmp_path / "cache", progress=False, gguf=fake)
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert not (tmp_path / "cache").exists()  # refused before anything is written
 
 
 def test_model_config_dtype(tmp_path):

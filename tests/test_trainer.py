@@ -249,7 +249,7 @@ def test_checkpoint_is_fsynced_before_save_returns_and_the_records_are_acked(tmp
     files = {str(p) for p in tag_dir.rglob("*") if p.is_file()}
     assert str(tag_dir / "COMPLETE") in files and str(tag_dir / "consolidated.safetensors") in files
     # COMPLETE is written as a temp file, fsynced, then renamed, so its fsync shows the temp name
-    order = [re.sub(r"/\.([^/]+)\.tmp-\d+$", r"/\1", p) for p in out["synced"]]
+    order = [re.sub(r"/\.([^/]+)\.tmp-[0-9a-f]+$", r"/\1", p) for p in out["synced"]]
     synced = set(order)
     assert files <= synced, sorted(files - synced)
     assert {str(tag_dir), str(ckpt)} <= synced  # the names of the files and of the tag directory
