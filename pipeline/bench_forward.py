@@ -34,9 +34,12 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads
 VARIANTS = ("float32", "bfloat16", "float16", "int4", "int4-bf16wide", "int4-native")
 
 
-# A pause before each timed forward, so that it starts on idle cores: the runner before it
+# A pause before each runner's turn, so that it starts on idle cores: the runner before it
 # leaves its thread pool spinning for a while (torch's OpenMP, llama.cpp's, the native
-# kernels'), which would otherwise charge one method's idle threads to the next.
+# kernels'), which would otherwise charge one method's idle threads to the next. Then one
+# untimed forward of the same runner and T, and the timed one right after it: a decode is a
+# stream of forwards back to back (as llama-bench's tg is), not one forward after a sleep,
+# which would charge the wake-up of its threads to every token.
 SETTLE_S = 0.01
 
 
@@ -129,7 +132,9 @@ def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_to
         if v == "int4-native":
             from serve.model.native_runner import NativeLlamaRunner
 
-            runners[v] = NativeLlamaRunner(model, max_seq_len)
+            # A forward alone takes every thread at any row count, as llama-bench -t does;
+            # serving keeps small ones on one thread, the other core being the ingress's.
+            runners[v] = NativeLlamaRunner(model, max_seq_len, small_rows=0)
             continue
         runners[v] = LlamaRunner(model, max_seq_len, quant="int4" if int4 else "none",
                                  wide_upcast=False if v == "int4-bf16wide" else None)
@@ -173,6 +178,8 @@ def run_forward_bench(*, device: str = "cpu", variants: Sequence[str] = ("float3
             for name, runner in runners.items():
                 cache = caches[name]
                 time.sleep(SETTLE_S)
+                runner.forward(blocks[t], cache)
+                cache.truncate(context)
                 ms = once(lambda: runner.forward(blocks[t], cache))
                 cache.truncate(context)
                 if rep >= 3:

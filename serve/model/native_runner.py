@@ -92,7 +92,8 @@ def native_supported(model: Any) -> str | None:
 
 class NativeLlamaRunner(LlamaRunner):
     def __init__(self, model: Any, max_seq_len: int | None = None, quant: str = "int4",
-                 wide_upcast: bool | None = None, lib: ctypes.CDLL | None = None):
+                 wide_upcast: bool | None = None, lib: ctypes.CDLL | None = None,
+                 small_rows: int = SMALL_FORWARD_ROWS):
         if quant != "int4":
             raise ValueError("the native forward serves int4 targets (model.quant int4)")
         why = native_supported(model)
@@ -103,6 +104,7 @@ class NativeLlamaRunner(LlamaRunner):
         self.lib = lib if lib is not None else load()
         super().__init__(model, max_seq_len, quant, wide_upcast)
         self.threads = forward_threads()
+        self.small_rows = small_rows  # forwards of at most this many rows run on one thread
         inner, cfg = model.model, model.config
         self._keep: list[Any] = []  # everything the C structs point into
 
@@ -189,7 +191,7 @@ class NativeLlamaRunner(LlamaRunner):
         batch = OsdBatch(n, tokens.data_ptr(), pos.data_ptr(), seq.data_ptr(), ctypes.addressof(seqs), rows.numel(),
                          rows.data_ptr(), out.data_ptr(), len(layers), feat_layers.data_ptr(),
                          feats.data_ptr() if feats is not None else None,
-                         1 if n <= SMALL_FORWARD_ROWS else self.threads)
+                         1 if n <= self.small_rows else self.threads)
         err = self.lib.osd_forward(ctypes.byref(self._model), ctypes.byref(batch))
         if err:
             raise ValueError(f"native forward refused its input: {ERRORS.get(err, err)}")
