@@ -29,6 +29,8 @@ from typing import Any, Sequence
 
 import requests
 
+from infra.stats import percentile  # noqa: F401 (re-exported)
+
 CHAT_PATH = "/v1/chat/completions"
 HEALTH_PATH = "/healthz"
 STATS_PATH = "/osd/stats"
@@ -109,15 +111,6 @@ def _read_stream(resp: requests.Response, t0: float) -> Outcome:
     if ttft is None and tokens:
         return Outcome(TRANSPORT, time.perf_counter() - t0)  # tokens counted but never streamed
     return Outcome(resp.status_code, time.perf_counter() - t0, tokens, None, ttft, itl, at)
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, -(-len(ordered) * q // 100))  # ceil(n * q / 100), at least 1
-    return ordered[int(rank) - 1]
 
 
 def _ms(v: float | None) -> float | None:

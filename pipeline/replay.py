@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import random
 import statistics
@@ -36,6 +35,7 @@ import aiohttp
 
 from infra.config import OSDConfig
 from infra.prompts import DOMAINS, Prompt, load_jsonl, load_sharegpt
+from infra.stats import percentile  # noqa: F401 (re-exported)
 
 MODEL_NAME = "osd"
 MAX_ERRORS_KEPT = 5
@@ -232,17 +232,6 @@ async def _settled_stats(session: aiohttp.ClientSession, base: str) -> dict[str,
 
 
 # -- summaries -------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100), linear between closest ranks (numpy's default); None if empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def summarize(results: Sequence[RequestResult], wall_s: float) -> dict[str, Any]:

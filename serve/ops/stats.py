@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from infra.canary_stats import RatioStats, RequestSample, compare_ratios, request_sample
+from infra.stats import percentile  # noqa: F401 (re-exported)
 
 Z95 = 1.959964  # two-sided 95% normal quantile, for one version's own interval
 
@@ -75,16 +76,6 @@ def aggregate(evidence: Iterable[Evidence]) -> dict[str, VersionAgg]:
     for e in evidence:
         out.setdefault(e.version, VersionAgg()).add(e)
     return out
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]); None for no values."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def serving_row(samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
