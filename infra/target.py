@@ -347,20 +347,10 @@ LEAN_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 TINY_FAMILIES = LEAN_FAMILIES
 
 
-def build_tiny_llama(
-    seed: int = 0,
-    vocab_size: int = 259,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    max_positions: int = 512,
-    dtype: str = "float32",
-) -> Any:
-    """A seeded random Llama; the same arguments always give the same weights."""
-    return build_tiny("llama", seed, vocab_size, hidden_size, num_layers, num_heads, num_kv_heads,
-                      intermediate_size, max_positions, dtype)
+def build_tiny_llama(seed: int = 0, **shape: Any) -> Any:
+    """A seeded random Llama (build_tiny's shape arguments); the same arguments always give the
+    same weights."""
+    return build_tiny("llama", seed, **shape)
 
 
 def build_tiny(

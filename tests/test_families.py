@@ -5,6 +5,7 @@ context, a batched step equal to each sequence alone, and greedy speculation equ
 
 import pytest
 import torch
+from test_lean_forward import hf_logits, lean_logits
 
 from infra.target import build_tiny
 from serve.drafts import build_draft
@@ -36,18 +37,6 @@ def tiny(variant, seed=0, dtype="float32", **kw):
     m = build_tiny(family, seed=seed, dtype=dtype, **{**SHAPE, **extra, **kw})
     m.config.eos_token_id = None
     return m
-
-
-def hf_logits(model, prefix, block):
-    with torch.no_grad():
-        return model(torch.tensor([prefix + block])).logits[0, len(prefix):].float()
-
-
-def lean_logits(runner, prefix, block):
-    cache = runner.new_cache()
-    if prefix:
-        runner.forward(torch.tensor(prefix), cache)
-    return runner.forward(torch.tensor(block), cache)
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
