@@ -667,15 +667,26 @@ class RequestStream:
         ended = False
         eng.scheduler.ensure_driver()
         try:
+            pending: Any = None
             while True:
-                item = await box.get()
+                item, pending = (pending if pending is not None else await box.get()), None
                 if item is DONE:
                     ended = True
                     break
                 if isinstance(item, BaseException):
                     ended = True
                     raise item
-                yield item
+                # Steps that ended while the consumer was busy go out as one chunk: fewer
+                # messages through Serve (and less of the GIL) when the loop lags, none held
+                # back when it keeps up.
+                merged = list(item)
+                while not box.empty():
+                    nxt = box.get_nowait()
+                    if not isinstance(nxt, list):
+                        pending = nxt
+                        break
+                    merged.extend(nxt)
+                yield merged
             self.result = eng._result(seq)
         finally:
             if not ended:
