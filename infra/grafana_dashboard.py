@@ -85,6 +85,9 @@ def panels() -> list[tuple[str, str, list[tuple[str, str]]]]:
         ("Trainer steps/s and exports", "short",
          [(f"sum(rate({m('osd_trainer_steps_total')}{{{CLUSTER}}}[{RATE}]))", "steps/s"),
           (f"sum(increase({m('osd_trainer_exports_total')}{{{CLUSTER}}}[{RATE}]))", "exports")]),
+        ("Restarts: trainer (resumed a checkpoint) and rollout controller", "short",
+         [(f"sum(increase({m('osd_trainer_restarts_total')}{{{CLUSTER}}}[{RATE}]))", "trainer restarts"),
+          (f"sum(increase({m('osd_rollout_controller_starts_total')}{{{CLUSTER}}}[{RATE}]))", "controller starts")]),
     ]
 
 

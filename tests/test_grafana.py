@@ -73,7 +73,7 @@ def test_panels_and_variables():
     titles = " | ".join(p["title"] for p in dash["panels"]).lower()
     for want in ("acceptance rate", "mean accepted length", "per draft position", "canary minus stable",
                  "tokens/s", "p95", "canary weight", "traffic share", "rollout decisions", "dropped",
-                 "lag", "trainer loss"):
+                 "lag", "trainer loss", "restarts"):
         assert want in titles, want
     assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "cluster", "version"}
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"]) >= 12
