@@ -92,9 +92,10 @@ class ModelConfig(_Section):
 
 def _gguf_four_bit(target: str) -> bool:
     """A GGUF file whose decoder is mostly 4-bit (infra/gguf_file.py) serves as int4."""
-    if not target.lower().endswith(".gguf"):
+    from infra.gguf_file import GgufError, is_gguf_spec, read_gguf_info
+
+    if not is_gguf_spec(target):
         return False
-    from infra.gguf_file import GgufError, read_gguf_info
 
     try:
         return read_gguf_info(Path(target).expanduser()).four_bit

@@ -29,6 +29,11 @@ FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 _LINEAR = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_gate.", "ffn_up.", "ffn_down.")
 
 
+def is_gguf_spec(spec: str) -> bool:
+    """Whether a model.target names a GGUF file."""
+    return spec.lower().endswith(".gguf")
+
+
 class GgufError(ValueError):
     """The file is not a GGUF the platform serves; the message says why."""
 

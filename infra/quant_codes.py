@@ -69,13 +69,28 @@ def q8_scale(w: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
     return (w.detach().float().reshape(n, k // group, group).abs().amax(-1) / 127).half().float()
 
 
+def q8_codes(w: torch.Tensor, scale: torch.Tensor | None = None,
+             group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per block of `group`: (codes [N, K] int8, scale [N, K/group] float32), the
+    codes computed against the float16-rounded scale (q8_scale), or `scale` where known."""
+    n, k = w.shape
+    wg = w.detach().float().reshape(n, k // group, group)
+    scale = q8_scale(w, group) if scale is None else scale.float()
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = (wg / safe.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
+    return codes.reshape(n, k), scale
+
+
+def _reproduces(w: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> bool:
+    return torch.equal(dequantize_int4(codes, scale, lo), w.detach().float())
+
+
 def _exact_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     if w.dim() != 2 or w.shape[1] % INT4_GROUP:
         return None
     codes, scale, lo = int4_codes(w)
     s16, lo16 = scale.half(), lo.half()
-    if not (torch.equal(s16.float(), scale) and torch.equal(lo16.float(), lo)
-            and torch.equal(dequantize_int4(codes, scale, lo), w.detach().float())):
+    if not (torch.equal(s16.float(), scale) and torch.equal(lo16.float(), lo) and _reproduces(w, codes, scale, lo)):
         return None
     return s16, lo16
 
@@ -83,11 +98,8 @@ def _exact_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 def _exact_q8(w: torch.Tensor) -> tuple[torch.Tensor] | None:
     if w.dim() != 2 or w.shape[1] % INT4_GROUP:
         return None
-    scale = q8_scale(w)
-    n, k = w.shape
-    wg = w.detach().float().reshape(n, k // INT4_GROUP, INT4_GROUP)
-    safe = torch.where(scale != 0, scale, torch.ones_like(scale)).unsqueeze(-1)
-    if not torch.equal((wg / safe).round_().clamp_(-127, 127) * safe, wg):
+    codes, scale = q8_codes(w)
+    if not _reproduces(w, codes, scale, torch.zeros_like(scale)):  # codes·scale, a zero minimum
         return None
     return (scale.half(),)
 
@@ -151,5 +163,4 @@ def fits(w: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> bool:
     """Whether (scale, lo) reproduce the float32 weight w exactly with codes 0..15."""
     if scale.shape != (w.shape[0], w.shape[1] // INT4_GROUP) or scale.shape != lo.shape:
         return False
-    codes, _, _ = int4_codes(w, scales=(scale, lo))
-    return torch.equal(dequantize_int4(codes, scale, lo), w.detach().float())
+    return _reproduces(w, int4_codes(w, scales=(scale, lo))[0], scale, lo)

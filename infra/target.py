@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from infra.config import ModelConfig
-from infra.gguf_file import GgufError, GgufInfo, read_gguf_info
+from infra.gguf_file import GgufError, GgufInfo, is_gguf_spec, read_gguf_info
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random"
@@ -148,10 +148,6 @@ def prepare_smollm2(
     return prepare_gguf(gguf or smollm2_gguf_path(), cache_root, force, progress, name=SMOLLM2)
 
 
-def is_gguf_spec(spec: str) -> bool:
-    return spec.lower().endswith(".gguf")
-
-
 def gguf_info(path: Path) -> GgufInfo:
     try:
         return read_gguf_info(path)
@@ -166,7 +162,7 @@ def prepare_gguf(
     that directory. The file is checked first (infra/gguf_file.py), so one that cannot be
     served leaves nothing in the cache."""
     gguf = gguf.expanduser()
-    gguf_info(gguf)
+    info = gguf_info(gguf)
     gguf_sha = sha256_file(gguf)  # the cache key
     label = name or re.sub(r"[^A-Za-z0-9._-]+", "-", gguf.stem)[:64]
     out = cache_root / f"{label}-{gguf_sha[:16]}"
@@ -185,7 +181,7 @@ def prepare_gguf(
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_root))
     try:
         try:
-            _convert_gguf(gguf, tmp, progress)
+            _convert_gguf(gguf, info, tmp, progress)
         except Exception as e:  # gguf/transformers raise many types on a bad file
             raise TargetError(f"cannot convert {gguf} (truncated or not a GGUF model?): {e}") from e
         if progress:
@@ -202,7 +198,7 @@ def prepare_gguf(
     return out
 
 
-def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
+def _convert_gguf(gguf: Path, info: GgufInfo, out: Path, progress: bool) -> None:
     import torch
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -217,10 +213,10 @@ def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
         _log("[1/3] loading GGUF through transformers (dequantising; ~15-35 s)")
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    info = gguf_info(gguf)
+    reader = GGUFReader(gguf)
     if info.head_dim is not None:  # transformers leaves a family's default head_dim where the file sets its own
         config.head_dim = info.head_dim
-    rope = gguf_rope_parameters(GGUFReader(gguf), info.architecture, config)
+    rope = gguf_rope_parameters(reader, info.architecture, config)
     if rope is not None:  # transformers drops a llama/qwen file's RoPE scaling (infra/gguf_rope.py)
         config.rope_parameters = rope
     gmodel, loading = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
@@ -250,7 +246,7 @@ def _convert_gguf(gguf: Path, out: Path, progress: bool) -> None:
     plain.generation_config = gmodel.generation_config
     plain.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    _save_block_scales(GGUFReader(gguf), info.architecture, plain, out)
+    _save_block_scales(reader, info.architecture, plain, out)
 
 
 def _save_block_scales(reader: Any, arch: str, model: Any, out: Path) -> None:
@@ -399,12 +395,12 @@ def build_tiny(
         g = torch.Generator().manual_seed(seed + 1)
         w = model.lm_head.weight
         w.copy_(torch.randn(w.shape, generator=g, dtype=torch.float32).to(w.dtype) * 0.5)
-        for pname, p in model.named_parameters():
-            if family != "llama" or config:  # the plain tiny Llama keeps the weights it always had
-                if pname.endswith("bias"):
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-                elif "norm" in pname:
-                    p.copy_(1 + torch.randn(p.shape, generator=g) * 0.1)
+        # The plain tiny Llama keeps the weights it always had.
+        for pname, p in model.named_parameters() if family != "llama" or config else ():
+            if pname.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif "norm" in pname:
+                p.copy_(1 + torch.randn(p.shape, generator=g) * 0.1)
     return model.eval()
 
 

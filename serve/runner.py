@@ -166,9 +166,9 @@ def shared_linear(sources: tuple[torch.Tensor, ...], quant: str, dtype: torch.dt
     once per set of tensors: a `truncate:L` draft shares the target's layers, and the bench's
     several engines over one model would otherwise each hold a copy."""
     srcs = tuple(w.detach() for w in sources)
-    scales = exact_scales(sources) if quant == "int4" else None
     return _cached((quant, dtype) + tuple(_tensor_key(w) for w in srcs), srcs,
-                   lambda: make_linear(srcs[0] if len(srcs) == 1 else torch.cat(srcs), quant, dtype, scales))
+                   lambda: make_linear(srcs[0] if len(srcs) == 1 else torch.cat(srcs), quant, dtype,
+                                       exact_scales(sources) if quant == "int4" else None))
 
 
 def exact_scales(sources: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:

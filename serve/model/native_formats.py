@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from infra.quant_codes import INT4_GROUP, int4_codes, q8_scale
+from infra.quant_codes import INT4_GROUP, int4_codes
+from infra.quant_codes import q8_codes as quant_q8_codes
 
 TILE = 16
 BLOCK = INT4_GROUP  # 32
@@ -54,15 +55,10 @@ def pack_q4_codes(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) ->
 
 
 def q8_codes(w: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per block of 32: (codes [N, K] int8, scale [N, K/32] float32), the scale
-    rounded to float16 first so the codes are computed against the scale the kernel reads;
-    `scale`: the blocks' exact one where known (a Q8_0 tensor's, infra/quant_codes.py)."""
-    n, k = _check(w)
-    wg = w.detach().float().reshape(n, k // BLOCK, BLOCK)
-    scale = q8_scale(w) if scale is None else scale.float()
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = (wg / safe.unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
-    return codes.reshape(n, k), scale
+    """infra/quant_codes.py q8_codes (codes against the float16 scale the kernel reads, or the
+    blocks' exact one where known) of a weight the Q8 tiles fit."""
+    _check(w)
+    return quant_q8_codes(w, scale, BLOCK)
 
 
 def pack_q8(w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:

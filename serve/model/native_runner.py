@@ -109,9 +109,9 @@ class NativeLlamaRunner(LlamaRunner):
         self._keep: list[Any] = []  # everything the C structs point into
 
         def q4(*ws: torch.Tensor) -> torch.Tensor:
-            srcs, scales = tuple(w.detach() for w in ws), exact_scales(ws)
+            srcs = tuple(w.detach() for w in ws)
             return _cached(("native-q4",) + tuple(_tensor_key(w) for w in srcs), srcs,
-                           lambda: pack_q4(torch.cat(srcs) if len(srcs) > 1 else srcs[0], scales))
+                           lambda: pack_q4(torch.cat(srcs) if len(srcs) > 1 else srcs[0], exact_scales(ws)))
 
         def f32(w: torch.Tensor) -> torch.Tensor:
             out = w.detach().float().contiguous()
@@ -138,9 +138,12 @@ class NativeLlamaRunner(LlamaRunner):
         # rows, whose logits are computed and dropped.
         self._vocab_rows = -(-cfg.vocab_size // 16) * 16
         pad = (0, 0, 0, self._vocab_rows - cfg.vocab_size)
-        head_scale = exact_scales((model.lm_head.weight,))
-        head = _cached(("native-q8", _tensor_key(head_w)), (head_w,),
-                       lambda: pack_q8(F.pad(head_w, pad), F.pad(head_scale[0], pad) if head_scale else None))
+
+        def packed_head() -> torch.Tensor:
+            scale = exact_scales((model.lm_head.weight,))
+            return pack_q8(F.pad(head_w, pad), F.pad(scale[0], pad) if scale else None)
+
+        head = _cached(("native-q8", _tensor_key(head_w)), (head_w,), packed_head)
         # RoPE tables in float32 from the model's own rotary module (its scaling kept).
         with torch.no_grad():
             pos = torch.arange(self.max_seq_len).unsqueeze(0)
