@@ -35,7 +35,7 @@ demo: setup
 # The import contract first (seconds): every import points down the layers (pyproject.toml).
 test: setup
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest
 
 # Everything except the tests that load the real SmolLM2 weights.
 test-fast: setup

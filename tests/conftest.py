@@ -52,3 +52,14 @@ def redis_url(redis_server):
     return redis_server.url
 
 
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Name the threads still alive when the suite ends: one of them running native code while
+    the interpreter shuts down is the usual cause of a crash after the last test passed."""
+    import threading
+
+    alive = [t for t in threading.enumerate() if t is not threading.main_thread()]
+    if alive:
+        names = ", ".join(f"{t.name}{' (daemon)' if t.daemon else ''}" for t in alive)
+        session.config.get_terminal_writer().line(f"threads alive at the end of the session: {names}")
