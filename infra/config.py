@@ -118,7 +118,7 @@ class DataConfig(_Section):
 
 
 class SuffixConfig(_Section):
-    """The `suffix` draft (serve/suffix_draft.py): suffix decoding over the request's own
+    """The `suffix` draft (serve/spec_decode/suffix/draft.py): suffix decoding over the request's own
     context and this replica's recent served outputs. A chain is at most factor * m + offset
     tokens long for a context suffix matched over m tokens, and stops where its empirical
     probability falls below min_prob."""
@@ -166,7 +166,7 @@ class ServeConfig(_Section):
     # Draft served beside the target: none, self, truncate:L, suffix, a draft directory (a head's
     # with "+suffix": both, chosen per step), "registry" (follow the registry's stable/canary
     # aliases, hot-swapping as they move), "head+suffix" (the warm-started head), or "auto":
-    # suffix, chosen by measurement (serve/drafts.py).
+    # suffix, chosen by measurement (serve/spec_decode/specs.py).
     draft: str = "auto"
     # With draft: registry, how often each replica re-reads the aliases.
     alias_poll_s: float = Field(2.0, gt=0)
@@ -188,11 +188,11 @@ class ServeConfig(_Section):
     # next position falls below draft_confidence (0 disables that).
     k: int = Field(4, ge=0, le=64)
     draft_confidence: float = Field(0.0, ge=0.0, lt=1.0)
-    # The draft length per step (serve/engine.py): "cost" picks 0..k for the most expected
+    # The draft length per step (serve/engine/core.py): "cost" picks 0..k for the most expected
     # tokens per second from measured forward costs and the request's acceptance; "schedule"
     # grows it by 2 after a fully accepted step and shrinks it by 1 otherwise; "fixed": k.
     k_policy: Literal["cost", "schedule", "fixed"] = "cost"
-    # CUDA graphs for Llama forwards of up to k+1 tokens (serve/graphs.py): auto = on a CUDA
+    # CUDA graphs for Llama forwards of up to k+1 tokens (serve/model/cuda_graphs.py): auto = on a CUDA
     # device; on = required (an error on CPU); off = eager everywhere.
     cuda_graphs: Literal["auto", "on", "off"] = "auto"
     # "TOTAL,DEPTH,TOPK" (e.g. "16,4,4"): each step verifies an EAGLE-2 draft tree of up to
@@ -201,7 +201,7 @@ class ServeConfig(_Section):
     # Context: prompt + max_new_tokens must fit; KV caches are preallocated to this length.
     max_seq_len: int = Field(2048, ge=2)
     # KV cache slots per replica: requests decoding at once, together in one forward a step
-    # (continuous batching, serve/scheduler.py). Each slot holds max_seq_len tokens of KV.
+    # (continuous batching, serve/engine/scheduler.py). Each slot holds max_seq_len tokens of KV.
     max_concurrency: int = Field(16, ge=1)
     # Prompt tokens prefilled per step: a long prompt advances a chunk at a time between the
     # running requests' steps, which it delays by one chunk's forward, never a whole prefill.

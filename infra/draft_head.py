@@ -50,7 +50,7 @@ def feature_layers_of(spec: DraftSpec, n_layers: int) -> tuple[int, ...]:
 
 
 class HeadDraft(nn.Module):
-    """The head's tensors and its math; serve/head_runner.py and the trainer drive it."""
+    """The head's tensors and its math; serve/spec_decode/head/draft.py and the trainer drive it."""
 
     osd_family = "head"
 

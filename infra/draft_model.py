@@ -5,7 +5,7 @@ A draft is a small Llama built out of the target:
 - its decoder layers are trainable COPIES of `num_layers` target layers, chosen by
   `layer_source`: "first" (layers 0..L-1) or "spaced" (evenly spaced, first and last
   included); with `share_layers` they are the target's own layer tensors instead (shared,
-  frozen; the `truncate:L` draft of serve/drafts.py), and such a draft is never saved;
+  frozen; the `truncate:L` draft of serve/spec_decode/specs.py), and such a draft is never saved;
 - its token embedding, final norm and LM head are the target's own tensors, SHARED (same
   storage, no copy) and FROZEN. With `independent_head` the norm and head are trainable
   copies instead (the embedding stays shared).

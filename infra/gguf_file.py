@@ -6,7 +6,7 @@ so no half-converted cache is ever written (infra/target.py converts what passes
 Weight formats, and what serving keeps of each (model.quant auto, on the CPU):
 - Q4_0, Q4_1, Q4_K: 4-bit blocks with a scale and a minimum per group of 32, served as int4.
   Q4_1 blocks come back exactly (llama.cpp's quantizer puts codes 0 and 15 in every block, so
-  min/max quantization of the dequantized weights recovers them: serve/linear.py); Q4_0 and
+  min/max quantization of the dequantized weights recovers them: serve/model/linear.py); Q4_0 and
   Q4_K blocks are re-quantized to that grid, a second rounding.
 - F32, F16, BF16, Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K: dequantized by `gguf` and served
   in float32, exactly the values the file encodes. In a file whose decoder is mostly 4-bit

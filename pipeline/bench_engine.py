@@ -24,8 +24,8 @@ from infra.config import OSDConfig
 from infra.prompts import Prompt, messages_ids, sharegpt_second_turns
 from infra.target import load_target
 from pipeline.replay import select_prompts
-from serve.drafts import build_draft
-from serve.engine import EngineOptions, GenerationParams, SpecEngine, SpecStats
+from serve.spec_decode.specs import build_draft
+from serve.engine.core import EngineOptions, GenerationParams, SpecEngine, SpecStats
 
 METHODS = ("hf_ar", "hf_assisted", "ar", "sd", "sd_nocapture", "llamacpp", "ar_float32")
 # With --compile on (CUDA graphs), the eager engine runs in the same process for comparison.

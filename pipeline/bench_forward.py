@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from infra.target import build_tiny_llama
-from serve.runner import LlamaRunner
+from serve.model.runner import LlamaRunner
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                      intermediate_size=1536)
@@ -139,7 +139,7 @@ def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_to
         runners[v] = LlamaRunner(model, max_seq_len, quant="int4" if int4 else "none",
                                  wide_upcast=False if v == "int4-bf16wide" else None)
         if device == "cuda" and not int4:
-            from serve.graphs import GraphLlamaRunner
+            from serve.model.cuda_graphs import GraphLlamaRunner
 
             runners[f"{v}-graph"] = GraphLlamaRunner(model, max_seq_len)
             runners[f"{v}-graph"].max_graph_tokens = max_tokens

@@ -19,7 +19,7 @@ from infra.target import TargetError
 from pipeline.launch import LaunchError
 from pipeline.records_cli import add_records_parser
 from pipeline.up import UpError
-from serve.errors import EngineError, RequestError
+from serve.engine.errors import EngineError, RequestError
 
 # Errors that are the user's to fix: print the message, exit 2, no traceback. Each comes from a
 # module that imports no model library, so naming them costs the CLI nothing at start-up.

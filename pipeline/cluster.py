@@ -1,7 +1,7 @@
 """In-cluster entry points: the two Serve applications a KubeRay RayService runs (helm/osd).
 
     serveConfigV2
-      ├─ app "osd"       pipeline.cluster:serving_app -> serve.app.build_app (ingress + target replicas,
+      ├─ app "osd"       pipeline.cluster:serving_app -> serve.api.app.build_app (ingress + target replicas,
       │                                                  drafts following the registry aliases)
       └─ app "osd-loop"  pipeline.cluster:loop_app    -> LoopSupervisor (one replica): the warm start
                                                          when the registry has no stable draft, then
@@ -93,7 +93,7 @@ def loop_config(args: Mapping[str, Any] | None,
 
 def serving_app(args: dict[str, Any]) -> Any:
     """Serve application builder (serveConfigV2 import_path) for the OpenAI endpoint."""
-    from serve.app import build_app
+    from serve.api.app import build_app
 
     # The key comes from OSD_API_KEY on the pods (the chart's Secret), as for `osd serve`.
     return build_app(serving_config(args))

@@ -220,7 +220,7 @@ def plot(samples: list[dict], shift_time: float, t0: float, decisions: list[dict
 
 def save_ops_snapshot(summary: dict[str, Any] | None, url: str, out_dir: Path) -> dict[str, Any]:
     """The ops page as it stood at the end of the run, as static HTML next to report.json."""
-    from serve.ops import page as ops_page
+    from serve.api.ops import page as ops_page
 
     out: dict[str, Any] = {"page": f"{url}/ops", "snapshot": None}
     if summary is not None:
@@ -261,7 +261,7 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 2100, sp
              family: str = "head") -> dict[str, Any]:
     from infra.registry import Registry
     from pipeline.up import ClosedLoop, ensure_stable
-    from serve.ops.page import fetch_summary
+    from serve.api.ops.page import fetch_summary
 
     t_start = time.time()
     loaded, v1 = prepare(cfg, family)

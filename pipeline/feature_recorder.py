@@ -1,13 +1,13 @@
 """A "draft" that proposes nothing and records the target features a head draft reads.
 
-The engine hands a draft the target's features of every row it computes (serve/draft.py:
+The engine hands a draft the target's features of every row it computes (serve/spec_decode/protocol.py:
 `prefilled` gets the prompt's rows 0..P-2, each `commit` the step's committed rows), because a
 head draft reads them. Attached to the teacher's requests (pipeline/teacher_engine.py), this
 draft keeps them, so the head's warm start trains on features captured during generation with
 no second forward pass (train/teacher_features.py).
 
 It asks for the head's layers plus the target's last decoder layer, whose output through the
-target's final norm is the LM head's input (`final`), as serve/runner.py LlamaRunner computes
+target's final norm is the LM head's input (`final`), as serve/model/runner.py LlamaRunner computes
 its logits. The target's greedy token at a generated row is the token it emitted next (the
 engine's own argmax, from its own head), so only the prompt rows' argmax is computed here,
 with the model's LM head. Rows are kept in bf16 from the moment they are recorded.
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from serve.draft import Draft, Proposal, StepContext, no_proposal, own_as_tensor
+from serve.spec_decode.protocol import Draft, Proposal, StepContext, no_proposal, own_as_tensor
 from train.teacher_features import FeatureRows
 
 ARGMAX_ROWS = 256  # prompt rows per LM-head product: [256, V] logits at a time, not [P, V]
@@ -61,7 +61,7 @@ class FeatureRecorder(Draft):
         self._open: dict[int, _Open] = {}  # id(seq) of requests in flight
         self._done: dict[tuple[int, ...], list[FeatureRows]] = {}  # by the finished request's tokens
 
-    # -- the Draft protocol (serve/draft.py) ------------------------------------
+    # -- the Draft protocol (serve/spec_decode/protocol.py) ------------------------------------
 
     def prefilled(self, seq: Any, feats: torch.Tensor | None) -> None:
         if not seq.params.sampling.greedy:

@@ -9,7 +9,7 @@ Ray traceback whose cause sits in Ray's log files: a Redis that does not answer,
 the target cannot take, a target that does not load (`preflight`).
 
 Exposure: the API key (OSD_API_KEY) guards every route but the health checks, at Serve's
-proxy too (serve/proxy_auth.py), so Serve's own `/-/routes` is covered. A local cluster keeps
+proxy too (serve/api/proxy_auth.py), so Serve's own `/-/routes` is covered. A local cluster keeps
 Ray's token authentication (on by default for local clusters since Ray 2.5x) for its control
 ports; listening beyond loopback without a key is warned about.
 """
@@ -46,7 +46,7 @@ def is_loopback(host: str) -> bool:
 def with_draft_resolved(cfg: OSDConfig) -> OSDConfig:
     """cfg with serve.draft: auto replaced by the draft it stands for, said once here, so every
     replica serves the same draft even if a warm start finishes while they start."""
-    from serve.drafts import DraftSpecError, resolve_auto
+    from serve.spec_decode.specs import DraftSpecError, resolve_auto
 
     try:
         spec, why = resolve_auto(cfg)
@@ -63,7 +63,7 @@ def preflight(cfg: OSDConfig) -> None:
     from infra.draft_spec import DraftLoadError
     from infra.redis_server import RedisServerError, check_redis_url
     from infra.target import load_target, target_identity
-    from serve.drafts import DraftSpecError, build_draft
+    from serve.spec_decode.specs import DraftSpecError, build_draft
 
     if cfg.stream.redis_url:
         try:
@@ -80,13 +80,13 @@ def preflight(cfg: OSDConfig) -> None:
 
 def lock_down_local_cluster(api_key: str | None, tenant_keys: list[dict] | None = None) -> None:
     """Before a local ray.init: the proxy, a child of the raylet started there, inherits the keys
-    (OSD_API_KEY and serve.api_keys) and checks them on every route (serve/proxy_auth.py). Ray's
+    (OSD_API_KEY and serve.api_keys) and checks them on every route (serve/api/proxy_auth.py). Ray's
     control ports need no step here: Ray 2.60 turns its token authentication on for a local
     cluster unless RAY_AUTH_MODE says otherwise (set in the environment before it is imported,
     it would not apply to this process)."""
     import yaml
 
-    from serve.proxy_auth import CALLBACK, CALLBACK_ENV, KEYS_ENV
+    from serve.api.proxy_auth import CALLBACK, CALLBACK_ENV, KEYS_ENV
 
     if api_key:
         os.environ["OSD_API_KEY"] = api_key
@@ -123,7 +123,7 @@ class LocalStack:
         from ray import serve
 
         from infra.redis_server import private_server
-        from serve.app import build_app
+        from serve.api.app import build_app
 
         from infra.reaper import Reaper
 

@@ -2,7 +2,7 @@
 
 `osd draft init` asks the target for its own greedy answers. Hugging Face `generate` pads a
 batch to its longest prompt, decodes in float32 and holds every row until the slowest one
-ends. The serving engine instead batches continuously (serve/scheduler.py): a finished answer
+ends. The serving engine instead batches continuously (serve/engine/scheduler.py): a finished answer
 frees its slot for the next prompt at once, prompts are prefilled in chunks beside the
 others' decode steps, and the weights are in the serving format (int4 by default), so the
 records are the distribution users are actually served, as live capture records are.
@@ -44,7 +44,7 @@ class EngineTeacher:
         """One engine for every call (its cost profile and caches warm up once), rebuilt only
         for another top-k or a longer context than it was made for."""
         from infra.target import load_target
-        from serve.engine import EngineOptions, SpecEngine
+        from serve.engine.core import EngineOptions, SpecEngine
 
         eng = self._engine_now
         if eng is None or eng.options.capture_top_k != top_k or eng.options.max_seq_len < max_len:
@@ -80,7 +80,7 @@ class EngineTeacher:
 
     def _generate(self, rows: list[list[int]], max_new_tokens: int, top_k: int,
                   on_answer: Callable[[int], None] | None, recorder: Any) -> list[Any]:
-        from serve.seq import GenerationParams
+        from serve.engine.sequence import GenerationParams
 
         if not rows:
             return []

@@ -33,7 +33,7 @@ def chi2_pvalue(observed, expected, min_expected: float = 5.0) -> float:
 def first_two_tokens_pvalue(target, prompt: list[int], outputs: list[list[int]], vocab: int, sampling) -> float:
     """chi2_pvalue of the joint counts of outputs' first two tokens against the target's exact
     two-step distribution after `prompt` (warped by `sampling`)."""
-    from serve.verify import warp_probs
+    from serve.sampling.verify import warp_probs
 
     counts = torch.zeros(vocab, vocab, dtype=torch.long)
     for out in outputs:
@@ -47,8 +47,8 @@ def first_two_tokens_pvalue(target, prompt: list[int], outputs: list[list[int]],
 def sample_first_two(eng, prompt, sampling, n: int):
     """n sampled generations of 3 tokens from `eng` (SamplingParams like `sampling`, seeds
     0..n-1): (counts [V, V] of the first two tokens, draft tokens proposed, accepted)."""
-    from serve.engine import GenerationParams
-    from serve.verify import SamplingParams
+    from serve.engine.core import GenerationParams
+    from serve.sampling.verify import SamplingParams
 
     vocab = eng.target.vocab_size
     counts = torch.zeros(vocab, vocab, dtype=torch.long)

@@ -29,7 +29,7 @@ def greedy_records(n: int, prompt_len: int, max_new_tokens: int) -> list:
 
     from infra.records import record_from_capture
     from infra.target import load_target
-    from serve.engine import EngineOptions, GenerationParams, SpecEngine
+    from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: per-op thread hand-off costs more than the math

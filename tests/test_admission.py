@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from serve.admission import Overloaded, QueueTimeout, SlotPool
+from serve.engine.admission import Overloaded, QueueTimeout, SlotPool
 
 pytestmark = pytest.mark.pure
 

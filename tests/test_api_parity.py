@@ -1,6 +1,6 @@
 """The request parser against OpenAI's schemas, field by field, without a server (issue 30).
 
-Every field in serve/api_params.py's tables is refused, naming itself, at any value but its
+Every field in serve/api/params.py's tables is refused, naming itself, at any value but its
 neutral one; every declared field takes an explicit null as its default; the chat template
 gets what OpenAI's message forms mean.
 """
@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 
 from infra.target import tiny_tokenizer
-from serve.admission import retry_after_s
-from serve.api_params import UNSUPPORTED
-from serve.chat_template import chat_prompt_ids
-from serve.errors import RequestError
-from serve.openai_api import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from serve.engine.admission import retry_after_s
+from serve.api.params import UNSUPPORTED
+from serve.api.chat_template import chat_prompt_ids
+from serve.engine.errors import RequestError
+from serve.api.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
 pytestmark = pytest.mark.pure
 
@@ -169,7 +169,7 @@ def test_logprobs_up_to_the_capture_top_k_are_accepted():
 
 
 def test_logprob_shapes_are_openais():
-    from serve.openai_api import chat_body, completion_chunk, completion_logprobs
+    from serve.api.openai_protocol import chat_body, completion_chunk, completion_logprobs
 
     entries = [{"token": "hé", "logprob": -0.5, "top": [["hé", -0.5], ["a", -1.5]]},
                {"token": "!", "logprob": float("-inf"), "top": [["x", -0.1]]}]

@@ -1,13 +1,13 @@
-"""The batched forward (serve/batch_forward.py): rows of several sequences in one forward give
+"""The batched forward (serve/model/batch_forward.py): rows of several sequences in one forward give
 each sequence the logits, features and cache of its own forward, to rounding."""
 
 import pytest
 import torch
 
 from infra.target import build_tiny_llama
-from serve.batch_forward import Item, forward_batch
-from serve.linear import dequantize_int4, int4_codes
-from serve.runner import LlamaRunner
+from serve.model.batch_forward import Item, forward_batch
+from serve.model.linear import dequantize_int4, int4_codes
+from serve.model.runner import LlamaRunner
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -94,7 +94,7 @@ def test_a_sequence_that_would_overflow_its_cache_fails_the_forward_before_any_w
 def test_a_growing_pool_keeps_what_its_slots_hold(monkeypatch):
     """A pool's positions double as a sequence needs them; every slot's cache is carried over,
     and a batched step over the grown pool still equals each sequence alone."""
-    from serve.runner import KVPool
+    from serve.model.runner import KVPool
 
     monkeypatch.setattr(KVPool, "MIN_CAPACITY", 8)
     runner = LlamaRunner(tiny(), 128)
@@ -116,8 +116,8 @@ def test_a_growing_pool_keeps_what_its_slots_hold(monkeypatch):
 
 
 def test_wide_weights_are_float32_only_where_bfloat16_gemms_are_not_native(monkeypatch):
-    import serve.runner
-    from serve.linear import Dense, Int4, Upcast
+    import serve.model.runner
+    from serve.model.linear import Dense, Int4, Upcast
 
     model = tiny("bfloat16", on_int4_grid=True)
     forced = LlamaRunner(model, 128, "int4", wide_upcast=True)
@@ -129,10 +129,10 @@ def test_wide_weights_are_float32_only_where_bfloat16_gemms_are_not_native(monke
     assert got.dtype == torch.bfloat16  # the activations keep their dtype
     torch.testing.assert_close(got.float(), x.float() @ qkv.weight.t(), rtol=1e-2, atol=1e-2)
     # Decided by the CPU: float32 copies only for a lower-precision model where bfloat16 is emulated.
-    monkeypatch.setattr(serve.runner, "native_bf16_gemm", lambda: False)
+    monkeypatch.setattr(serve.model.runner, "native_bf16_gemm", lambda: False)
     assert isinstance(LlamaRunner(model, 128, "int4").prefill_blocks[0][1], Upcast)
     f32 = LlamaRunner(tiny("float32"), 128, "none")
     assert f32.prefill_blocks is f32.blocks and isinstance(f32.blocks[0][1], Dense)
-    monkeypatch.setattr(serve.runner, "native_bf16_gemm", lambda: True)
+    monkeypatch.setattr(serve.model.runner, "native_bf16_gemm", lambda: True)
     native = LlamaRunner(model, 128, "int4")
     assert isinstance(native.prefill_blocks[0][1], Dense) and native.prefill_blocks[0][1].weight.dtype == torch.bfloat16

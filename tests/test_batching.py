@@ -1,6 +1,6 @@
-"""Continuous batching (serve/scheduler.py): requests decoding together in one forward a step
+"""Continuous batching (serve/engine/scheduler.py): requests decoding together in one forward a step
 give each request what it gets alone, greedy and sampled, with its records; chunked prefill;
-and the load-adaptive draft length (serve/k_policy.py plan_batch)."""
+and the load-adaptive draft length (serve/spec_decode/k_policy.py plan_batch)."""
 
 import asyncio
 
@@ -9,12 +9,12 @@ import torch
 from chi2 import first_two_tokens_pvalue
 
 from infra.target import build_tiny_llama
-from serve.batch_forward import Item, forward_batch
-from serve.drafts import build_draft
-from serve.engine import EngineOptions, GenerationParams, SpecEngine
-from serve.k_policy import plan_batch
-from serve.runner import LlamaRunner
-from serve.verify import SamplingParams
+from serve.model.batch_forward import Item, forward_batch
+from serve.spec_decode.specs import build_draft
+from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+from serve.spec_decode.k_policy import plan_batch
+from serve.model.runner import LlamaRunner
+from serve.sampling.verify import SamplingParams
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -230,7 +230,7 @@ def _profile(per_row_ms, fixed_ms=10.0, n=64):
 
 
 def test_one_sequence_plans_as_the_single_request_rule():
-    from serve.k_policy import best_k
+    from serve.spec_decode.k_policy import best_k
 
     v = _profile(0.5)
     for alpha in (0.1, 0.4, 0.8):
@@ -265,7 +265,7 @@ def test_a_plan_never_models_a_lower_rate_than_not_drafting():
 
 
 def test_prompt_chunks_shrink_while_they_slow_the_streams_and_grow_back(target):
-    from serve.scheduler import MIN_CHUNK, PREFILL_DELAY
+    from serve.engine.scheduler import MIN_CHUNK, PREFILL_DELAY
 
     sched = _engine(target, prefill_chunk=64).scheduler
     sched._pace(0.030, chunked=False)  # a decode step: 30 ms
@@ -284,7 +284,7 @@ def test_head_drafts_of_a_batch_draft_together_and_stay_exact(monkeypatch):
     and each output equals the request alone (greedy), as the target's own greedy."""
     from infra.draft_head import build_head
     from infra.draft_spec import DraftSpec
-    from serve import head_runner
+    from serve.spec_decode.head import draft as head_runner
 
     target = tiny(seed=11, layers=4)
     head = build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 3)), torch.arange(300))
@@ -312,7 +312,7 @@ def test_a_steps_capture_topk_is_computed_once_and_equals_each_requests_own():
     from types import SimpleNamespace
 
     from infra.tokens import topk_logprobs
-    from serve.scheduler import _capture_topk
+    from serve.engine.scheduler import _capture_topk
 
     g = torch.Generator().manual_seed(0)
     logits = [torch.randn(t, 300, generator=g) for t in (1, 4, 1, 2)]

@@ -37,7 +37,7 @@ def test_forward_bench_refuses_unknown_or_misplaced_variants():
 
 
 def test_the_bf16wide_variant_keeps_bfloat16_wide_weights_on_any_cpu():
-    from serve.linear import Dense
+    from serve.model.linear import Dense
 
     model = build_tiny_llama(seed=0, hidden_size=64, intermediate_size=128, max_positions=128)
     runners = build_runners(["int4", "int4-bf16wide"], "cpu", 64, 3, real=model)

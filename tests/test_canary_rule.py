@@ -19,7 +19,7 @@ from pipeline.canary_rule import (
     gate_verdict,
     request_sample,
 )
-from serve.hot_swap import canary_share
+from serve.api.hot_swap import canary_share
 
 pytestmark = pytest.mark.pure
 

@@ -7,7 +7,7 @@ import pytest
 
 from infra.config import OSDConfig, load_config
 from infra.draft_spec import warm_start_path, warm_started_draft
-from serve.drafts import AUTO_DRAFT, resolve_auto
+from serve.spec_decode.specs import AUTO_DRAFT, resolve_auto
 
 pytestmark = pytest.mark.pure
 

@@ -1,4 +1,4 @@
-"""serve/detokenize.py: the incremental text is the full decode after every push, and the first
+"""serve/engine/detokenize.py: the incremental text is the full decode after every push, and the first
 stop string is the one a search of the full text finds, whatever the token boundaries."""
 
 import pytest
@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from infra.target import tiny_tokenizer
-from serve.detokenize import IncrementalDecoder, StopScanner
-from serve.openai_api import IncrementalText
+from serve.engine.detokenize import IncrementalDecoder, StopScanner
+from serve.api.openai_protocol import IncrementalText
 
 pytestmark = pytest.mark.pure
 

@@ -1,4 +1,4 @@
-"""The head draft family (infra/draft_head.py, serve/head_runner.py) on tiny random Llamas.
+"""The head draft family (infra/draft_head.py, serve/spec_decode/head/draft.py) on tiny random Llamas.
 
 The head's forward is checked against a direct computation through Hugging Face's own decoder
 layer; the serving path (rows + own-state feedback) against the training unroll; the engine's
@@ -17,10 +17,10 @@ from infra.draft_head import build_head, default_feature_layers, save_head
 from infra.draft_model import load_draft
 from infra.draft_spec import DraftSpec
 from infra.target import build_tiny_llama
-from serve.engine import EngineOptions, GenerationParams, SpecEngine
-from serve.head_runner import HeadRunner
-from serve.runner import HFRunner, LlamaRunner
-from serve.verify import SamplingParams, warp_probs
+from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+from serve.spec_decode.head.draft import HeadRunner
+from serve.model.runner import HFRunner, LlamaRunner
+from serve.sampling.verify import SamplingParams, warp_probs
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -345,7 +345,7 @@ def test_each_steps_drafts_are_the_unroll_of_the_committed_sequence(monkeypatch)
     training unroll over the sequence as committed at that step: depth j at row N-3+j, the
     earlier drafts as next tokens (N committed tokens). A stale or misplaced feature or cache
     row after a partial acceptance would change later drafts without breaking greedy output."""
-    from serve.head_runner import HeadRunner
+    from serve.spec_decode.head.draft import HeadRunner
 
     target = tiny(5, layers=3, **dict(V8, max_positions=128))
     layers = (0, 1)  # HF's last hidden state is after the final norm; the runner's is before it

@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 
 from infra.target import MANIFEST, TargetError, build_tiny_llama, tiny_tokenizer
-from serve.engine import EngineOptions, GenerationParams, SpecEngine
+from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
 from infra.draft_model import (
     EMBED,
     HEAD,
@@ -342,7 +342,7 @@ def test_saved_draft_serves_like_the_in_memory_one(tmp_path):
 
 
 def test_serve_draft_spec_accepts_a_published_directory(target, tmp_path):
-    from serve.drafts import DraftSpecError, build_draft as serve_draft
+    from serve.spec_decode.specs import DraftSpecError, build_draft as serve_draft
 
     spec = DraftSpec(num_layers=2)
     d = build_draft(target, spec)

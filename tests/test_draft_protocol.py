@@ -1,4 +1,4 @@
-"""The one Draft protocol (serve/draft.py): every family passes one contract, and the code that
+"""The one Draft protocol (serve/spec_decode/protocol.py): every family passes one contract, and the code that
 drives drafts (engine, scheduler, stages) names no family."""
 
 import ast
@@ -9,10 +9,10 @@ import torch
 from chi2 import first_two_tokens_pvalue
 from test_batching import tiny
 
-from serve.draft import Draft
-from serve.drafts import build_draft
-from serve.engine import EngineOptions, GenerationParams, SpecEngine
-from serve.verify import SamplingParams
+from serve.spec_decode.protocol import Draft
+from serve.spec_decode.specs import build_draft
+from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+from serve.sampling.verify import SamplingParams
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -127,7 +127,7 @@ def test_sampled_suffix_trees_follow_the_target(spec, monkeypatch):
     draw per depth: the first two tokens (both from a tree step: 3 tokens left > depth 2)
     follow the target's distribution, and seeds reproduce. (Steps that propose nothing are
     tested with chains: tests/test_suffix_draft.py.)"""
-    from serve.suffix_draft import SuffixDraft
+    from serve.spec_decode.suffix.draft import SuffixDraft
 
     trees = []
     real = SuffixDraft.propose_tree
@@ -155,9 +155,9 @@ def test_sampled_suffix_trees_follow_the_target(spec, monkeypatch):
 
 # ---------------------------------------------------------------- no family branch
 
-DRIVERS = ["serve/engine.py", "serve/scheduler.py", "serve/stages.py", "serve/tree_stages.py",
-           "serve/gpu_stages.py", "serve/batch_forward.py"]
-FAMILY_MODULES = {"serve.head_runner", "serve.layer_draft", "serve.suffix_draft"}
+DRIVERS = ["serve/engine/core.py", "serve/engine/scheduler.py", "serve/engine/stages.py", "serve/spec_decode/trees/stages.py",
+           "serve/spec_decode/gpu_stages.py", "serve/model/batch_forward.py"]
+FAMILY_MODULES = {"serve.spec_decode.head.draft", "serve.spec_decode.layer", "serve.spec_decode.suffix.draft"}
 FAMILY_NAMES = {"HeadRunner", "LayerDraft", "SuffixDraft", "HybridDraft", "WithSuffix", "is_head",
                 "suffix_of", "propose_heads", "commit_head", "prefill_head"}
 FAMILY_WORDS = {"head", "suffix", "layer", "head+suffix"}
@@ -192,7 +192,7 @@ def test_the_code_that_drives_drafts_names_no_family():
 
 def test_the_family_check_catches_a_branch(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from serve.head_runner import is_head\nfrom serve.x import HybridDraft\n"
+    bad.write_text("from serve.spec_decode.head.draft import is_head\nfrom serve.x import HybridDraft\n"
                    "if seq.step_source == 'suffix' or is_head(d):\n    pass\n")
     assert sorted(_family_mentions(bad)) == ["compares with 'suffix'", "imports HybridDraft", "imports is_head",
-                                             "imports serve.head_runner", "uses is_head"]
+                                             "imports serve.spec_decode.head.draft", "uses is_head"]

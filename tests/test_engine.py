@@ -1,4 +1,4 @@
-"""serve/engine.py, runner.py, capture.py, drafts.py on tiny random Llamas built in-process.
+"""serve/engine/core.py, runner.py, capture.py, drafts.py on tiny random Llamas built in-process.
 
 Losslessness is checked against the target alone: greedy output against HF `generate`,
 sampled output against the target's exact distribution (chi-square at a fixed seed).
@@ -14,11 +14,11 @@ import torch
 
 from chi2 import chi2_pvalue
 from infra.target import build_tiny_llama, tiny_tokenizer
-from serve.drafts import DraftSpecError, build_draft
-from serve.engine import EngineError, EngineOptions, GenerationParams, RequestError, SpecEngine
-from serve.runner import HFRunner, LlamaRunner, StaticKVCache
-from serve.runners import make_runner
-from serve.verify import SamplingParams, warp_probs
+from serve.spec_decode.specs import DraftSpecError, build_draft
+from serve.engine.core import EngineError, EngineOptions, GenerationParams, RequestError, SpecEngine
+from serve.model.runner import HFRunner, LlamaRunner, StaticKVCache
+from serve.model.factory import make_runner
+from serve.sampling.verify import SamplingParams, warp_probs
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -137,10 +137,14 @@ def test_autoregressive_equals_target_greedy(greedy_targets, seed):
 
 def test_hf_runner_engine_equals_target_greedy(greedy_targets, monkeypatch):
     """The generic runner (DynamicCache + crop) through the same loop, with rejections."""
-    import serve.engine
+    import serve.engine.core
 
     target, drafts, refs = greedy_targets[0]
-    monkeypatch.setattr(serve.engine, "make_runner", lambda model, max_seq_len, quant="none", cpu_kernels="auto": HFRunner(model, max_seq_len))
+    def hf(model, max_seq_len, quant="none", cpu_kernels="auto"):
+        return HFRunner(model, max_seq_len)
+
+    monkeypatch.setattr(serve.engine.core, "make_runner", hf)
+    monkeypatch.setattr(serve.engine.core, "draft_runner", hf)
     eng = SpecEngine(target, drafts["bad"], options=EngineOptions(k=3, max_seq_len=64, max_concurrency=1))
     assert isinstance(eng.target, HFRunner) and isinstance(eng.draft.runner, HFRunner)
     prompt, ref = refs[0]

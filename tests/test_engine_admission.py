@@ -8,9 +8,9 @@ import time
 import pytest
 
 from infra.target import build_tiny_llama
-from serve.admission import Overloaded
-from serve.drafts import build_draft
-from serve.engine import EngineOptions, GenerationParams, SpecEngine
+from serve.engine.admission import Overloaded
+from serve.spec_decode.specs import build_draft
+from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 

@@ -11,10 +11,10 @@ import torch
 
 from chi2 import chi2_pvalue
 from infra.target import build_tiny_llama
-from serve.drafts import build_draft
-from serve.engine import EngineOptions, GenerationParams, RequestError, SpecEngine
-from serve.processors import LogitsProcessor, ProcessorParams
-from serve.verify import SamplingParams, warp_probs
+from serve.spec_decode.specs import build_draft
+from serve.engine.core import EngineOptions, GenerationParams, RequestError, SpecEngine
+from serve.sampling.processors import LogitsProcessor, ProcessorParams
+from serve.sampling.verify import SamplingParams, warp_probs
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 

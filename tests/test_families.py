@@ -1,4 +1,4 @@
-"""The lean forward (serve/runner.py) and the native one for every family of
+"""The lean forward (serve/model/runner.py) and the native one for every family of
 serve/model/families.py, against Hugging Face's forward of the same weights: logits in
 float32 for T = 1, 5 and 33 with and without a cache, Llama 3 rope scaling past the original
 context, a batched step equal to each sequence alone, and greedy speculation equal to AR."""
@@ -8,11 +8,11 @@ import torch
 from test_lean_forward import hf_logits, lean_logits
 
 from infra.target import build_tiny
-from serve.drafts import build_draft
-from serve.engine import EngineOptions, GenerationParams, SpecEngine
+from serve.spec_decode.specs import build_draft
+from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
 from serve.model.families import UnsupportedModel, lean_family
-from serve.runner import HFRunner, LlamaRunner
-from serve.runners import make_runner
+from serve.model.runner import HFRunner, LlamaRunner
+from serve.model.factory import make_runner
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 

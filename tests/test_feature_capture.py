@@ -80,8 +80,8 @@ def test_an_answer_cut_at_its_eos_keeps_the_rows_of_its_tokens(loaded):
 
 def test_the_recorder_refuses_what_it_cannot_label(loaded):
     from pipeline.feature_recorder import FeatureRecorder
-    from serve.seq import GenerationParams
-    from serve.verify import SamplingParams
+    from serve.engine.sequence import GenerationParams
+    from serve.sampling.verify import SamplingParams
 
     with pytest.raises(ValueError, match="layers"):
         FeatureRecorder(loaded.model, (5,))

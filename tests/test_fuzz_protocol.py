@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from serve.openai_api import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from serve.api.openai_protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
 pytestmark = pytest.mark.pure
 

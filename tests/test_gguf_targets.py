@@ -14,11 +14,11 @@ import gguf
 from infra.config import ModelConfig
 from infra.gguf_file import SUPPORTED_TYPES
 from infra.target import TargetError, build_tiny, identify_target, load_target
-from serve.chat_template import chat_prompt_ids
-from serve.engine import EngineOptions, GenerationParams, SpecEngine
-from serve.errors import RequestError
-from serve.linear import dequantize_int4, int4_codes
-from serve.runners import make_runner
+from serve.api.chat_template import chat_prompt_ids
+from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+from serve.engine.errors import RequestError
+from serve.model.linear import dequantize_int4, int4_codes
+from serve.model.factory import make_runner
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 

@@ -14,7 +14,7 @@ from infra import grafana_dashboard as gd
 
 ROOT = Path(__file__).resolve().parent.parent
 # Every module that registers application metrics.
-SOURCES = ("serve/metrics.py", "train/metrics.py", "pipeline/rollout.py")
+SOURCES = ("serve/api/metrics.py", "train/metrics.py", "pipeline/rollout.py")
 _DECL = re.compile(r"\.(Counter|Gauge|Histogram)\(\s*\"(osd_[a-z0-9_]+)\"")
 
 
@@ -120,7 +120,7 @@ class _Emitter:
 
         from pipeline.rollout import _Metrics
         from pipeline.canary_rule import Arm
-        from serve.metrics import ServeMetrics, StreamMetrics
+        from serve.api.metrics import ServeMetrics, StreamMetrics
         from train.metrics import TrainerMetrics
 
         sm = ServeMetrics()
@@ -134,7 +134,7 @@ class _Emitter:
         sm.error("v1", "internal")
         sm.sync_records("v1", 2, {"queue_full": 1})
         sm.roles("v1", "v2")
-        from serve.scheduler import StepLog
+        from serve.engine.scheduler import StepLog
 
         log = StepLog()
         log.add(3, 7)

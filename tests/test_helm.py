@@ -343,7 +343,7 @@ def test_a_model_path_is_the_target_and_its_volume_is_mounted_read_only(rendered
 
 
 def test_ray_pods_read_the_config_key_and_redis_from_the_release(rendered):
-    from serve.proxy_auth import CALLBACK, CALLBACK_ENV
+    from serve.api.proxy_auth import CALLBACK, CALLBACK_ENV
 
     _, docs = rendered
     for name, group in ray_groups(rayservice(docs)):

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from loop_helpers import registry_for_replica
-from serve.hot_swap import DraftRouter, Routing
+from serve.api.hot_swap import DraftRouter, Routing
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -24,7 +24,7 @@ def _req(i, max_tokens=48):
 
 
 def test_in_flight_requests_finish_on_their_draft_and_new_ones_swap(setup):
-    from serve.app import TargetReplica
+    from serve.api.app import TargetReplica
 
     cfg, reg = setup
     rep = TargetReplica(cfg.model_dump(mode="json"))
@@ -62,7 +62,7 @@ def test_in_flight_requests_finish_on_their_draft_and_new_ones_swap(setup):
 
 
 def test_bad_digest_is_refused_and_the_replica_keeps_serving(setup):
-    from serve.app import TargetReplica
+    from serve.api.app import TargetReplica
 
     cfg, reg = setup
     rep = TargetReplica(cfg.model_dump(mode="json"))
@@ -84,7 +84,7 @@ def test_a_version_for_another_target_is_refused_and_the_replica_keeps_serving(s
     """Same shapes, other weights: only the recorded target identity tells them apart."""
     from infra.draft_model import DraftSpec, build_draft, save_draft, target_ref
     from infra.target import load_target, target_identity
-    from serve.app import TargetReplica
+    from serve.api.app import TargetReplica
 
     cfg, reg = setup
     other = load_target("tiny-random:2", progress=False)

@@ -1,12 +1,12 @@
-"""The cost rule for the draft length (serve/k_policy.py), on given cost profiles: it never
+"""The cost rule for the draft length (serve/spec_decode/k_policy.py), on given cost profiles: it never
 reads a clock here, so nothing below depends on the machine's speed."""
 
 import pytest
 import torch
 
 from infra.target import build_tiny_llama
-from serve.engine import EngineOptions, GenerationParams, SpecEngine
-from serve.k_policy import Acceptance, KPolicy, StepCosts, best_k, expected_tokens, profile_forward
+from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+from serve.spec_decode.k_policy import Acceptance, KPolicy, StepCosts, best_k, expected_tokens, profile_forward
 
 pytestmark = pytest.mark.pure
 
@@ -185,7 +185,7 @@ def test_engine_profiles_the_target_once_on_first_use():
 
 
 def test_min_draft_drafts_every_step_whatever_the_rule_says():
-    """A canary comparison needs served acceptance from both arms (serve/app.py sets it while a
+    """A canary comparison needs served acceptance from both arms (serve/api/app.py sets it while a
     canary runs)."""
     target = build_tiny_llama(seed=3, num_layers=2, max_positions=96)
     target.config.eos_token_id = None
@@ -197,14 +197,14 @@ def test_min_draft_drafts_every_step_whatever_the_rule_says():
 
 
 def test_an_unknown_k_policy_is_refused_by_name():
-    from serve.engine import EngineError
+    from serve.engine.core import EngineError
 
     with pytest.raises(EngineError, match="k_policy must be one of cost, schedule, fixed"):
         EngineOptions(k_policy="greedy")
 
 
 def test_chain_cut_takes_what_pays_on_a_fake_profile():
-    from serve.k_policy import chain_cut, chain_expected
+    from serve.spec_decode.k_policy import chain_cut, chain_expected
 
     assert chain_expected([0.5, 0.5, 1.0]) == 0.5 + 0.25 + 0.25
     flat = [10.0] * 8  # extra rows free: every token with any chance pays

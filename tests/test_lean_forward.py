@@ -1,5 +1,5 @@
-"""The lean forward (serve/runner.py LlamaRunner) against Hugging Face's, in float32 and
-bfloat16; its int4 weights (serve/linear.py) against the weights they encode; and sampling
+"""The lean forward (serve/model/runner.py LlamaRunner) against Hugging Face's, in float32 and
+bfloat16; its int4 weights (serve/model/linear.py) against the weights they encode; and sampling
 stays exact in bfloat16, for chains and trees (chi-square)."""
 
 import pytest
@@ -7,12 +7,13 @@ import torch
 from chi2 import chi2_pvalue, sample_first_two
 
 from infra.target import build_tiny_llama
-from serve.drafts import build_draft
-from serve.engine import EngineError, EngineOptions, GenerationParams, SpecEngine
-from serve.linear import Dense, Int4, Int8, dequantize_int4, int4_codes, make_linear
-from serve.runner import LlamaRunner
-from serve.runners import make_runner
-from serve.verify import SamplingParams, warp_probs
+from serve.spec_decode.specs import build_draft
+from serve.engine.core import EngineError, EngineOptions, GenerationParams, SpecEngine
+from serve.model.linear import Dense, Int4, Int8, dequantize_int4, int4_codes, make_linear
+from serve.model.runner import LlamaRunner
+from serve.model.factory import make_runner
+from serve.spec_decode.factory import draft_runner
+from serve.sampling.verify import SamplingParams, warp_probs
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -204,10 +205,10 @@ def test_where_bfloat16_is_emulated_a_verify_block_attends_each_row_as_its_decod
     """An AVX2-only CPU's path (infra/cpu.py): each row's probabilities times V over its own
     prefix. One bmm over the whole block rounded these rows otherwise than their one-row
     decodes on 2 Zen 3 cores (the contexts below are ones where it did)."""
-    import serve.runner
-    from serve.runner import attention
+    import serve.model.runner
+    from serve.model.runner import attention
 
-    monkeypatch.setattr(serve.runner, "native_bf16_gemm", lambda: False)
+    monkeypatch.setattr(serve.model.runner, "native_bf16_gemm", lambda: False)
     t = 5
     for start in (40, 322, 363, 392, 500):
         gen = torch.Generator().manual_seed(start)
@@ -225,7 +226,7 @@ def test_a_head_beside_an_int4_target_keeps_int8_weights_close_to_its_own():
     head's weights"); int8 keeps its logits within a small fraction of the float head's."""
     from infra.draft_head import build_head
     from infra.draft_spec import DraftSpec
-    from serve.head_lean import LeanHead
+    from serve.spec_decode.head.lean import LeanHead
 
     model = tiny(seed=8, dtype="bfloat16", layers=3)
     head = build_head(model, DraftSpec(family="head", feature_layers=(0, 1)), torch.arange(0, 288))
@@ -233,14 +234,14 @@ def test_a_head_beside_an_int4_target_keeps_int8_weights_close_to_its_own():
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # a trained head's weights are not the target's copies
-    runner = make_runner(head, 128, quant="int4")
+    runner = draft_runner(head, 128, quant="int4")
     assert runner.lean.block[1].__class__.__name__ == "Int8"
     g = torch.randn(6, 64, dtype=torch.bfloat16)
     ids = torch.tensor([5, 17, 200, 3, 99, 7])
     mask = torch.ones(6, 6, dtype=torch.bool).tril()
 
     def logits(lean):
-        return lean.rows(lean.fuse(torch.cat([g, g], -1)), ids, make_runner(head, 128).new_cache(), 0, mask)[0].float()
+        return lean.rows(lean.fuse(torch.cat([g, g], -1)), ids, draft_runner(head, 128).new_cache(), 0, mask)[0].float()
 
     dense, int8, int4 = (logits(LeanHead(head, q)) for q in ("none", "int8", "int4"))
     err8, err4 = ((x - dense).abs().max() / dense.abs().max() for x in (int8, int4))

@@ -12,17 +12,17 @@ import torch
 from chi2 import chi2_pvalue, sample_first_two
 
 from infra.target import build_tiny_llama
-from serve.batch_forward import Item, forward_batch
-from serve.drafts import build_draft
-from serve.engine import EngineError, EngineOptions, GenerationParams, SpecEngine
-from serve.linear import dequantize_int4, int4_codes
+from serve.model.batch_forward import Item, forward_batch
+from serve.spec_decode.specs import build_draft
+from serve.engine.core import EngineError, EngineOptions, GenerationParams, SpecEngine
+from serve.model.linear import dequantize_int4, int4_codes
 from serve.model import native_build
 from serve.model.native_build import NativeUnavailable
 from serve.model.native_formats import dequantize_q4, pack_q4, pack_q4_codes, pack_q8, q8_codes
 from serve.model.native_runner import NativeLlamaRunner
-from serve.runner import LlamaRunner
-from serve.runners import make_runner
-from serve.verify import SamplingParams, warp_probs
+from serve.model.runner import LlamaRunner
+from serve.model.factory import make_runner
+from serve.sampling.verify import SamplingParams, warp_probs
 
 pytestmark = [pytest.mark.pure]
 

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from infra.target import tiny_tokenizer
-from serve.openai_api import (
+from serve.api.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,

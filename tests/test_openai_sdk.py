@@ -2,7 +2,7 @@
 
 One Serve application (tiny-random target, truncate:1 draft, API key set) for the module.
 Every parameter of the OpenAI chat and completions schemas is honoured or refused with a 400
-naming it (issue 30); the refusals are listed in serve/api_params.py.
+naming it (issue 30); the refusals are listed in serve/api/params.py.
 """
 
 import threading

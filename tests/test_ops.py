@@ -1,4 +1,4 @@
-"""The ops summary (serve/ops/source.py) from a known sequence of records, rollout decisions, replica
+"""The ops summary (serve/api/ops/source.py) from a known sequence of records, rollout decisions, replica
 samples and trainer status, on a real Redis and a file:// registry; and its pure pieces."""
 
 import time
@@ -9,7 +9,7 @@ import pytest
 from infra.records import Record, encode
 from infra.registry import Registry
 from infra.streams import FIELD, connect
-from serve.ops import stats as st
+from serve.api.ops import stats as st
 
 # Two request shapes whose counts are worked out by hand (k = 4 drafts per step):
 # A: steps [acc, acc, rej] [acc, rej]: accepted 3, judged 5, tokens 5, steps 2; at positions [2, 1]
@@ -100,7 +100,7 @@ def _replicas(now):
 
 @pytest.mark.redis
 def test_summary_numbers_from_known_records_and_decisions(loop):
-    from serve.ops.source import OpsSource
+    from serve.api.ops.source import OpsSource
     from train.metrics import TrainerMetrics
 
     cfg, reg, client, now = loop
@@ -158,8 +158,8 @@ def test_summary_numbers_from_known_records_and_decisions(loop):
 
 @pytest.mark.redis
 def test_no_promote_check_before_the_last_step_and_page_renders(loop):
-    from serve.ops import page as ops_page
-    from serve.ops.source import OpsSource
+    from serve.api.ops import page as ops_page
+    from serve.api.ops.source import OpsSource
 
     cfg, reg, client, now = loop
     reg.set_canary("v2", 0.1)  # 0.1 -> next is 0.5: widening needs only "not worse"
@@ -175,8 +175,8 @@ def test_no_promote_check_before_the_last_step_and_page_renders(loop):
 
 
 def test_batch_size_over_time_comes_from_the_replicas_step_logs(loop):
-    from serve.ops import page as ops_page
-    from serve.ops.source import OpsSource
+    from serve.api.ops import page as ops_page
+    from serve.api.ops.source import OpsSource
 
     cfg, reg, client, now = loop
     replicas = [{"replica": "r1", "batch_series": [[now - 7200, 9.0, 9.0, 3], [now - 20, 3.0, 7.5, 40]]},
@@ -188,8 +188,8 @@ def test_batch_size_over_time_comes_from_the_replicas_step_logs(loop):
 
 @pytest.mark.redis
 def test_a_redis_outage_shows_on_the_page_instead_of_failing_it(loop):
-    from serve.ops import page as ops_page
-    from serve.ops.source import OpsSource
+    from serve.api.ops import page as ops_page
+    from serve.api.ops.source import OpsSource
 
     cfg, reg, client, now = loop
     dead = connect("redis://127.0.0.1:1", cfg.stream)  # nothing listens on port 1
@@ -203,7 +203,7 @@ def test_a_redis_outage_shows_on_the_page_instead_of_failing_it(loop):
 @pytest.mark.redis
 def test_demo_report_links_a_static_snapshot(loop, tmp_path):
     from pipeline.demo import save_ops_snapshot
-    from serve.ops.source import OpsSource
+    from serve.api.ops.source import OpsSource
 
     cfg, reg, client, now = loop
     out = save_ops_snapshot(OpsSource(cfg, client=client).summary([], now=now), "http://127.0.0.1:8000", tmp_path)
@@ -215,7 +215,7 @@ def test_demo_report_links_a_static_snapshot(loop, tmp_path):
 
 @pytest.mark.pure
 def test_session_tokens_expire_and_bind_to_the_key_and_to_ops_paths():
-    from serve.ops import auth as oa
+    from serve.api.ops import auth as oa
 
     tok = oa.session_token("k", now=1000.0)
     assert oa.valid_token("k", tok, now=1000.0 + oa.TTL_S - 1)
@@ -233,8 +233,8 @@ def test_session_tokens_expire_and_bind_to_the_key_and_to_ops_paths():
 def test_proxy_lets_a_session_cookie_through_on_ops_paths_only():
     import asyncio
 
-    from serve.ops import auth as oa
-    from serve.proxy_auth import APIKeyMiddleware
+    from serve.api.ops import auth as oa
+    from serve.api.proxy_auth import APIKeyMiddleware
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})
@@ -258,8 +258,8 @@ def test_proxy_lets_a_session_cookie_through_on_ops_paths_only():
 
 
 def test_the_suffix_index_shows_when_a_replica_serves_one(loop):
-    from serve.ops import page as ops_page
-    from serve.ops.source import OpsSource
+    from serve.api.ops import page as ops_page
+    from serve.api.ops.source import OpsSource
 
     cfg, reg, client, now = loop
     plain = OpsSource(cfg, client=client).summary([{"replica": "r0"}], now=now)
@@ -274,8 +274,8 @@ def test_the_suffix_index_shows_when_a_replica_serves_one(loop):
 def test_drafting_steps_by_source_sum_over_replicas_and_show(loop):
     """Per version and source (a hybrid's head or suffix steps): acceptance and tokens a
     drafting step emitted, summed over the replicas, in the summary and on the page."""
-    from serve.ops import page as ops_page
-    from serve.ops.source import OpsSource
+    from serve.api.ops import page as ops_page
+    from serve.api.ops.source import OpsSource
 
     cfg, reg, client, now = loop
     row = {"draft_version": "v1", "source": "suffix", "steps": 10, "drafted": 30, "accepted": 15}

@@ -28,7 +28,7 @@ def test_the_page_follows_the_loop(tiny, tmp_path):
     from infra.redis_server import free_port
     from pipeline.demo import post_chat
     from pipeline.up import ClosedLoop
-    from serve.ops.page import fetch_summary
+    from serve.api.ops.page import fetch_summary
 
     cfg = load_config(environ={}, overrides={
         "state_dir": str(tmp_path), "model": {"target": "tiny-random"},

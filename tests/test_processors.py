@@ -1,4 +1,4 @@
-"""serve/processors.py: the penalties, logit bias and min_tokens, and returned log-probs.
+"""serve/sampling/processors.py: the penalties, logit bias and min_tokens, and returned log-probs.
 
 Pure tensor tests in milliseconds. The engine-level checks (greedy equality with and without
 a draft, chi-square with a draft, log-probs with and without speculation) are in
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from chi2 import chi2_pvalue
-from serve.processors import LogitsProcessor, ProcessorParams, token_logprobs
-from serve.verify import SamplingParams, verify_sampling, warp_probs
+from serve.sampling.processors import LogitsProcessor, ProcessorParams, token_logprobs
+from serve.sampling.verify import SamplingParams, verify_sampling, warp_probs
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 

@@ -211,7 +211,7 @@ def test_record_from_capture_duck_typed():
 
 
 def test_record_from_real_capture_class():
-    capture_mod = pytest.importorskip("serve.capture")
+    capture_mod = pytest.importorskip("serve.engine.capture")
     cap = capture_mod.Capture(**_capture())
     rec = record_from_capture([4, 5], cap.tokens, cap, request_id="r", draft_version="v1")
     assert decode(encode(rec)).n_positions == len(cap)

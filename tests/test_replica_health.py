@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.usefixtures("one_thread")]
 
 @pytest.fixture
 def replica(redis_url, tmp_path):
-    from serve.app import TargetReplica
+    from serve.api.app import TargetReplica
 
     cfg = load_config(environ={}, overrides={
         "state_dir": str(tmp_path), "model": {"target": "tiny-random"},

@@ -172,8 +172,8 @@ def test_request_writes_a_record_matching_the_engine(app):
     from infra.prompts import chat_ids
     from infra.streams import RecordConsumer
     from infra.target import load_target
-    from serve.drafts import build_draft
-    from serve.engine import EngineOptions, GenerationParams, SpecEngine
+    from serve.spec_decode.specs import build_draft
+    from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
 
     text = "speculate about records"
     r = post(app, "/v1/chat/completions", chat(text, max_tokens=10, osd_record=True))

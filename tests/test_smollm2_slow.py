@@ -54,7 +54,7 @@ def test_int4_weights_are_the_ggufs_own_q4_1_blocks(converted):
     import gguf
     import numpy as np
 
-    from serve.linear import int4_codes
+    from serve.model.linear import int4_codes
 
     root, _ = converted
     model = load_target("smollm2-135m-instruct", ModelConfig(cache_dir=root, dtype="float32"), progress=False).model

@@ -1,5 +1,5 @@
-"""The GPU path's pieces, run on CPU: the fixed-shape forward (serve/runner.py
-forward_static) and the device-resident stages (serve/gpu_stages.py). CUDA graphs
+"""The GPU path's pieces, run on CPU: the fixed-shape forward (serve/model/runner.py
+forward_static) and the device-resident stages (serve/spec_decode/gpu_stages.py). CUDA graphs
 themselves only replay on a GPU: those tests are marked `cuda` and skipped without one.
 """
 
@@ -10,10 +10,10 @@ from chi2 import chi2_pvalue
 from infra.draft_head import build_head
 from infra.draft_spec import DraftSpec
 from infra.target import build_tiny_llama
-from serve.drafts import build_draft
-from serve.engine import EngineError, EngineOptions, GenerationParams, SpecEngine
-from serve.runner import LlamaRunner
-from serve.verify import SamplingParams
+from serve.spec_decode.specs import build_draft
+from serve.engine.core import EngineError, EngineOptions, GenerationParams, SpecEngine
+from serve.model.runner import LlamaRunner
+from serve.sampling.verify import SamplingParams
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -60,7 +60,7 @@ def test_static_forward_ignores_stale_rows_past_the_sequence():
 
 
 def test_head_static_rows_equal_the_eager_rows():
-    from serve.head_runner import HeadRunner
+    from serve.spec_decode.head.draft import HeadRunner
 
     target = tiny(layers=3)
     head = build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 2)), torch.arange(200))

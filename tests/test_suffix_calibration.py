@@ -1,8 +1,8 @@
-"""The suffix chain's calibration (serve/suffix_calibration.py): pure, milliseconds."""
+"""The suffix chain's calibration (serve/spec_decode/suffix/calibration.py): pure, milliseconds."""
 
 import pytest
 
-from serve.suffix_calibration import Calibration
+from serve.spec_decode.suffix.calibration import Calibration
 
 pytestmark = pytest.mark.pure
 

@@ -1,4 +1,4 @@
-"""The `suffix` draft (serve/suffix_draft.py) in the engine: greedy output is the target's,
+"""The `suffix` draft (serve/spec_decode/suffix/draft.py) in the engine: greedy output is the target's,
 sampling follows the target's distribution, a repeated request is drafted from the replica's
 index, opted-out requests never enter it, and every request's state goes when it leaves."""
 
@@ -10,10 +10,10 @@ from chi2 import first_two_tokens_pvalue
 from test_batching import tiny
 
 from infra.config import OSDConfig
-from serve.drafts import build_draft
-from serve.engine import EngineOptions, GenerationParams, SpecEngine
-from serve.suffix_draft import SuffixDraft
-from serve.verify import SamplingParams
+from serve.spec_decode.specs import build_draft
+from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+from serve.spec_decode.suffix.draft import SuffixDraft
+from serve.sampling.verify import SamplingParams
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -82,9 +82,9 @@ def test_a_request_that_opted_out_of_capture_never_enters_the_shared_index(targe
 
 
 def test_a_tenant_never_drafts_from_another_tenants_outputs(target):
-    """One index per tenant (serve/tenancy.py suffix_pool): acme's repeat is drafted from its
+    """One index per tenant (serve/engine/tenancy.py suffix_pool): acme's repeat is drafted from its
     own earlier answer, beta asking the same gets nothing of it."""
-    from serve.tenancy import Origin
+    from serve.engine.tenancy import Origin
 
     eng = _engine(target)
     prompt = _prompts()[2]  # no repeats inside: the request's own index has nothing to propose
@@ -205,7 +205,7 @@ def test_head_with_suffix_samples_the_target_distribution():
 
 def test_only_a_head_takes_a_suffix_beside_it(target, tmp_path):
     from infra.draft_spec import DraftSpecError
-    from serve.drafts import resolve_auto
+    from serve.spec_decode.specs import resolve_auto
 
     with pytest.raises(DraftSpecError, match="must be a head"):
         build_draft("truncate:1+suffix", target)
@@ -252,7 +252,7 @@ def test_recent_records_are_the_newest_by_tokens_oldest_first_and_leave_groups_a
 
 
 def test_a_new_replica_warmed_from_records_drafts_the_repeats_at_once(target):
-    from serve.suffix_draft import suffix_of, warm_from_records
+    from serve.spec_decode.suffix.draft import suffix_of, warm_from_records
 
     prompts = _prompts()
     params = GenerationParams(max_new_tokens=40)
@@ -274,7 +274,7 @@ def test_a_replica_with_the_suffix_draft_starts_from_the_streams_records(redis_u
     from infra.config import StreamConfig
     from infra.records import encode
     from infra.streams import FIELD, connect
-    from serve.app import TargetReplica
+    from serve.api.app import TargetReplica
 
     c = StreamConfig(stream="osd:suffix-replica", block_ms=100, socket_timeout_s=1.0, connect_timeout_s=0.5)
     client = connect(redis_url, c)

@@ -1,4 +1,4 @@
-"""serve/suffix_tree.py: suffix index and proposer against a brute-force reference."""
+"""serve/spec_decode/suffix/index.py: suffix index and proposer against a brute-force reference."""
 
 import heapq
 import itertools
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve.suffix_tree import SuffixIndex, SuffixProposer
+from serve.spec_decode.suffix.index import SuffixIndex, SuffixProposer
 
 pytestmark = pytest.mark.pure
 

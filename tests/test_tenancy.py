@@ -7,9 +7,9 @@ import pytest
 
 from infra.config import ConfigError, load_config
 from infra.record_match import RecordMatch
-from serve.proxy_auth import APIKeyMiddleware, tenant_keys_from
-from serve.suffix_tree import SuffixProposer
-from serve.tenancy import SHARED_POOL, Caller, KeyRing, Origin, origin_of, record_decision, suffix_pool
+from serve.api.proxy_auth import APIKeyMiddleware, tenant_keys_from
+from serve.spec_decode.suffix.index import SuffixProposer
+from serve.engine.tenancy import SHARED_POOL, Caller, KeyRing, Origin, origin_of, record_decision, suffix_pool
 
 pytestmark = pytest.mark.pure
 

@@ -76,7 +76,7 @@ def mean_fkl(draft, recs, max_seq_len=1024):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_two_workers_learn_and_export_loadable_drafts(ray_local, stream, records, tmp_path, stage):
     from infra.target import load_target
-    from serve.engine import EngineOptions, GenerationParams, SpecEngine
+    from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
     from infra.draft_model import build_draft, load_draft
     from infra.draft_spec import draft_spec_from_train
     from train.trainer import TrainerGroup

@@ -1,4 +1,4 @@
-"""serve/tree.py: dynamic draft trees (EAGLE-2), their mask, verification and KV compaction."""
+"""serve/spec_decode/trees/dynamic.py: dynamic draft trees (EAGLE-2), their mask, verification and KV compaction."""
 
 import random
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from chi2 import chi2_pvalue
-from serve.tree import (
+from serve.spec_decode.trees.dynamic import (
     DraftTree,
     ancestor_matrix,
     compact_kv_,

@@ -1,4 +1,4 @@
-"""Tree steps in the engine (serve/tree_stages.py) on tiny random Llamas: greedy output equals
+"""Tree steps in the engine (serve/spec_decode/trees/stages.py) on tiny random Llamas: greedy output equals
 the target's, sampled output follows the target's distribution (chi-square), a width-1 tree is
 the chain, and the compacted cache is the cache of decoding the accepted tokens directly."""
 
@@ -7,10 +7,10 @@ import torch
 from chi2 import chi2_pvalue
 
 from infra.target import build_tiny_llama
-from serve.drafts import build_draft
-from serve.engine import EngineError, EngineOptions, GenerationParams, SpecEngine
-from serve.tree_stages import TreeShape, tree_step
-from serve.verify import SamplingParams, warp_probs
+from serve.spec_decode.specs import build_draft
+from serve.engine.core import EngineError, EngineOptions, GenerationParams, SpecEngine
+from serve.spec_decode.trees.stages import TreeShape, tree_step
+from serve.sampling.verify import SamplingParams, warp_probs
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -118,19 +118,19 @@ def _exact_first_two(target, prompt, sp):
 def test_sampled_tree_output_follows_the_targets_distribution(kind, tree, sampling, monkeypatch):
     """The first two tokens of a sampled tree decode, over many seeds, against p(t1) p(t2 | t1)
     (chi-square). max_new_tokens 3 makes the first step a depth-2 tree that covers both."""
-    import serve.engine
-    import serve.tree
+    import serve.engine.core
+    import serve.spec_decode.trees.dynamic
 
     steps, tries = [], []  # tries: per visited node, how many siblings were tried, and whether one was taken
-    monkeypatch.setattr(serve.engine, "tree_step", lambda *a: steps.append(1) or tree_step(*a))
-    real_try = serve.tree._try_siblings
+    monkeypatch.setattr(serve.engine.core, "tree_step", lambda *a: steps.append(1) or tree_step(*a))
+    real_try = serve.spec_decode.trees.dynamic._try_siblings
 
     def counted_try(children, *a):
         child, r = real_try(children, *a)
         tries.append((len(children) if child is None else children.index(child) + 1, child is not None))
         return child, r
 
-    monkeypatch.setattr(serve.tree, "_try_siblings", counted_try)
+    monkeypatch.setattr(serve.spec_decode.trees.dynamic, "_try_siblings", counted_try)
     target = tiny(seed=5, layers=2, **V8)
     eng = engine(target, _v8_draft(kind, target), tree, k=2)
     prompt = [1, 2, 3]

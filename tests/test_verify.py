@@ -1,10 +1,10 @@
-"""serve/verify.py: the acceptance rules, as pure functions over small tensors."""
+"""serve/sampling/verify.py: the acceptance rules, as pure functions over small tensors."""
 
 import pytest
 import torch
 
 from chi2 import chi2_pvalue
-from serve.verify import SamplingParams, residual, sample, verify_greedy, verify_sampling, warp_probs
+from serve.sampling.verify import SamplingParams, residual, sample, verify_greedy, verify_sampling, warp_probs
 
 pytestmark = pytest.mark.pure
 

@@ -45,7 +45,7 @@ def test_warm_start_publishes_v1_and_resumes(tmp_path):
 
     from infra.draft_model import load_draft
     from infra.target import load_target
-    from serve.engine import EngineOptions, GenerationParams, SpecEngine
+    from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
 
     first = draft_init(tmp_path, "--epochs", "1", "--out", str(tmp_path / "e1"))
     assert first["version"] == "v1" and first["path"] == str(tmp_path / "e1")
@@ -83,7 +83,7 @@ def test_the_default_warm_start_is_the_head_that_osd_up_and_osd_serve_then_take(
     from infra.config import load_config
     from infra.registry import Registry
     from pipeline.up import ensure_stable
-    from serve.drafts import resolve_auto
+    from serve.spec_decode.specs import resolve_auto
 
     out = draft_init(tmp_path, "--epochs", "1", "--conversations", "8", family=())
     head = tmp_path / "drafts" / "head-v1"

@@ -1,4 +1,4 @@
-"""The decoder families the lean forward runs (serve/runner.py `LlamaRunner`, and the native
+"""The decoder families the lean forward runs (serve/model/runner.py `LlamaRunner`, and the native
 forward over it), each described by what differs from Llama, read off its Hugging Face
 config and weights; anything else takes the generic runner (`HFRunner`).
 

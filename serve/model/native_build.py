@@ -5,7 +5,7 @@ instruction set, chosen at run time by what this CPU has.
 seconds: plain C++ with no torch headers, loaded through ctypes); a first use builds them
 if they are missing or their sources changed. Where no compiler works, or the CPU has
 neither AVX-512 VNNI nor AVX2, `load()` raises NativeUnavailable with the reason, and the
-runner falls back to the PyTorch int4 path (serve/runner.py).
+runner falls back to the PyTorch int4 path (serve/model/runner.py).
 
 OSD_NATIVE_ISA picks a variant ("avx512", "avx2") or turns the library off ("off").
 """

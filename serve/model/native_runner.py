@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from serve.model.native_build import load
 from serve.model.native_formats import pack_q4, pack_q8
-from serve.batch_forward import Item, reserve
-from serve.runner import LlamaRunner, StaticKVCache, _cached, _tensor_key, exact_scales
+from serve.model.batch_forward import Item, reserve
+from serve.model.runner import LlamaRunner, StaticKVCache, _cached, _tensor_key, exact_scales
 
 # Rows up to which a forward takes the native path (64 rows: 37.9 against PyTorch int4's
 # 71.2 ms, osd bench forward --real); longer prompt chunks, which the engine does not make
@@ -66,7 +66,7 @@ def forward_threads() -> int:
     """The threads every native forward in this process uses: torch's intra-op count when
     first asked, which is what the process was given (serve.forward_threads on a replica,
     OMP_NUM_THREADS, or the cores); recorded once, because an engine over a native target
-    lowers torch's own count to one during its steps (serve/engine.py step_threads)."""
+    lowers torch's own count to one during its steps (serve/engine/core.py step_threads)."""
     global _threads
     if _threads is None:
         _threads = torch.get_num_threads()

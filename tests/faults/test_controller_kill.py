@@ -55,8 +55,8 @@ def _after_restart(cfg, reg):
 def _restarts(cfg):
     import redis
 
-    from serve.ops import page as ops_page
-    from serve.ops.source import OpsSource
+    from serve.api.ops import page as ops_page
+    from serve.api.ops.source import OpsSource
 
     summary = OpsSource(cfg, client=redis.Redis.from_url(cfg.stream.redis_url)).summary([])
     assert "id=ops-restarts>Restarts: " in ops_page.page(summary, live=False)

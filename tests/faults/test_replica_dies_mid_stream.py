@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import ray.exceptions as rex
 
-from serve.app import OpenAIIngress
-from serve.openai_api import ChatCompletionRequest, CompletionRequest, parse_request
+from serve.api.app import OpenAIIngress
+from serve.api.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
 pytestmark = pytest.mark.pure
 

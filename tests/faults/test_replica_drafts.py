@@ -8,7 +8,7 @@ import pytest
 
 from infra.registry import DigestMismatch
 from loop_helpers import registry_for_replica
-from serve.hot_swap import DraftRouter, Routing
+from serve.api.hot_swap import DraftRouter, Routing
 
 pytestmark = [pytest.mark.usefixtures("one_thread")]
 
@@ -26,7 +26,7 @@ def _wait(cond, what, timeout=20.0):
 
 
 def test_torn_stable_alias_serves_without_a_draft_and_says_why(setup, capsys):
-    from serve.app import TargetReplica
+    from serve.api.app import TargetReplica
 
     cfg, reg = setup
     open(reg.root + "/aliases/stable.json", "w").close()  # torn: a crash left it empty
@@ -89,8 +89,8 @@ def test_a_version_is_refused_for_good_after_max_failures_or_a_digest_mismatch()
 
 
 def test_the_client_cannot_choose_its_canary_arm(setup):
-    from serve.app import TargetReplica
-    from serve.hot_swap import canary_share
+    from serve.api.app import TargetReplica
+    from serve.api.hot_swap import canary_share
 
     cfg, reg = setup
     reg.set_canary("v2", 0.5)

@@ -137,7 +137,7 @@ so the file alone says where state, the registry and the trainers go.
       optional: true
 # Serve's HTTP proxy checks the keys too, so Serve's own routes (/-/routes) are covered.
 - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
-  value: serve.proxy_auth:middlewares
+  value: serve.api.proxy_auth:middlewares
 {{- if include "osd.redisAcl" . }}
 # Each client connects as its role's ACL user (stream.users; infra/streams.py connect).
 {{- range $role := list "producer" "trainer" "admin" }}

@@ -1,0 +1,696 @@
+"""The speculative decoding engine.
+
+One step is a chain of named stages, each a module-level function that can be timed alone
+(serve/engine/stages.py):
+
+    prefill  -> propose -> score -> verify -> commit
+    (chunks)    draft:     target:  pure      accept tokens, roll both KV caches back,
+                k tokens   k+1 rows rule      record the target's top-k
+
+Requests run together: each step's score stage is one target forward over every active
+request's rows (serve/engine/scheduler.py, serve/model/batch_forward.py); the other stages run per request.
+
+Autoregressive decoding is the same loop with no draft (k = 0), so the baseline and the
+speculative path share every line that is not speculation.
+
+KV convention: a sequence's cache holds every committed token except the last one, which
+is the first input of the next forward. After verify, each cache is truncated to the
+committed prefix, so rollback is a length change (see runner.StaticKVCache).
+
+Draft length: at most k tokens per step (config `serve.k`), chosen per step by `k_policy`:
+- cost (the serving default, serve/spec_decode/k_policy.py): the length in 0..k with the most expected
+  tokens per second, from the target's forward cost by token count (profiled at the first
+  speculative step, then measured from every step), the draft's measured cost per token,
+  and the request's running acceptance; in a batch, the lengths with the most expected
+  tokens per second over the whole batch (plan_batch), so drafting shrinks as load grows. A draft that cannot pay for its verify drafts
+  nothing but a probe token now and then (after 16 idle steps, doubling after each rejected
+  probe), so speculation never costs much more than AR.
+- schedule: the budget grows by 2 after a step whose drafts were all accepted and shrinks
+  by 1 (not below 1) otherwise, the rule of Hugging Face's default assistant schedule.
+- fixed: k every step.
+And a confidence stop: drafting stops when the draft's top probability at the next position
+falls below `draft_confidence` (0 disables it). Decided before drawing, so sampled drafts
+still follow q and verification stays exact.
+Neither can change the output, only the cost. Never past the token budget or the context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Iterator, Sequence
+
+import torch
+
+from infra.config import ModelConfig, ServeConfig
+from infra.tokens import eos_token_ids
+from serve.engine.admission import SlotPool
+from serve.model.batch_forward import Item, forward_batch
+from serve.engine.capture import Capture, CaptureBuffer
+from serve.engine.detokenize import StopScanner
+from serve.spec_decode import gpu_stages
+from serve.spec_decode.protocol import Draft, Proposal, StepContext, no_proposal
+from serve.engine.errors import EngineError, RequestError  # noqa: F401 (re-exported)
+from serve.spec_decode.k_policy import KPolicy, StepCosts, chain_cut, profile_forward
+from serve.sampling.processors import LogitsProcessor
+from serve.model.linear import QUANT_MODES
+from serve.model.runner import LlamaRunner, Runner
+from serve.model.native_runner import NativeLlamaRunner
+from serve.model.factory import CPU_KERNELS, make_runner
+from serve.spec_decode.factory import as_draft, draft_runner
+from serve.model.cuda_graphs import GraphLlamaRunner, StagingRing
+from serve.engine.scheduler import DONE, Scheduler
+from serve.engine.sequence import GenerationParams, Seq, Slot, SpecStats  # noqa: F401 (re-exported)
+from serve.engine.stages import _event, _settle_stamps, begin_prefill, commit, end_prefill, score, verify
+from serve.spec_decode.trees.stages import TreeShape, tree_step
+
+
+K_POLICIES = ("cost", "schedule", "fixed")
+DEFAULT: Any = object()  # "the engine's own draft" for the per-request draft= argument
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    k: int = 4
+    draft_confidence: float = 0.0
+    k_policy: str = "schedule"  # cost, schedule or fixed (module doc)
+    capture: bool = True
+    capture_top_k: int = 32
+    max_seq_len: int = 2048
+    # KV cache slots preallocated for concurrent requests, which decode together (one target
+    # forward a step for all of them); more requests wait for a slot, at most max_queue of
+    # them (more are refused: Overloaded) for at most queue_timeout_s.
+    max_concurrency: int = 2
+    # Prompt tokens a step prefills (serve/engine/scheduler.py): a long prompt advances by one chunk
+    # a step between the running requests' decode steps.
+    prefill_chunk: int = 64
+    max_queue: int = 16
+    queue_timeout_s: float = 30.0
+    # CUDA graphs for Llama forwards of up to k+1 tokens (serve/model/cuda_graphs.py): "auto" = on CUDA.
+    cuda_graphs: str = "auto"
+    # "TOTAL,DEPTH,TOPK": steps verify an EAGLE-2 tree (serve/spec_decode/trees/stages.py; sampled requests
+    # draw the tree from q and verify it by recursive rejection) instead of a chain; "" = chains.
+    tree: str = ""
+    # How the decoder weights are multiplied (serve/model/linear.py): "none" as loaded, "int4"
+    # group-wise 4-bit (the GGUF target's own Q4_1 codes), for the target and its drafts.
+    quant: str = "none"
+    # An int4 target's CPU forward (infra/config.py ModelConfig.cpu_kernels): auto, native, torch.
+    cpu_kernels: str = "auto"
+
+    @classmethod
+    def from_config(cls, serve: "ServeConfig", model: "ModelConfig | None" = None) -> "EngineOptions":
+        return cls(k=serve.k, draft_confidence=serve.draft_confidence, k_policy=serve.k_policy,
+                   capture_top_k=serve.capture_top_k, max_seq_len=serve.max_seq_len,
+                   max_concurrency=serve.max_concurrency, prefill_chunk=serve.prefill_chunk,
+                   max_queue=serve.max_queue,
+                   queue_timeout_s=serve.queue_timeout_s, cuda_graphs=serve.cuda_graphs, tree=serve.tree,
+                   quant=model.resolved().quant if model is not None else "none",
+                   cpu_kernels=model.cpu_kernels if model is not None else "auto")
+
+    def __post_init__(self) -> None:
+        if self.k < 0:
+            raise EngineError(f"k must be >= 0, got {self.k}")
+        if not 0.0 <= self.draft_confidence < 1.0:
+            raise EngineError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
+        if self.capture_top_k < 1 or self.max_concurrency < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1:
+            raise EngineError("capture_top_k, max_concurrency, prefill_chunk must be >= 1 and max_seq_len >= 2")
+        if self.max_queue < 0 or self.queue_timeout_s <= 0:
+            raise EngineError("max_queue must be >= 0 and queue_timeout_s > 0")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise EngineError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
+        if self.k_policy not in K_POLICIES:
+            raise EngineError(f"k_policy must be one of {', '.join(K_POLICIES)}, got {self.k_policy!r}")
+        if self.quant not in QUANT_MODES:
+            raise EngineError(f"quant must be one of {', '.join(QUANT_MODES)}, got {self.quant!r}")
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise EngineError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got {self.cpu_kernels!r}")
+        if self.tree:
+            try:
+                TreeShape.parse(self.tree)
+            except ValueError as e:
+                raise EngineError(str(e)) from None
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    text: str | None
+    stats: SpecStats
+    capture: Capture | None
+    prefill_s: float
+    decode_s: float
+    # Per output token (its logprob, [(id, logprob)] of the most likely), raw target
+    # distribution; None unless GenerationParams.logprobs was set.
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+    @property
+    def usage(self) -> dict[str, int]:
+        p, c = len(self.prompt_ids), len(self.output_ids)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+# ---------------------------------------------------------------- engine
+
+class SpecEngine:
+    """Holds a target and an optional draft (any causal LMs sharing a vocab).
+
+    `generate()` runs one request to the end; `stream()` is an async generator of token
+    lists for serving. Concurrent requests each take their own preallocated KV slot and
+    decode together: one target forward a step carries every active request's rows
+    (serve/engine/scheduler.py), so requests never wait for each other's steps.
+    """
+
+    def __init__(self, target_model: Any, draft_model: Any | None = None, tokenizer: Any = None,
+                 options: EngineOptions | None = None):
+        self.options = options or EngineOptions()
+        self.tokenizer = tokenizer
+        self.target = self._runner(target_model, self.options.quant)
+        self.draft = self._draft_runner(draft_model) if draft_model is not None else None
+        # The CUDA path (serve/spec_decode/gpu_stages.py): device-resident stages, one host read per step.
+        self.gpu = self.target.device.type == "cuda"
+        self.ring = StagingRing(self.target.device) if self.gpu else None
+        self.tree = TreeShape.parse(self.options.tree) if self.options.tree else None
+        if self.tree is not None:  # every tree block size is captured once, as k+1 is for chains
+            if isinstance(self.target, GraphLlamaRunner):
+                self.target.max_graph_tokens = max(self.target.max_graph_tokens, self.tree.total)
+            if self.draft is not None:
+                self.draft.reserve_graph_tokens(self.tree.total)
+        if tokenizer is not None and len(tokenizer) > self.target.vocab_size:
+            raise EngineError(f"tokenizer has {len(tokenizer)} tokens, more than the model's {self.target.vocab_size}")
+        self.max_seq_len = min(self.target.max_seq_len, self.draft.max_seq_len if self.draft else 10**9)
+        self.device = self.target.device
+        self.eos = frozenset(eos_token_ids(tokenizer, getattr(target_model.config, "eos_token_id", None)))
+        slots = []
+        # One pool: batched attention. Its positions grow as requests need them, except where
+        # forwards address the whole cache (CUDA graphs, draft trees).
+        growable = not self.gpu and self.tree is None
+        for cache in self.target.new_caches(self.options.max_concurrency, growable):
+            slot = Slot(cache)
+            if self.draft is not None:
+                slot.draft_cache(self.draft)  # preallocate, as before hot swap existed
+            slots.append(slot)
+        self.slots: SlotPool[Slot] = SlotPool(slots, self.options.max_queue, self.options.queue_timeout_s)
+        # Steps run on the threads that wait for them (serve/engine/scheduler.py).
+        self.scheduler = Scheduler(self, self.options.prefill_chunk)
+        self._kpolicy: KPolicy | None = None  # k_policy cost: made at the first speculative request
+
+    def _runner(self, model: Any, quant: str = "none", make: Any = None) -> Runner:
+        """The model's runner (`make`'s: make_runner's for the target); on CUDA a Llama gets CUDA graphs for its forwards of up to k+1
+        tokens (decode, verify, draft steps) unless cuda_graphs is off."""
+        kernels = self.options.cpu_kernels
+        if self.options.tree:  # trees verify through masked forwards, which the native kernels lack
+            if kernels == "native":
+                raise EngineError("serve.tree needs model.cpu_kernels auto or torch: the native forward "
+                                  "verifies chains, not trees")
+            kernels = "torch"
+        try:
+            runner = (make or make_runner)(model, self.options.max_seq_len, quant, kernels)
+        except ValueError as e:
+            raise EngineError(str(e)) from None
+        want = self.options.cuda_graphs
+        on_cuda = runner.device.type == "cuda"
+        if want == "on" and not on_cuda:
+            raise EngineError("cuda_graphs=on needs a CUDA model; use auto or off on CPU")
+        if want != "off" and on_cuda and type(runner) is LlamaRunner:
+            runner = GraphLlamaRunner(model, self.options.max_seq_len)
+            runner.max_graph_tokens = self.options.k + 1
+        elif want != "off" and on_cuda and hasattr(runner, "enable_graphs"):  # a draft's own graphs
+            runner.enable_graphs(self.options.k + 1)
+        return runner
+
+    def _draft_runner(self, draft_model: Any) -> Draft:
+        # A draft's weights take the target's format: an int4 target's truncate/self drafts
+        # share its int4 layers, and a head reads a quarter of the bytes (only acceptance moves).
+        runner = as_draft(draft_model, lambda model: self._runner(model, self.options.quant, draft_runner))
+        if runner.vocab_size != self.target.vocab_size:
+            raise EngineError(
+                f"draft vocab ({runner.vocab_size}) differs from the target's ({self.target.vocab_size}); "
+                f"speculative decoding needs one shared tokenizer and vocab"
+            )
+        return runner
+
+    def make_draft(self, draft_model: Any) -> Draft:
+        """A runner for `draft_model`, usable as the per-request `draft=` of generate/stream.
+        Requests are validated against the engine's context, so a draft with a shorter one is
+        refused here rather than failing a request half-way."""
+        runner = self._draft_runner(draft_model)
+        if runner.max_seq_len < self.max_seq_len:
+            raise EngineError(f"draft context ({runner.max_seq_len} tokens) is shorter than the engine's "
+                              f"({self.max_seq_len}); requests could outgrow the draft's cache")
+        return runner
+
+    # -- validation at the call ------------------------------------------------
+
+    def check_request(self, prompt_ids: Sequence[int], params: GenerationParams) -> list[int]:
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise RequestError("prompt is empty")
+        if params.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+        bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
+        if bad:
+            raise RequestError(f"prompt has token ids outside the vocab [0, {self.target.vocab_size}): {bad[:5]}")
+        if len(prompt) + params.max_new_tokens > self.max_seq_len:
+            raise RequestError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({params.max_new_tokens}) exceeds "
+                f"the context of {self.max_seq_len} tokens", code="context_length_exceeded")
+        self._check_processing(params)
+        return prompt
+
+    def _check_processing(self, params: GenerationParams) -> None:
+        """What the vocab and the budget bound: logit_bias and stop ids, min_tokens, logprobs."""
+        vocab = self.target.vocab_size
+        for name, ids in (("logit_bias", [t for t, _ in params.processors.logit_bias]),
+                          ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestError(f"{name} has token ids outside the vocab [0, {vocab}): {bad[:5]}")
+        if params.processors.min_tokens > params.max_new_tokens:
+            raise RequestError(f"min_tokens ({params.processors.min_tokens}) is over max_new_tokens "
+                               f"({params.max_new_tokens})")
+        if params.logprobs is not None and not 0 <= params.logprobs <= vocab:
+            raise RequestError(f"logprobs must be in [0, {vocab}], got {params.logprobs}")
+
+    # -- the loop ---------------------------------------------------------------
+
+    def _start(self, prompt: list[int], params: GenerationParams, slot: Slot, draft: Any = DEFAULT) -> Seq:
+        draft = self.draft if draft is DEFAULT else draft
+        use_draft = draft is not None and params.speculate and self.options.k > 0
+        k = self.options.k if use_draft else 0
+        cap = None
+        if params.capture and self.options.capture:
+            cap = CaptureBuffer(params.max_new_tokens, min(self.options.capture_top_k, self.target.vocab_size),
+                                self.device)
+        seq = Seq(prompt, params, slot, k, self.eos, cap, self.device, draft if use_draft else None, self.ring)
+        if params.processors.active:
+            seq.proc = LogitsProcessor(params.processors, prompt, seq.eos, self.target.vocab_size, self.device)
+        if params.stop and self.tokenizer is not None:
+            seq.stops = StopScanner(self.tokenizer, params.stop)
+        if seq.draft is not None and self.options.k_policy == "cost":
+            seq.kreq = self.k_policy().new_request(id(seq.draft))
+        begin_prefill(seq)
+        if not seq.prefilling:  # a one-token prompt: nothing to prefill
+            end_prefill(seq)
+        return seq
+
+    def _submit(self, prompt: list[int], params: GenerationParams, slot: Slot, draft: Any, deliver) -> Seq:
+        """Hand a request to the scheduler (the caller then drives it: serve/engine/scheduler.py); its
+        slot is the scheduler's until it finishes, fails or is cancelled (Seq.cancelled), when
+        the scheduler returns it."""
+        try:
+            seq = self._start(prompt, params, slot, draft)
+        except BaseException:
+            self.slots.release(slot)
+            raise
+        seq.deliver = deliver
+        seq.t_submit = time.perf_counter()
+        if not seq.prefilling:
+            seq.t_decode = seq.t_submit
+        self.scheduler.submit(seq)
+        return seq
+
+    def k_policy(self) -> KPolicy:
+        """The cost rule's state, profiling the target's forward by row count on first use
+        (a few forwards of 1..k+1 rows, and of batched steps' row counts, over scratch caches:
+        about a second)."""
+        if self._kpolicy is None:
+            self._kpolicy = KPolicy(StepCosts(self._profile_forward()), self.options.k)
+        return self._kpolicy
+
+    def kpolicy_ready(self) -> bool:
+        return self._kpolicy is not None
+
+    def _profile_forward(self) -> list[float]:
+        """V(rows): up to k+1 rows one sequence's forward (a request alone), and up to the
+        draft's longest chain beyond k (sparser, interpolated); beyond, a batched step's
+        (one-row sequences in a pool, or k+1-row verify blocks once rows outnumber slots)."""
+        k = self.options.k
+        alone = max(k, self.draft.max_chain if self.draft is not None else 0)
+        slots = min(self.options.max_concurrency, 16)
+        context = max(1, min(64, self.max_seq_len - alone - 2))
+        span = min(self.max_seq_len, context + alone + 2)
+        # growable: only the profile's positions. Not on a GPU: its graphs attend over a cache of
+        # max_seq_len positions (forward_static), so a grown-to-fit cache fails their capture.
+        caches = self.target.new_caches(slots, growable=not self.gpu)
+        gen = torch.Generator().manual_seed(0)
+
+        def tokens(n: int) -> torch.Tensor:
+            return torch.randint(0, self.target.vocab_size, (n,), generator=gen).to(self.device)
+
+        for cache in caches:
+            forward_batch(self.target, [Item(tokens(context), cache, logits=False)])
+
+        def forward(rows: int) -> float:
+            n = 1 if rows <= alone + 1 else min(slots, rows)
+            sizes = [rows // n + (i < rows % n) for i in range(n)]
+            items = [Item(tokens(t), c) for t, c in zip(sizes, caches)]
+            if self.gpu:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            forward_batch(self.target, items)
+            if self.gpu:
+                torch.cuda.synchronize()
+            for c in caches:
+                c.truncate(context)
+            return time.perf_counter() - t0
+
+        max_rows = min(self.options.max_concurrency * (k + 1), 64) if k else 0
+        return profile_forward(forward, min(k, span - context - 1), max_rows=max_rows,
+                               alone_rows=min(alone, span - context - 1) + 1)
+
+    @contextlib.contextmanager
+    def step_threads(self) -> Iterator[None]:
+        """Around a step (serve/engine/scheduler.py run_once): torch at one thread while the target is
+        the native forward, which runs on threads of its own. torch's OpenMP workers spin on
+        the same cores after each of the step's small torch ops and stalled it (2026-11-27, 2
+        cores: a 2.7 ms forward took 12 ms in the engine); outside steps torch keeps its count,
+        for whatever else the process runs (a warm start's training after its generation)."""
+        if not isinstance(self.target, NativeLlamaRunner):
+            yield
+            return
+        n = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(n)
+
+    # -- the batched step's hooks (serve/engine/scheduler.py) ---------------------------------
+
+    def batchable(self, seq: Seq) -> bool:
+        """Whether the request's next step can ride in a batched forward: the CPU chain path.
+        A tree step and the CUDA path's device-resident stages step alone."""
+        return not self.gpu and not self._use_tree(seq, seq.params.max_new_tokens - len(seq.out))
+
+    def _limit(self, seq: Seq) -> int:
+        remaining = seq.params.max_new_tokens - len(seq.out)
+        return min(remaining - 1, self.max_seq_len - len(seq.tokens) - 1)
+
+    def plan(self, seqs: list[Seq], prefill_rows: int) -> list[int]:
+        """Draft lengths for a batched step: the cost rule over the whole batch (k_policy.plan;
+        with one sequence, the single-request rule), else each request's schedule or k."""
+        limits = [self._limit(s) for s in seqs]
+        if self.options.k_policy != "cost" or not any(s.kreq is not None for s in seqs):
+            return [min(s.k, lim) if s.draft is not None else 0 for s, lim in zip(seqs, limits)]
+        ks = self.k_policy().plan([s.kreq for s in seqs], limits, len(seqs) + prefill_rows)
+        return [self._min_draft(s, k, lim) for s, k, lim in zip(seqs, ks, limits)]
+
+    def _min_draft(self, seq: Seq, k: int, limit: int) -> int:
+        if seq.kreq is not None and seq.params.min_draft:
+            return max(k, min(seq.params.min_draft, limit, self.options.k))
+        return k
+
+    def step_context(self, seqs: list[Seq], ks: list[int]) -> StepContext:
+        """What a draft may read to size its proposals (serve/spec_decode/protocol.py StepContext): the cost
+        profile's cut, once profiled; a step of one request compares with a request alone."""
+        return StepContext(self.options.draft_confidence, self.options.k, self._limit,
+                           self._chain_cut if self.kpolicy_ready() else None, len(seqs) + sum(ks), len(seqs))
+
+    def _chain_cut(self, probs: list[float], base_rows: int, others: int) -> int:
+        costs = self.k_policy().costs
+        profile = costs.batch_profile() if base_rows > 1 else costs.verify_s
+        return chain_cut(profile, costs.step_s, base_rows, others, probs)
+
+    def propose_all(self, seqs: list[Seq], ks: list[int]) -> list[tuple[Proposal, float]]:
+        """The propose stage of a batched step: the requests of each draft propose together
+        (a head drafts them in one forward per draft position); the call's time is shared out
+        by the tokens each request got. Per request (its proposal, seconds)."""
+        ctx = self.step_context(seqs, ks)
+        out: list[tuple[Proposal, float]] = [(no_proposal(self.device), 0.0)] * len(seqs)
+        groups: dict[int, list[int]] = {}
+        for i, seq in enumerate(seqs):
+            if seq.draft is not None:
+                groups.setdefault(id(seq.draft), []).append(i)
+        for members in groups.values():
+            t0 = time.perf_counter()
+            got = seqs[members[0]].draft.propose([seqs[i] for i in members], [ks[i] for i in members], ctx)
+            took = time.perf_counter() - t0
+            sizes = [p.tokens.numel() for p in got]
+            total = sum(sizes)
+            for i, p, size in zip(members, got, sizes):
+                seqs[i].step_source = p.source
+                out[i] = (p, took * size / total if total else took / len(members))
+        return out
+
+    def after_step(self, seq: Seq, drafted: int, accepted: int, rows: int, draft_s: float, score_s: float,
+                   verify_s: float) -> None:
+        """A batched step's bookkeeping for one request: stage clocks, and what the draft-length
+        rule learns (the forward's cost is observed once per step, by the scheduler)."""
+        clock = seq.stats.stage_s
+        clock["propose"] += draft_s
+        clock["score"] += score_s
+        clock["verify"] += verify_s
+        by_t = seq.stats.score_by_tokens.setdefault(rows, [0, 0.0])
+        by_t[0] += 1
+        by_t[1] += score_s
+        seq.stats.count_source(seq.step_source, drafted, accepted)
+        learn = seq.draft is None or seq.draft.teaches_k(seq.step_source)
+        if seq.kreq is not None:
+            costs = seq.kreq.policy.costs
+            if not seq.kreq.probing and learn:
+                costs.observe_draft(seq.kreq.draft_key, drafted, draft_s)
+            costs.observe_step(verify_s)
+        if learn:
+            self._learn_k(seq, drafted, accepted)
+
+    def _learn_k(self, seq: Seq, drafted: int, accepted: int) -> None:
+        if seq.kreq is not None:
+            seq.kreq.observe(drafted, accepted)
+        elif self.options.k_policy == "schedule" and drafted:
+            seq.k = min(seq.k + 2, self.options.k) if accepted == drafted else max(seq.k - 1, 1)
+
+    def _step(self, seq: Seq) -> list[int]:
+        """One step of a request alone: a tree, or the CUDA path's device-resident stages (the
+        CPU's chains step in the batch: serve/engine/scheduler.py)."""
+        if self._use_tree(seq, seq.params.max_new_tokens - len(seq.out)):
+            return self._stages_tree(seq)
+        limit = self._limit(seq)
+        k = seq.kreq.choose(limit) if seq.kreq is not None else min(seq.k, limit)
+        k = self._min_draft(seq, k, limit)
+        n, k_drafted, emitted = self._stages_gpu(seq, k)
+        self._learn_k(seq, k_drafted, n)
+        return emitted
+
+    def _use_tree(self, seq: Seq, remaining: int) -> bool:
+        """Trees while the whole tree fits the context and its deepest path fits the token
+        budget; chains otherwise (and for a runner without masked blocks)."""
+        t = self.tree
+        # Processors make each tree node's distribution depend on its own path: such requests
+        # verify chains (serve/engine/stages.py), which process every row by its prefix.
+        return (t is not None and seq.draft is not None and seq.proc is None
+                and seq.draft.can_tree(seq)
+                and remaining > t.depth and len(seq.tokens) - 1 + t.total <= self.max_seq_len)
+
+    def _stages_tree(self, seq: Seq) -> list[int]:
+        if self.ring is not None:
+            self.ring.reset()
+        stamps = [_event()]
+        ctx = self.step_context([seq], [self.tree.total - 1])
+        drafts, rows, n, nxt = tree_step(self.target, seq, self.tree, ctx, lambda: stamps.append(_event()))
+        own = [float("nan")] * len(drafts)  # a tree has no single proposal probability per position
+        emitted = commit(seq, drafts, own, rows, n, nxt)
+        stamps.append(_event())
+        seq.stamps.append(stamps)
+        return emitted
+
+    def _stages_gpu(self, seq: Seq, k: int) -> tuple[int, int, list[int]]:
+        """The same stages on the device: no host sync but the one read in verify. Stage
+        times come from CUDA events (read when the request ends), so work queued by one
+        stage and run later is still charged to it."""
+        if self.ring is not None:
+            self.ring.reset()  # the previous step's read has landed every earlier copy
+        stamps = [_event()]
+        if seq.draft is not None:
+            p = seq.draft.propose_device(seq, k, self.step_context([seq], [k]))
+            seq.step_source = p.source
+        else:
+            p = no_proposal(self.device)._replace(own=None)
+        drafts, q, own = p.tokens, p.q, p.own
+        stamps.append(_event())
+        logits = score(self.target, seq, drafts)
+        stamps.append(_event())
+        if p.point_mass:  # host-side proposals: the host's verify (one read either way)
+            (n, nxt), draft_ids = verify(seq, drafts, q, logits, True), drafts.tolist()
+        else:
+            n, nxt, draft_ids = gpu_stages.verify(seq, drafts, q, logits)
+        stamps.append(_event())
+        own_h = own.tolist() if own is not None and seq.capture is not None else [float("nan")] * len(draft_ids)
+        emitted = commit(seq, draft_ids, own_h, logits, n, nxt)
+        stamps.append(_event())
+        seq.stamps.append(stamps)
+        return n, len(draft_ids), emitted
+
+    def _result(self, seq: Seq) -> GenerationResult:
+        end = time.perf_counter()
+        prefill_s = (seq.t_decode or end) - seq.t_submit
+        decode_s = end - seq.t_decode if seq.t_decode else 0.0
+        _settle_stamps(seq)
+        capture = None
+        if seq.capture is not None:
+            n = len(seq.out)
+            capture = seq.capture.finish(seq.out, seq.cap_accepted[:n], seq.cap_draft_tokens[:n],
+                                         seq.cap_draft_probs[:n])
+        text = seq.text
+        if text is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.params.shown(seq.out), skip_special_tokens=True)
+        return GenerationResult(seq.tokens[: seq.n_prompt], seq.out, seq.finish or "length", text, seq.stats,
+                                capture, prefill_s, decode_s, seq.logprobs)
+
+    def generate(self, prompt_ids: Sequence[int], params: GenerationParams | None = None,
+                 draft: Any = DEFAULT) -> GenerationResult:
+        """Run one request to completion (blocking; it decodes in the batch with any others).
+        `draft`: a make_draft runner, None for autoregressive, or the engine's own draft."""
+        params = params or GenerationParams()
+        prompt = self.check_request(prompt_ids, params)
+        box: queue.SimpleQueue = queue.SimpleQueue()
+        seq = self._submit(prompt, params, self.slots.acquire_blocking(), draft, box.put)
+        while (item := self._next(box)) is not DONE:
+            if isinstance(item, BaseException):
+                raise item
+        return self._result(seq)
+
+    def _next(self, box: queue.SimpleQueue) -> Any:
+        """The next item for a blocking caller, stepping the batch in its thread until one comes
+        (another thread may be stepping it: then wait for that)."""
+        while True:
+            try:
+                return box.get_nowait()
+            except queue.Empty:
+                pass
+            if not self.scheduler.run_once():
+                try:
+                    return box.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+
+    def generate_many(self, prompts: Sequence[Sequence[int]], params: GenerationParams | None = None,
+                      draft: Any = DEFAULT, on_result=None) -> list[GenerationResult]:
+        """Run many requests through the batch, up to max_concurrency at once, in order of the
+        prompts; `on_result(i, result)` is called as each finishes (progress, streaming)."""
+        params = params or GenerationParams()
+        checked = [self.check_request(p, params) for p in prompts]
+        box: queue.SimpleQueue = queue.SimpleQueue()
+        results: list[GenerationResult | None] = [None] * len(checked)
+        seqs: dict[int, Seq] = {}
+        nxt = 0
+        free = self.options.max_concurrency
+        while nxt < len(checked) or seqs:
+            while nxt < len(checked) and free > 0:
+                i = nxt
+                seqs[i] = self._submit(checked[i], params, self.slots.acquire_blocking(), draft,
+                                       lambda item, i=i: box.put((i, item)))
+                nxt, free = nxt + 1, free - 1
+            i, item = self._next(box)
+            if isinstance(item, BaseException):
+                for s in seqs.values():
+                    s.cancelled = True
+                raise item
+            if item is DONE:
+                results[i] = self._result(seqs.pop(i))
+                free += 1
+                if on_result is not None:
+                    on_result(i, results[i])
+        return results  # type: ignore[return-value]
+
+    def stream(self, prompt_ids: Sequence[int], params: GenerationParams | None = None,
+               draft: Any = DEFAULT) -> "RequestStream":
+        """Validate now (so a bad request fails at the call), then stream token lists."""
+        params = params or GenerationParams()
+        return RequestStream(self, self.check_request(prompt_ids, params), params, draft)
+
+    # -- health ---------------------------------------------------------------
+
+    def stalled_s(self) -> float:
+        """Seconds since the least recently progressed running request took a step (0: none running)."""
+        stamps = [s.progress for s in self.scheduler.waiting()]
+        return time.monotonic() - min(stamps) if stamps else 0.0
+
+    def check_health(self, stall_timeout_s: float) -> None:
+        """Raise RuntimeError when a running request made no progress for stall_timeout_s, or
+        the slot count does not add up."""
+        self.slots.check()
+        stalled = self.stalled_s()
+        if stalled > stall_timeout_s:
+            raise RuntimeError(f"a running request made no progress for {stalled:.0f} s (limit {stall_timeout_s:g} s)")
+
+
+class RequestStream:
+    """`async for tokens in stream:` yields each step's new token ids; `.result` is set at the end."""
+
+    def __init__(self, engine: SpecEngine, prompt: list[int], params: GenerationParams, draft: Any = DEFAULT):
+        self.engine, self.prompt, self.params = engine, prompt, params
+        self.draft = draft  # fixed at the call: a hot swap never changes a request in flight
+        self.result: GenerationResult | None = None
+        self._slot: Slot | None = None
+        self._seq: Seq | None = None
+
+    @property
+    def logprobs(self) -> list[tuple[float, list[tuple[int, float]]]]:
+        """Log-probabilities of the tokens yielded so far (GenerationResult.logprobs' form; []
+        unless asked): a consumer reads those of a step's tokens after the step is yielded."""
+        seq = self._seq
+        return seq.logprobs if seq is not None and seq.logprobs is not None else []
+
+    async def admit(self) -> None:
+        """Wait for a KV slot (bounded: serve.admission.Overloaded or QueueTimeout). Lets a
+        server answer 429/503 before it commits to a streaming response; the slot is then
+        owned by iteration, or returned by `abandon()` if iteration never starts."""
+        if self._slot is None:
+            self._slot = await self.engine.slots.acquire()
+
+    def abandon(self) -> None:
+        """Return a slot that `admit()` took for an iteration that never started."""
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            self.engine.slots.release(slot)
+
+    async def __aiter__(self) -> AsyncIterator[list[int]]:
+        eng = self.engine
+        await self.admit()  # Overloaded / QueueTimeout propagate: no slot was taken
+        slot, self._slot = self._slot, None
+        loop = asyncio.get_running_loop()
+        box: asyncio.Queue = asyncio.Queue()
+        seq: Seq | None = None
+
+        def post(item: Any) -> None:  # on the scheduler's thread
+            try:
+                loop.call_soon_threadsafe(box.put_nowait, item)
+            except RuntimeError:  # the event loop is gone: nobody reads this request any more
+                if seq is not None:
+                    seq.cancelled = True
+
+        seq = self._seq = eng._submit(self.prompt, self.params, slot, self.draft, post)
+        ended = False
+        eng.scheduler.ensure_driver()
+        try:
+            pending: Any = None
+            while True:
+                item, pending = (pending if pending is not None else await box.get()), None
+                if item is DONE:
+                    ended = True
+                    break
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                # Steps that ended while the consumer was busy go out as one chunk: fewer
+                # messages through Serve (and less of the GIL) when the loop lags, none held
+                # back when it keeps up.
+                merged = list(item)
+                while not box.empty():
+                    nxt = box.get_nowait()
+                    if not isinstance(nxt, list):
+                        pending = nxt
+                        break
+                    merged.extend(nxt)
+                yield merged
+            self.result = eng._result(seq)
+        finally:
+            if not ended:
+                # Dropped mid-request: the scheduler takes the request out of the batch at its
+                # next step and only then returns the slot (never to another request before).
+                seq.cancelled = True

@@ -1,0 +1,2 @@
+"""The head draft (infra/draft_head.py) served: `draft` is its runner and propose stage, `lean`
+its math over fused, optionally quantized weights."""
