@@ -165,7 +165,8 @@ class ServeConfig(_Section):
     port: int = Field(8000, ge=1, le=65535)
     # Draft served beside the target: none, self, truncate:L, suffix, a draft directory (a head's
     # with "+suffix": both, chosen per step), "registry" (follow the registry's stable/canary
-    # aliases, hot-swapping as they move), "head+suffix" (the warm-started head), or "auto":
+    # aliases, hot-swapping as they move), "registry+suffix" (the same, each head version
+    # beside one suffix index that every swap keeps), "head+suffix" (the warm-started head), or "auto":
     # suffix, chosen by measurement (serve/spec_decode/specs.py).
     draft: str = "auto"
     # With draft: registry, how often each replica re-reads the aliases.

@@ -17,6 +17,19 @@ from infra.target import MANIFEST, TargetError
 
 # The draft families a DraftSpec can name: the one list the CLI's choices and path helpers use.
 DRAFT_FAMILIES = ("layer", "head")
+# serve.draft values that follow the registry's stable/canary aliases: the versions alone, or
+# each head version with the replica's one suffix index beside it (their hybrid).
+REGISTRY_DRAFTS = ("registry", "registry+suffix")
+# What the loop (`osd up`, the chart) serves. The head alone is the draft that pays least on a
+# CPU, the suffix draft the most, and a head beside the suffix index never served worse than the
+# suffix alone by more than noise (docs: "The suffix draft"); so the loop serves the hybrid, and
+# each promoted head improves the steps where the index has no match.
+LOOP_DRAFT = "registry+suffix"
+
+
+def loop_draft(spec: str) -> str:
+    """serve.draft in the loop: the registry-following spec the user named, else LOOP_DRAFT."""
+    return spec if spec in REGISTRY_DRAFTS else LOOP_DRAFT
 
 
 class DraftSpecError(ValueError):

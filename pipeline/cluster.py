@@ -29,7 +29,7 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from infra.config import ConfigError, OSDConfig, load_config
-from infra.draft_spec import DRAFT_FAMILIES
+from infra.draft_spec import DRAFT_FAMILIES, loop_draft
 
 LOOP_RUN_NAME = "cluster"
 
@@ -76,7 +76,7 @@ def _parse(model: type[AppArgs], args: Mapping[str, Any] | None, environ: Mappin
         raise ClusterArgsError(f"{app} application: registry.uri is empty; in a cluster it must name storage "
                                f"every pod reaches (file:// on a ReadWriteMany volume, s3://, gs://)")
     # The closed loop serves what the registry's aliases say (as `osd up` does).
-    cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"draft": "registry"})})
+    cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"draft": loop_draft(cfg.serve.draft)})})
     return parsed, cfg
 
 

@@ -60,7 +60,7 @@ def with_draft_resolved(cfg: OSDConfig) -> OSDConfig:
 
 def preflight(cfg: OSDConfig) -> None:
     """Check in this process what the replicas would otherwise fail on inside Ray."""
-    from infra.draft_spec import DraftLoadError
+    from infra.draft_spec import REGISTRY_DRAFTS, DraftLoadError
     from infra.redis_server import RedisServerError, check_redis_url
     from infra.target import load_target, target_identity
     from serve.spec_decode.specs import DraftSpecError, build_draft
@@ -71,7 +71,7 @@ def preflight(cfg: OSDConfig) -> None:
         except RedisServerError as e:
             raise LaunchError(f"{e} (stream.redis_url; leave it empty for a private redis-server)") from None
     loaded = load_target(cfg.model.target, cfg.model, progress=True)  # also converts the model once, here
-    if cfg.serve.draft != "registry":
+    if cfg.serve.draft not in REGISTRY_DRAFTS:
         try:
             build_draft(cfg.serve.draft, loaded.model, target_sha256=target_identity(loaded))
         except (DraftSpecError, DraftLoadError, OSError, ValueError) as e:

@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 from infra.backoff import backoff_delay
 from infra.config import OSDConfig
+from infra.draft_spec import loop_draft
 
 # Trainer restarts: 1 s, 2 s, 4 s ... at most RESTART_CAP_S apart, without end. A run that
 # lasted RESTART_CAP_S or more was healthy, so its failure starts the back-off over.
@@ -104,7 +105,7 @@ class ClosedLoop:
 
     def __init__(self, cfg: OSDConfig, api_key: str | None = None, train: bool = True,
                  run_name: str | None = None):
-        self.cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"draft": "registry"})})
+        self.cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"draft": loop_draft(cfg.serve.draft)})})
         self.api_key, self.train = api_key, train
         self.run_name = run_name or time.strftime("run%Y%m%d-%H%M%S")
         self.stack: Any = None

@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import yaml
 
+from infra.draft_spec import LOOP_DRAFT
+
 helm = pytest.importorskip("helm_python")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 jsonschema = pytest.importorskip("jsonschema")
@@ -310,7 +312,7 @@ def test_serve_config_args_validate_into_the_config_model(rendered, tmp_path):
         builder = {"pipeline.cluster:serving_app": serving_config, "pipeline.cluster:loop_app": loop_config}
         result = builder[app["import_path"]](app["args"], environ)
         cfg = result[1] if isinstance(result, tuple) else result
-        assert cfg.serve.draft == "registry" and cfg.registry.uri
+        assert cfg.serve.draft == LOOP_DRAFT and cfg.registry.uri
         if isinstance(result, tuple):  # the loop: its warm start builds the chart's family
             assert result[0].warm_start_family == app["args"]["warm_start_family"] == "head"
 
@@ -540,7 +542,7 @@ def test_cluster_args_refuse_unknown_keys_and_bad_values():
     with pytest.raises(ClusterArgsError, match="registry.uri is empty"):
         serving_config({}, {"OSD_STREAM__REDIS_URL": "redis://redis:6379/0"})
     args, cfg = loop_config({"config": {"rollout": {"margin": 0.05}}, "train": False}, env)
-    assert cfg.rollout.margin == 0.05 and args.train is False and cfg.serve.draft == "registry"
+    assert cfg.rollout.margin == 0.05 and args.train is False and cfg.serve.draft == LOOP_DRAFT
     assert args.warm_start_family == "head"  # the default draft, as `osd draft init`
     assert loop_config({"warm_start_family": "layer"}, env)[0].warm_start_family == "layer"
     with pytest.raises(ClusterArgsError, match="warm_start_family"):

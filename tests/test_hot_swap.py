@@ -149,3 +149,63 @@ def test_alias_poller_survives_a_malformed_alias_file_and_health_sees_a_dead_one
     assert dead.state()["following_aliases"] is False
     with pytest.raises(RuntimeError, match="poller"):
         dead.check_health()
+
+
+@pytest.fixture
+def head_registry(tiny, tmp_path):
+    """A registry of two heads of the tiny target (v1 stable), and a replica config that serves
+    each beside one suffix index (registry+suffix, the loop's draft)."""
+    import torch
+
+    from infra.config import load_config
+    from infra.draft_head import build_head, save_head
+    from infra.draft_model import target_ref
+    from infra.draft_spec import DraftSpec
+    from infra.registry import Registry
+
+    cfg = load_config(environ={}, overrides={
+        "state_dir": str(tmp_path), "model": {"target": "tiny-random"},
+        "serve": {"draft": "registry+suffix", "record": False, "alias_poll_s": 0.1, "max_new_tokens": 64}})
+    reg = Registry.from_config(cfg)
+    for i in (1, 2):
+        torch.manual_seed(i)
+        head = build_head(tiny.model, DraftSpec(family="head"))
+        with torch.no_grad():
+            for p in head.parameters():
+                p.add_(torch.randn_like(p) * 0.02)  # two heads that differ
+        save_head(head, tmp_path / f"h{i}", target_ref=target_ref(tiny))
+        reg.publish(tmp_path / f"h{i}", f"v{i}")
+    return cfg, reg
+
+
+def test_registry_with_suffix_serves_each_head_beside_the_one_index_it_keeps(head_registry):
+    from serve.api.app import TargetReplica
+    from serve.spec_decode.suffix.draft import HybridDraft, suffix_of
+
+    cfg, reg = head_registry
+    rep = TargetReplica(cfg.model_dump(mode="json"))
+    try:
+        index = rep._suffix
+        assert rep.router.state()["stable"] == "suffix" and rep.router.routing.stable_runner is not None
+        ar = asyncio.run(rep.generate({**_req(0), "speculate": False}))
+        alone = asyncio.run(rep.generate(_req(0)))  # no stable head yet: the suffix draft alone
+        assert alone["draft_version"] == "suffix" and alone["output_ids"] == ar["output_ids"]
+
+        from loop_helpers import greedy_records
+        from serve.spec_decode.suffix.draft import warm_from_records
+
+        assert warm_from_records(index, greedy_records(2, 8, 16)) > 0
+        learned = index.stats()["global_tokens"]
+        for version in ("v1", "v2"):
+            reg.promote(version)
+            deadline = time.monotonic() + 20
+            while rep.router.state()["stable"] != version:
+                assert time.monotonic() < deadline, "alias move never reached the replica"
+                time.sleep(0.05)
+            runner = rep.router.routing.stable_runner
+            assert isinstance(runner, HybridDraft) and suffix_of(runner) is index
+            out = asyncio.run(rep.generate(_req(0)))
+            assert out["draft_version"] == version and out["output_ids"] == ar["output_ids"]  # greedy: lossless
+            assert index.stats()["global_tokens"] == learned  # what the index learned outlives the swap
+    finally:
+        rep.router.stop_following()

@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infra.config import OSDConfig
 from infra.cpu import replica_threads
+from infra.draft_spec import REGISTRY_DRAFTS
 from serve.api.openai_protocol import (
     SSE_DONE,
     APIError,
@@ -106,7 +107,8 @@ class TargetReplica:
         # Every draft loaded here must have been made for this target (hot swap refuses others).
         self.target_sha256 = identify_target(cfg.model.target, cfg.model, self.target)
         log = lambda msg: print(f"[osd replica] {msg}", flush=True)  # noqa: E731
-        if cfg.serve.draft != "registry":
+        self._suffix = None  # registry+suffix: the one index every version is served beside
+        if cfg.serve.draft not in REGISTRY_DRAFTS:
             spec, why = resolve_auto(cfg)  # `osd serve` resolved it already; a cluster app may not have
             if spec != cfg.serve.draft:
                 log(why)
@@ -114,20 +116,27 @@ class TargetReplica:
             initial = Routing(spec if model is not None else "none",
                               self.engine.make_draft(model) if model is not None else None)
             return DraftRouter(self._load_version, initial, log)
-        router = DraftRouter(self._load_version, Routing("none", None), log, retry_base_s=cfg.serve.swap_retry_s,
+        initial = Routing("none", None)
+        if cfg.serve.draft.endswith("+suffix"):
+            from serve.spec_decode.suffix.draft import SuffixDraft
+
+            self._suffix = SuffixDraft.from_config(cfg.serve.suffix, self.target.config.vocab_size)
+            initial = Routing("suffix", self.engine.make_draft(self._suffix))
+        router = DraftRouter(self._load_version, initial, log, retry_base_s=cfg.serve.swap_retry_s,
                              max_failures=cfg.serve.swap_max_failures)
+        alone = "the suffix draft alone" if self._suffix is not None else "autoregressively"
         try:
             aliases = self.registry.aliases()
         except RegistryError as e:  # a torn alias file: serve without a draft until a poll reads a good one
-            log(f"{e}; serving autoregressively until the aliases can be read")
+            log(f"{e}; serving {alone} until the aliases can be read")
         else:
             if aliases["stable"]:
                 canary = aliases["canary"]
                 if not router.apply(aliases["stable"]["version"], canary and canary["version"],
                                     canary["weight"] if canary else 0.0):
-                    log("the stable draft could not be loaded; serving autoregressively until the aliases move")
+                    log(f"the stable draft could not be loaded; serving {alone} until the aliases move")
             else:
-                log(f"no stable alias in {self.registry.uri}; serving autoregressively until one is set")
+                log(f"no stable alias in {self.registry.uri}; serving {alone} until one is set")
         router.follow_aliases(self.registry.aliases, cfg.serve.alias_poll_s)
         return router
 
@@ -138,7 +147,7 @@ class TargetReplica:
         from serve.spec_decode.suffix.draft import suffix_of, warm_from_records
         from serve.engine.tenancy import origin_of
 
-        suffix = suffix_of(self.router.routing.stable_runner)
+        suffix = self._suffix or suffix_of(self.router.routing.stable_runner)
         if suffix is None or not cfg.stream.redis_url:
             return
         try:
@@ -155,6 +164,10 @@ class TargetReplica:
     def _load_version(self, version: str) -> Any:
         # Digests checked first, and a version made for another target refused.
         model, _ = self.registry.load_draft(version, self.target, expect_target_sha256=self.target_sha256)
+        if self._suffix is not None and hasattr(model, "d2t"):  # a head: served beside the kept index
+            from serve.spec_decode.suffix.draft import WithSuffix
+
+            model = WithSuffix(model, self._suffix)
         return self.engine.make_draft(model)
 
     def _pick(self, req: dict[str, Any]) -> tuple[str, Any]:

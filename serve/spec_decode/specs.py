@@ -16,7 +16,9 @@
 - a directory: a draft published by `osd draft init` or the trainer (infra/draft_model.py).
 - `auto` (serve.draft's default): resolved once by `resolve_auto` before anything is built:
   `suffix`, chosen by measurement (AUTO_DRAFT).
-Registry versions come with the registry.
+- `registry`: the registry's stable and canary versions, hot-swapped as their aliases move
+  (serve/api/hot_swap.py); `registry+suffix`: each head version beside the replica's one suffix
+  index, which every swap keeps (the loop's draft, infra/draft_spec.py LOOP_DRAFT).
 """
 
 from __future__ import annotations
