@@ -35,13 +35,13 @@ demo: setup
 # The docs (docs/, mkdocs.yml) into site/, which git ignores. --strict: a broken link between
 # pages, or a reference page the hook cannot generate, fails the build.
 docs: setup
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # The import contract first (seconds): every import points down the layers (pyproject.toml).
 # Then the docs, so a broken link fails here as a failing test would.
 test: setup
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 	PYTHONFAULTHANDLER=1 $(PY) -m pytest
 
 # Everything except the tests that load the real SmolLM2 weights.
