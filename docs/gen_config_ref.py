@@ -149,10 +149,13 @@ def settings() -> list[Setting]:
             nested = _model_in(field.annotation)
             given = values if isinstance(values, dict) else {}
             value = given[name] if name in given else field.get_default(call_default_factory=True)
-            if nested is not None and nested[0] == "":
+            description = (comments.get(model.__name__, {}).get(name) or yaml_notes.get(key, "")).replace("|", "\\|")
+            if nested is not None and nested[0] == "":  # a nested section: a row for it, then its fields
+                doc = " ".join((nested[1].__doc__ or "").split()).replace("|", "\\|")
+                if prefix:  # the top-level sections head their own tables
+                    rows.append(Setting(key, nested[1].__name__, "(section)", ". ".join(t for t in (description, doc) if t)))
                 walk(nested[1], key + ".", given.get(name, {}))
                 continue
-            description = (comments.get(model.__name__, {}).get(name) or yaml_notes.get(key, "")).replace("|", "\\|")
             default = "required" if field.is_required() and name not in given else _default(value)
             rows.append(Setting(key, format_type(field.annotation), default, description))
             if nested is not None:  # list[Model] / dict[str, Model]: the items' own fields

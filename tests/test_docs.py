@@ -33,17 +33,18 @@ def _gen():
 
 def config_keys(model: type[BaseModel] = OSDConfig, prefix: str = "") -> set[str]:
     """Every field of the config models as a dotted key, walked here independently of the
-    generator: a nested model's fields under its key, list[Model] items under `key[].`,
+    generator: a nested model's key (below the top level) and its fields under it, list[Model] items under `key[].`,
     dict[str, Model] values under `key.<name>.`."""
     keys: set[str] = set()
     for name, field in model.model_fields.items():
         key = prefix + name
         ann = field.annotation
         args = typing.get_args(ann)
+        if prefix or not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            keys.add(key)  # a top-level section is a table of its own, not a row
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             keys |= config_keys(ann, key + ".")
             continue
-        keys.add(key)
         origin = typing.get_origin(ann)
         if origin is list and args and isinstance(args[0], type) and issubclass(args[0], BaseModel):
             keys |= config_keys(args[0], key + "[].")
