@@ -66,9 +66,9 @@ class ModelConfig(_Section):
 
     def resolved(self, target: str | None = None) -> "ModelConfig":
         """This config with `auto` dtype and quant made concrete for `target` (default: its own).
-        Measured on 2 CPU cores (README, "The CPU fast path"): the GGUF target's int4 forward
-        is 2-3x faster per token than float32 and its weights are the GGUF's own; a target
-        without 4-bit weights keeps float32, which decodes it exactly as loaded."""
+        The GGUF target's int4 forward is the faster one on a CPU (docs/benchmarks.md, "The CPU
+        fast path") and its weights are the GGUF's own; a target without 4-bit weights keeps
+        float32, which decodes it exactly as loaded."""
         target = target or self.target
         four_bit = self.device.startswith("cpu") and (target in GGUF_INT4_TARGETS or _gguf_four_bit(target))
         wants_int4 = self.quant == "int4" or (self.quant == "auto" and four_bit)
@@ -141,7 +141,7 @@ RecordPolicy = Literal["always", "default-on", "default-off", "never"]
 
 
 class TenantConfig(_Section):
-    """What the platform keeps of one tenant's traffic (README, "What the platform stores")."""
+    """What the platform keeps of one tenant's traffic (docs/data-governance.md)."""
 
     # always: every request recorded (the client's opt-outs are not asked); default-on: unless
     # the request opts out; default-off: only where it opts in (osd_record: true or
@@ -434,8 +434,8 @@ class TrainConfig(_Section):
     warm_max_new_tokens: int = Field(64, ge=1)
     warm_epochs: int = Field(6, ge=1)
     # The engine teacher's concurrency: beyond 24 rows a step runs the bfloat16 weights, whose
-    # GEMMs reuse each weight across rows (`osd bench teacher --batches 16,64` on 2 cores: 64
-    # made a median 1.21x the tokens a second of 16, reports/bench/teacher-batches.json).
+    # GEMMs reuse each weight across rows, so 64 makes more tokens a second than 16
+    # (`osd bench teacher --batches 16,64`; docs/benchmarks.md).
     warm_batch_size: int = Field(64, ge=1)
     # Who writes the teacher answers: "engine", the serving engine's continuous batching in the
     # serving weight format (pipeline/teacher_engine.py), or "hf", Hugging Face `generate` in
@@ -464,28 +464,27 @@ class TrainConfig(_Section):
     # The head's warm start (`osd draft init --family head`) reads these instead of warm_prompts,
     # warm_max_new_tokens and warm_turns (TrainConfig.for_family): the target's own answers to
     # 1536 prompts of every human turn, 128 tokens each. At equal rows its answers taught the
-    # head more than ShareGPT text (README, "ShareGPT text against the target's own answers"),
-    # and on 2 cores a minute makes about as many rows of either; so no ShareGPT conversations
+    # head more than ShareGPT text (docs/benchmarks.md, "ShareGPT text against the target's own
+    # answers"), and a CPU minute makes about as many rows of either; so no ShareGPT conversations
     # by default (head_warm_conversations adds them as fixed text). 2 passes over the data.
     head_warm_prompts: int = Field(1536, ge=1)
     head_warm_max_new_tokens: int = Field(128, ge=1)
     head_warm_turns: Literal["first", "all"] = "all"
     # ... and generates for at most this many minutes (warm_budget_minutes; None: every prompt),
-    # checked between shards, so the warm start fits its half hour on a slower CPU too: at the
-    # ~230 tok/s of 2 AVX-512 cores 12 minutes answer about all 1,536 prompts; 2 AVX2-only Zen 3
-    # cores answered 512 (2 shards, 18 minutes; `osd draft init` 24.9 minutes in all).
+    # checked between shards, so the warm start fits its half hour on a slower CPU too: a fast
+    # CPU answers about all the prompts within it, a slow one fewer (docs/benchmarks.md, "The
+    # default warm start").
     head_warm_budget_minutes: float | None = Field(12.0, gt=0)
     head_warm_conversations: int = Field(0, ge=0)
     head_warm_epochs: int = Field(2, ge=1)
     # Padded feature rows per optimizer step of the head's warm start. Optimizer steps, not rows,
-    # limited the heads measured so far: on an H200, 16384 rows a step gave 186 steps over
-    # 1.47M rows (held-out depth-1 agreement 0.499, loss still falling), and its smaller curve
-    # points (14-96 steps) fell far below CPU heads of fewer tokens and 512-row steps. So the
-    # GPU default is 2048: 8x the steps, each a few ms there (not yet measured on a GPU).
+    # limited the heads measured so far (docs/benchmarks.md, "Every human turn, and a GPU"):
+    # large GPU steps gave too few of them. So the GPU default is 8x the steps of 16384 rows,
+    # each cheap there.
     head_token_budget: int = Field(512, ge=8)
     # The head's warm-start steps run their forward under autocast in this dtype ("none":
-    # float32); weights, gradients and AdamW state stay float32. On 2 AVX-512 cores a 512-row
-    # step of the SmolLM2 head took 350 ms in bfloat16 against 600 in float32. "auto":
+    # float32); weights, gradients and AdamW state stay float32. With native bfloat16 GEMMs a
+    # step is much faster that way (docs/benchmarks.md, "The warm start's teacher"). "auto":
     # bfloat16 on a GPU or a CPU with native bfloat16 GEMMs (infra/cpu.py), else float32,
     # since an AVX2-only CPU emulates bfloat16 several times slower than float32.
     head_warm_autocast: Literal["auto", "none", "bfloat16"] = "auto"

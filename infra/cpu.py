@@ -13,9 +13,9 @@ import torch
 @functools.cache
 def native_bf16_gemm() -> bool:
     """Whether oneDNN multiplies bfloat16 with the CPU's own instructions (AVX-512 or AMX).
-    Without them (an AVX2-only CPU: AMD Zen 2/3, older Intel) it emulates them: a GEMM of 64
-    rows of SmolLM2's shape took 8.0 ms in bfloat16 against 1.7 in float32 on 2 Zen 3 cores,
-    where AVX-512 machines run bfloat16 1.3-1.45x faster than float32."""
+    Without them (an AVX2-only CPU: AMD Zen 2/3, older Intel) it emulates them, several times
+    slower than float32, where AVX-512 machines run bfloat16 faster than float32
+    (docs/benchmarks.md, "On a CPU without native bfloat16")."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch without the probe: assume the fast path
@@ -40,9 +40,9 @@ def replica_threads(forward_threads: int, num_threads: int, num_replicas: int, n
     set; else a lone replica takes every usable core, sharing them with the local stack (the
     HTTP ingress, Ray's proxy, Redis: the native forward's threads claim work item by item, so
     one that the ingress takes off its core holds up little); replicas that share a machine
-    take their num_cpus_per_replica each. On 2 cores (2026-11-27, `osd bench load`, 30 s a
-    level) two threads served 149 / 396 tok/s at 1 / 16 clients, one thread 172 / 322: one
-    leaves the ingress a core of its own, which pays only while the load is light."""
+    take their num_cpus_per_replica each. One thread leaves the ingress a core of its own,
+    which pays only while the load is light (docs/benchmarks.md, "Figures behind code
+    choices")."""
     if forward_threads or num_threads:
         return forward_threads or num_threads
     if num_replicas == 1:

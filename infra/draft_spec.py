@@ -106,7 +106,7 @@ def warm_start_path(cfg: OSDConfig, family: str = "layer") -> Path:
 
 # The order in which `osd serve` (serve.draft: auto) and `osd up` look for a warm-started draft:
 # the head first, because it beat the layer draft on every figure measured on this CPU
-# (README, "Head against the layer draft").
+# (docs/benchmarks.md, "Head against the layer draft").
 PREFERRED_FAMILIES = ("head", "layer")
 
 

@@ -1,8 +1,8 @@
 """Deleting records on request: from the stream and its dead-letter stream, with an audit entry.
 
 A scan decodes every entry (XRANGE in pages) and XDELs those a RecordMatch names. What this
-cannot reach is said in the README ("What the platform stores, for how long, and how to
-delete it"): a draft already trained on a record keeps what it learnt, and a dead letter
+cannot reach is said in docs/data-governance.md ("What the platform stores, for how long, and
+how to delete it"): a draft already trained on a record keeps what it learnt, and a dead letter
 whose payload does not decode cannot be matched (it is trimmed with the stream's retention).
 """
 

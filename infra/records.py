@@ -253,8 +253,8 @@ def _check_schema(schema: pa.Schema, version: int) -> int:
 def _cell(col: pa.Array, name: str, k: int = 0, copy: bool = False) -> np.ndarray:
     """The one list cell of a one-row list column as numpy, checked for nulls.
 
-    `.values` + the two offsets instead of `.flatten()`: same result, ~20x cheaper for the
-    one-row case. k > 0: the cell holds fixed-size lists of k, returned flat [n * k]."""
+    `.values` + the two offsets instead of `.flatten()`: same result, far cheaper for the
+    one-row case (docs/benchmarks.md). k > 0: the cell holds fixed-size lists of k, returned flat [n * k]."""
     if col.null_count:
         raise CorruptRecord(f"column {name} is null")
     start, stop = (int(x) for x in col.offsets.to_numpy())

@@ -39,7 +39,7 @@ def test_auto_is_the_default_and_is_the_suffix_draft_with_the_way_to_the_head(tm
 
 
 def test_auto_stays_the_suffix_draft_and_names_how_to_serve_a_warm_start(tmp_path, tiny, draft_dir):
-    """Chosen by measurement (README, "The suffix draft"): the suffix draft tied or beat the
+    """Chosen by measurement (docs/benchmarks.md, "The suffix draft"): the suffix draft tied or beat the
     warm-started head beside it, so auto serves it and says how to serve the warm start."""
     cfg = config(tmp_path)
     layer = save_layer_at(draft_dir, warm_start_path(cfg, "layer"))

@@ -1,7 +1,7 @@
 """guidellm (vLLM's load benchmark), unmodified, against the real server: a short streaming chat run.
 
 guidellm is not a dependency of this project: it pins older click and multidict than Ray's, so
-it lives in a virtualenv of its own (README, "API compatibility"). The test runs where the
+it lives in a virtualenv of its own (docs/api.md). The test runs where the
 `guidellm` command is found, on PATH or named by GUIDELLM_BIN, and is skipped elsewhere.
 """
 
@@ -24,7 +24,7 @@ GUIDELLM = os.environ.get("GUIDELLM_BIN") or shutil.which("guidellm")
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     if not GUIDELLM:
-        pytest.skip("guidellm is not installed (set GUIDELLM_BIN, see the README)")
+        pytest.skip("guidellm is not installed (set GUIDELLM_BIN, see docs/api.md)")
     serve = {"draft": "truncate:1", "max_new_tokens": 64, "k": 3, "k_policy": "fixed", "record": False}
     with running_app(tmp_path_factory.mktemp("guidellm"), key=KEY, name="osd-guidellm", serve=serve,
                      stream_name="guidellm:records") as app:

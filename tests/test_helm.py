@@ -495,7 +495,7 @@ def test_prometheus_rules_use_the_platform_metrics(rendered):
 
 def test_records_lost_to_a_stream_outage_alert_within_a_minute(rendered):
     """Issue 44, bug 5: records dropped because Redis is down or full raised an alert only after
-    10 minutes; the policy (counted drops, README "What survives what") needs one within a minute."""
+    10 minutes; the policy (counted drops, docs/faults.md) needs one within a minute."""
     _, docs = rendered
     for rule in of_kind(docs, "PrometheusRule"):
         rules = {r["alert"]: r for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r}

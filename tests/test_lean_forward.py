@@ -171,7 +171,7 @@ def test_int4_runner_computes_the_dequantized_model():
 def test_bfloat16_speculation_equals_its_own_autoregression(quant):
     """int4: exactly (every kernel on its path rounds a row alike whatever the row count). Dense
     bfloat16: exactly here too, but on the real model oneDNN's bf16 GEMM rounds a row of a block
-    differently now and then, so the README claims only near ties there."""
+    differently now and then, so the docs (docs/engine.md) claim only near ties there."""
     model = tiny(seed=7, dtype="bfloat16", layers=4)
     prompt = [5, 17, 200, 3, 99]
     ar = SpecEngine(model, options=EngineOptions(k=0, max_seq_len=128, quant=quant))
@@ -222,8 +222,8 @@ def test_where_bfloat16_is_emulated_a_verify_block_attends_each_row_as_its_decod
 
 
 def test_a_head_beside_an_int4_target_keeps_int8_weights_close_to_its_own():
-    """int4 codes of a one-layer head moved its greedy drafts off the float head's (README, "The
-    head's weights"); int8 keeps its logits within a small fraction of the float head's."""
+    """int4 codes of a one-layer head moved its greedy drafts off the float head's (docs/benchmarks.md,
+    "The head's weights"); int8 keeps its logits within a small fraction of the float head's."""
     from infra.draft_head import build_head
     from infra.draft_spec import DraftSpec
     from serve.spec_decode.head.lean import LeanHead

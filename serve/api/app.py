@@ -152,7 +152,7 @@ class TargetReplica:
             return
         try:
             # The producer's user: under the chart's ACL it may not read, and the index then
-            # learns from this replica's own traffic only (README, least privilege).
+            # learns from this replica's own traffic only (docs/data-governance.md, least privilege).
             records = recent_records(connect(cfg.stream.redis_url, cfg.stream, role="producer"), cfg.stream.stream,
                                      cfg.serve.suffix.max_tokens)
         except Exception as e:  # Redis down or slow: the index learns from this replica's own traffic

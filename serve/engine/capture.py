@@ -48,7 +48,7 @@ class CaptureBuffer:
     def add(self, target_logits: torch.Tensor, topk: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """target_logits: [m, V] fp32 rows for the m committed positions of one step. topk: their
         (ids, log-probs) [>= m, top_k] already computed (a batched step does it for all its
-        rows in one call, ~3x cheaper a row than one call per request)."""
+        rows in one call, cheaper a row than one call per request; docs/benchmarks.md)."""
         m = target_logits.shape[0]
         rows = min(m, self.ids.shape[0] - self.n)
         if rows <= 0:

@@ -367,8 +367,8 @@ class SpecEngine:
     def step_threads(self) -> Iterator[None]:
         """Around a step (serve/engine/scheduler.py run_once): torch at one thread while the target is
         the native forward, which runs on threads of its own. torch's OpenMP workers spin on
-        the same cores after each of the step's small torch ops and stalled it (2026-11-27, 2
-        cores: a 2.7 ms forward took 12 ms in the engine); outside steps torch keeps its count,
+        the same cores after each of the step's small torch ops and stall it (several times the
+        forward's own time; docs/benchmarks.md); outside steps torch keeps its count,
         for whatever else the process runs (a warm start's training after its generation)."""
         if not isinstance(self.target, NativeLlamaRunner):
             yield

@@ -83,8 +83,8 @@ class Scheduler:
     Why not a thread of its own: libgomp gives every thread that starts parallel regions its
     own worker team, and spins a team's workers only while the process has no more OpenMP
     threads than cores. A second team (a stepping thread beside the thread that loaded the
-    model) makes every parallel op wait on a sleeping worker: one decode forward took 23-28 ms
-    on a second thread against 13 ms on the loading thread (2 cores, SmolLM2 int4). Ray Serve
+    model) makes every parallel op wait on a sleeping worker, so a decode forward on a second
+    thread ran far slower (docs/benchmarks.md). Ray Serve
     constructs a replica and runs its async methods on one thread, its user-code event loop,
     so stepping on the loop keeps the process at one team. A step blocks that loop for one
     forward; the replica serves nothing but its engine's requests."""
@@ -206,8 +206,8 @@ class Scheduler:
 
     def _pace(self, seconds: float, chunked: bool) -> None:
         """Size prompt chunks so a step that carries one takes at most PREFILL_DELAY times a
-        step without: prompt rows are compute-bound on a CPU (a 64-row chunk beside 7 decode
-        rows took 4x their step on 2 cores), so a fixed chunk would stall the streams."""
+        step without: prompt rows are compute-bound on a CPU (a whole chunk beside a few decode
+        rows takes several of their steps), so a fixed chunk would stall the streams."""
         if not chunked:
             self.decode_s += EWMA_STEP * (seconds - self.decode_s) if self.decode_s else seconds
         elif self.decode_s:

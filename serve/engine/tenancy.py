@@ -2,8 +2,8 @@
 
 Pure (no Ray, no FastAPI): the ingress asks `KeyRing.caller` who sent a request, and
 `record_decision` whether its record is written; `suffix_pool` names the suffix index its
-output joins and drafts from (README, "What the platform stores, for how long, and how to
-delete it").
+output joins and drafts from (docs/data-governance.md, "What the platform stores, for how
+long, and how to delete it").
 """
 
 from __future__ import annotations

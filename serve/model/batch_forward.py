@@ -27,10 +27,10 @@ import torch.nn.functional as F
 
 from serve.model.runner import LlamaRunner, StaticKVCache, attention
 
-# Rows up to which a batched forward uses the step weights (module doc): the int4 decoder
-# up to 24 rows (2 cores, SmolLM2: 16 rows 22 vs 26 ms in bfloat16, 32 rows 43 vs 35), the
-# int8 head up to 8 (8 rows 5.8 vs 4.2 ms, 16 rows 11.4 vs 5.4; kept at k + 1 and above, so
-# a verify block beside a decode row still reads the head a decode step reads).
+# Rows up to which a batched forward uses the step weights (module doc): past them the bfloat16
+# weights, which reuse each weight across rows, are the faster (docs/benchmarks.md, "Rows
+# against weight formats"). The int8 head's bound stays at k + 1 and above, so a verify block
+# beside a decode row still reads the head a decode step reads.
 WIDE_ROWS = 24
 WIDE_HEAD_ROWS = 8
 

@@ -1,8 +1,9 @@
 """The GPU path: fixed-shape forwards replayed as CUDA graphs, and host-to-device copies
 that never wait for the GPU.
 
-Why graphs. SmolLM2-135M is 30 small layers: an eager step is ~1,350 kernel launches
-and the weights stream in ~0.2 ms on an H100, so the step is launch-bound (~20 ms eager).
+Why graphs. SmolLM2-135M is 30 small layers: an eager step is over a thousand kernel
+launches while its weights stream in a fraction of a millisecond, so the step is
+launch-bound (docs/benchmarks.md, "On a GPU").
 A captured graph replays all of them with one launch.
 
 Why torch.cuda.CUDAGraph directly rather than torch.compile(mode="reduce-overhead"):

@@ -54,8 +54,8 @@ class Dense:
 class Upcast(AddAfter):
     """A float32 weight under lower-precision activations: x in float32, the product back in
     x's dtype. The many-row weights of an int4 target on a CPU without native bfloat16
-    (infra/cpu.py native_bf16_gemm): there a float32 GEMM of 64 rows is 4-5x faster than a bfloat16 one,
-    and the two casts cost little beside it."""
+    (infra/cpu.py native_bf16_gemm): there a float32 GEMM of many rows is several times faster
+    than an emulated bfloat16 one, and the two casts cost little beside it."""
 
     weight: torch.Tensor  # [out, in] float32
 

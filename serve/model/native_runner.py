@@ -23,9 +23,10 @@ from serve.model.native_formats import pack_q4, pack_q8
 from serve.model.batch_forward import Item, reserve
 from serve.model.runner import LlamaRunner, StaticKVCache, _cached, _tensor_key, exact_scales
 
-# Rows up to which a forward takes the native path (64 rows: 37.9 against PyTorch int4's
-# 71.2 ms, osd bench forward --real); longer prompt chunks, which the engine does not make
-# (serve.prefill_chunk 64, 8x that alone), take the inherited path. Not measured past 64 rows.
+# Rows up to which a forward takes the native path, faster than PyTorch's int4 at every row
+# count measured (`osd bench forward --real`, up to 64 rows; docs/benchmarks.md); longer prompt
+# chunks, which the engine does not make (serve.prefill_chunk, 8x that alone), take the
+# inherited path.
 NATIVE_MAX_ROWS = 512
 
 _P = ctypes.c_void_p
@@ -56,9 +57,9 @@ class OsdBatch(ctypes.Structure):
 
 _threads: int | None = None
 # Forwards of at most this many rows run on one thread: a step that small is bound by reading
-# the weights, which one core nearly saturates (one row: 3.5 against 3.1 ms on 2 cores), and
-# the other core serves the HTTP ingress meanwhile: one client's output went from 151 to 193
-# tok/s (`osd bench load`, 2026-11-27), 8 and 16 clients' stayed within noise.
+# the weights, which one core nearly saturates, and the other core serves the HTTP ingress
+# meanwhile, which raised one client's output and left many clients' within noise
+# (`osd bench load`; docs/benchmarks.md).
 SMALL_FORWARD_ROWS = 4
 
 

@@ -200,8 +200,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     row-independent; float32 bmm, addmm and the fused attention kernel are not; oneDNN's
     dense bf16 GEMM mostly is, but not always on the real model, where dense bfloat16
     speculation then differs from its AR at near ties only).
-    One row this way is also 4x faster than the fused kernel in bfloat16 (70 vs 280 us a layer
-    at 256 tokens of context, 2 cores). Longer blocks: 4-D SDPA, grouped-query heads without
+    One row this way is also faster than the fused kernel in bfloat16 (docs/benchmarks.md,
+    "Figures behind code choices"). Longer blocks: 4-D SDPA, grouped-query heads without
     copies, which reaches the fused CPU attention kernel."""
     t, nh, hd = q.shape
     if t <= ROW_EXACT_MAX_T:
@@ -343,10 +343,9 @@ class LlamaRunner:
         self.blocks = stack(quant)
         # Wide blocks (prompts; batched steps of many rows): the model's own weights, fused, when
         # int4 is slower there. oneDNN's bf16 GEMM reuses each weight across rows, the int4
-        # kernel costs about as much per row at any count (2 cores, SmolLM2 decoder: 64 rows
-        # 59 vs 83 ms; 16 rows 26 vs 22 ms; 8 rows 22 vs 12 ms).
-        # Where the CPU has no native bfloat16 GEMM they are float32 (wide_format): 64 rows of a
-        # SmolLM2-shaped int4 model took 353 ms against 1044 ms in bfloat16 (2 Zen 3 cores).
+        # kernel costs about as much per row at any count (docs/benchmarks.md, "Rows against
+        # weight formats"). Where the CPU has no native bfloat16 GEMM they are float32
+        # (wide_format), since emulated bfloat16 is slower still.
         self.prefill_blocks = self.blocks if quant == wide == "none" else stack(wide)
         # RoPE tables from the model's own rotary module, so any rope scaling it applies is kept.
         with torch.no_grad():
@@ -362,9 +361,9 @@ class LlamaRunner:
 
     def _make_head(self, weight: torch.Tensor, quant: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """The output projection, a fifth of a 135M model's bytes per step. float32: a [D, V]
-        copy, which MKL's small-M GEMM reads ~25% faster; bfloat16: the weight as it is, which
-        oneDNN reads 1.4x faster than that copy (3.2 vs 4.6 ms on 2 cores); int4 targets: int8
-        rows (1.7 ms), as the GGUF keeps the tied head in 8 bits."""
+        copy, which MKL's small-M GEMM reads faster; bfloat16: the weight as it is, which
+        oneDNN reads faster than that copy; int4 targets: int8 rows, the fastest of the three,
+        as the GGUF keeps the tied head in 8 bits (docs/benchmarks.md)."""
         if quant == "int4":
             return _shared_head(weight, "int8", self.dtype)
         if self.dtype == torch.float32:
@@ -405,7 +404,7 @@ class LlamaRunner:
         none) and no logits: the engine never reads a prefill's, and an output projection over
         every prompt row costs as much as a decoder layer. Long blocks of an int4 target take
         the model's own bfloat16 weights (GEMMs that many rows are compute-bound, where
-        oneDNN's bf16 kernel is 2x faster than int4's; 200 tokens: 219 vs 448 ms)."""
+        oneDNN's bf16 kernel is faster than int4's; docs/benchmarks.md)."""
         return self._run(tokens, cache, layers, logits=False)[1]
 
     def _run(self, tokens: torch.Tensor, cache: StaticKVCache, layers: tuple[int, ...],

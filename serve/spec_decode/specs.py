@@ -30,13 +30,11 @@ from infra.config import OSDConfig
 from infra.draft_spec import DraftSpec, DraftSpecError, warm_start_path, warm_started_draft
 
 AUTO = "auto"
-# What `auto` serves, chosen by measurement (README, "The suffix draft"): suffix decoding needs
-# no training, so a new machine serves at once, and it measured 1.15x own AR on held-out
-# ShareGPT where truncate:4, the default before it, lost (0.89x at 1 client). It also tied or
-# beat the warm-started head beside it (2026-11-26: code 1.20x against head+suffix's 1.19x,
-# multi-turn 1.34x against 1.30x; under load at the stop before, 1.70x / 1.23x / 1.39x at 1 /
-# 8 / 16 clients against 1.26x / 0.92x / 0.98x), so a warm-started head is served when named
-# (head+suffix), and in the loop.
+# What `auto` serves, chosen by measurement (docs/benchmarks.md, "The suffix draft"): suffix
+# decoding needs no training, so a new machine serves at once, and it beat own AR on held-out
+# ShareGPT where truncate:4, the default before it, lost. It also tied or beat the
+# warm-started head beside it, alone and under load, so a warm-started head is served when
+# named (head+suffix), and in the loop.
 AUTO_DRAFT = "suffix"
 
 

@@ -1,6 +1,6 @@
 """The fault-injection suite: real processes killed at named points (infra/faults.py), real
 Redis stopped and killed under load, torn files and full disks; each test asserts what the
-loop promises afterwards (README, "What survives what")."""
+loop promises afterwards (docs/faults.md, "What survives what")."""
 
 import json
 import os

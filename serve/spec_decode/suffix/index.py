@@ -18,14 +18,12 @@ Representation: positions over a token arena, not a trie.
 - Matching checks the candidates backwards through `prev` with numpy: a filter per step while
   there are many, one 2-D gather once few remain. A chain step maps the set of occurrence
   ends through `next` and keeps those that continue with the chosen token.
-Why: a depth-32 trie of dicts, measured here on Zipf tokens, took 6.8 KB and 68 us per
-appended token even without counts (1.3 GB for 200k tokens), while this costs
+Why: a depth-32 trie of dicts takes kilobytes and tens of microseconds per appended token
+even without counts (docs/benchmarks.md, "Figures behind code choices"), while this costs
 24 bytes per slot (tok, prev, next: 12; sorted key and slot: 12), at most 1.5 slots per live
 token, with no per-token Python objects. Appends are slice writes; a whole sequence is
 evicted by marking its slots dead, and dead slots are compacted away when the arena fills.
-Measured on the 2-core box (Zipf tokens with copied spans, 300-token sequences): append 4.4 us
-per token one at a time, 0.7 us in bulk; a chain of 8 takes 26 us median at 1k indexed tokens
-and 34 us (p95 84) at 200k; 28-31 bytes per indexed token.
+Its append, chain and memory costs are in docs/benchmarks.md ("Figures behind code choices").
 
 Semantics, fixed here because the tests compare with a brute-force reference:
 - An occurrence counts only if another token follows it in its sequence.
@@ -64,7 +62,7 @@ _FIXED_BYTES = 2048
 # and its int objects; the key's own size is added on top. Calibrated with tracemalloc.
 _SEQ_BYTES = 240
 _SMALL = 32  # below this many candidates, match the rest of the context in one 2-D gather
-_MIN_TAIL = 256  # unsorted slots tolerated before re-sorting (a scan of these is ~1 us)
+_MIN_TAIL = 256  # unsorted slots tolerated before re-sorting (a scan of so few is cheap)
 _EMPTY = np.empty(0, np.int32)
 
 
