@@ -88,6 +88,11 @@ def panels() -> list[tuple[str, str, list[tuple[str, str]]]]:
         ("Restarts: trainer (resumed a checkpoint) and rollout controller", "short",
          [(f"sum(increase({m('osd_trainer_restarts_total')}{{{CLUSTER}}}[{RATE}]))", "trainer restarts"),
           (f"sum(increase({m('osd_rollout_controller_starts_total')}{{{CLUSTER}}}[{RATE}]))", "controller starts")]),
+        ("Time to adapt: minutes from the last domain shift to a promotion (or waited so far)", "m",
+         [(f"max by (state) ({m('osd_adapt_minutes')}{{{CLUSTER}}})", "{{state}}")]),
+        ("Gain of the first promotion after the last shift (acceptance)", "none",
+         [(f"max({m('osd_adapt_gain')}{{{CLUSTER}}})", "acceptance gain"),
+          (f"time() - max({m('osd_adapt_last_shift_timestamp_seconds')}{{{CLUSTER}}})", "seconds since the shift")]),
     ]
 
 

@@ -73,7 +73,7 @@ def test_panels_and_variables():
     titles = " | ".join(p["title"] for p in dash["panels"]).lower()
     for want in ("acceptance rate", "mean accepted length", "per draft position", "canary minus stable",
                  "tokens/s", "p95", "canary weight", "traffic share", "rollout decisions", "dropped",
-                 "lag", "trainer loss", "restarts"):
+                 "lag", "trainer loss", "restarts", "time to adapt"):
         assert want in titles, want
     assert {v["name"] for v in dash["templating"]["list"]} == {"datasource", "cluster", "version"}
     assert len({p["id"] for p in dash["panels"]}) == len(dash["panels"]) >= 12
@@ -139,7 +139,9 @@ class _Emitter:
         log = StepLog()
         log.add(3, 7)
         sm.sync_steps(log)
-        StreamMetrics().set("s", 5, [{"group": "trainers", "lag": 3, "pending": 1}])
+        stream = StreamMetrics()
+        stream.set("s", 5, [{"group": "trainers", "lag": 3, "pending": 1}])
+        stream.set_adapt({"shift": {"time": 1.0e9}, "minutes": 4.0, "waiting_min": None, "gain": 0.1})
         tm = TrainerMetrics(0)
         tm.step(1.0, 4)
         tm.checkpoint("t", {"version": "v2"})
@@ -149,7 +151,7 @@ class _Emitter:
         rm.weight("v2", 0.1)
         rm.decision("v2", "start")
         rm.arm("v1", "stable", Arm())
-        self.keep = (sm, tm, rm)  # metrics live as long as their objects
+        self.keep = (sm, tm, rm, stream)  # metrics live as long as their objects
         return rm.ok
 
 

@@ -184,6 +184,23 @@ class StreamMetrics:
         self.pending = m.Gauge("osd_stream_group_pending", "Entries delivered to the group and not acked",
                                tag_keys=("stream", "group"))
 
+        self.shift_time = m.Gauge("osd_adapt_last_shift_timestamp_seconds",
+                                  "When the traffic's domain mix last shifted (serve/api/ops/adapt.py)")
+        self.adapt_minutes = m.Gauge("osd_adapt_minutes", "Minutes from the last shift to the first promotion "
+                                     "after it, or waited so far", tag_keys=("state",))
+        self.adapt_gain = m.Gauge("osd_adapt_gain", "Acceptance of the first version promoted after the last "
+                                  "shift minus that of the version it replaced, on post-shift records")
+
+    def set_adapt(self, a: dict[str, Any] | None) -> None:
+        if a is None:
+            return
+        self.shift_time.set(a["shift"]["time"])
+        promoted = a["minutes"] is not None
+        self.adapt_minutes.set(a["minutes"] if promoted else a["waiting_min"],
+                               {"state": "promoted" if promoted else "waiting"})
+        if a["gain"] is not None:
+            self.adapt_gain.set(a["gain"])
+
     def set(self, stream: str, length: int, groups: list[dict[str, Any]]) -> None:
         self.length.set(length, {"stream": stream})
         for g in groups:

@@ -70,7 +70,24 @@ def page(summary: dict[str, Any], *, live: bool = True) -> str:
 def main(s: dict[str, Any]) -> str:
     problems = "".join(f"<p class=fail>{_e(p)}</p>" for p in s.get("problems", []))
     return "".join([problems, _header(s), _comparison(s.get("comparison")), _versions(s["versions"]), _charts(s),
-                    _loop(s["loop"]), _registry(s["registry"])])
+                    _adapt(s.get("adapt")), _loop(s["loop"]), _registry(s["registry"])])
+
+
+def _adapt(a: dict[str, Any] | None) -> str:
+    """Time to adapt (serve/api/ops/adapt.py): the last shift of the traffic's domain mix and the
+    loop's answer to it."""
+    if a is None:
+        return ("<div class=card id=ops-adapt>Time to adapt: <span class=muted>no shift in the traffic's "
+                "domain mix within the window</span></div>")
+    sh = a["shift"]
+    mix = lambda m: ", ".join(f"{_e(k)} {v:.0%}" for k, v in m.items())  # noqa: E731
+    if a["promoted"] is None:
+        answer = f"no promotion yet ({a['waiting_min']:.1f} min waited)"
+    else:
+        gain = "" if a["gain"] is None else f", acceptance {a['gain']:+.3f} over {_e(a['replaced'])}"
+        answer = f"{_e(a['promoted'])} promoted {a['minutes']:.1f} min after it{gain}"
+    return (f"<div class=card id=ops-adapt>Time to adapt: the domain mix shifted at {_t(sh['time'])} "
+            f"({mix(sh['before'])} &rarr; {mix(sh['after'])}); {answer}</div>")
 
 
 def _header(s: dict[str, Any]) -> str:

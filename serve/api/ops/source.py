@@ -15,12 +15,14 @@ import time
 from typing import Any
 
 from infra.config import OSDConfig
+from serve.api.ops import adapt
 from serve.api.ops import stats as st
 
 WINDOW_S = 3600.0  # the page's default span: rows, charts and the registry's recent history
 MAX_RECORDS = 5000  # newest records read per summary; bounds the page's cost on a busy stream
 BUCKETS = 30
 MIN_SPAN_S = 120.0
+ADAPT_EVERY = 4  # the poller's time-to-adapt gauges: every 4th stream poll (a minute by default)
 
 
 class OpsSource:
@@ -37,23 +39,37 @@ class OpsSource:
 
     def evidence(self, since: float) -> list[st.Evidence]:
         """The newest records since `since` (at most MAX_RECORDS), oldest first, as evidence."""
+        return self.read(since)[0]
+
+    def read(self, since: float) -> tuple[list[st.Evidence], list[tuple[float, str]]]:
+        """The newest records since `since` (at most MAX_RECORDS), oldest first: the drafted
+        ones as evidence, and every one's (time, domain) for the shift detector."""
         from infra.records import RecordError, decode
         from infra.streams import FIELD
 
         if self.client is None:
-            return []
+            return [], []
         entries = self.client.xrevrange(self.cfg.stream.stream, max="+", min=f"{int(since * 1000)}-0",
                                         count=MAX_RECORDS)
-        out = []
+        out, points = [], []
         for _, fields in reversed(entries):
             try:
                 rec = decode(fields[FIELD])
             except (KeyError, RecordError):
                 continue  # the consumers dead-letter it; the page just skips it
+            points.append((rec.created_at, rec.domain))
             e = st.evidence_of(rec.created_at, rec.draft_version, rec.accepted.tolist(), rec.draft_tokens.tolist())
             if e is not None:
                 out.append(e)
-        return out
+        return out, points
+
+    def adapt(self, evidence: list[st.Evidence], points: list[tuple[float, str]], audit: list[dict[str, Any]],
+              now: float) -> dict[str, Any] | None:
+        """Time to adapt (serve/api/ops/adapt.py) over what `read` returned."""
+        shift = adapt.last_shift(points)
+        after = st.aggregate(e for e in evidence if shift is not None and e.time >= shift["time"])
+        acceptance = {v: a.acceptance.ratio for v, a in after.items() if a.acceptance.n}
+        return adapt.time_to_adapt(shift, audit, acceptance, now)
 
     def stream_health(self) -> dict[str, Any]:
         if self.client is None:
@@ -74,7 +90,7 @@ class OpsSource:
         canary_alias = aliases.get("canary")
         canary = canary_alias["version"] if canary_alias else None
         problems: list[str] = []  # shown on the page: a Redis outage must not blank it
-        evidence = _guarded(lambda: self.evidence(t0), [], problems)
+        evidence, points = _guarded(lambda: self.read(t0), ([], []), problems)
         aggs = st.aggregate(evidence)
         serving: dict[str, list[dict[str, Any]]] = {}
         for r in replicas:
@@ -100,6 +116,7 @@ class OpsSource:
                        "canary_weight": st.weight_series(audit, c0, now, _current_weight(aliases)),
                        "batch_size": st.batch_series(replicas, c0)},
             "loop": self._loop(replicas, problems),
+            "adapt": self.adapt(evidence, points, audit, now),
             "problems": problems,
             "registry": self._registry(audit),
         }
@@ -226,12 +243,20 @@ class StreamPoller:
 
         gauges = StreamMetrics()
         client = connect(self.cfg.stream.redis_url, self.cfg.stream, role="trainer")
+        source: OpsSource | None = None
+        polls = 0
         while not self._stop.is_set():
             try:
                 h = stream_health(client, self.cfg.stream.stream)
                 gauges.set(self.cfg.stream.stream, h["length"] or 0, h["groups"])
-            except Exception:  # Redis away for a while: the gauges keep their last values
+                if polls % ADAPT_EVERY == 0:  # reads up to MAX_RECORDS records: not every poll
+                    source = source or OpsSource(self.cfg, client=client)
+                    now = time.time()
+                    evidence, points = source.read(now - WINDOW_S)
+                    gauges.set_adapt(source.adapt(evidence, points, source.registry.audit_log(), now))
+            except Exception:  # Redis or the registry away for a while: the gauges keep their last values
                 pass
+            polls += 1
             self._stop.wait(self.period_s)
 
     def stop(self) -> None:
