@@ -164,7 +164,12 @@ def paired_alpha(cfg: OSDConfig, records: list, shift_time: float, target: Any, 
     out: dict[str, Any] = {"records": len(held), "positions": sum(r.n_positions for r in held), "versions": []}
     if not held:
         return out
-    for v in registry.list():
+    versions = registry.list()
+    features: dict = {}  # the target's features, computed once and shared by every head
+    started = time.monotonic()
+    for i, v in enumerate(versions, 1):
+        _log(f"paired estimate: {v.id} ({i} of {len(versions)}, {len(held)} records, "
+             f"{time.monotonic() - started:.0f} s so far)")
         try:
             draft, _ = registry.load_draft(v.id, target)
         except Exception as e:  # a version gc'd or unreadable: say so, keep the others
@@ -172,7 +177,7 @@ def paired_alpha(cfg: OSDConfig, records: list, shift_time: float, target: Any, 
             continue
         # Each version by its own family (a head reads the target's features), on the same
         # positions and measure, as the gate scores them: a ratio of sums over positions.
-        scores = per_record(draft, target, held, cfg.train.max_seq_len)
+        scores = per_record(draft, target, held, cfg.train.max_seq_len, features)
         n = sum(p for _, p in scores)
         out["versions"].append({"version": v.id, "parent": v.lineage.get("parent"),
                                 "records_consumed": v.lineage.get("records_consumed"),

@@ -130,6 +130,27 @@ def test_per_record_acceptance_of_a_head_matches_a_direct_computation(target, re
 
 @pytest.mark.pure
 @pytest.mark.usefixtures("one_thread")
+def test_heads_scored_with_a_feature_cache_share_one_target_forward_and_score_the_same(target, recs, monkeypatch):
+    """The demo's paired estimate scores every version on the same records: the target's
+    features are computed once per set of feature layers, and the scores are unchanged."""
+    import train.head_train as ht
+    from train.family import per_record
+
+    heads = [fresh_head(target, 150), fresh_head(target, 200)]
+    with torch.no_grad():
+        heads[1].fc.weight.mul_(0.5)  # another head on the same feature layers
+    alone = [per_record(h, target, recs[:6], 1024) for h in heads]
+    calls = []
+    real = ht.records_features
+    monkeypatch.setattr(ht, "records_features", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cache: dict = {}
+    shared = [per_record(h, target, recs[:6], 1024, cache) for h in heads]
+    assert len(calls) == 1 and list(cache) == [tuple(LAYERS)]
+    assert shared == alone and alone[0] != alone[1]
+
+
+@pytest.mark.pure
+@pytest.mark.usefixtures("one_thread")
 def test_a_few_steps_on_a_fixed_pattern_raise_the_heads_alpha_and_pass_the_paired_gate(target, recs):
     """The trainer's head pieces (batch, loss, rebuild) over records of the target's greedy
     pattern: α rises, and the paired gate (each draft scored by its family) sees it."""

@@ -36,12 +36,21 @@ def family_name(draft: Any) -> str:
     return "head" if getattr(draft, "osd_family", None) == "head" else "layer"
 
 
-def per_record(draft: Any, target: Any, records: list, max_seq_len: int) -> list[tuple[float, int]]:
-    """(summed expected acceptance, positions) per record for a draft of either family."""
+def per_record(draft: Any, target: Any, records: list, max_seq_len: int,
+               feature_cache: dict | None = None) -> list[tuple[float, int]]:
+    """(summed expected acceptance, positions) per record for a draft of either family.
+    `feature_cache`: a dict kept across calls on the same records, so the target's features
+    for a head are computed once per set of feature layers, not once per head."""
     if family_name(draft) == "head":
-        from train.head_train import per_record_acceptance_head
+        from train.head_train import per_record_acceptance_head, records_features
 
-        return per_record_acceptance_head(draft, target, records, max_seq_len)
+        feats = None
+        if feature_cache is not None:
+            key = tuple(draft.feature_layers)
+            if key not in feature_cache:
+                feature_cache[key] = records_features(target, records, draft.feature_layers, max_seq_len)
+            feats = feature_cache[key]
+        return per_record_acceptance_head(draft, target, records, max_seq_len, features=feats)
     from train.evaluator import per_record_acceptance
 
     return per_record_acceptance(draft, records, max_seq_len)

@@ -247,15 +247,17 @@ def estimate_alpha_head(head: Any, target: Any, records: Sequence[Any], max_seq_
 
 @torch.no_grad()
 def per_record_acceptance_head(head: Any, target: Any, records: Sequence[Any], max_seq_len: int,
-                               depth: int = DEPTH) -> list[tuple[float, int]]:
+                               depth: int = DEPTH, features: Any = None) -> list[tuple[float, int]]:
     """(sum over its positions of the head's expected acceptance, positions) per record, in
     order: what the paired gate needs, on the terms train/evaluator.py's per_record_acceptance
     scores a layer draft, so a head and a layer version pair up. The same positions (the
     outputs `trim` keeps) and the same measure (min(p, q) summed over the record's target
     top-k, the lower bound); per position, the mean over the depths 1..depth whose chain
-    starts at a real row, the head unrolled on its own state, as drafting runs it."""
+    starts at a real row, the head unrolled on its own state, as drafting runs it.
+    `features`: records_features(target, records, head.feature_layers, max_seq_len) when the
+    caller scores several heads on the same records (the target's forward is most of the cost)."""
     head.eval()
-    fs = records_features(target, records, head.feature_layers, max_seq_len)
+    fs = features if features is not None else records_features(target, records, head.feature_layers, max_seq_len)
     dev = head.d2t.device
     inv = torch.full((head.vocab_size,), head.draft_vocab, dtype=torch.long, device=dev)  # V_d: not in vocab
     inv[head.d2t] = torch.arange(head.draft_vocab, device=dev)
