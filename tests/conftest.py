@@ -59,7 +59,17 @@ def pytest_sessionfinish(session, exitstatus):
     the interpreter shuts down is the usual cause of a crash after the last test passed."""
     import threading
 
+    import sys
+
     alive = [t for t in threading.enumerate() if t is not threading.main_thread()]
     if alive:
         names = ", ".join(f"{t.name}{' (daemon)' if t.daemon else ''}" for t in alive)
         session.config.get_terminal_writer().line(f"threads alive at the end of the session: {names}")
+    # Runtimes a test may have left up stop here, while the interpreter is whole, not in its
+    # teardown, where their native threads would outlive the modules they call into.
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
