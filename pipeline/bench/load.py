@@ -18,6 +18,7 @@ plain HTTP with requests and threads; it needs only the prompts it sends from th
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import threading
@@ -384,3 +385,41 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
     if png_path is not None:
         write_chart(result, png_path)
     return result
+
+
+# -- the command line: `osd bench load` --------------------------------------------------------
+
+HELP = "closed-loop streaming chat load on a running server at rising concurrency, speculation on and off"
+ERRORS = (LoadBenchError,)
+
+
+def add_arguments(bl: argparse.ArgumentParser) -> None:
+    bl.add_argument("--url", help="server base URL (default http://{serve.host}:{serve.port})")
+    bl.add_argument("--api-key", help="Bearer key (default $OSD_API_KEY)")
+    bl.add_argument("--levels", default="1,2,4,8,16", metavar="C,C,...", help="concurrency levels (default 1,2,4,8,16)")
+    bl.add_argument("--seconds", type=float, default=20, metavar="S", help="seconds per level and mode (default 20)")
+    bl.add_argument("--max-tokens", type=int, default=64, metavar="M", help="max_tokens per request (default 64)")
+    bl.add_argument("--speculation", choices=("both", "on", "off"), default="both",
+                    help="run each level with speculation on and off (default), or one of them")
+    bl.add_argument("--prompts", default="sharegpt", metavar="SRC",
+                    help="sharegpt (held-out first turns, default), a JSONL file of {\"prompt\": ...}, or fixed")
+    bl.add_argument("--timeout", type=float, default=60, metavar="S", help="per-request client timeout (default 60)")
+    bl.add_argument("--out", "--json", dest="out", default="reports/bench/load.json", metavar="PATH",
+                    help="where to write JSON")
+    bl.add_argument("--png", metavar="PATH", help="the chart (default: the JSON's path with .png)")
+    bl.add_argument("--long-prompt", action="store_true",
+                    help="then: 7 streams and one ~1,900-token prompt; how long its prefill stalls them")
+
+
+def run(cfg: Any, args: argparse.Namespace) -> int:
+    try:
+        levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    except ValueError:
+        raise LoadBenchError(f"--levels must be comma-separated integers, got {args.levels!r}") from None
+    url = args.url or f"http://{cfg.serve.host}:{cfg.serve.port}"
+    prompts = load_prompts(args.prompts) if args.prompts != "fixed" else None
+    png = args.png or str(Path(args.out).with_suffix(".png"))
+    run_load_bench(url, api_key=args.api_key, levels=levels, seconds=args.seconds, max_tokens=args.max_tokens,
+                   timeout_s=args.timeout, speculation=args.speculation, prompts=prompts, json_path=args.out,
+                   png_path=png, long_prompt=args.long_prompt)
+    return 0

@@ -9,23 +9,27 @@ rate as a floor.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from infra.config import OSDConfig
-from infra.records import Record, decode, encode, new_record_id
-from infra.redis_server import RedisServer
-from infra.streams import FIELD, RecordConsumer, RecordProducer, connect
+from infra.redis_server import RedisServer, RedisServerError
+
+if TYPE_CHECKING:  # pyarrow loads when the bench runs, not when the CLI lists its flags
+    from infra.records import Record
 
 
 def synthetic_record(rng: np.random.Generator, tokens: int, top_k: int, vocab: int = 49152) -> Record:
     """A record shaped like real traffic: about 60% of positions came from accepted drafts."""
+    from infra.records import Record, new_record_id
+
     drafted = rng.random(tokens) < 0.8
     return Record(
         request_id=new_record_id(),
@@ -49,6 +53,9 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
                      json_path: str | Path | None = None, *, samples: int = 200, seed: int = 0) -> dict[str, Any]:
     """Produce, consume and ack `records` records of tokens x top_k; print a table, return the figures
     (and write them as JSON to json_path if given)."""
+    from infra.records import decode, encode, new_record_id
+    from infra.streams import FIELD, RecordConsumer, RecordProducer, connect
+
     rng = np.random.default_rng(seed)
     pool = [synthetic_record(rng, tokens, top_k) for _ in range(min(16, records))]
     samples = max(1, min(samples, records))
@@ -124,3 +131,21 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+# -- the command line: `osd bench stream` ------------------------------------------------------
+
+HELP = "records through a private loopback redis-server: encode, XADD, read, ack"
+ERRORS = (RedisServerError,)
+
+
+def add_arguments(bs: argparse.ArgumentParser) -> None:
+    bs.add_argument("--records", type=int, default=2000, metavar="N", help="records to produce and consume (default 2000)")
+    bs.add_argument("--tokens", type=int, default=256, metavar="N", help="positions per record (default 256)")
+    bs.add_argument("--top-k", type=int, default=32, metavar="K", help="target top-k per position (default 32)")
+    bs.add_argument("--json", metavar="PATH", default="reports/bench/stream.json", help="where to write JSON")
+
+
+def run(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    run_stream_bench(cfg, records=args.records, tokens=args.tokens, top_k=args.top_k, json_path=args.json)
+    return 0

@@ -104,7 +104,7 @@ def run_vocab_study(cfg: OSDConfig, *, per_domain: int = 64, held_per_domain: in
 
     fit_p, ev_p = study_prompts(cfg, per_domain, held_per_domain, eval_files or {}, sharegpt)
     if loaded is None:
-        from pipeline.teacher_engine import teacher_for
+        from pipeline.teacher.engine import teacher_for
 
         loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=progress)
         generate = teacher_for(cfg)

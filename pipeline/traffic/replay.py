@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from infra.config import OSDConfig
-from infra.prompts import DOMAINS, Prompt, load_jsonl, load_sharegpt
+from infra.prompts import Prompt
 from infra.stats import percentile  # noqa: F401 (re-exported)
 
 MODEL_NAME = "osd"
@@ -55,30 +55,6 @@ class ReplayError(Exception):
 
 class ReplayConnectionError(ReplayError):
     """Nothing answers at the URL (connection refused, unknown host, connect timeout)."""
-
-
-# -- prompts ---------------------------------------------------------------------------------
-
-
-def select_prompts(cfg: OSDConfig, n: int | None = None, prompts_file: str | None = None,
-                   split: str | None = "held_out", domain: str | None = None,
-                   max_prompt_chars: int | None = 1000) -> list[Prompt]:
-    """The prompts `osd replay` and `osd bench engine` send, in file order: from a JSONL file
-    (all its lines; `split` is not applied) or ShareGPT's `split`; then the domain and length
-    filters (None or 0: no length limit); then the first `n` (default: 32 from ShareGPT, all
-    from a file)."""
-    if domain is not None and domain not in DOMAINS:
-        raise ReplayError(f"unknown domain {domain!r}; one of {', '.join(DOMAINS)}")
-    if prompts_file:
-        prompts = load_jsonl(prompts_file, cfg.data)
-    else:
-        if split not in (None, "train", "held_out"):
-            raise ReplayError(f"unknown split {split!r}; train or held_out")
-        prompts = load_sharegpt(cfg.data, split=split)  # type: ignore[arg-type]
-        n = 32 if n is None else n
-    prompts = [p for p in prompts if (domain is None or p.domain == domain)
-               and (not max_prompt_chars or len(p.text) <= max_prompt_chars)]
-    return prompts if n is None else prompts[:n]
 
 
 # -- one request -----------------------------------------------------------------------------
