@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from tabulate import tabulate
+
 from infra.config import OSDConfig
 
 VARIANTS = ("base", "low_lr", "warm_replay", "anchor")
@@ -170,11 +172,12 @@ def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48
 
 
 def _print(out: dict[str, Any]) -> None:
-    print(f"\n{'variant':12s} {'records':>7s} {'code - v1 [95% interval]':>30s} {'general - v1':>30s}")
-    for r in out["rows"]:
-        c, g = r["held_code"], r["held_general"]
-        print(f"{r['variant']:12s} {r['records']:7d} {c['diff']:+9.4f} [{c['lower']:+.4f}, {c['upper']:+.4f}]"
-              f" {g['diff']:+9.4f} [{g['lower']:+.4f}, {g['upper']:+.4f}]")
+    def cell(x: dict[str, float]) -> str:
+        return f"{x['diff']:+.4f} [{x['lower']:+.4f}, {x['upper']:+.4f}]"
+
+    rows = [[r["variant"], r["records"], cell(r["held_code"]), cell(r["held_general"])] for r in out["rows"]]
+    print("\n" + tabulate(rows, headers=["variant", "records", "code - v1 [95% interval]", "general - v1"],
+                         disable_numparse=True, colalign=("left", "right", "right", "right")))
 
 
 # -- the command line: `osd bench adapt` -------------------------------------------------------

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from tabulate import tabulate
+
 from infra.config import OSDConfig
 from infra.prompts import Prompt, messages_ids, select_prompts, sharegpt_second_turns
 from pipeline.argtypes import positive_int, probability_below_1
@@ -581,13 +583,12 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
     ref = "hf_ar" if "hf_ar" in runs else "ar_eager" if "ar_eager" in runs else "ar"
     base = runs[ref].tok_s
     log("")
-    log(f"{'method':<32}{'tokens':>8}{'seconds':>9}{'tok/s':>8}{'median':>8}{'vs ' + ref:>12}")
-    for m, r in runs.items():
-        if not r.tokens or not sum(r.tokens):
-            continue  # HF assisted with a head draft: not run
-        label = LABELS.get(m) or _swept_label(m)
-        log(f"{label:<32}{sum(r.tokens):>8}{sum(r.seconds):>9.1f}{r.tok_s:>8.1f}{r.median_tok_s:>8.1f}"
-            f"{r.tok_s / base:>11.2f}x")
+    rows = [[LABELS.get(m) or _swept_label(m), sum(r.tokens), f"{sum(r.seconds):.1f}", f"{r.tok_s:.1f}",
+             f"{r.median_tok_s:.1f}", f"{r.tok_s / base:.2f}x"]
+            for m, r in runs.items() if r.tokens and sum(r.tokens)]  # HF assisted with a head draft: not run
+    for line in tabulate(rows, headers=["method", "tokens", "seconds", "tok/s", "median", f"vs {ref}"],
+                         disable_numparse=True, colalign=("left",) + ("right",) * 5).splitlines():
+        log(line)
     log("")
     log(f"acceptance rate {result['acceptance_rate']:.3f}, mean accepted length {result['mean_accepted_len']:.2f} "
         f"tokens/step, own AR / HF AR {_fmt(result['ar_vs_hf_ar'])}, own SD / HF assisted "

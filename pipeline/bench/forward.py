@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tabulate import tabulate
+
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                      intermediate_size=1536)
 # A variant: "float32", "bfloat16", "float16", or "int4" (int4 weights, bfloat16 activations;
@@ -217,9 +219,10 @@ def print_forward_table(result: dict[str, Any], rows: dict[str, dict[int, float]
                         log: Callable[[str], None]) -> None:
     log(f"== osd bench forward: {result['weights']}, {result['device']}, context {result['context']}, "
         f"median of {result['repeats']}, {result['threads']} threads; ms per forward (x: vs T=1)")
-    log(f"{'T':>4}" + "".join(f"{name:>22}" for name in rows))
-    for t in tokens:
-        log(f"{t:>4}" + "".join(f"{r[t]:>13.2f} ms {r[t] / r[tokens[0]]:>5.2f}x" for r in rows.values()))
+    table = [[t] + [f"{r[t]:.2f} ms {r[t] / r[tokens[0]]:5.2f}x" for r in rows.values()] for t in tokens]
+    for line in tabulate(table, headers=["T", *rows], disable_numparse=True,
+                         colalign=("right",) * (len(rows) + 1)).splitlines():
+        log(line)
     for name, gbs in result["weights_gb_s"].items():
         log(f"{name}: its T={tokens[0]} forward streams its packed weights at {gbs:.1f} GB/s; this machine "
             f"copies {result['copy_gb_s']:.1f} GB/s (a 256 MiB tensor copy, read + write)")

@@ -18,9 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from tabulate import tabulate
 
 from infra.config import OSDConfig
 from infra.redis_server import RedisServer, RedisServerError
+from infra.stats import percentile
 
 if TYPE_CHECKING:  # pyarrow loads when the bench runs, not when the CLI lists its flags
     from infra.records import Record
@@ -46,7 +48,8 @@ def synthetic_record(rng: np.random.Generator, tokens: int, top_k: int, vocab: i
 
 
 def _p50_us(samples: list[float]) -> float:
-    return float(np.median(samples) * 1e6) if samples else float("nan")
+    p50 = percentile(samples, 50)
+    return float("nan") if p50 is None else p50 * 1e6
 
 
 def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top_k: int = 32,
@@ -122,10 +125,9 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
             ("MB/s", f"{result['mb_per_s']:,.1f}"), ("encode p50 (us)", f"{result['encode_us_p50']:,.1f}"),
             ("decode p50 (us)", f"{result['decode_us_p50']:,.1f}"), ("XADD p50 (us)", f"{result['xadd_us_p50']:,.1f}"),
             ("dropped", str(result["dropped"]))]
-    width = max(len(k) for k, _ in rows)
     print(f"stream bench: {tokens} tokens x top-{top_k}, loopback redis-server (AOF everysec)")
-    for k, v in rows:
-        print(f"  {k:<{width}}  {v:>12}")
+    for line in tabulate(rows, tablefmt="plain", disable_numparse=True, colalign=("left", "right")).splitlines():
+        print(f"  {line}")
     if json_path is not None:
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)

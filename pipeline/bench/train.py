@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tabulate import tabulate
+
 from infra.config import OSDConfig
 
 
@@ -142,10 +144,10 @@ def time_workers(run_cfg: OSDConfig, loaded: Any, train_recs: list, eval_recs: l
 
 def print_table(results: dict[int, dict[str, Any]], domain: str, alpha_before: float, alpha_after: float | None,
                 n_records: int) -> None:
-    print(f"\n{'workers':>8}{'tokens':>10}{'seconds':>9}{'tokens/s':>10}{'alpha after':>13}")
-    for w, r in results.items():
-        a = r.get("alpha_after")
-        print(f"{w:>8}{r['tokens']:>10}{r['wall_s']:>9.1f}{r['tokens_per_s']:>10.0f}{'' if a is None else f'{a:.3f}':>13}")
+    rows = [[w, r["tokens"], f"{r['wall_s']:.1f}", f"{r['tokens_per_s']:.0f}",
+             "" if r.get("alpha_after") is None else f"{r['alpha_after']:.3f}"] for w, r in results.items()]
+    print("\n" + tabulate(rows, headers=["workers", "tokens", "seconds", "tokens/s", "alpha after"],
+                         disable_numparse=True, colalign=("right",) * 5))
     print(f"acceptance estimate on held-out {domain}: {alpha_before:.3f} -> "
           f"{'n/a' if alpha_after is None else f'{alpha_after:.3f}'} after {n_records} records")
 

@@ -38,6 +38,8 @@ def _cmd_models_prepare(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_data_stats(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
     from infra import prompts as pr
 
     t0 = time.perf_counter()
@@ -54,13 +56,12 @@ def _cmd_data_stats(cfg: OSDConfig, args: argparse.Namespace) -> int:
         return 0
     print(f"{source}: {records} complete records, {len(prompts)} prompts after filters "
           f"({time.perf_counter() - t0:.1f} s)")
-    print(f"{'domain':<10}{'train':>8}{'held_out':>10}{'total':>8}")
-    for d in pr.DOMAINS:
-        c = counts[d]
-        print(f"{d:<10}{c['train']:>8}{c['held_out']:>10}{c['train'] + c['held_out']:>8}")
+    rows = [[d, counts[d]["train"], counts[d]["held_out"], counts[d]["train"] + counts[d]["held_out"]]
+            for d in pr.DOMAINS]
     tr = sum(c["train"] for c in counts.values())
     ho = sum(c["held_out"] for c in counts.values())
-    print(f"{'all':<10}{tr:>8}{ho:>10}{tr + ho:>8}")
+    rows.append(["all", tr, ho, tr + ho])
+    print(tabulate(rows, headers=["domain", "train", "held_out", "total"]))
     return 0
 
 

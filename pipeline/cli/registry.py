@@ -30,12 +30,13 @@ def _cmd_registry(cfg: OSDConfig, args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(rows, indent=2))
             return 0
-        print(f"{'version':<24}{'created (UTC)':<22}{'aliases':<16}{'parent':<24}{'records':>9}{'alpha_est':>11}")
-        for r in rows:
-            created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created_at"]))
-            a = r["alpha_est"]
-            print(f"{r['version']:<24}{created:<22}{','.join(r['aliases']) or '-':<16}{str(r['parent'] or '-'):<24}"
-                  f"{str(r['records'] if r['records'] is not None else '-'):>9}{'-' if a is None else f'{a:.3f}':>11}")
+        from tabulate import tabulate
+
+        table = [[r["version"], time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(r["created_at"])),
+                  ",".join(r["aliases"]) or "-", r["parent"] or "-", "-" if r["records"] is None else r["records"],
+                  "-" if r["alpha_est"] is None else f"{r['alpha_est']:.3f}"] for r in rows]
+        print(tabulate(table, headers=["version", "created (UTC)", "aliases", "parent", "records", "alpha_est"],
+                       disable_numparse=True, colalign=("left",) * 4 + ("right",) * 2))
         canary = reg.alias("canary")
         if canary:
             print(f"canary weight: {canary['weight']:.0%}")

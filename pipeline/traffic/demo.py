@@ -17,12 +17,13 @@ import json
 import statistics
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
+from tabulate import tabulate
 
 from infra.config import OSDConfig
 
@@ -36,13 +37,12 @@ def post_chat(url: str, text: str, max_tokens: int, timeout: float = 300, **extr
     from pipeline.traffic.replay import build_body, parse_response
 
     body = {**build_body(text, chat=True, max_tokens=max_tokens, temperature=0.0, record=None), **extra}
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            fields = parse_response(json.loads(resp.read()), chat=True)
-    except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+        resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
+        resp.raise_for_status()  # a refusal (429, 503) or an error is a failed request, as any other
+        fields = parse_response(resp.json(), chat=True)
+    except (httpx.HTTPError, OSError, ValueError, KeyError) as e:
         return {"ok": False, "latency_s": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}"}
     return {"ok": True, "latency_s": time.perf_counter() - t0, "tokens": fields["completion_tokens"],
             "version": fields["draft_version"], "mean_accepted_len": fields["mean_accepted_len"]}
@@ -382,14 +382,10 @@ def _num(x: float | None, fmt: str = ".3f") -> str:
 
 
 def _print(r: dict[str, Any], out_dir: Path) -> None:
-    print(f"\n{'version':<16}{'parent':<16}{'requests':>9}{'alpha':>8}{'pre-shift':>11}{'post-shift':>12}"
-          f"{'alpha_est':>11}{'paired post':>13}")
-    for v in r["versions"]:
-        def f(x):
-            return "-" if x is None else f"{x:.3f}"
-        print(f"{v['version']:<16}{str(v['parent'] or '-'):<16}{v['requests']:>9}{f(v['alpha']):>8}"
-              f"{f(v['alpha_pre_shift']):>11}{f(v['alpha_post_shift']):>12}{f(v['alpha_est']):>11}"
-              f"{f(v.get('alpha_est_post_shift')):>13}")
+    rows = [[v["version"], v["parent"] or "-", v["requests"], v["alpha"], v["alpha_pre_shift"],
+             v["alpha_post_shift"], v["alpha_est"], v.get("alpha_est_post_shift")] for v in r["versions"]]
+    print("\n" + tabulate(rows, headers=["version", "parent", "requests", "alpha", "pre-shift", "post-shift",
+                                        "alpha_est", "paired post"], floatfmt=".3f", missingval="-"))
     pp = r.get("paired_post_shift") or {}
     print(f"\npaired post: every version's acceptance estimate on the same {pp.get('records', 0)} held-out "
           f"post-shift code records ({pp.get('positions', 0)} positions), which no version trained on")
