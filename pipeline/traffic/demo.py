@@ -26,6 +26,7 @@ import httpx
 from tabulate import tabulate
 
 from infra.config import OSDConfig
+from pipeline.traffic.replay import build_body, parse_response
 
 
 def _log(msg: str) -> None:
@@ -34,13 +35,13 @@ def _log(msg: str) -> None:
 
 def post_chat(url: str, text: str, max_tokens: int, timeout: float = 300, **extra: Any) -> dict[str, Any]:
     """One greedy chat completion; {"ok", "latency_s", "tokens", "version", "error"}."""
-    from pipeline.traffic.replay import build_body, parse_response
-
     body = {**build_body(text, chat=True, max_tokens=max_tokens, temperature=0.0, record=None), **extra}
     t0 = time.perf_counter()
     try:
         resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
-        resp.raise_for_status()  # a refusal (429, 503) or an error is a failed request, as any other
+        if resp.status_code >= 400:  # a refusal (429, 503) or an error is a failed request, as any other
+            return {"ok": False, "latency_s": time.perf_counter() - t0,
+                    "error": f"HTTP {resp.status_code}: {resp.text.strip()[:200]}"}
         fields = parse_response(resp.json(), chat=True)
     except (httpx.HTTPError, OSError, ValueError, KeyError) as e:
         return {"ok": False, "latency_s": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}"}
