@@ -1,8 +1,8 @@
 """The canary's estimators, as pure functions: one request's evidence from its record, the
 ratio of sums with its cluster (delta-method) variance, and the always-valid interval of a
-difference. The rollout controller (pipeline/canary_rule.py) decides with them, and the ops
+difference. The rollout controller (pipeline/rollout/canary_rule.py) decides with them, and the ops
 page (serve/api/ops/stats.py) shows the same numbers, so both live here, below either.
-The derivations are in pipeline/canary_rule.py's module doc.
+The derivations are in pipeline/rollout/canary_rule.py's module doc.
 """
 
 from __future__ import annotations

@@ -263,6 +263,37 @@ def load_jsonl(path: str | Path, cfg: DataConfig | None = None) -> list[Prompt]:
 
 # ---------------------------------------------------------------- helpers
 
+def select_prompts(data: DataConfig, n: int | None = None, prompts_file: str | None = None,
+                   split: str | None = "held_out", domain: str | None = None,
+                   max_prompt_chars: int | None = 1000) -> list[Prompt]:
+    """The prompts `osd replay` and `osd bench engine` send, in file order: from a JSONL file
+    (all its lines; `split` is not applied) or ShareGPT's `split`; then the domain and length
+    filters (None or 0: no length limit); then the first `n` (default: 32 from ShareGPT, all
+    from a file)."""
+    if domain is not None and domain not in DOMAINS:
+        raise PromptDataError(f"unknown domain {domain!r}; one of {', '.join(DOMAINS)}")
+    if prompts_file:
+        prompts = load_jsonl(prompts_file, data)
+    else:
+        if split not in (None, "train", "held_out"):
+            raise PromptDataError(f"unknown split {split!r}; train or held_out")
+        prompts = load_sharegpt(data, split=split)  # type: ignore[arg-type]
+        n = 32 if n is None else n
+    prompts = [p for p in prompts if (domain is None or p.domain == domain)
+               and (not max_prompt_chars or len(p.text) <= max_prompt_chars)]
+    return prompts if n is None else prompts[:n]
+
+
+def unique_texts(prompts: Iterable[Prompt], exclude: Iterable[str] = ()) -> list[Prompt]:
+    """First occurrence of each prompt text, in order (ShareGPT repeats some openers verbatim)."""
+    seen, out = set(exclude), []
+    for p in prompts:
+        if p.text not in seen:
+            seen.add(p.text)
+            out.append(p)
+    return out
+
+
 def domain_split_counts(prompts: Iterable[Prompt]) -> dict[str, dict[str, int]]:
     counts = Counter((p.domain, p.split) for p in prompts)
     return {d: {s: counts[(d, s)] for s in ("train", "held_out")} for d in DOMAINS}

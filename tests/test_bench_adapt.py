@@ -3,7 +3,7 @@
 import pytest
 
 from infra.config import load_config
-from pipeline.bench_adapt import VARIANTS, variant_config
+from pipeline.bench.adapt import VARIANTS, variant_config
 
 pytestmark = pytest.mark.pure
 

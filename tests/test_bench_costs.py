@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from infra.target import build_tiny_llama
-from pipeline.bench_forward import build_runners, run_forward_bench
+from pipeline.bench.forward import build_runners, run_forward_bench
 from pipeline.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -75,7 +75,7 @@ def test_engine_bench_vs_llamacpp_needs_the_gguf_target_and_the_package(tmp_path
             _prompts(tmp_path), "--max-new-tokens", "4", "--no-hf", "--vs-llamacpp", "--json", str(tmp_path / "e.json")]
     assert main(args) == 2
     assert "GGUF" in capsys.readouterr().err
-    from pipeline.bench_llamacpp import llamacpp_method
+    from pipeline.bench.llamacpp import llamacpp_method
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # not installed
     with pytest.raises(ValueError, match=r"needs llama-cpp-python.*\.\[bench\]"):

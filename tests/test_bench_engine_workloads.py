@@ -47,7 +47,7 @@ def test_a_learning_draft_gets_its_own_index_per_method_and_capture_off_repeats(
 
 
 def test_pinned_methods_run_right_after_their_anchor():
-    from pipeline.bench_engine import time_methods
+    from pipeline.bench.engine import time_methods
 
     seen = []
 

@@ -8,7 +8,7 @@ import pytest
 import requests
 from apps import running_app
 
-from pipeline.bench_load import LoadBenchError, load_prompts, ratios, run_load_bench
+from pipeline.bench.load import LoadBenchError, load_prompts, ratios, run_load_bench
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis]
 
@@ -63,7 +63,7 @@ def test_bad_arguments_and_a_dead_server_are_clear_errors(tmp_path):
 
 
 def test_the_long_prompt_probe_measures_the_streams_gaps_around_a_prefill(app):
-    from pipeline.bench_load import long_prompt_probe
+    from pipeline.bench.load import long_prompt_probe
 
     r = long_prompt_probe(app["url"], {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
                           streams=2, prompt_words=40, max_tokens=16, timeout_s=60)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.canary_rule import (
+from pipeline.rollout.canary_rule import (
     Arm,
     CanaryRule,
     RatioStats,
@@ -258,7 +258,7 @@ def test_gate_verdict_admits_only_passing_evidence_against_the_current_stable():
 
 def _demo_rule() -> CanaryRule:
     from infra.config import load_config
-    from pipeline.demo import demo_config
+    from pipeline.stack.profiles import demo_config
 
     ro = demo_config(load_config(), Path("/nonexistent-demo-state")).rollout
     return CanaryRule(alpha=ro.alpha, tau=ro.tau, margin=ro.margin, len_margin=ro.len_margin, min_gain=ro.min_gain,

@@ -41,9 +41,9 @@ def _wait(cond, timeout, what):
 @pytest.mark.ray
 @pytest.mark.redis
 def test_closed_loop_promotes_a_trained_candidate_and_rolls_back_a_bad_one(tiny, tmp_path):
-    from pipeline.demo import post_chat
+    from pipeline.traffic.demo import post_chat
     from infra.redis_server import free_port
-    from pipeline.up import ClosedLoop
+    from pipeline.stack.up import ClosedLoop
     from infra.draft_model import DraftSpec, build_draft, save_draft
 
     cfg = load_config(environ={}, overrides={
@@ -139,7 +139,7 @@ def test_closed_loop_promotes_a_trained_candidate_and_rolls_back_a_bad_one(tiny,
 def test_stop_logs_a_part_ray_cannot_reach_and_still_stops_the_rest(capsys):
     import ray
 
-    from pipeline.up import ClosedLoop
+    from pipeline.stack.up import ClosedLoop
 
     class DeadGroup:
         def shutdown(self):
@@ -160,7 +160,7 @@ def test_stop_logs_a_part_ray_cannot_reach_and_still_stops_the_rest(capsys):
 
 @pytest.mark.pure
 def test_stop_does_not_hide_an_error_that_is_not_ray_s():
-    from pipeline.up import ClosedLoop
+    from pipeline.stack.up import ClosedLoop
 
     class BrokenGroup:
         def shutdown(self):

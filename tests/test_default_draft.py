@@ -73,7 +73,7 @@ def test_an_explicit_draft_is_left_alone(tmp_path, tiny):
 
 
 def test_osd_serve_resolves_auto_once_before_the_replicas_start(tmp_path, tiny, capsys):
-    from pipeline.launch import with_draft_resolved
+    from pipeline.stack.launch import with_draft_resolved
 
     cfg = config(tmp_path)
     head = save_head_at(tiny, warm_start_path(cfg, "head"))
@@ -84,7 +84,7 @@ def test_osd_serve_resolves_auto_once_before_the_replicas_start(tmp_path, tiny, 
 
 def test_osd_up_publishes_the_head_as_v1_when_both_warm_starts_exist(tmp_path, tiny, draft_dir):
     from infra.registry import Registry
-    from pipeline.up import ensure_stable
+    from pipeline.stack.up import ensure_stable
 
     cfg = config(tmp_path)
     save_layer_at(draft_dir, warm_start_path(cfg, "layer"))
@@ -95,7 +95,7 @@ def test_osd_up_publishes_the_head_as_v1_when_both_warm_starts_exist(tmp_path, t
 
 
 def test_osd_up_without_any_warm_start_names_both_places_and_the_command(tmp_path):
-    from pipeline.up import UpError, ensure_stable
+    from pipeline.stack.up import UpError, ensure_stable
 
     cfg = config(tmp_path)
     with pytest.raises(UpError) as e:

@@ -42,7 +42,7 @@ def records_from(draft, n: int, *, domain: str, created_at: float, k: int = 16) 
 
 @pure
 def test_every_version_is_scored_on_the_same_held_out_post_shift_code_records(tiny, tmp_path, one_thread):
-    from pipeline.demo import paired_alpha
+    from pipeline.traffic.demo import paired_alpha
     from infra.draft_model import DraftSpec, build_draft, save_draft
 
     torch.manual_seed(0)
@@ -82,7 +82,7 @@ def test_every_version_is_scored_on_the_same_held_out_post_shift_code_records(ti
 def test_a_head_version_is_scored_by_its_own_family_beside_a_layer_version(tiny, tmp_path, one_thread):
     """`osd demo --family head`: v1 is a head, later versions may be heads; each is scored as the
     gate scores it (a head on the target's features), on the same positions as a layer version."""
-    from pipeline.demo import paired_alpha
+    from pipeline.traffic.demo import paired_alpha
     from infra.draft_head import build_head, save_head
     from infra.draft_model import DraftSpec, build_draft, save_draft
     from train.head_train import per_record_acceptance_head
@@ -124,7 +124,7 @@ def test_the_demo_names_an_unknown_draft_family():
 @pure
 def test_the_demo_builds_a_missing_head_once_with_the_configured_settings(tmp_path, monkeypatch):
     import train.head_warm_start as hws
-    from pipeline.demo import prepare
+    from pipeline.traffic.demo import prepare
 
     calls = []
 
@@ -144,7 +144,7 @@ def test_the_demo_builds_a_missing_head_once_with_the_configured_settings(tmp_pa
 
 @pure
 def test_no_held_out_post_shift_records_means_no_scores(tiny, tmp_path):
-    from pipeline.demo import paired_alpha
+    from pipeline.traffic.demo import paired_alpha
 
     reg = Registry((tmp_path / "reg").as_uri(), cache_dir=tmp_path / "cache")
     out = paired_alpha(OSDConfig(), [], 0.0, tiny.model, reg)
@@ -153,7 +153,7 @@ def test_no_held_out_post_shift_records_means_no_scores(tiny, tmp_path):
 
 @pure
 def test_a_corrupt_version_is_named_and_the_others_still_scored(tiny, tmp_path, capsys):
-    from pipeline.demo import paired_alpha
+    from pipeline.traffic.demo import paired_alpha
     from infra.draft_model import WEIGHTS_FILE, DraftSpec, build_draft, save_draft
 
     cfg = OSDConfig.model_validate({"train": {"held_out_every": 2}})
@@ -175,7 +175,7 @@ def test_a_corrupt_version_is_named_and_the_others_still_scored(tiny, tmp_path, 
 
 @pure
 def test_a_dead_redis_costs_the_paired_estimate_only(capsys):
-    from pipeline.demo import stream_records
+    from pipeline.traffic.demo import stream_records
     from infra.redis_server import free_port
 
     cfg = OSDConfig.model_validate({"stream": {"redis_url": f"redis://127.0.0.1:{free_port()}/0",
@@ -189,7 +189,7 @@ def test_a_dead_redis_costs_the_paired_estimate_only(capsys):
 def test_stream_records_come_from_the_stream(redis_url):
     import redis
 
-    from pipeline.demo import stream_records
+    from pipeline.traffic.demo import stream_records
     from infra.records import encode
     from infra.streams import FIELD
 
@@ -204,7 +204,7 @@ def test_stream_records_come_from_the_stream(redis_url):
 
 @pure
 def test_speed_prompts_file_reads_back_for_osd_bench_engine(tmp_path):
-    from pipeline.demo import write_prompts
+    from pipeline.traffic.demo import write_prompts
     from infra.prompts import Prompt, load_jsonl
 
     prompts = [Prompt("sg-1", 'print("a")\n\tdef f(): pass', "code", "held_out"),
@@ -217,7 +217,7 @@ def test_speed_prompts_file_reads_back_for_osd_bench_engine(tmp_path):
 
 @pure
 def test_report_counts_requests_decisions_and_names_each_version_s_paired_estimate():
-    from pipeline.demo import PhaseRun, build_report
+    from pipeline.traffic.demo import PhaseRun, build_report
 
     decisions = [{"time": 5.0, "action": "start", "version": "v2", "reason": "new", "weight": 0.5},
                  {"time": 6.0, "action": "promote", "version": "v2", "reason": "ok", "evidence": {}},
@@ -239,7 +239,7 @@ def test_report_counts_requests_decisions_and_names_each_version_s_paired_estima
 
 
 def test_the_code_phase_sends_no_prompt_the_head_answered_in_its_warm_start():
-    from pipeline.demo import workload_prompts
+    from pipeline.traffic.demo import workload_prompts
     from train.teacher_set import warm_prompts
 
     cfg = OSDConfig()

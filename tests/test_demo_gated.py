@@ -6,7 +6,7 @@ pytestmark = pytest.mark.pure
 
 
 def test_report_lists_gated_and_expired_candidates_with_the_gate_numbers():
-    from pipeline.demo import PhaseRun, build_report
+    from pipeline.traffic.demo import PhaseRun, build_report
 
     gate = {"stable": "v1", "records": 40, "positions": 900, "candidate_alpha": 0.18, "stable_alpha": 0.34,
             "diff": -0.16, "lower": -0.19, "upper": -0.13, "per_record": [[-1.0, 20]] * 40}

@@ -4,7 +4,8 @@ bad values are refused before any model loads."""
 import pytest
 
 from infra.config import OSDConfig
-from pipeline.cli import _draft_init_config, build_parser, main
+from pipeline.cli import build_parser, main
+from pipeline.cli.draft import draft_init_config
 
 pytestmark = pytest.mark.pure
 
@@ -14,11 +15,11 @@ def test_budget_minutes_reaches_the_config_for_either_family(monkeypatch):
     for family, epochs_field in (("head", "head_warm_epochs"), ("layer", "warm_epochs")):
         args = build_parser().parse_args(["draft", "init", "--family", family, "--budget-minutes", "2.5",
                                           "--epochs", "3"])
-        cfg = _draft_init_config(OSDConfig(), args).for_warm_start(family)
+        cfg = draft_init_config(OSDConfig(), args).for_warm_start(family)
         assert cfg.train.warm_budget_minutes == 2.5 and getattr(cfg.train, epochs_field) == 3
     plain = build_parser().parse_args(["draft", "init", "--family", "layer"])
-    assert _draft_init_config(OSDConfig(), plain).train.warm_budget_minutes is None  # the layer's: no budget
-    head = _draft_init_config(OSDConfig(), build_parser().parse_args(["draft", "init"]))
+    assert draft_init_config(OSDConfig(), plain).train.warm_budget_minutes is None  # the layer's: no budget
+    head = draft_init_config(OSDConfig(), build_parser().parse_args(["draft", "init"]))
     assert head.for_warm_start("head").train.warm_budget_minutes == 12  # the head's: 12 minutes of answers
 
 
@@ -47,7 +48,7 @@ def test_vocab_study_refuses_a_bad_eval_file_before_loading_anything(capsys, mon
 def test_the_head_answers_its_own_prompts_and_the_layer_draft_keeps_warm_prompts(monkeypatch):
     monkeypatch.delenv("OSD_CONFIG", raising=False)
     flags = ["--prompts", "7", "--max-new-tokens", "9", "--turns", "first"]
-    head = _draft_init_config(OSDConfig(), build_parser().parse_args(["draft", "init", *flags]))
+    head = draft_init_config(OSDConfig(), build_parser().parse_args(["draft", "init", *flags]))
     assert (head.train.head_warm_prompts, head.train.head_warm_max_new_tokens, head.train.head_warm_turns) == \
         (7, 9, "first")
     assert (head.train.warm_prompts, head.train.warm_max_new_tokens) == (256, 64)  # the layer's, untouched
@@ -55,7 +56,7 @@ def test_the_head_answers_its_own_prompts_and_the_layer_draft_keeps_warm_prompts
     assert (seen.warm_prompts, seen.warm_max_new_tokens, seen.warm_turns) == (7, 9, "first")
     assert head.for_warm_start("head").for_warm_start("head") == head.for_warm_start("head")  # idempotent
     assert head.for_warm_start("layer") == head
-    layer = _draft_init_config(OSDConfig(), build_parser().parse_args(["draft", "init", "--family", "layer", *flags]))
+    layer = draft_init_config(OSDConfig(), build_parser().parse_args(["draft", "init", "--family", "layer", *flags]))
     assert (layer.train.warm_prompts, layer.train.warm_max_new_tokens, layer.train.warm_turns) == (7, 9, "first")
     assert layer.train.head_warm_prompts == OSDConfig().train.head_warm_prompts
     # Defaults: the head answers 1536 prompts of every human turn, 128 tokens, with no ShareGPT text.
@@ -66,13 +67,13 @@ def test_the_head_answers_its_own_prompts_and_the_layer_draft_keeps_warm_prompts
 
 
 def test_model_flag_names_the_target_for_serve_and_draft_init(monkeypatch, tmp_path):
-    from pipeline import cli
+    from pipeline.cli import run
 
     model = tmp_path / "m.gguf"
-    init = _draft_init_config(OSDConfig(), build_parser().parse_args(["draft", "init", "--model", str(model)]))
+    init = draft_init_config(OSDConfig(), build_parser().parse_args(["draft", "init", "--model", str(model)]))
     assert init.model.target == str(model)
     seen = {}
-    monkeypatch.setattr("pipeline.launch.run_server", lambda cfg, api_key=None: seen.setdefault("cfg", cfg) and 0)
+    monkeypatch.setattr("pipeline.stack.launch.run_server", lambda cfg, api_key=None: seen.setdefault("cfg", cfg) and 0)
     args = build_parser().parse_args(["serve", "--model", str(model)])
-    cli._cmd_serve(OSDConfig(), args)
+    run._cmd_serve(OSDConfig(), args)
     assert seen["cfg"].model.target == str(model)

@@ -1,5 +1,5 @@
-"""Target features captured during the engine's teacher generation (pipeline/feature_recorder.py,
-pipeline/teacher_engine.py EngineTeacher.capture): equal to a separate forward over the same
+"""Target features captured during the engine's teacher generation (pipeline/teacher/feature_recorder.py,
+pipeline/teacher/engine.py EngineTeacher.capture): equal to a separate forward over the same
 tokens through the same runner, kept in the teacher cache, and what the head's warm start trains
 on with no second forward pass (train/head_warm_start.py)."""
 
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from infra.config import OSDConfig
 from infra.prompts import Prompt
 from infra.target import LoadedModel, build_tiny_llama, tiny_tokenizer
-from pipeline.teacher_engine import EngineTeacher
+from pipeline.teacher.engine import EngineTeacher
 from train.teacher_data import generate_teacher_answers
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
@@ -79,7 +79,7 @@ def test_an_answer_cut_at_its_eos_keeps_the_rows_of_its_tokens(loaded):
 
 
 def test_the_recorder_refuses_what_it_cannot_label(loaded):
-    from pipeline.feature_recorder import FeatureRecorder
+    from pipeline.teacher.feature_recorder import FeatureRecorder
     from serve.engine.sequence import GenerationParams
     from serve.sampling.verify import SamplingParams
 

@@ -14,7 +14,7 @@ from infra import grafana_dashboard as gd
 
 ROOT = Path(__file__).resolve().parent.parent
 # Every module that registers application metrics.
-SOURCES = ("serve/api/metrics.py", "train/metrics.py", "pipeline/rollout.py")
+SOURCES = ("serve/api/metrics.py", "train/metrics.py", "pipeline/rollout/controller.py")
 _DECL = re.compile(r"\.(Counter|Gauge|Histogram)\(\s*\"(osd_[a-z0-9_]+)\"")
 
 
@@ -118,8 +118,8 @@ class _Emitter:
     def emit(self) -> bool:
         from types import SimpleNamespace
 
-        from pipeline.rollout import _Metrics
-        from pipeline.canary_rule import Arm
+        from pipeline.rollout.controller import _Metrics
+        from pipeline.rollout.canary_rule import Arm
         from serve.api.metrics import ServeMetrics, StreamMetrics
         from train.metrics import TrainerMetrics
 

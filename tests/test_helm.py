@@ -304,12 +304,12 @@ def _cluster_environ(docs: list[dict], tmp_path: Path) -> dict[str, str]:
 
 
 def test_serve_config_args_validate_into_the_config_model(rendered, tmp_path):
-    from pipeline.cluster import loop_config, serving_config
+    from pipeline.stack.cluster import loop_config, serving_config
 
     _, docs = rendered
     environ = _cluster_environ(docs, tmp_path)
     for app in yaml.safe_load(rayservice(docs)["spec"]["serveConfigV2"])["applications"]:
-        builder = {"pipeline.cluster:serving_app": serving_config, "pipeline.cluster:loop_app": loop_config}
+        builder = {"pipeline.stack.cluster:serving_app": serving_config, "pipeline.stack.cluster:loop_app": loop_config}
         result = builder[app["import_path"]](app["args"], environ)
         cfg = result[1] if isinstance(result, tuple) else result
         assert cfg.serve.draft == LOOP_DRAFT and cfg.registry.uri
@@ -528,7 +528,7 @@ def test_generated_names_fit_63_characters(chart):
 # ---------------------------------------------------------------- entry points and image
 
 def test_cluster_args_refuse_unknown_keys_and_bad_values():
-    from pipeline.cluster import ClusterArgsError, loop_config, serving_config
+    from pipeline.stack.cluster import ClusterArgsError, loop_config, serving_config
 
     env = {"OSD_STREAM__REDIS_URL": "redis://redis:6379/0", "OSD_REGISTRY__URI": "s3://b/r"}
     with pytest.raises(ClusterArgsError, match="confg: unknown key"):
@@ -551,8 +551,8 @@ def test_cluster_args_refuse_unknown_keys_and_bad_values():
 
 @pytest.mark.parametrize("family, out", [("head", "head-v1"), ("layer", "v1")])
 def test_the_cluster_warm_start_builds_the_family_it_is_given(family, out, tmp_path, monkeypatch):
-    import pipeline.cluster
-    import pipeline.up
+    import pipeline.stack.cluster
+    import pipeline.stack.up
     import train.head_warm_start
     import train.warm_start
     from infra.config import OSDConfig
@@ -561,9 +561,9 @@ def test_the_cluster_warm_start_builds_the_family_it_is_given(family, out, tmp_p
     for module, name, fam in ((train.head_warm_start, "run_head_warm_start", "head"),
                               (train.warm_start, "run_warm_start", "layer")):
         monkeypatch.setattr(module, name, lambda cfg, fam=fam, **kw: built.append((fam, kw)))
-    monkeypatch.setattr(pipeline.up, "ensure_stable", lambda cfg, src: f"stable from {Path(src).name}")
+    monkeypatch.setattr(pipeline.stack.up, "ensure_stable", lambda cfg, src: f"stable from {Path(src).name}")
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path)})
-    got = pipeline.cluster._warm_start_and_promote(cfg.model_dump(mode="json"), family)
+    got = pipeline.stack.cluster._warm_start_and_promote(cfg.model_dump(mode="json"), family)
     [(fam, kw)] = built
     teacher = kw.pop("generate")
     assert (fam, kw) == (family, {"out_dir": tmp_path / "drafts" / out, "progress": False})
@@ -574,7 +574,7 @@ def test_the_cluster_warm_start_builds_the_family_it_is_given(family, out, tmp_p
 def test_builders_bind_applications_without_a_cluster(chart, tmp_path, monkeypatch):
     from ray.serve import Application
 
-    from pipeline.cluster import loop_app, serving_app
+    from pipeline.stack.cluster import loop_app, serving_app
 
     _, docs = render(chart, None)
     for k, v in _cluster_environ(docs, tmp_path).items():

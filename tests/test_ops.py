@@ -202,7 +202,7 @@ def test_a_redis_outage_shows_on_the_page_instead_of_failing_it(loop):
 
 @pytest.mark.redis
 def test_demo_report_links_a_static_snapshot(loop, tmp_path):
-    from pipeline.demo import save_ops_snapshot
+    from pipeline.traffic.demo import save_ops_snapshot
     from serve.api.ops.source import OpsSource
 
     cfg, reg, client, now = loop

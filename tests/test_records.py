@@ -1,3 +1,4 @@
+import uuid
 from types import SimpleNamespace
 
 import numpy as np
@@ -76,7 +77,9 @@ def test_round_trip_all_fields():
     assert out.schema_version == SCHEMA_VERSION
     assert (out.n_positions, out.top_k) == (12, 5)
     assert np.isnan(out.draft_probs[out.draft_tokens == -1]).all()
-    assert len(rec.record_id) == 32 and int(rec.record_id, 16) >= 0  # uuid4 hex
+    # uuid4 hex: 32 lowercase hex digits that parse back to a version-4, RFC 4122 UUID
+    parsed = uuid.UUID(hex=rec.record_id)
+    assert parsed.hex == rec.record_id and parsed.version == 4 and parsed.variant == uuid.RFC_4122
     assert make_record().record_id != rec.record_id
 
 
@@ -211,8 +214,9 @@ def test_record_from_capture_duck_typed():
 
 
 def test_record_from_real_capture_class():
-    capture_mod = pytest.importorskip("serve.engine.capture")
-    cap = capture_mod.Capture(**_capture())
+    from serve.engine.capture import Capture
+
+    cap = Capture(**_capture())
     rec = record_from_capture([4, 5], cap.tokens, cap, request_id="r", draft_version="v1")
     assert decode(encode(rec)).n_positions == len(cap)
 

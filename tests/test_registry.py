@@ -229,7 +229,7 @@ def test_registry_cli(tmp_path, draft_dir):
 
 def test_up_needs_a_stable_draft_or_a_warm_start(tmp_path, draft_dir):
     from infra.config import load_config
-    from pipeline.up import UpError, ensure_stable
+    from pipeline.stack.up import UpError, ensure_stable
 
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path)})
     with pytest.raises(UpError, match="osd draft init"):

@@ -1,4 +1,4 @@
-"""`osd replay` (pipeline/replay.py) and `osd bench stream`.
+"""`osd replay` (pipeline/traffic/replay.py) and `osd bench stream`.
 
 The HTTP tests run the client against a small aiohttp server started here on 127.0.0.1. It
 stands in for the model server only so the client can be tested quickly and deterministically
@@ -20,9 +20,9 @@ from aiohttp import web
 
 from pipeline.cli import main
 from infra.config import OSDConfig
-from infra.prompts import Prompt
+from infra.prompts import Prompt, PromptDataError, select_prompts
 from infra.redis_server import free_port
-from pipeline.replay import (
+from pipeline.traffic.replay import (
     BAD_RESPONSE,
     RequestResult,
     ReplayConnectionError,
@@ -33,7 +33,6 @@ from pipeline.replay import (
     compare_summary,
     percentile,
     run_replay,
-    select_prompts,
     summarize,
 )
 
@@ -264,15 +263,15 @@ def test_select_prompts_from_file(tmp_path):
     lines = [{"prompt": "write a poem about the sea"}, {"prompt": "def f(): return 1  # fix this python bug"},
              {"prompt": "write " + "x" * 2000}, {"prompt": "write an essay"}, {"prompt": "hello there"}]
     f.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    assert [p.text for p in select_prompts(CFG, None, str(f), max_prompt_chars=1000)] == \
+    assert [p.text for p in select_prompts(CFG.data, None, str(f), max_prompt_chars=1000)] == \
         [lines[i]["prompt"] for i in (0, 1, 3, 4)]
-    got = select_prompts(CFG, None, str(f), domain="writing", max_prompt_chars=1000)
+    got = select_prompts(CFG.data, None, str(f), domain="writing", max_prompt_chars=1000)
     assert [p.text for p in got] == [lines[0]["prompt"], lines[3]["prompt"]]
-    assert len(select_prompts(CFG, 1, str(f), domain="writing")) == 1
-    with pytest.raises(ReplayError, match="unknown domain"):
-        select_prompts(CFG, None, str(f), domain="poetry")
+    assert len(select_prompts(CFG.data, 1, str(f), domain="writing")) == 1
+    with pytest.raises(PromptDataError, match="unknown domain"):
+        select_prompts(CFG.data, None, str(f), domain="poetry")
     # No length limit (how `osd bench engine` reads a prompts file): every line, in order.
-    assert [p.text for p in select_prompts(CFG, None, str(f), max_prompt_chars=None)] == [x["prompt"] for x in lines]
+    assert [p.text for p in select_prompts(CFG.data, None, str(f), max_prompt_chars=None)] == [x["prompt"] for x in lines]
 
 
 @pure

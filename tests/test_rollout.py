@@ -8,7 +8,7 @@ import pytest
 
 from infra.records import Record
 from infra.registry import Registry
-from pipeline.rollout import CanaryController
+from pipeline.rollout.controller import CanaryController
 from infra.streams import RecordProducer
 
 pytestmark = [pytest.mark.usefixtures("one_thread")]
@@ -299,8 +299,8 @@ def test_a_manual_rollback_of_stable_is_not_undone_by_the_controller(tmp_path, r
 @redis
 def test_a_tick_racing_a_manual_rollback_does_not_put_the_canary_back(tmp_path, redis_url, draft_dir, monkeypatch):
     """The person's rollback lands after the tick read the aliases and before it moves the canary."""
-    import pipeline.rollout as rollout
-    from pipeline.canary_rule import Decision
+    import pipeline.rollout.controller as rollout
+    from pipeline.rollout.canary_rule import Decision
 
     cfg, reg, ctrl = _stable_and_candidate(tmp_path, redis_url, draft_dir, "v2")
     ctrl.tick()  # v2 is the canary at 10%
@@ -320,7 +320,7 @@ def test_metrics_that_cannot_be_created_are_logged_and_the_controller_goes_on(mo
     import ray
     from ray.util import metrics
 
-    from pipeline.rollout import _Metrics
+    from pipeline.rollout.controller import _Metrics
 
     assert not _Metrics().ok  # outside Ray: nothing to export to, and nothing to say
     assert capsys.readouterr().out == ""

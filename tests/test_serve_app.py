@@ -345,12 +345,16 @@ def test_seed_at_the_edges_of_its_range_works(app):
 
 def test_more_concurrent_requests_than_slots_all_get_an_answer(app):
     """Issue 18, defect 1: 7+ concurrent requests hung the replica for good. Now 16 at once get
-    200 or 429 (queue full) with Retry-After, and the server serves normally afterwards."""
+    200 or 429 (queue full) with Retry-After, and the server serves normally afterwards.
+    The 16 leave together (a barrier) and each runs its full MAX_NEW tokens (ignore_eos), so 2
+    slots and QUEUE waiters cannot drain before the 7th arrives: some must be refused with 429."""
     results: list = []
+    start = threading.Barrier(16)
 
     def one(i):
         try:
-            r = post(app, "/v1/chat/completions", chat(f"concurrent {i}", max_tokens=MAX_NEW))
+            start.wait(30)
+            r = post(app, "/v1/chat/completions", chat(f"concurrent {i}", max_tokens=MAX_NEW, ignore_eos=True))
             results.append((r.status_code, r.headers.get("retry-after"), r.json()))
         except requests.RequestException as e:  # a client timeout (60 s) is a hang
             results.append((None, None, repr(e)))
@@ -363,9 +367,12 @@ def test_more_concurrent_requests_than_slots_all_get_an_answer(app):
     codes = sorted(code for code, _, _ in results if code is not None)
     assert len(codes) == 16, results
     assert set(codes) <= {200, 429, 503} and codes.count(200) >= 2 + QUEUE, codes
+    assert 429 in codes, codes  # the queue-full branch ran: 2 + QUEUE admitted, the rest refused
     for code, retry, body in results:
-        if code in (429, 503):
-            assert retry and int(retry) >= 1 and body["error"]["code"] in ("overloaded", "queue_timeout")
+        if code == 429:
+            assert retry is not None and int(retry) >= 1 and body["error"]["code"] == "overloaded", (retry, body)
+        elif code == 503:
+            assert retry is not None and int(retry) >= 1 and body["error"]["code"] in ("overloaded", "queue_timeout")
     assert post(app, "/v1/chat/completions", chat("after the rush")).status_code == 200
     assert slots(app)["free"] == 2
 

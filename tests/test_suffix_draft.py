@@ -212,7 +212,7 @@ def test_only_a_head_takes_a_suffix_beside_it(target, tmp_path):
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path), "serve": {"draft": "head+suffix"}})
     with pytest.raises(DraftSpecError, match="osd draft init --family head"):
         resolve_auto(cfg)
-    from pipeline.launch import LaunchError, with_draft_resolved
+    from pipeline.stack.launch import LaunchError, with_draft_resolved
 
     with pytest.raises(LaunchError, match="osd draft init --family head"):  # `osd serve`: a clear error
         with_draft_resolved(cfg)

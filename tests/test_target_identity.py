@@ -90,7 +90,7 @@ def test_serve_refuses_a_draft_for_another_target_before_starting_anything(draft
 
 def test_preflight_accepts_the_draft_for_its_own_target(draft_for_tiny1):
     from infra.config import load_config
-    from pipeline.launch import preflight
+    from pipeline.stack.launch import preflight
 
     cfg = load_config(environ={}, overrides={"model": {"target": "tiny-random:1"},
                                              "serve": {"draft": str(draft_for_tiny1)}})

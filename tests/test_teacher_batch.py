@@ -130,15 +130,15 @@ def test_every_human_turn_as_a_prompt():
 def test_draft_init_flags_put_target_and_training_on_the_device(tmp_path):
     import argparse
 
-    from pipeline.cli import _draft_init_config
+    from pipeline.cli.draft import draft_init_config
 
     args = argparse.Namespace(prompts=None, max_new_tokens=None, teacher=None, budget_minutes=None, turns="first",
                               prompt_chars=4000, device="cuda", family="head", epochs=None, conversations=None,
                               config=None)
-    cfg = _draft_init_config(OSDConfig(), args)
+    cfg = draft_init_config(OSDConfig(), args)
     assert cfg.model.device == "cuda" and cfg.train.device == "cuda"
     assert cfg.train.head_warm_turns == "first" and cfg.train.warm_prompt_chars == 4000
-    from pipeline.teacher_engine import teacher_for
+    from pipeline.teacher.engine import teacher_for
 
     assert teacher_for(cfg) is None  # the warm start's own static batches, not the one-request GPU engine
 

@@ -1,4 +1,4 @@
-"""pipeline/teacher_engine.py: the warm start's teacher answers through the serving engine's
+"""pipeline/teacher/engine.py: the warm start's teacher answers through the serving engine's
 continuous batching equal Hugging Face generate's, and land in their own cache entry."""
 
 import numpy as np
@@ -7,7 +7,7 @@ import pytest
 from infra.config import OSDConfig
 from infra.prompts import Prompt
 from infra.target import LoadedModel, build_tiny_llama, load_target, tiny_tokenizer
-from pipeline.teacher_engine import EngineTeacher, teacher_for
+from pipeline.teacher.engine import EngineTeacher, teacher_for
 from train.teacher_data import generate_teacher_records
 from train.teacher_set import cached_warm_records, engine_teacher_tag, teacher_records, warm_prompts
 

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from pipeline.up import restart_delay, supervise
+from pipeline.stack.up import restart_delay, supervise
 
 pytestmark = [pytest.mark.pure]
 
@@ -60,7 +60,7 @@ def test_stopping_during_the_back_off_ends_supervision_without_another_start():
 def test_closed_loop_keeps_restarting_its_trainer_group(tmp_path, monkeypatch):
     """ClosedLoop's trainer thread with a fake group: failed groups are shut down and replaced."""
     import train.trainer
-    import pipeline.up as up
+    import pipeline.stack.up as up
     from infra.config import load_config
 
     made, shut = [], []

@@ -1,4 +1,4 @@
-"""pipeline/vocab_study.py (`osd draft vocab-study`) and the head warm start's configurable
+"""pipeline/studies/vocab_study.py (`osd draft vocab-study`) and the head warm start's configurable
 vocabulary source, on the tiny target's own answers (no real weights)."""
 
 import json
@@ -11,7 +11,7 @@ from infra.config import OSDConfig
 from infra.draft_spec import DraftLoadError, DraftSpec
 from infra.prompts import DOMAINS, Prompt
 from infra.target import load_target
-from pipeline.vocab_study import StudyError, format_table, parse_eval_files, round_robin, run_vocab_study
+from pipeline.studies.vocab_study import StudyError, format_table, parse_eval_files, round_robin, run_vocab_study
 from train.draft_vocab import coverage, pooled_frequencies, token_counts
 from train.teacher_set import teacher_records
 

@@ -82,7 +82,7 @@ def test_the_default_warm_start_is_the_head_that_osd_up_and_osd_serve_then_take(
     `osd serve`'s auto picks it."""
     from infra.config import load_config
     from infra.registry import Registry
-    from pipeline.up import ensure_stable
+    from pipeline.stack.up import ensure_stable
     from serve.spec_decode.specs import resolve_auto
 
     out = draft_init(tmp_path, "--epochs", "1", "--conversations", "8", family=())

@@ -50,7 +50,7 @@ class BatchGenerate(Protocol):
 
 
 # A BatchGenerate that can also capture the target features the head reads while it generates
-# (the serving engine: pipeline/teacher_engine.py): per prompt, (the answer as BatchGenerate
+# (the serving engine: pipeline/teacher/engine.py): per prompt, (the answer as BatchGenerate
 # gives it, its feature rows of the head's `layers`: train/teacher_features.py).
 @runtime_checkable
 class CapturingGenerate(BatchGenerate, Protocol):

@@ -2,7 +2,7 @@
 
 The head draft trains on the target's layer outputs and final hidden state
 (train/head_train.py FeatureSet). The serving engine computes them anyway while it generates
-the teacher's answers (pipeline/feature_recorder.py records them), so the warm start needs no
+the teacher's answers (pipeline/teacher/feature_recorder.py records them), so the warm start needs no
 second forward over those answers. They are also the features serving feeds the head (the
 engine's weight format, not the fp32 training copy's).
 

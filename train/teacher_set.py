@@ -28,7 +28,7 @@ def warm_prompts(cfg: OSDConfig, n: int, max_chars: int | None = None, split: st
 
 def engine_teacher_tag(cfg: OSDConfig) -> str:
     """The cache-key name of the serving engine as teacher generator (its weight format
-    decides its answers); pipeline/teacher_engine.py generates under this name."""
+    decides its answers); pipeline/teacher/engine.py generates under this name."""
     return f"engine-{cfg.model.resolved().quant}"
 
 

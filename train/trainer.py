@@ -34,7 +34,7 @@ import torch
 
 from infra.config import OSDConfig
 from infra.faults import fault_point
-# pipeline/ (demo, bench_train) imports estimate_alpha and is_held_out from here.
+# pipeline/ (traffic/demo, bench/train) imports estimate_alpha and is_held_out from here.
 from train.evaluator import estimate_alpha, gate_records, is_held_out  # noqa: F401
 
 # Prompts trained on, remembered so the gate skips held-out records that repeat one (bounded).

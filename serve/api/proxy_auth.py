@@ -3,7 +3,7 @@
 Serve's proxy answers `/-/routes` itself, before any application sees the request, so the
 ingress's own key check cannot cover it. Serve applies the Starlette middlewares returned by
 the callable named in RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH around the whole proxy;
-`pipeline.launch` points that at `middlewares` below when it starts a local cluster with a key.
+`pipeline.stack.launch` points that at `middlewares` below when it starts a local cluster with a key.
 
 Open without the key: `/healthz` and its vLLM alias `/health` (ours) and `/-/healthz`
 (Serve's, what KubeRay's probes call); none says more than up or down. The keys are read from

@@ -4,7 +4,7 @@ rolled-back version is never canaried again, and the aliases always name loadabl
 import pytest
 
 from infra.registry import Registry
-from pipeline.rollout import CanaryController
+from pipeline.rollout.controller import CanaryController
 from tests.faults.conftest import run_killed
 
 pytestmark = [pytest.mark.redis, pytest.mark.usefixtures("one_thread")]
@@ -12,8 +12,8 @@ pytestmark = [pytest.mark.redis, pytest.mark.usefixtures("one_thread")]
 # The controller in its own process, its rule stubbed to take one decision.
 _DECIDE = """
 import json, sys
-import pipeline.rollout as ro
-from pipeline.canary_rule import Decision
+import pipeline.rollout.controller as ro
+from pipeline.rollout.canary_rule import Decision
 args = json.loads(sys.argv[1])
 ro.decide = lambda *a, **k: Decision(args["action"], "forced by the fault test", {})
 c = ro.CanaryController(args["cfg"])

@@ -138,7 +138,7 @@ def canary_vs_stable(aggs: dict[str, VersionAgg], stable: str, canary: str, roll
                      final: bool) -> dict[str, Any]:
     """Canary minus stable over the controller's window, next to the controller's thresholds
     (rollout: infra.config.RolloutConfig). Each check says pass, fail or pending (the interval
-    does not decide it yet), with the same arithmetic as pipeline/canary_rule.decide."""
+    does not decide it yet), with the same arithmetic as pipeline/rollout/canary_rule.decide."""
     s, c = aggs.get(stable, VersionAgg()), aggs.get(canary, VersionAgg())
     n = {"stable": s.acceptance.n, "canary": c.acceptance.n}
     out: dict[str, Any] = {"stable": stable, "canary": canary, "requests": n, "min_requests": rollout.min_requests,

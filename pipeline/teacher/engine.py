@@ -11,7 +11,7 @@ records are the distribution users are actually served, as live capture records 
 and hands it to `train.warm_start` as a `train.teacher_data.BatchGenerate`.
 
 `capture` also records the target features a head draft reads, as the answers are generated
-(pipeline/feature_recorder.py, attached as the requests' draft): the head's warm start then
+(pipeline/teacher/feature_recorder.py, attached as the requests' draft): the head's warm start then
 needs no second forward pass over them (train/teacher_features.py).
 """
 
@@ -69,7 +69,7 @@ class EngineTeacher:
                 on_answer: Callable[[int], None] | None, layers: tuple[int, ...]) -> list[tuple[Answer, FeatureRows]]:
         """The answers with their feature rows of the target's `layers` (a
         train.teacher_data.CapturingGenerate), recorded as they were generated."""
-        from pipeline.feature_recorder import FeatureRecorder
+        from pipeline.teacher.feature_recorder import FeatureRecorder
 
         if not rows:
             return []

@@ -13,6 +13,7 @@ is the baseline of the ratios.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.config import OSDConfig
+from pipeline.argtypes import sizes
 
 
 def _prompt_pool(cfg: OSDConfig, prompts: int, rounds: int) -> list:
@@ -43,7 +45,7 @@ def run_teacher_bench(cfg: OSDConfig, prompts: int = 32, rounds: int = 3, max_ne
     if batches:
         return _run_batch_bench(cfg, prompts, rounds, max_new_tokens, json_path, batches)
     from infra.target import load_target
-    from pipeline.teacher_engine import EngineTeacher
+    from pipeline.teacher.engine import EngineTeacher
     from train.teacher_data import generate_teacher_records
     tc = cfg.train
     new = max_new_tokens or tc.warm_max_new_tokens
@@ -82,7 +84,7 @@ def _run_batch_bench(cfg: OSDConfig, prompts: int, rounds: int, max_new_tokens: 
     from infra.draft_head import default_feature_layers
     from infra.prompts import chat_ids
     from infra.target import load_target
-    from pipeline.teacher_engine import EngineTeacher
+    from pipeline.teacher.engine import EngineTeacher
 
     if len(batches) < 2 or min(batches) < 1:
         raise ValueError(f"--batches needs two or more sizes >= 1, got {','.join(map(str, batches))}")
@@ -117,3 +119,27 @@ def _run_batch_bench(cfg: OSDConfig, prompts: int, rounds: int, max_new_tokens: 
            "batches": list(batches), "rows": rows, "over_first_median": {str(b): q for b, q in ratios.items()}}
     _write_json(out, json_path)
     return out
+
+
+# -- the command line: `osd bench teacher` -----------------------------------------------------
+
+HELP = ("warm-start teacher answers: Hugging Face generate against the serving engine's continuous batching, "
+        "interleaved rounds")
+ERRORS = (ValueError,)
+
+
+def add_arguments(bt: argparse.ArgumentParser) -> None:
+    bt.add_argument("--prompts", type=int, default=32, metavar="N", help="ShareGPT train prompts a round (default 32)")
+    bt.add_argument("--rounds", type=int, default=3, metavar="R", help="interleaved rounds (default 3)")
+    bt.add_argument("--max-new-tokens", type=int, metavar="M",
+                    help="default train.warm_max_new_tokens (--batches: train.head_warm_max_new_tokens)")
+    bt.add_argument("--batches", metavar="B,B,...", type=sizes, default=(),
+                    help="compare the engine at these concurrencies instead (train.warm_batch_size; the first is "
+                         "the baseline), capturing the head's features as osd draft init does")
+    bt.add_argument("--json", metavar="PATH", default="reports/bench/teacher.json", help="where to write JSON")
+
+
+def run(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    run_teacher_bench(cfg, prompts=args.prompts, rounds=args.rounds, max_new_tokens=args.max_new_tokens,
+                      json_path=args.json, batches=args.batches)
+    return 0

@@ -13,11 +13,12 @@ against concurrency, speculation on and off).
 
 Every request has a client timeout and every level a deadline, so a server that hangs
 shows up as timeouts in the table instead of a bench that never returns. The client speaks
-plain HTTP with requests and threads; it needs only the prompts it sends from this project.
+plain HTTP with httpx and threads; it needs only the prompts it sends from this project.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import threading
@@ -27,7 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import requests
+import httpx
+from tabulate import tabulate
 
 from infra.stats import percentile  # noqa: F401 (re-exported)
 
@@ -61,38 +63,43 @@ class Outcome:
     chunk_at: list[float] = field(default_factory=list)  # perf_counter of each chunk after the first
 
 
-def _retry_after(resp: requests.Response) -> float | None:
+def _timeout(read_s: float) -> httpx.Timeout:
+    """Connect within CONNECT_TIMEOUT_S; then each read (a streamed chunk) within read_s."""
+    return httpx.Timeout(read_s, connect=CONNECT_TIMEOUT_S)
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
     try:
         return max(0.0, float(resp.headers["retry-after"]))
     except (KeyError, ValueError):
         return None
 
 
-def send_chat(session: requests.Session, url: str, headers: dict[str, str], body: bytes,
+def send_chat(session: httpx.Client, url: str, headers: dict[str, str], body: bytes,
               timeout_s: float) -> Outcome:
     """Stream one chat completion (SSE); never raises for what the server or network does.
     Chunk arrival times give TTFT and the inter-token gaps; the final usage chunk the count."""
     t0 = time.perf_counter()
     try:
-        with session.post(url + CHAT_PATH, data=body, headers=headers, stream=True,
-                          timeout=(CONNECT_TIMEOUT_S, timeout_s)) as resp:
+        with session.stream("POST", url + CHAT_PATH, content=body, headers=headers,
+                            timeout=_timeout(timeout_s)) as resp:
             if not 200 <= resp.status_code < 300:
-                resp.content  # drain, so the connection is reusable
+                resp.read()  # drain, so the connection is reusable
                 return Outcome(resp.status_code, time.perf_counter() - t0, retry_after_s=_retry_after(resp))
             return _read_stream(resp, t0)
-    except requests.Timeout:
+    except httpx.TimeoutException:
         return Outcome(TIMEOUT, time.perf_counter() - t0)
-    except (requests.RequestException, ValueError, KeyError, TypeError):
+    except (httpx.HTTPError, httpx.StreamError, ValueError, KeyError, TypeError):
         return Outcome(TRANSPORT, time.perf_counter() - t0)
 
 
-def _read_stream(resp: requests.Response, t0: float) -> Outcome:
+def _read_stream(resp: httpx.Response, t0: float) -> Outcome:
     ttft = last = None
     itl: list[float] = []
     at: list[float] = []
     tokens = 0
     for line in resp.iter_lines():
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+        if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         chunk = json.loads(line[6:])
         if chunk.get("error"):
@@ -155,7 +162,7 @@ def _client(url: str, headers: dict[str, str], prompts: Sequence[str], max_token
             timeout_s: float, deadline: float, worker: int, out: list[Outcome]) -> None:
     """One closed-loop client: send, read the stream to its end, send again, until the deadline."""
     i = 0
-    with requests.Session() as session:
+    with httpx.Client() as session:
         while time.monotonic() < deadline:
             # Each client walks the prompts from its own offset, so concurrent requests differ.
             text = prompts[(worker * 7919 + i) % len(prompts)]
@@ -173,9 +180,9 @@ def _client(url: str, headers: dict[str, str], prompts: Sequence[str], max_token
 def server_forwards(url: str, headers: dict[str, str]) -> int | None:
     """Target forwards the server has run so far (its /osd/stats), None if it does not say."""
     try:
-        r = requests.get(url + STATS_PATH, headers=headers, timeout=(CONNECT_TIMEOUT_S, 30))
+        r = httpx.get(url + STATS_PATH, headers=headers, timeout=_timeout(30))
         return int(r.json()["target_forwards"]) if r.status_code == 200 else None
-    except (requests.RequestException, ValueError, KeyError, TypeError):
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
         return None
 
 
@@ -193,7 +200,7 @@ def run_level(url: str, headers: dict[str, str], concurrency: int, seconds: floa
     for t in threads:
         t.start()
     # The last request starts before the deadline and ends within connect + read timeouts; past
-    # that a client is stuck somewhere requests does not time out, and is left behind (daemon).
+    # that a client is stuck somewhere httpx does not time out, and is left behind (daemon).
     join_by = deadline + CONNECT_TIMEOUT_S + timeout_s + 5.0
     for t in threads:
         t.join(max(0.0, join_by - time.monotonic()))
@@ -208,8 +215,8 @@ def run_level(url: str, headers: dict[str, str], concurrency: int, seconds: floa
 
 def preflight(url: str, headers: dict[str, str]) -> None:
     try:
-        requests.get(url + HEALTH_PATH, headers=headers, timeout=(CONNECT_TIMEOUT_S, 30))
-    except requests.RequestException as e:
+        httpx.get(url + HEALTH_PATH, headers=headers, timeout=_timeout(30))
+    except httpx.HTTPError as e:
         raise LoadBenchError(f"cannot reach {url}: {type(e).__name__} (is `osd serve` running? "
                              "pass --url)") from None
 
@@ -218,16 +225,22 @@ def _fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-HEADER = (f"{'conc':>5}{'spec':>5}{'ok':>6}{'tok/s':>8}{'ttft50':>8}{'ttft99':>8}{'itl50':>7}{'itl99':>7}"
-          f"{'p50 ms':>8}{'p99 ms':>8}{'tok/fwd':>8}{'rej':>5}{'err':>5}{'t/o':>5}")
+HEADER = ("conc", "spec", "ok", "tok/s", "ttft50", "ttft99", "itl50", "itl99", "p50 ms", "p99 ms", "tok/fwd",
+          "rej", "err", "t/o")
 
 
-def format_row(r: dict[str, Any]) -> str:
-    return (f"{r['concurrency']:>5}{'on' if r['speculation'] else 'off':>5}{r['ok']:>6}"
-            f"{r['completion_tok_per_s']:>8.1f}{_fmt(r['ttft_p50_ms'], '.0f'):>8}{_fmt(r['ttft_p99_ms'], '.0f'):>8}"
-            f"{_fmt(r['itl_p50_ms'], '.0f'):>7}{_fmt(r['itl_p99_ms'], '.0f'):>7}"
-            f"{_fmt(r['p50_ms'], '.0f'):>8}{_fmt(r['p99_ms'], '.0f'):>8}{_fmt(r['tokens_per_forward'], '.2f'):>8}"
-            f"{r['rejected']:>5}{r['errors']:>5}{r['timeouts']:>5}")
+def format_row(r: dict[str, Any]) -> list[str]:
+    return [str(r["concurrency"]), "on" if r["speculation"] else "off", str(r["ok"]),
+            f"{r['completion_tok_per_s']:.1f}", _fmt(r["ttft_p50_ms"], ".0f"), _fmt(r["ttft_p99_ms"], ".0f"),
+            _fmt(r["itl_p50_ms"], ".0f"), _fmt(r["itl_p99_ms"], ".0f"), _fmt(r["p50_ms"], ".0f"),
+            _fmt(r["p99_ms"], ".0f"), _fmt(r["tokens_per_forward"], ".2f"), str(r["rejected"]), str(r["errors"]),
+            str(r["timeouts"])]
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    """The levels as a table, a row per level and mode, numbers right-aligned."""
+    return tabulate([format_row(r) for r in rows], headers=HEADER, disable_numparse=True,
+                    colalign=("right",) * len(HEADER))
 
 
 def ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -287,7 +300,7 @@ def long_prompt_probe(url: str, headers: dict[str, str], *, streams: int = 7, pr
     per_client: list[list[Outcome]] = [[] for _ in range(streams)]
 
     def client(w: int) -> None:
-        with requests.Session() as session:
+        with httpx.Client() as session:
             while not stop.is_set():
                 body = json.dumps({"messages": [{"role": "user", "content": prompts[w % len(prompts)]}],
                                    "max_tokens": max_tokens, "temperature": 0, "stream": True}).encode()
@@ -298,7 +311,7 @@ def long_prompt_probe(url: str, headers: dict[str, str], *, streams: int = 7, pr
         t.start()
     time.sleep(4.0)
     sent = time.perf_counter()
-    with requests.Session() as session:
+    with httpx.Client() as session:
         body = json.dumps({"messages": [{"role": "user", "content": "word " * prompt_words}], "max_tokens": 8,
                            "temperature": 0, "stream": True}).encode()
         long = send_chat(session, url, headers, body, timeout_s)
@@ -353,20 +366,22 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     preflight(url, headers)
-    with requests.Session() as s:  # warm-up, not counted: the first requests pay one-off costs
+    with httpx.Client() as s:  # warm-up, not counted: the first requests pay one-off costs
         for spec in MODES[speculation]:
             send_chat(s, url, headers, json.dumps({"messages": [{"role": "user", "content": prompts[0]}],
                                                    "max_tokens": max_tokens, "stream": True,
                                                    "osd_speculate": spec}).encode(), timeout_s)
     print(f"load bench: {url}{CHAT_PATH}, streaming, max_tokens {max_tokens}, {len(prompts)} prompts, "
           f"{seconds:g} s per level, speculation {speculation}, client timeout {timeout_s:g} s", flush=True)
-    print(HEADER, flush=True)
     rows = []
-    for i, c in enumerate(levels):  # a row as each level ends: a long run shows progress
+    for i, c in enumerate(levels):  # a line as each level ends: a long run shows progress
         modes = MODES[speculation] if i % 2 == 0 else MODES[speculation][::-1]  # alternate which goes first
         for spec in modes:
             rows.append(run_level(url, headers, c, seconds, max_tokens, timeout_s, prompts, spec))
-            print(format_row(rows[-1]), flush=True)
+            r = rows[-1]
+            print(f"level {c} speculation {'on' if spec else 'off'}: {r['ok']} ok, "
+                  f"{r['completion_tok_per_s']:.1f} tok/s, {r['rejected']} refused", flush=True)
+    print(format_table(rows), flush=True)
     result = {"url": url, "path": CHAT_PATH, "max_tokens": max_tokens, "seconds_per_level": seconds,
               "timeout_s": timeout_s, "prompts": len(prompts), "levels": rows}
     result["ratios"] = ratios(rows)
@@ -384,3 +399,41 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
     if png_path is not None:
         write_chart(result, png_path)
     return result
+
+
+# -- the command line: `osd bench load` --------------------------------------------------------
+
+HELP = "closed-loop streaming chat load on a running server at rising concurrency, speculation on and off"
+ERRORS = (LoadBenchError,)
+
+
+def add_arguments(bl: argparse.ArgumentParser) -> None:
+    bl.add_argument("--url", help="server base URL (default http://{serve.host}:{serve.port})")
+    bl.add_argument("--api-key", help="Bearer key (default $OSD_API_KEY)")
+    bl.add_argument("--levels", default="1,2,4,8,16", metavar="C,C,...", help="concurrency levels (default 1,2,4,8,16)")
+    bl.add_argument("--seconds", type=float, default=20, metavar="S", help="seconds per level and mode (default 20)")
+    bl.add_argument("--max-tokens", type=int, default=64, metavar="M", help="max_tokens per request (default 64)")
+    bl.add_argument("--speculation", choices=("both", "on", "off"), default="both",
+                    help="run each level with speculation on and off (default), or one of them")
+    bl.add_argument("--prompts", default="sharegpt", metavar="SRC",
+                    help="sharegpt (held-out first turns, default), a JSONL file of {\"prompt\": ...}, or fixed")
+    bl.add_argument("--timeout", type=float, default=60, metavar="S", help="per-request client timeout (default 60)")
+    bl.add_argument("--out", "--json", dest="out", default="reports/bench/load.json", metavar="PATH",
+                    help="where to write JSON")
+    bl.add_argument("--png", metavar="PATH", help="the chart (default: the JSON's path with .png)")
+    bl.add_argument("--long-prompt", action="store_true",
+                    help="then: 7 streams and one ~1,900-token prompt; how long its prefill stalls them")
+
+
+def run(cfg: Any, args: argparse.Namespace) -> int:
+    try:
+        levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    except ValueError:
+        raise LoadBenchError(f"--levels must be comma-separated integers, got {args.levels!r}") from None
+    url = args.url or f"http://{cfg.serve.host}:{cfg.serve.port}"
+    prompts = load_prompts(args.prompts) if args.prompts != "fixed" else None
+    png = args.png or str(Path(args.out).with_suffix(".png"))
+    run_load_bench(url, api_key=args.api_key, levels=levels, seconds=args.seconds, max_tokens=args.max_tokens,
+                   timeout_s=args.timeout, speculation=args.speculation, prompts=prompts, json_path=args.out,
+                   png_path=png, long_prompt=args.long_prompt)
+    return 0

@@ -8,6 +8,7 @@ interleaved order per prompt so slow drift of the machine hits all of them alike
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import platform
@@ -16,16 +17,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
+from tabulate import tabulate
 
 from infra.config import OSDConfig
-from infra.prompts import Prompt, messages_ids, sharegpt_second_turns
-from infra.target import load_target
-from pipeline.replay import select_prompts
-from serve.spec_decode.specs import build_draft
-from serve.engine.core import EngineOptions, GenerationParams, SpecEngine, SpecStats
+from infra.prompts import Prompt, messages_ids, select_prompts, sharegpt_second_turns
+from pipeline.argtypes import positive_int, probability_below_1
+
+if TYPE_CHECKING:  # the model libraries load when a bench runs, not when the CLI parses its flags
+    from serve.engine.core import EngineOptions, SpecEngine, SpecStats
 
 METHODS = ("hf_ar", "hf_assisted", "ar", "sd", "sd_nocapture", "llamacpp", "ar_float32")
 # With --compile on (CUDA graphs), the eager engine runs in the same process for comparison.
@@ -71,6 +72,8 @@ class MethodRun:
 
 
 def _hf_generate(model, ids: list[int], max_new: int, eos: int | None, pad: int, assistant=None) -> list[int]:
+    import torch
+
     x = torch.tensor([ids], device=model.device)
     kw: dict[str, Any] = dict(max_new_tokens=max_new, do_sample=False, pad_token_id=pad, eos_token_id=eos,
                               attention_mask=torch.ones_like(x))
@@ -91,6 +94,8 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 def _top2_gap(runner, prefix: list[int]) -> float:
     """Gap between the target's two largest logits after `prefix`, from the engine's own
     one-token-at-a-time decoding forward (the runner AR uses), in its dtype."""
+    import torch
+
     cache = runner.new_cache()
     logits = runner.forward(torch.tensor(prefix, device=runner.device), cache)[-1]
     top = torch.topk(logits, 2).values
@@ -101,6 +106,9 @@ def reference_methods(mcfg: Any, loaded: Any, max_seq_len: int, vs_llamacpp: boo
                       vs_float32: bool) -> dict[str, MethodFn]:
     """Baselines outside the engine under test, timed in the same run: llama.cpp on the GGUF,
     and own AR over the float32 target (the runner before bfloat16 and int4)."""
+    from infra.target import load_target
+    from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+
     out: dict[str, MethodFn] = {}
     if vs_llamacpp:
         out["llamacpp"] = _llamacpp(loaded, mcfg.target, max_seq_len)
@@ -138,8 +146,10 @@ def float32_agreement(runs: dict[str, MethodRun]) -> dict[str, Any] | None:
 
 
 def _llamacpp(loaded: Any, spec: str, n_ctx: int):
+    import torch
+
     from infra.target import SMOLLM2, smollm2_gguf_path
-    from pipeline.bench_llamacpp import llamacpp_method
+    from pipeline.bench.llamacpp import llamacpp_method
 
     if spec != SMOLLM2:
         raise ValueError(f"--vs-llamacpp runs the GGUF the target {SMOLLM2} comes from; the target here is {spec!r}")
@@ -161,6 +171,8 @@ def answer_first_turns(engine: SpecEngine, tokenizer: Any, prompts: list[Prompt]
                        log: Callable[[str], None]) -> list[Prompt]:
     """The multi-turn workload's prompts: each conversation's second turn after the target's own
     greedy answer to its first (autoregressive, outside every timed run)."""
+    from serve.engine.core import GenerationParams
+
     out = []
     for p in prompts:
         (_, first), (_, second) = p.messages
@@ -180,6 +192,12 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
               vs_llamacpp: bool = False, k_policy: str | None = None, vs_float32: bool = False,
               workload: str = "single",
               log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
+    import torch
+
+    from infra.target import load_target
+    from serve.engine.core import EngineOptions, SpecEngine
+    from serve.spec_decode.specs import build_draft
+
     mcfg = bench_model_config(cfg, device, target, dtype, quant)
     loaded = load_target(mcfg.target, mcfg, progress=True)
     if draft_spec in ("head:init", "head+suffix"):  # the warm-started head: built once, then taken from disk
@@ -204,7 +222,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
             raise ValueError("--workload multiturn takes its conversations from ShareGPT, not --prompts-file")
         prompts = second_turn_prompts(cfg, n_prompts, max_prompt_chars)
     else:
-        prompts = select_prompts(cfg, None if prompts_file else n_prompts, prompts_file,
+        prompts = select_prompts(cfg.data, None if prompts_file else n_prompts, prompts_file,
                                  max_prompt_chars=None if prompts_file else max_prompt_chars)
     prompts = prompts[:limit] if limit else prompts
     if not prompts:
@@ -299,6 +317,8 @@ def method_runners(engine: SpecEngine, loaded: Any, draft: Any, eager: SpecEngin
                    chain: SpecEngine | None = None, sweep: dict[str, SpecEngine] | None = None
                    ) -> dict[str, MethodFn]:
     """Each method as (prompt ids, token budget) -> (output ids, speculative stats or None)."""
+    from serve.engine.core import GenerationParams
+
     model, tok = loaded.model, loaded.tokenizer
     eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
@@ -386,6 +406,8 @@ def time_methods(runners: dict[str, MethodFn], ids_list: list[list[int]], max_ne
     """Every method on every prompt; returns the runs, the merged speculative stats per method
     and, per prompt, (time with capture / time without) - 1. pinned: method -> the method it
     always runs right after (the rest rotate)."""
+    from serve.engine.core import SpecStats
+
     # Warm-up: one short call per method (allocator, MKL/oneDNN kernels, HF caches).
     for fn in runners.values():
         fn(ids_list[0], 8)
@@ -494,6 +516,8 @@ def draft_figures(st: SpecStats, runs: dict[str, MethodRun], draft: Any) -> dict
     drafted token's time as a fraction of own AR's decode time per token (prefill excluded:
     the step a draft must beat), and for a head the share of the target's outputs inside its
     vocabulary."""
+    import torch
+
     t_draft = st.stage_s["propose"] / max(st.num_draft_tokens, 1)
     ar_decode = runs["ar"].decode_tok_s
     t_step = 1.0 / ar_decode if ar_decode else None
@@ -559,13 +583,12 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
     ref = "hf_ar" if "hf_ar" in runs else "ar_eager" if "ar_eager" in runs else "ar"
     base = runs[ref].tok_s
     log("")
-    log(f"{'method':<32}{'tokens':>8}{'seconds':>9}{'tok/s':>8}{'median':>8}{'vs ' + ref:>12}")
-    for m, r in runs.items():
-        if not r.tokens or not sum(r.tokens):
-            continue  # HF assisted with a head draft: not run
-        label = LABELS.get(m) or _swept_label(m)
-        log(f"{label:<32}{sum(r.tokens):>8}{sum(r.seconds):>9.1f}{r.tok_s:>8.1f}{r.median_tok_s:>8.1f}"
-            f"{r.tok_s / base:>11.2f}x")
+    rows = [[LABELS.get(m) or _swept_label(m), sum(r.tokens), f"{sum(r.seconds):.1f}", f"{r.tok_s:.1f}",
+             f"{r.median_tok_s:.1f}", f"{r.tok_s / base:.2f}x"]
+            for m, r in runs.items() if r.tokens and sum(r.tokens)]  # HF assisted with a head draft: not run
+    for line in tabulate(rows, headers=["method", "tokens", "seconds", "tok/s", "median", f"vs {ref}"],
+                         disable_numparse=True, colalign=("left",) + ("right",) * 5).splitlines():
+        log(line)
     log("")
     log(f"acceptance rate {result['acceptance_rate']:.3f}, mean accepted length {result['mean_accepted_len']:.2f} "
         f"tokens/step, own AR / HF AR {_fmt(result['ar_vs_hf_ar'])}, own SD / HF assisted "
@@ -633,3 +656,59 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
             log(f"  {mm['method']} prompt {mm['prompt']} position {mm['position']}: top-2 logit gap "
                 f"{mm['top2_logit_gap']}")
     sys.stdout.flush()
+
+
+# -- the command line: `osd bench engine` ------------------------------------------------------
+
+HELP = "own AR and speculative decoding vs Hugging Face, one process"
+ERRORS = (ValueError,)  # the user's to fix: the CLI prints the message and exits 2
+
+
+def add_arguments(be: argparse.ArgumentParser) -> None:
+    be.add_argument("--prompts", type=int, default=8, metavar="N", help="ShareGPT held-out prompts (default 8)")
+    be.add_argument("--prompts-file", metavar="F", help="JSONL with a prompt field instead of ShareGPT")
+    be.add_argument("--limit", type=int, metavar="N", help="use at most N prompts")
+    be.add_argument("--max-new-tokens", type=int, default=96, metavar="M")
+    be.add_argument("--k", type=int, default=4, metavar="K", help="draft tokens per step (default 4)")
+    be.add_argument("--draft", default="truncate:4", metavar="SPEC", help="self, truncate:L, head:init (the warm-started head), suffix, head+suffix "
+                         "(the warm-started head with the suffix draft, chosen per step), DIR+suffix, "
+                         "or a published draft directory (default truncate:4)")
+    be.add_argument("--workload", choices=("single", "multiturn"), default="single",
+                    help="single: one user turn per prompt (or the file's conversations); multiturn: held-out "
+                         "ShareGPT conversations' second turns after the target's own first answers")
+    be.add_argument("--device", default="cpu", help="cpu or cuda")
+    be.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                    help="CUDA graphs for decode/verify/draft steps (auto: on with --device cuda); when on, "
+                         "the eager engine is timed in the same run")
+    be.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model dtype (default: model.dtype)")
+    be.add_argument("--quant", choices=("none", "int4"), help="target weights (default: model.quant); int4 "
+                                                             "implies --dtype bfloat16")
+    be.add_argument("--k-policy", choices=("cost", "schedule", "fixed"), help="draft length per step "
+                    "(default: serve.k_policy)")
+    be.add_argument("--vs-float32", action="store_true", help="time own AR over the float32 target in the same run "
+                    "and report where its greedy output first differs")
+    be.add_argument("--vs-llamacpp", action="store_true", help="time llama.cpp on the GGUF the target comes from "
+                    "in the same run (needs the optional llama-cpp-python)")
+    be.add_argument("--k-sweep", nargs="+", type=positive_int, default=[], metavar="K",
+                    help="also time these draft budgets in the same run, interleaved with own AR (e.g. 1 2 3)")
+    be.add_argument("--confidence-sweep", nargs="+", type=probability_below_1, default=[], metavar="C",
+                    help="also time these draft confidence stops (serve.draft_confidence) in the same run, "
+                         "interleaved with own AR (e.g. 0.2 0.4)")
+    be.add_argument("--tree", metavar="TOTAL,DEPTH,TOPK", help="verify EAGLE-2 draft trees (greedy); "
+                                                                 "chains of the same draft are timed in the same run")
+    be.add_argument("--no-hf", action="store_true", help="skip the Hugging Face methods (greedy identity is then "
+                                                         "checked against own eager AR)")
+    be.add_argument("--target", help="target spec (default: model.target)")
+    be.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer ShareGPT prompts")
+    be.add_argument("--json", metavar="PATH", default="reports/bench/engine.json", help="where to write JSON")
+
+
+def run(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    run_bench(cfg, n_prompts=args.prompts, prompts_file=args.prompts_file, limit=args.limit,
+              max_new_tokens=args.max_new_tokens, k=args.k, draft_spec=args.draft, device=args.device,
+              max_prompt_chars=args.max_prompt_chars, json_path=args.json, target=args.target,
+              compile=args.compile, dtype=args.dtype, hf=not args.no_hf, tree=args.tree or "",
+              k_sweep=args.k_sweep, confidence_sweep=args.confidence_sweep, quant=args.quant,
+              vs_llamacpp=args.vs_llamacpp, k_policy=args.k_policy, vs_float32=args.vs_float32,
+              workload=args.workload)
+    return 0

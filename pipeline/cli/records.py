@@ -34,7 +34,7 @@ def _cmd_records_delete(cfg: OSDConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def add_records_parser(sub: argparse._SubParsersAction) -> None:
+def add_parsers(sub: argparse._SubParsersAction) -> None:
     rc = sub.add_parser("records", help="captured traffic: delete what a tenant, a user or a request left")
     rs = rc.add_subparsers(dest="records_op", required=True)
     de = rs.add_parser("delete", help="remove matching records from the stream and its dead letters, with an "

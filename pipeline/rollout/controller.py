@@ -7,7 +7,7 @@
 One look (`tick`):
 1. Read new records as the `rollout.group` consumer (its own group: the trainers see every
    record too) and turn each into an (acceptance, mean accepted length) sample of the
-   version that served it (pipeline/canary_rule.py). Only samples of the current window
+   version that served it (pipeline/rollout/canary_rule.py). Only samples of the current window
    count: both arms over the same span of traffic.
 2. No canary: the registry versions newer than stable that were never decided on, newest
    first, meet the offline gate: a version whose manifest lacks passing paired evidence
@@ -36,7 +36,7 @@ import threading
 import time
 from typing import Any
 
-from pipeline.canary_rule import Arm, CanaryRule, decide, gate_verdict, request_sample
+from pipeline.rollout.canary_rule import Arm, CanaryRule, decide, gate_verdict, request_sample
 from infra.config import OSDConfig
 from infra.faults import fault_point
 from infra.registry import AliasMoved, Registry, RegistryError

@@ -21,12 +21,15 @@ the warm start; the served records' weighting by draft rejections is not replaye
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import random
 import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from tabulate import tabulate
 
 from infra.config import OSDConfig
 
@@ -54,8 +57,7 @@ def variant_config(cfg: OSDConfig, name: str) -> OSDConfig:
 
 def adapt_sets(cfg: OSDConfig, loaded: Any, records: int, eval_prompts: int) -> dict[str, list]:
     """Teacher records (cached): the code stream, held-out code, v1's warm-start train and held-out sets."""
-    from infra.prompts import load_sharegpt
-    from pipeline.demo import unique_texts
+    from infra.prompts import load_sharegpt, unique_texts
     from train.teacher_set import split_held_out, teacher_records, warm_prompts
 
     sharegpt = load_sharegpt(cfg.data)
@@ -134,9 +136,8 @@ def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48
     from infra.target import load_target
     from train.ds_engine import init_distributed
     from train.evaluator import per_record_acceptance
+    from pipeline.stack.profiles import demo_config
     from train.warm_start import run_warm_start
-
-    from pipeline.demo import demo_config
 
     # The demo's online training settings (lr, replay, warm-up), the run this bench stands for;
     # v1's held-out split stays the warm start's own.
@@ -171,8 +172,31 @@ def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48
 
 
 def _print(out: dict[str, Any]) -> None:
-    print(f"\n{'variant':12s} {'records':>7s} {'code - v1 [95% interval]':>30s} {'general - v1':>30s}")
-    for r in out["rows"]:
-        c, g = r["held_code"], r["held_general"]
-        print(f"{r['variant']:12s} {r['records']:7d} {c['diff']:+9.4f} [{c['lower']:+.4f}, {c['upper']:+.4f}]"
-              f" {g['diff']:+9.4f} [{g['lower']:+.4f}, {g['upper']:+.4f}]")
+    def cell(x: dict[str, float]) -> str:
+        return f"{x['diff']:+.4f} [{x['lower']:+.4f}, {x['upper']:+.4f}]"
+
+    rows = [[r["variant"], r["records"], cell(r["held_code"]), cell(r["held_general"])] for r in out["rows"]]
+    print("\n" + tabulate(rows, headers=["variant", "records", "code - v1 [95% interval]", "general - v1"],
+                         disable_numparse=True, colalign=("left", "right", "right", "right")))
+
+
+# -- the command line: `osd bench adapt` -------------------------------------------------------
+
+HELP = "after a shift to code: candidates vs v1 (paired) per training variant"
+ERRORS: tuple[type[Exception], ...] = ()
+
+
+def add_arguments(ba: argparse.ArgumentParser) -> None:
+    ba.add_argument("--records", type=int, default=96, help="code records streamed to the trainer (default 96)")
+    ba.add_argument("--eval-prompts", type=int, default=48, help="held-out code prompts scored (default 48)")
+    ba.add_argument("--checkpoints", type=int, nargs="+", default=[18, 48, 96], help="score after these many records")
+    ba.add_argument("--arrive", type=int, default=2, help="records per new-data step (default 2, demo traffic)")
+    ba.add_argument("--variants", nargs="+", default=["base", "low_lr", "warm_replay", "anchor"],
+                    choices=["base", "low_lr", "warm_replay", "anchor"])
+    ba.add_argument("--json", default="reports/bench/adapt.json", metavar="PATH")
+
+
+def run(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    run_adapt_bench(cfg, records=args.records, eval_prompts=args.eval_prompts, checkpoints=tuple(args.checkpoints),
+                    arrive=args.arrive, variants=tuple(args.variants), json_path=args.json)
+    return 0

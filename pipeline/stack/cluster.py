@@ -1,11 +1,11 @@
 """In-cluster entry points: the two Serve applications a KubeRay RayService runs (helm/osd).
 
     serveConfigV2
-      ├─ app "osd"       pipeline.cluster:serving_app -> serve.api.app.build_app (ingress + target replicas,
-      │                                                  drafts following the registry aliases)
-      └─ app "osd-loop"  pipeline.cluster:loop_app    -> LoopSupervisor (one replica): the warm start
-                                                         when the registry has no stable draft, then
-                                                         the rollout controller and the trainer group
+      ├─ app "osd"       pipeline.stack.cluster:serving_app -> serve.api.app.build_app (ingress + target
+      │                                                        replicas, drafts following the registry aliases)
+      └─ app "osd-loop"  pipeline.stack.cluster:loop_app    -> LoopSupervisor (one replica): the warm start
+                                                               when the registry has no stable draft, then
+                                                               the rollout controller and the trainer group
 
 Why the trainer and the controller live in a Serve application and not in a RayJob: Serve keeps
 the application running (its health check restarts a supervisor whose controller is gone),
@@ -115,8 +115,8 @@ def loop_app(args: dict[str, Any]) -> Any:
 def _warm_start_and_promote(cfg_dict: dict[str, Any], family: str = "head") -> str:
     """On a trainer node: make v1 of `family` (skipped when a retry finds it made) and make it
     stable. The head takes `osd draft init --family head`'s defaults."""
-    from pipeline.teacher_engine import teacher_for
-    from pipeline.up import ensure_stable
+    from pipeline.teacher.engine import teacher_for
+    from pipeline.stack.up import ensure_stable
     from infra.draft_spec import warm_start_path
     from train.warm_start import warm_start_family
 
@@ -133,7 +133,7 @@ def _restart_controller(cfg: OSDConfig) -> Any:
 
     import ray
 
-    from pipeline.rollout import CONTROLLER_NAME, start_controller
+    from pipeline.rollout.controller import CONTROLLER_NAME, start_controller
 
     try:
         ray.kill(ray.get_actor(CONTROLLER_NAME), no_restart=True)
@@ -164,7 +164,7 @@ class LoopSupervisor:
         self._thread.start()
 
     def _run(self) -> None:
-        from pipeline.up import UpError, _reason, ensure_stable, supervise
+        from pipeline.stack.up import UpError, ensure_stable, failure_reason, supervise
 
         try:
             try:
@@ -180,7 +180,7 @@ class LoopSupervisor:
             if self.args.train:
                 supervise(self._train_once, self._stopping)
         except Exception as e:  # reported by check_health, so Serve restarts the supervisor
-            self.error = _reason(e)
+            self.error = failure_reason(e)
 
     def _remote_warm_start(self) -> str:
         import ray
@@ -192,7 +192,7 @@ class LoopSupervisor:
                                                             self.args.warm_start_family))
 
     def _train_once(self) -> None:
-        from pipeline.up import _reason
+        from pipeline.stack.up import failure_reason
         from train.trainer import TrainerGroup
 
         run_dir = Path(self.cfg.state_dir) / "train" / self.args.run_name
@@ -200,7 +200,7 @@ class LoopSupervisor:
             self._group = TrainerGroup(self.cfg, run_dir, init_draft=f"registry:{self.stable}")
             self._group.run()
         except Exception as e:
-            self.trainer_error = _reason(e)
+            self.trainer_error = failure_reason(e)
             raise
         finally:
             group, self._group = self._group, None

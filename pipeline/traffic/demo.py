@@ -17,14 +17,16 @@ import json
 import statistics
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+from tabulate import tabulate
+
 from infra.config import OSDConfig
+from pipeline.traffic.replay import build_body, parse_response
 
 
 def _log(msg: str) -> None:
@@ -33,16 +35,15 @@ def _log(msg: str) -> None:
 
 def post_chat(url: str, text: str, max_tokens: int, timeout: float = 300, **extra: Any) -> dict[str, Any]:
     """One greedy chat completion; {"ok", "latency_s", "tokens", "version", "error"}."""
-    from pipeline.replay import build_body, parse_response
-
     body = {**build_body(text, chat=True, max_tokens=max_tokens, temperature=0.0, record=None), **extra}
-    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
     t0 = time.perf_counter()
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            fields = parse_response(json.loads(resp.read()), chat=True)
-    except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+        resp = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=timeout)
+        if resp.status_code >= 400:  # a refusal (429, 503) or an error is a failed request, as any other
+            return {"ok": False, "latency_s": time.perf_counter() - t0,
+                    "error": f"HTTP {resp.status_code}: {resp.text.strip()[:200]}"}
+        fields = parse_response(resp.json(), chat=True)
+    except (httpx.HTTPError, OSError, ValueError, KeyError) as e:
         return {"ok": False, "latency_s": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}"}
     return {"ok": True, "latency_s": time.perf_counter() - t0, "tokens": fields["completion_tokens"],
             "version": fields["draft_version"], "mean_accepted_len": fields["mean_accepted_len"]}
@@ -117,16 +118,6 @@ def version_table(samples: list[dict], shift_time: float, registry: Any) -> list
                     "alpha_est": v.metrics.get("alpha_est") if v else None,
                     "parent": v.lineage.get("parent") if v else None,
                     "records_consumed": v.lineage.get("records_consumed") if v else None})
-    return out
-
-
-def unique_texts(prompts: list, exclude: set[str] = frozenset()) -> list:
-    """First occurrence of each prompt text, in order (ShareGPT repeats some openers verbatim)."""
-    seen, out = set(exclude), []
-    for p in prompts:
-        if p.text not in seen:
-            seen.add(p.text)
-            out.append(p)
     return out
 
 
@@ -234,30 +225,6 @@ def save_ops_snapshot(summary: dict[str, Any] | None, url: str, out_dir: Path) -
     return out
 
 
-def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
-    """The demo's settings on top of the user's: its own state dir, a fast export and rollout cadence."""
-    d = cfg.model_dump(mode="json")
-    d["state_dir"] = str(state)
-    # The trainer shares the machine's cores with the replica here: one forward thread, as before.
-    d["serve"].update(num_replicas=1, num_cpus_per_replica=1.0, max_concurrency=2,
-                      forward_threads=d["serve"]["forward_threads"] or 1)
-    d["stream"].update(redis_url="")
-    d["registry"].update(uri="")
-    # Few records per candidate at demo traffic: replay them (as the warm start's epochs do) at a
-    # fine-tuning learning rate, so a trained draft is refined rather than jolted.
-    # One record in 3 held out: at demo traffic (~0.2 requests/s) the gate's 20 records take
-    # ~5 minutes to gather; at 1 in 10 the 14-minute run never gave a candidate enough.
-    d["train"].update(num_workers=1, export_every_records=48, export_every_s=150, held_out_every=3,
-                      warm_epochs=cfg.train.warm_epochs, replay_steps=3, lr=3e-4,
-                      warm_teacher_dir=str(Path(cfg.state_dir) / "teacher"))  # v1's, in the user's state dir
-    # A canary gets a few dozen requests here, not hundreds. Promotion looks at one side of the
-    # interval only, so a two-sided alpha of 0.1 keeps an equal draft's false promotions at 5%
-    # (4.75% in tests/test_canary_rule.py's simulation at this budget), with a budget the run
-    # can reach.
-    d["rollout"].update(canary_steps=[0.5, 1.0], min_requests=6, max_requests=80, alpha=0.1, poll_s=1.0)
-    return OSDConfig.model_validate(d)
-
-
 # 35 minutes of code traffic: on 2 cores the head's candidates reach the gate's 20 held-out
 # records about 10 minutes after the shift, and a first canary can spend its 80-request budget
 # (about 20 minutes) before a better one is tried; the 11-minute phase never promoted.
@@ -265,7 +232,8 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 2100, sp
              max_tokens: int = 64, concurrency: int = 2, out_dir: str | Path = "reports/demo",
              family: str = "head") -> dict[str, Any]:
     from infra.registry import Registry
-    from pipeline.up import ClosedLoop, ensure_stable
+    from pipeline.stack.profiles import demo_config
+    from pipeline.stack.up import ClosedLoop, ensure_stable
     from serve.api.ops.page import fetch_summary
 
     t_start = time.time()
@@ -315,7 +283,7 @@ def prepare(cfg: OSDConfig, family: str = "head") -> tuple[Any, Path]:
     _log(f"target {cfg.model.target}: preparing (cached after the first run)")
     loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=True)
     if not v1.is_dir():
-        from pipeline.teacher_engine import teacher_for
+        from pipeline.teacher.engine import teacher_for
         from train.warm_start import warm_start_family
 
         _log(f"no warm-started {family} draft yet: running `osd draft init --family {family}` once "
@@ -326,7 +294,7 @@ def prepare(cfg: OSDConfig, family: str = "head") -> tuple[Any, Path]:
 
 def workload_prompts(cfg: OSDConfig, speed_prompts: int, family: str = "head") -> tuple[list, list, list]:
     """(general, code, speed check) prompts: short held-out ShareGPT prompts, no text twice."""
-    from infra.prompts import load_sharegpt
+    from infra.prompts import load_sharegpt, unique_texts
     from train.teacher_set import warm_prompts
 
     sharegpt = load_sharegpt(cfg.data)  # parsed once: held-out traffic, v1's prompts, the train top-up
@@ -420,14 +388,10 @@ def _num(x: float | None, fmt: str = ".3f") -> str:
 
 
 def _print(r: dict[str, Any], out_dir: Path) -> None:
-    print(f"\n{'version':<16}{'parent':<16}{'requests':>9}{'alpha':>8}{'pre-shift':>11}{'post-shift':>12}"
-          f"{'alpha_est':>11}{'paired post':>13}")
-    for v in r["versions"]:
-        def f(x):
-            return "-" if x is None else f"{x:.3f}"
-        print(f"{v['version']:<16}{str(v['parent'] or '-'):<16}{v['requests']:>9}{f(v['alpha']):>8}"
-              f"{f(v['alpha_pre_shift']):>11}{f(v['alpha_post_shift']):>12}{f(v['alpha_est']):>11}"
-              f"{f(v.get('alpha_est_post_shift')):>13}")
+    rows = [[v["version"], v["parent"] or "-", v["requests"], v["alpha"], v["alpha_pre_shift"],
+             v["alpha_post_shift"], v["alpha_est"], v.get("alpha_est_post_shift")] for v in r["versions"]]
+    print("\n" + tabulate(rows, headers=["version", "parent", "requests", "alpha", "pre-shift", "post-shift",
+                                        "alpha_est", "paired post"], floatfmt=".3f", missingval="-"))
     pp = r.get("paired_post_shift") or {}
     print(f"\npaired post: every version's acceptance estimate on the same {pp.get('records', 0)} held-out "
           f"post-shift code records ({pp.get('positions', 0)} positions), which no version trained on")

@@ -9,11 +9,14 @@ group published), from the records' target distributions alone.
 
 from __future__ import annotations
 
+import argparse
 import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from tabulate import tabulate
 
 from infra.config import OSDConfig
 
@@ -141,9 +144,30 @@ def time_workers(run_cfg: OSDConfig, loaded: Any, train_recs: list, eval_recs: l
 
 def print_table(results: dict[int, dict[str, Any]], domain: str, alpha_before: float, alpha_after: float | None,
                 n_records: int) -> None:
-    print(f"\n{'workers':>8}{'tokens':>10}{'seconds':>9}{'tokens/s':>10}{'alpha after':>13}")
-    for w, r in results.items():
-        a = r.get("alpha_after")
-        print(f"{w:>8}{r['tokens']:>10}{r['wall_s']:>9.1f}{r['tokens_per_s']:>10.0f}{'' if a is None else f'{a:.3f}':>13}")
+    rows = [[w, r["tokens"], f"{r['wall_s']:.1f}", f"{r['tokens_per_s']:.0f}",
+             "" if r.get("alpha_after") is None else f"{r['alpha_after']:.3f}"] for w, r in results.items()]
+    print("\n" + tabulate(rows, headers=["workers", "tokens", "seconds", "tokens/s", "alpha after"],
+                         disable_numparse=True, colalign=("right",) * 5))
     print(f"acceptance estimate on held-out {domain}: {alpha_before:.3f} -> "
           f"{'n/a' if alpha_after is None else f'{alpha_after:.3f}'} after {n_records} records")
+
+
+# -- the command line: `osd bench train` -------------------------------------------------------
+
+HELP = "distillation tokens/s with 1 and 2 workers, and alpha before/after"
+ERRORS: tuple[type[Exception], ...] = ()
+
+
+def add_arguments(bt: argparse.ArgumentParser) -> None:
+    bt.add_argument("--records", type=int, default=2000, help="train records of one domain (default 2000)")
+    bt.add_argument("--domain", default="code", choices=["code", "math", "writing", "other"])
+    bt.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts for alpha (default 64)")
+    bt.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to time (default 1 2)")
+    bt.add_argument("--init-draft", help="starting draft dir (default <state_dir>/drafts/v1 if present)")
+    bt.add_argument("--json", default="reports/bench/train.json", metavar="PATH")
+
+
+def run(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    run_train_bench(cfg, records=args.records, domain=args.domain, eval_prompts=args.eval_prompts,
+                    workers=tuple(args.workers), init_draft=args.init_draft, json_path=args.json)
+    return 0

@@ -45,7 +45,8 @@ def restart_delay(failures: int, base_s: float = RESTART_BASE_S, cap_s: float = 
     return backoff_delay(failures, base_s, cap_s)
 
 
-def _reason(e: BaseException) -> str:
+def failure_reason(e: BaseException) -> str:
+    """A failure in one line for logs and status: the error's type and its message's last line."""
     # A RayTaskError's text is the remote traceback; its last line names the actual error.
     lines = [line.strip() for line in str(e).splitlines() if line.strip()]
     return f"{type(e).__name__}: {lines[-1][:300] if lines else ''}"
@@ -69,7 +70,7 @@ def supervise(run_once: Callable[[], Any], stopping: threading.Event, *, base_s:
                 return restarts
             failures = 1 if clock() - started >= cap_s else failures + 1
             delay = restart_delay(failures, base_s, cap_s)
-            log(f"trainer failed ({_reason(e)}); restart {restarts + 1} in {delay:.0f} s, "
+            log(f"trainer failed ({failure_reason(e)}); restart {restarts + 1} in {delay:.0f} s, "
                 f"from the last COMPLETE checkpoint")
             if wait(delay):
                 return restarts
@@ -120,8 +121,8 @@ class ClosedLoop:
         return self.stack.url
 
     def start(self) -> "ClosedLoop":
-        from pipeline.rollout import start_controller
-        from pipeline.launch import LocalStack
+        from pipeline.rollout.controller import start_controller
+        from pipeline.stack.launch import LocalStack
 
         stable = ensure_stable(self.cfg)
         self.stack = LocalStack(self.cfg, self.api_key)
@@ -148,7 +149,7 @@ class ClosedLoop:
                      f"or {self.cfg.train.export_every_s:.0f} s")
                 self._trainer_group.run()
             except Exception as e:
-                self.trainer_error = _reason(e)
+                self.trainer_error = failure_reason(e)
                 raise
             finally:  # whoever takes the group out of self._trainer_group shuts it down (or stop_trainer)
                 group, self._trainer_group = self._trainer_group, None
@@ -187,13 +188,13 @@ class ClosedLoop:
         try:
             self.stop_trainer()
         except ray.exceptions.RayError as e:
-            _log(f"stopping the trainer group failed ({_reason(e)}); stopping the rest")
+            _log(f"stopping the trainer group failed ({failure_reason(e)}); stopping the rest")
         if self.controller is not None:
             try:
                 ray.get(self.controller.stop.remote(), timeout=30)
                 ray.kill(self.controller)
             except ray.exceptions.RayError as e:
-                _log(f"stopping the rollout controller failed ({_reason(e)}); stopping the rest")
+                _log(f"stopping the rollout controller failed ({failure_reason(e)}); stopping the rest")
         if self.stack is not None:
             self.stack.stop()
 
@@ -205,7 +206,7 @@ class ClosedLoop:
 
 
 def run_up(cfg: OSDConfig, api_key: str | None = None, train: bool = True) -> int:
-    from pipeline.launch import wait_for_signal
+    from pipeline.stack.launch import wait_for_signal
 
     loop = ClosedLoop(cfg, api_key, train=train).start()
     print(f"osd is up: OpenAI-compatible API at {loop.url}/v1 (Ctrl-C to stop)\n"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+from tabulate import tabulate
 
 from infra.config import OSDConfig
 from train.draft_vocab import STUDY_SIZES, coverage, coverage_table, token_counts
@@ -104,7 +105,7 @@ def run_vocab_study(cfg: OSDConfig, *, per_domain: int = 64, held_per_domain: in
 
     fit_p, ev_p = study_prompts(cfg, per_domain, held_per_domain, eval_files or {}, sharegpt)
     if loaded is None:
-        from pipeline.teacher_engine import teacher_for
+        from pipeline.teacher.engine import teacher_for
 
         loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=progress)
         generate = teacher_for(cfg)
@@ -135,11 +136,10 @@ def format_table(study: dict[str, Any]) -> str:
     cov = study["coverage"]
     cols = [(choice, v) for choice, by_domain in cov.items() for v in next(iter(by_domain.values()), {})]
     fit_tokens = sum(f["tokens"] for f in study["fit"].values())
-    head = [f"coverage of the target's own answer tokens by draft vocabulary (chosen from {fit_tokens} answer "
-            f"tokens of {', '.join(study['fit'])})",
-            f"{'domain':<12}{'tokens':>8}" + "".join(f"{f'{c} {v}':>17}" for c, v in cols)]
-    rows = []
-    for d, e in study["eval"].items():
-        cells = ["-" if cov[c][d][v] is None else f"{cov[c][d][v]:.3f}" for c, v in cols]
-        rows.append(f"{d:<12}{e['tokens']:>8}" + "".join(f"{x:>17}" for x in cells))
-    return "\n".join(head + rows)
+    title = (f"coverage of the target's own answer tokens by draft vocabulary (chosen from {fit_tokens} answer "
+             f"tokens of {', '.join(study['fit'])})")
+    rows = [[d, e["tokens"], *("-" if cov[c][d][v] is None else f"{cov[c][d][v]:.3f}" for c, v in cols)]
+            for d, e in study["eval"].items()]
+    table = tabulate(rows, headers=["domain", "tokens", *(f"{c} {v}" for c, v in cols)], disable_numparse=True,
+                     colalign=("left",) + ("right",) * (len(cols) + 1))
+    return title + "\n" + table

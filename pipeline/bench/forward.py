@@ -12,6 +12,7 @@ cache holding `context` tokens, in milliseconds.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import platform
@@ -20,10 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import torch
-
-from infra.target import build_tiny_llama
-from serve.model.runner import LlamaRunner
+from tabulate import tabulate
 
 SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                      intermediate_size=1536)
@@ -44,6 +42,8 @@ SETTLE_S = 0.01
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    import torch
+
     def once(fn: Callable[[], Any]) -> float:
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -58,6 +58,8 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
 
 def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     """GB/s moved by copying a tensor far larger than the caches (bytes read plus written), best of `repeats`."""
+    import torch
+
     src = torch.ones(mib << 18, dtype=torch.float32)
     dst = torch.empty_like(src)
     best = float("inf")
@@ -70,6 +72,10 @@ def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
 
 def _model(variant: str, device: str, max_seq_len: int, real: Any, cache: dict[str, Any]) -> Any:
     """The model a variant runs: one per dtype, shared by eager/graph/int4 runners."""
+    import torch
+
+    from infra.target import build_tiny_llama
+
     dtype = "bfloat16" if variant.startswith("int4") else variant
     if dtype not in cache:
         if real is not None:  # Module.to converts in place: each dtype gets its own copy
@@ -119,6 +125,10 @@ def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_to
                   real: Any = None, inductor: bool = False, vs_llamacpp: bool = False) -> dict[str, Any]:
     """name -> runner: each variant eagerly, on CUDA each non-int4 variant as graphs too, and
     with `inductor` each variant through torch.compile as well."""
+    import torch
+
+    from serve.model.runner import LlamaRunner
+
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise ValueError(f"unknown variant(s) {bad}: expected some of {', '.join(VARIANTS)}")
@@ -149,7 +159,7 @@ def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_to
         if device != "cpu" or real is None:
             raise ValueError("--vs-llamacpp times llama.cpp on the target's GGUF: it needs --real on the CPU")
         from infra.target import smollm2_gguf_path
-        from pipeline.bench_llamacpp import LlamaCppRunner
+        from pipeline.bench.llamacpp import LlamaCppRunner
 
         runners["llama.cpp"] = LlamaCppRunner(smollm2_gguf_path(), torch.get_num_threads(), max_seq_len)
     return runners
@@ -162,6 +172,8 @@ def run_forward_bench(*, device: str = "cpu", variants: Sequence[str] = ("float3
                       log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
     """Times every (runner, T) in one run, interleaved per repeat; `real`: the target model to
     time instead of a random one of its shape."""
+    import torch
+
     dev = torch.device(device)
     runners = build_runners(variants, device, max_seq_len, max(tokens), real, inductor, vs_llamacpp)
     vocab = next(iter(runners.values())).vocab_size
@@ -207,9 +219,10 @@ def print_forward_table(result: dict[str, Any], rows: dict[str, dict[int, float]
                         log: Callable[[str], None]) -> None:
     log(f"== osd bench forward: {result['weights']}, {result['device']}, context {result['context']}, "
         f"median of {result['repeats']}, {result['threads']} threads; ms per forward (x: vs T=1)")
-    log(f"{'T':>4}" + "".join(f"{name:>22}" for name in rows))
-    for t in tokens:
-        log(f"{t:>4}" + "".join(f"{r[t]:>13.2f} ms {r[t] / r[tokens[0]]:>5.2f}x" for r in rows.values()))
+    table = [[t] + [f"{r[t]:.2f} ms {r[t] / r[tokens[0]]:5.2f}x" for r in rows.values()] for t in tokens]
+    for line in tabulate(table, headers=["T", *rows], disable_numparse=True,
+                         colalign=("right",) * (len(rows) + 1)).splitlines():
+        log(line)
     for name, gbs in result["weights_gb_s"].items():
         log(f"{name}: its T={tokens[0]} forward streams its packed weights at {gbs:.1f} GB/s; this machine "
             f"copies {result['copy_gb_s']:.1f} GB/s (a 256 MiB tensor copy, read + write)")
@@ -219,3 +232,49 @@ def print_forward_table(result: dict[str, Any], rows: dict[str, dict[int, float]
     if base:
         log("one-token forward vs float32: " + ", ".join(
             f"{name} {base[tokens[0]] / r[tokens[0]]:.2f}x" for name, r in rows.items() if name != "float32"))
+
+
+# -- the command line: `osd bench forward` -----------------------------------------------------
+
+HELP = "one target forward of T tokens by weight format, interleaved in one run (eager; on CUDA also graphs)"
+ERRORS = (ValueError,)
+VARIANT_CHOICES = ("float32", "bfloat16", "float16", "int4", "int4-bf16wide", "int4-native")
+
+
+def add_arguments(bf: argparse.ArgumentParser) -> None:
+    bf.add_argument("--device", default="cpu", help="cpu or cuda")
+    bf.add_argument("--variants", nargs="+", choices=VARIANT_CHOICES, metavar="V",
+                    help="float32, bfloat16, float16, int4 (int4 weights, bfloat16 activations; CPU; many-row "
+                         "weights float32 where this CPU emulates bfloat16), int4-bf16wide (many-row weights "
+                         "bfloat16 anyway) and/or int4-native (the native kernels, serve/model/); default: float32 "
+                         "bfloat16 int4 int4-native on CPU, bfloat16 on CUDA")
+    bf.add_argument("--inductor", action="store_true", help="also time each variant through torch.compile "
+                    "(Inductor; a compile per token count, about a minute each on 2 cores)")
+    bf.add_argument("--real", action="store_true", help="time the real target (model.target) instead of random "
+                                                        "weights of SmolLM2-135M's shape")
+    bf.add_argument("--vs-llamacpp", action="store_true", help="also time llama.cpp's forward of the same T tokens "
+                    "on the target's own GGUF (with --real; needs the bench extra, llama-cpp-python)")
+    bf.add_argument("--tokens", default="1,2,3,5,9,17,33", help="comma-separated token counts T")
+    bf.add_argument("--context", type=int, default=256, help="tokens already in the cache")
+    bf.add_argument("--repeats", type=int, default=30)
+    bf.add_argument("--json", metavar="PATH", default="reports/bench/forward.json")
+
+
+def run(cfg: Any, args: argparse.Namespace) -> int:
+    try:
+        tokens = tuple(int(t) for t in args.tokens.split(",") if t.strip())
+    except ValueError:
+        tokens = ()
+    if not tokens or min(tokens) < 1:
+        raise ValueError(f"--tokens must be comma-separated positive integers, got {args.tokens!r}")
+    variants = args.variants or (["float32", "bfloat16", "int4", "int4-native"] if args.device == "cpu"
+                                 else ["bfloat16"])
+    real = None
+    if args.real:
+        from infra.target import load_target
+
+        real = load_target(cfg.model.target, cfg.model.for_training(), progress=True).model
+    run_forward_bench(device=args.device, variants=variants, tokens=tokens, context=args.context,
+                      repeats=args.repeats, real=real, inductor=args.inductor, vs_llamacpp=args.vs_llamacpp,
+                      json_path=args.json)
+    return 0

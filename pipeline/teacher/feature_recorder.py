@@ -2,7 +2,7 @@
 
 The engine hands a draft the target's features of every row it computes (serve/spec_decode/protocol.py:
 `prefilled` gets the prompt's rows 0..P-2, each `commit` the step's committed rows), because a
-head draft reads them. Attached to the teacher's requests (pipeline/teacher_engine.py), this
+head draft reads them. Attached to the teacher's requests (pipeline/teacher/engine.py), this
 draft keeps them, so the head's warm start trains on features captured during generation with
 no second forward pass (train/teacher_features.py).
 

@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
-import aiohttp
+import httpx
+from tabulate import tabulate
 
 from infra.config import OSDConfig
-from infra.prompts import DOMAINS, Prompt, load_jsonl, load_sharegpt
+from infra.prompts import Prompt
 from infra.stats import percentile  # noqa: F401 (re-exported)
 
 MODEL_NAME = "osd"
@@ -44,6 +45,7 @@ STATS_PATH = "/osd/stats"
 # until two reads agree, at most this long.
 STATS_SETTLE_S = 2.0
 STATS_POLL_S = 0.25
+STATS_TIMEOUT_S = 10.0
 
 # failed_by_status keys for failures that have no HTTP status.
 CONNECT, TIMEOUT, CLIENT_ERROR, BAD_RESPONSE = "connect", "timeout", "client_error", "bad_response"
@@ -55,30 +57,6 @@ class ReplayError(Exception):
 
 class ReplayConnectionError(ReplayError):
     """Nothing answers at the URL (connection refused, unknown host, connect timeout)."""
-
-
-# -- prompts ---------------------------------------------------------------------------------
-
-
-def select_prompts(cfg: OSDConfig, n: int | None = None, prompts_file: str | None = None,
-                   split: str | None = "held_out", domain: str | None = None,
-                   max_prompt_chars: int | None = 1000) -> list[Prompt]:
-    """The prompts `osd replay` and `osd bench engine` send, in file order: from a JSONL file
-    (all its lines; `split` is not applied) or ShareGPT's `split`; then the domain and length
-    filters (None or 0: no length limit); then the first `n` (default: 32 from ShareGPT, all
-    from a file)."""
-    if domain is not None and domain not in DOMAINS:
-        raise ReplayError(f"unknown domain {domain!r}; one of {', '.join(DOMAINS)}")
-    if prompts_file:
-        prompts = load_jsonl(prompts_file, cfg.data)
-    else:
-        if split not in (None, "train", "held_out"):
-            raise ReplayError(f"unknown split {split!r}; train or held_out")
-        prompts = load_sharegpt(cfg.data, split=split)  # type: ignore[arg-type]
-        n = 32 if n is None else n
-    prompts = [p for p in prompts if (domain is None or p.domain == domain)
-               and (not max_prompt_chars or len(p.text) <= max_prompt_chars)]
-    return prompts if n is None else prompts[:n]
 
 
 # -- one request -----------------------------------------------------------------------------
@@ -150,62 +128,69 @@ def parse_response(data: Any, *, chat: bool) -> dict[str, Any]:
     }
 
 
-async def _one(session: aiohttp.ClientSession, endpoint: str, body: dict[str, Any], index: int,
-               record: bool | None, chat: bool) -> RequestResult:
+async def _one(session: httpx.AsyncClient, endpoint: str, body: dict[str, Any], index: int,
+               record: bool | None, chat: bool, timeout_s: float) -> RequestResult:
     t0 = time.perf_counter()
 
     def fail(status: str, error: str) -> RequestResult:
         return RequestResult(index, record, False, status, time.perf_counter() - t0, error=error)
 
     try:
-        async with session.post(endpoint, json=body) as resp:
-            text = await resp.text()
-            latency = time.perf_counter() - t0
-            if resp.status >= 400:
-                return RequestResult(index, record, False, str(resp.status), latency,
-                                     error=_error_message(resp.status, text))
-            try:
-                fields = parse_response(json.loads(text), chat=chat)
-            except (ValueError, KeyError, TypeError, IndexError) as e:
-                return RequestResult(index, record, False, BAD_RESPONSE, latency,
-                                     error=f"{resp.status}: not an OpenAI response ({type(e).__name__}: {e}): "
-                                           f"{text.strip()[:200]}")
-            return RequestResult(index, record, True, str(resp.status), latency, **fields)
-    except aiohttp.ClientConnectorError as e:
+        # timeout_s bounds the whole request, waiting for a connection included
+        resp = await asyncio.wait_for(session.post(endpoint, json=body), timeout_s)
+    except httpx.ConnectError as e:
         return fail(CONNECT, f"cannot connect: {_reason(e)}")
-    except asyncio.TimeoutError:
+    except (httpx.TimeoutException, asyncio.TimeoutError):
         return fail(TIMEOUT, "timed out")
-    except aiohttp.ClientError as e:
+    except httpx.HTTPError as e:
         return fail(CLIENT_ERROR, f"{type(e).__name__}: {e}")
+    text = resp.text
+    latency = time.perf_counter() - t0
+    status = resp.status_code
+    if status >= 400:
+        return RequestResult(index, record, False, str(status), latency, error=_error_message(status, text))
+    try:
+        fields = parse_response(json.loads(text), chat=chat)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        return RequestResult(index, record, False, BAD_RESPONSE, latency,
+                             error=f"{status}: not an OpenAI response ({type(e).__name__}: {e}): "
+                                   f"{text.strip()[:200]}")
+    return RequestResult(index, record, True, str(status), latency, **fields)
 
 
 # -- server stats ----------------------------------------------------------------------------
 
 
-async def _get_stats(session: aiohttp.ClientSession, base: str, *, strict: bool) -> dict[str, Any] | None:
+async def _get_stats(session: httpx.AsyncClient, base: str, *, strict: bool) -> dict[str, Any] | None:
     """GET /osd/stats as a dict, None if the route is missing or answers garbage. With strict,
     an unreachable server raises ReplayConnectionError (the pre-flight check)."""
     try:
-        async with session.get(base + STATS_PATH, timeout=aiohttp.ClientTimeout(total=10)) as resp:
-            if resp.status != 200:
-                return None
-            data = await resp.json(content_type=None)
-            return data if isinstance(data, dict) else None
-    except (aiohttp.ClientConnectorError, asyncio.TimeoutError) as e:
+        resp = await asyncio.wait_for(session.get(base + STATS_PATH, timeout=STATS_TIMEOUT_S), STATS_TIMEOUT_S)
+        if resp.status_code != 200:
+            return None
+        data = resp.json()
+        return data if isinstance(data, dict) else None
+    except (httpx.ConnectError, httpx.TimeoutException, asyncio.TimeoutError) as e:
         if strict:
             raise ReplayConnectionError(f"cannot connect to {base}: {_reason(e)} (is the server running? "
                                         f"start it with `osd serve` or pass --url)") from None
         return None
-    except (aiohttp.ClientError, ValueError):
+    except (httpx.HTTPError, ValueError):
         return None
 
 
 def _reason(e: BaseException) -> str:
-    if isinstance(e, asyncio.TimeoutError):
+    """Why a connection failed, in a few words: the OS error under httpx's, if there is one."""
+    if isinstance(e, (httpx.TimeoutException, asyncio.TimeoutError)):
         return "timed out"
-    os_err = getattr(e, "os_error", None)
-    if isinstance(os_err, ConnectionRefusedError):
+    chain: list[BaseException] = []
+    cause: BaseException | None = e
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    if any(isinstance(c, ConnectionRefusedError) for c in chain):
         return "connection refused"
+    os_err = next((c for c in reversed(chain) if isinstance(c, OSError)), None)  # the innermost
     return str(getattr(os_err, "strerror", None) or os_err or e)
 
 
@@ -216,7 +201,7 @@ def _delta(before: dict | None, after: dict | None, key: str) -> int | None:
         return None
 
 
-async def _settled_stats(session: aiohttp.ClientSession, base: str) -> dict[str, Any] | None:
+async def _settled_stats(session: httpx.AsyncClient, base: str) -> dict[str, Any] | None:
     after = await _get_stats(session, base, strict=False)
     deadline = time.monotonic() + STATS_SETTLE_S
     while after is not None and time.monotonic() < deadline:
@@ -386,9 +371,8 @@ async def _replay(base: str, prompts: Sequence[Prompt], jobs: list[Job], *, conc
     # Closed loop: one connection per worker. Open loop: enough that the client never queues
     # requests the server would not (waiting for a connection still counts in the latency).
     limit = concurrency if rate is None else min(len(jobs), 256)
-    connector = aiohttp.TCPConnector(limit=max(1, limit or 1))
-    async with aiohttp.ClientSession(connector=connector, headers=headers,
-                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+    limits = httpx.Limits(max_connections=max(1, limit or 1), max_keepalive_connections=max(1, limit or 1))
+    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(timeout_s), limits=limits) as session:
         before = await _get_stats(session, base, strict=True)  # also the "is anything there" check
         bar = tqdm(total=len(jobs), file=sys.stderr, disable=not progress, unit="req", desc="replay",
                    dynamic_ncols=True)
@@ -402,7 +386,7 @@ async def _replay(base: str, prompts: Sequence[Prompt], jobs: list[Job], *, conc
         async def send(i: int, record: bool | None) -> RequestResult:
             body = build_body(prompts[i].text, chat=chat, max_tokens=max_tokens, temperature=temperature,
                               record=record, messages=prompts[i].chat() if prompts[i].messages else None)
-            return await _one(session, endpoint, body, i, record, chat)
+            return await _one(session, endpoint, body, i, record, chat, timeout_s)
 
         deadline = time.monotonic() + duration_s if duration_s else None
         t0 = time.perf_counter()
@@ -527,8 +511,7 @@ def _print_table(s: dict[str, Any], log: Callable[[str], None]) -> None:
              f"{_f(c['latency_p50_record_on_s'])} / {_f(c['latency_p50_record_off_s'])}"),
             ("record path overhead (median of pair ratios)", _f(c["record_path_overhead_pct"], "{:+.1f} %")),
         ]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        log(f"  {k:<{width}}  {v}")
+    for line in tabulate(rows, tablefmt="plain", disable_numparse=True).splitlines():
+        log(f"  {line}")
     for e in s["errors"]:
         log(f"  error: {e}")
