@@ -438,7 +438,7 @@ class TrainConfig(_Section):
     # (`osd bench teacher --batches 16,64`; docs/benchmarks.md).
     warm_batch_size: int = Field(64, ge=1)
     # Who writes the teacher answers: "engine", the serving engine's continuous batching in the
-    # serving weight format (pipeline/teacher_engine.py), or "hf", Hugging Face `generate` in
+    # serving weight format (pipeline/teacher/engine.py), or "hf", Hugging Face `generate` in
     # the training dtype. warm_batch_size is the engine's concurrency, or hf's batch. "batch":
     # static batches of warm_cuda_batch_size with the head's features captured
     # (train/teacher_batch.py), what a CUDA device always uses.
@@ -532,7 +532,7 @@ class RegistryConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    # Canary traffic shares to pass in turn; passing the last one promotes (pipeline/canary_rule.py).
+    # Canary traffic shares to pass in turn; passing the last one promotes (pipeline/rollout/canary_rule.py).
     canary_steps: list[float] = Field(default_factory=lambda: [0.1, 0.5, 1.0])
     # Roll back when canary - stable acceptance is surely below -margin (absolute), or mean
     # accepted length below -len_margin tokens per step.
