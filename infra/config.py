@@ -1,7 +1,8 @@
 """The one typed config tree.
 
-Loaded once from YAML (the checked-in `defaults.yaml` unless a file is named) plus
-`OSD_`-prefixed environment overrides, then passed down explicitly. Unknown keys and
+Loaded once from an optional YAML file plus `OSD_`-prefixed environment overrides over the
+models' own defaults (the one place a default is written: `osd config show` prints them all),
+then passed down explicitly. Unknown keys and
 bad values fail at load time with the dotted path of the field, never deep in the code.
 
 Environment overrides use `__` between levels, mirroring the YAML tree:
@@ -13,7 +14,7 @@ Values are parsed as YAML scalars, so `2`, `true` and `[a, b]` get their natural
 from __future__ import annotations
 
 import os
-from importlib import resources
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Mapping
 from urllib.parse import urlsplit, urlunsplit
@@ -160,6 +161,35 @@ class APIKeyConfig(_Section):
     admin: bool = False
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """serve.tree's EAGLE-2 three numbers (serve/spec_decode/trees/stages.py): nodes verified per
+    step (root included), expansion depth, children expanded per level."""
+
+    total: int
+    depth: int
+    top_k: int
+
+    def __post_init__(self) -> None:
+        if self.total < 2 or self.depth < 1 or self.top_k < 1:
+            raise ValueError(f"a tree needs total >= 2, depth >= 1 and top_k >= 1, got {self}")
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeShape":
+        """'TOTAL,DEPTH,TOPK', e.g. '16,4,4'."""
+        try:
+            total, depth, top_k = (int(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"a tree shape is TOTAL,DEPTH,TOPK (three integers), got {text!r}") from None
+        return cls(total, depth, top_k)
+
+    @property
+    def max_candidates(self) -> int:
+        """Nodes expand_tree can create before its final cut: the root's top_k children, then
+        top_k children for each of the top_k frontier nodes per level."""
+        return 1 + self.top_k + (self.depth - 1) * self.top_k * self.top_k
+
+
 class ServeConfig(_Section):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -224,6 +254,17 @@ class ServeConfig(_Section):
     api_keys: list[APIKeyConfig] = Field(default_factory=list)
     # Per-tenant policy; a tenant not listed gets TenantConfig's defaults.
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+
+    @field_validator("tree")
+    @classmethod
+    def _tree_shape(cls, v: str) -> str:
+        try:  # a bad shape fails here, at load, not when the engine is built
+            if v:
+                TreeShape.parse(v)
+        except ValueError:
+            raise ValueError('a tree is "TOTAL,DEPTH,TOPK", three integers with TOTAL >= 2, DEPTH >= 1 and '
+                             'TOPK >= 1 (e.g. "16,4,4"), or "" for chains') from None
+        return v
 
     @field_validator("api_keys")
     @classmethod
@@ -576,10 +617,6 @@ class OSDConfig(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def default_config_text() -> str:
-    return resources.files("infra").joinpath("defaults.yaml").read_text()
-
-
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """Turn OSD_A__B=v variables into the nested dict {a: {b: v}}."""
     tree: dict[str, Any] = {}
@@ -656,11 +693,11 @@ def load_config(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> OSDConfig:
-    """Build the config: defaults.yaml (or `path`, or $OSD_CONFIG), then env, then `overrides`."""
+    """Build the config: the models' defaults, then `path` (or $OSD_CONFIG), then env, then `overrides`."""
     environ = os.environ if environ is None else environ
     path = path or environ.get("OSD_CONFIG") or None
     if path is None:
-        source, text = "built-in defaults.yaml", default_config_text()
+        source, text = "built-in defaults", ""
     else:
         source = str(path)
         try:

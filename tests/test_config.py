@@ -6,8 +6,8 @@ from infra.config import ConfigError, OSDConfig, env_overrides, load_config
 pytestmark = pytest.mark.pure
 
 
-def test_defaults_file_matches_model_defaults():
-    # The checked-in YAML is the documented default; it must agree with the code.
+def test_defaults_are_the_models_own():
+    # No file, no environment: the models' defaults, the one place each is written.
     assert load_config(environ={}) == OSDConfig()
 
 
@@ -127,3 +127,28 @@ def test_cli_config_show_hides_passwords(capsys, monkeypatch, flag):
 def test_batching_sizes_below_one_are_refused_by_name(key):
     with pytest.raises(ConfigError, match=rf"serve\.{key}: Input should be greater than or equal to 1"):
         load_config(environ={}, overrides={"serve": {key: 0}})
+
+
+@pytest.mark.parametrize("bad", ["1,1,1", "4,0,2", "a,b,c", "4,2", "16;4;4"])
+def test_a_bad_tree_is_refused_at_load(bad):
+    with pytest.raises(ConfigError, match=r'serve\.tree: .*a tree is "TOTAL,DEPTH,TOPK"'):
+        load_config(environ={"OSD_SERVE__TREE": bad})
+
+
+def test_a_good_tree_loads():
+    assert load_config(environ={"OSD_SERVE__TREE": "16,4,4"}).serve.tree == "16,4,4"
+    assert load_config(environ={}).serve.tree == ""
+
+
+def test_engine_options_take_the_serve_defaults_and_validators():
+    # One definition of each serving default and bound: ServeConfig's.
+    from serve.engine.core import EngineError, EngineOptions
+
+    serve = OSDConfig().serve
+    opts = EngineOptions()
+    for name in ("k", "k_policy", "max_concurrency", "max_queue", "queue_timeout_s", "capture_top_k",
+                 "max_seq_len", "prefill_chunk", "cuda_graphs", "tree", "draft_confidence"):
+        assert getattr(opts, name) == getattr(serve, name), name
+    assert EngineOptions.from_config(serve) == opts
+    with pytest.raises(EngineError, match="tree"):
+        EngineOptions(tree="4,2")
