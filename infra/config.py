@@ -5,10 +5,11 @@ models' own defaults (the one place a default is written: `osd config show` prin
 then passed down explicitly. Unknown keys and
 bad values fail at load time with the dotted path of the field, never deep in the code.
 
-Environment overrides use `__` between levels, mirroring the YAML tree:
+Environment overrides (pydantic-settings) use `__` between levels, mirroring the YAML tree:
     OSD_SERVE__NUM_REPLICAS=2     ->  serve.num_replicas = 2
     OSD_MODEL__TARGET=tiny-random ->  model.target = "tiny-random"
-Values are parsed as YAML scalars, so `2`, `true` and `[a, b]` get their natural types.
+A value is converted to its field's type (`2`, `true`; `null` is None); a list or mapping is
+read as YAML (or JSON), e.g. `[0.1, 1.0]` or `{trainer: 1}`.
 """
 
 from __future__ import annotations
@@ -22,10 +23,13 @@ from urllib.parse import urlsplit, urlunsplit
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, SettingsError
+from pydantic_settings.sources.utils import parse_env_vars
 
 ENV_PREFIX = "OSD_"
-# Variables that share the prefix but are not config paths.
-RESERVED_ENV = frozenset({"OSD_CONFIG", "OSD_API_KEY"})
+# Variables that share the prefix but are not config paths: the config file, the single API key,
+# the native kernels' build folder and ISA (serve/model/native_build.py), fault injection (infra/faults.py).
+RESERVED_ENV = frozenset({"OSD_CONFIG", "OSD_API_KEY", "OSD_NATIVE_DIR", "OSD_NATIVE_ISA", "OSD_FAULT"})
 
 
 class ConfigError(ValueError):
@@ -410,7 +414,7 @@ class StreamConfig(_Section):
 
 class TrainConfig(_Section):
     num_workers: int = Field(1, ge=1)
-    zero_stage: Literal[1, 2, 3] = 2
+    zero_stage: int = Field(2, ge=1, le=3)  # DeepSpeed ZeRO stage: 1, 2 or 3
     offload_optimizer: bool = False
     device: str = "cpu"  # cpu: gloo; cuda: NCCL
     # How long surviving ranks wait in a collective for a dead one before failing.
@@ -617,27 +621,50 @@ class OSDConfig(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
+class _Environment(OSDConfig, BaseSettings):
+    """OSDConfig's tree as the environment names it, for pydantic-settings to read; never built
+    (load_config validates one merged tree as OSDConfig)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False,
+                                      env_parse_none_str="null")
+
+
+class _EnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping (load_config's `environ`),
+    reading a list or mapping as YAML, a superset of JSON, so `{trainer: 1}` and a YAML list
+    of API keys (the chart's OSD_SERVE__API_KEYS) read as they always have."""
+
+    def __init__(self, environ: Mapping[str, str]):
+        self._environ = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIX) and k not in RESERVED_ENV}
+        super().__init__(_Environment)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(self._environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
+
+    def decode_complex_value(self, field_name: str, field: Any, value: Any) -> Any:
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{field_name}: value is not valid YAML: {e}") from None
+
+
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Turn OSD_A__B=v variables into the nested dict {a: {b: v}}."""
-    tree: dict[str, Any] = {}
-    for name, raw in sorted(environ.items()):
+    """The OSD_A__B=v variables as the nested dict {a: {b: v}} (pydantic-settings' reading).
+    A variable that names no field is an error here, as an unknown key in a file is, except the
+    few that share the prefix without being config (RESERVED_ENV)."""
+    fields = OSDConfig.model_fields
+    for name in sorted(environ):
         if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV:
             continue
-        path = [p.lower() for p in name[len(ENV_PREFIX):].split("__")]
+        path = name[len(ENV_PREFIX):].lower().split("__")
         if not all(path):
             raise ConfigError(f"{name}: empty path segment (use __ between levels)")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{name}: value is not valid YAML: {e}") from e
-        node = tree
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"{name}: {'.'.join(path)} conflicts with another override")
-            node = child
-        node[path[-1]] = value
-    return tree
+        if path[0] not in fields:
+            raise ConfigError(f"{name}: {'.'.join(path)}: unknown key")
+    try:
+        return _EnvSource(environ)()
+    except SettingsError as e:
+        raise ConfigError(f"{ENV_PREFIX}* environment: {e.__cause__ or e}") from None
 
 
 def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

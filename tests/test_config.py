@@ -29,9 +29,9 @@ def test_bad_value_names_path_and_reason():
         load_config(environ={"OSD_SERVE__PORT": "70000", "OSD_TRAIN__ZERO_STAGE": "4",
                              "OSD_TRAIN__REPLAY_STEPS": "-1"})
     msg = str(e.value)
-    assert "serve.port: Input should be less than or equal to 65535 (got 70000)" in msg
+    assert "serve.port: Input should be less than or equal to 65535 (got '70000')" in msg
     assert "train.zero_stage" in msg
-    assert "train.replay_steps: Input should be greater than or equal to 0 (got -1)" in msg
+    assert "train.replay_steps: Input should be greater than or equal to 0 (got '-1')" in msg
 
 
 def test_unknown_key_in_file(tmp_path):
@@ -69,9 +69,29 @@ def test_bad_yaml_and_missing_file(tmp_path):
 
 
 def test_env_path_segments():
-    assert env_overrides({"OSD_A__B__C": "1", "OTHER": "x"}) == {"a": {"b": {"c": 1}}}
+    # pydantic-settings reads the tree; the field converts the string (lists and mappings are YAML).
+    assert env_overrides({"OSD_SERVE__SUFFIX__MAX_DEPTH": "8", "OTHER": "x", "OSD_API_KEY": "k"}) == \
+        {"serve": {"suffix": {"max_depth": "8"}}}
     with pytest.raises(ConfigError, match="empty path segment"):
         env_overrides({"OSD_SERVE____K": "1"})
+    with pytest.raises(ConfigError, match=r"OSD_SERVEZ__K: servez\.k: unknown key"):
+        env_overrides({"OSD_SERVEZ__K": "1"})
+
+
+def test_env_values_keep_their_yaml_forms():
+    import yaml
+
+    keys = [{"key": "k" * 12, "tenant": "acme", "admin": True}]
+    cfg = load_config(environ={"OSD_TRAIN__RESOURCES": "{trainer: 1}", "OSD_SERVE__API_KEYS": yaml.safe_dump(keys),
+                               "OSD_TRAIN__WARM_BUDGET_MINUTES": "null", "OSD_ROLLOUT__CANARY_STEPS": "[0.5, 1.0]",
+                               "OSD_SERVE__TENANTS__ACME__RECORD": "never", "OSD_NATIVE_ISA": "off",
+                               "OSD_STREAM__USERS__PRODUCER__PASSWORD": "12345678"})
+    assert cfg.train.resources == {"trainer": 1.0} and cfg.serve.api_keys[0].tenant == "acme"
+    assert cfg.train.warm_budget_minutes is None and cfg.rollout.canary_steps == [0.5, 1.0]
+    assert cfg.serve.tenants["acme"].record == "never"
+    assert cfg.stream.users.producer.password == "12345678"  # a string field keeps digits as text
+    with pytest.raises(ConfigError, match="resources: value is not valid YAML"):
+        load_config(environ={"OSD_TRAIN__RESOURCES": "{a: [}"})
 
 
 def test_cli_config_show(capsys, monkeypatch):
