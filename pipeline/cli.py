@@ -614,7 +614,7 @@ def _add_bench_parsers(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--k-sweep", nargs="+", type=_positive_int, default=[], metavar="K",
                     help="also time these draft budgets in the same run, interleaved with own AR (e.g. 1 2 3)")
     be.add_argument("--confidence-sweep", nargs="+", type=_probability_below_1, default=[], metavar="C",
-                    help="also time these draft confidence stops (serve.draft_confidence) in the same run, "
+                    help="also time these draft confidence stops (EngineOptions.draft_confidence) in the same run, "
                          "interleaved with own AR (e.g. 0.2 0.4)")
     be.add_argument("--tree", metavar="TOTAL,DEPTH,TOPK", help="verify EAGLE-2 draft trees (greedy); "
                                                                  "chains of the same draft are timed in the same run")

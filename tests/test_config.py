@@ -167,8 +167,32 @@ def test_engine_options_take_the_serve_defaults_and_validators():
     serve = OSDConfig().serve
     opts = EngineOptions()
     for name in ("k", "k_policy", "max_concurrency", "max_queue", "queue_timeout_s", "capture_top_k",
-                 "max_seq_len", "prefill_chunk", "cuda_graphs", "tree", "draft_confidence"):
+                 "max_seq_len", "prefill_chunk", "cuda_graphs", "tree"):
         assert getattr(opts, name) == getattr(serve, name), name
     assert EngineOptions.from_config(serve) == opts
     with pytest.raises(EngineError, match="tree"):
         EngineOptions(tree="4,2")
+
+
+@pytest.mark.parametrize("section, key, value", [("serve", "draft_confidence", 0.3), ("train", "loss", "jsd"),
+                                                 ("train", "jsd_beta", 0.3), ("train", "positions", "mix"),
+                                                 ("train", "mix_weight", 0.4)])
+def test_a_retired_setting_loads_with_a_warning_naming_where_it_went(tmp_path, section, key, value):
+    from infra.config import RetiredSettingWarning
+
+    f = tmp_path / "old.yaml"
+    f.write_text(f"{section}:\n  {key}: {value}\n  k: 3\n" if section == "serve" else f"{section}:\n  {key}: {value}\n")
+    with pytest.warns(RetiredSettingWarning, match=rf"{section}\.{key} is no longer a setting and is ignored: "):
+        cfg = load_config(f, environ={})
+    assert key not in getattr(cfg, section).model_dump()
+    assert cfg == load_config(environ={}, overrides={"serve": {"k": 3}} if section == "serve" else {})
+
+
+def test_retired_suffix_keys_and_env_too():
+    from infra.config import RetiredSettingWarning
+
+    with pytest.warns(RetiredSettingWarning, match=r"serve\.suffix\.factor .*SuffixDraft"):
+        cfg = load_config(environ={"OSD_SERVE__SUFFIX__FACTOR": "2", "OSD_SERVE__SUFFIX__MAX_DEPTH": "8"})
+    assert cfg.serve.suffix.max_depth == 8
+    with pytest.warns(RetiredSettingWarning, match=r"serve\.suffix\.offset"):
+        load_config(environ={}, overrides={"serve": {"suffix": {"offset": 1.0}}})

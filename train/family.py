@@ -74,7 +74,7 @@ class LayerFamily:
     def loss_fn(self) -> Callable:
         from train.objective import anchored_loss_fn, distill_loss_fn
 
-        fn = distill_loss_fn(self.tc)
+        fn = distill_loss_fn()
         return fn if self.anchor is None else anchored_loss_fn(fn, self.anchor, self.tc.anchor_kl)
 
     def rebuild(self, weights: dict[str, torch.Tensor]) -> Any:

@@ -28,9 +28,9 @@ Draft length: at most k tokens per step (config `serve.k`), chosen per step by `
 - schedule: the budget grows by 2 after a step whose drafts were all accepted and shrinks
   by 1 (not below 1) otherwise, the rule of Hugging Face's default assistant schedule.
 - fixed: k every step.
-And a confidence stop: drafting stops when the draft's top probability at the next position
-falls below `draft_confidence` (0 disables it). Decided before drawing, so sampled drafts
-still follow q and verification stays exact.
+And a confidence stop, for experiments: drafting stops when the draft's top probability at the
+next position falls below EngineOptions.draft_confidence (0, serving's, disables it). Decided
+before drawing, so sampled drafts still follow q and verification stays exact.
 Neither can change the output, only the cost. Never past the token budget or the context.
 """
 
@@ -87,8 +87,6 @@ class EngineOptions:
     """
 
     k: int = _serve_default("k")
-    # The draft stops early where its top probability falls below this (0: never; module doc).
-    draft_confidence: float = _serve_default("draft_confidence")
     k_policy: str = _serve_default("k_policy")  # cost, schedule or fixed (module doc)
     capture_top_k: int = _serve_default("capture_top_k")
     max_seq_len: int = _serve_default("max_seq_len")
@@ -106,8 +104,12 @@ class EngineOptions:
     # "TOTAL,DEPTH,TOPK": steps verify an EAGLE-2 tree (serve/spec_decode/trees/stages.py; sampled requests
     # draw the tree from q and verify it by recursive rejection) instead of a chain; "" = chains.
     tree: str = _serve_default("tree")
-    # Not config: whether requests may be captured at all (a request still opts in or out).
+    # Not config, the engine's own. Whether requests may be captured at all (a request still
+    # opts in or out):
     capture: bool = True
+    # The draft stops early where its top probability falls below this (0: never; module doc).
+    # An experiment's setting (`osd bench engine --confidence-sweep`), off in serving.
+    draft_confidence: float = 0.0
     # How the decoder weights are multiplied (serve/model/linear.py): model.quant as resolved
     # (ModelConfig.resolved): "none" as loaded, "int4" group-wise 4-bit (the GGUF target's own
     # Q4_1 codes), for the target and its drafts.
@@ -131,6 +133,8 @@ class EngineOptions:
                                         for err in e.errors())) from None
         if self.quant not in QUANT_MODES:
             raise EngineError(f"quant must be one of {', '.join(QUANT_MODES)}, got {self.quant!r}")
+        if not 0.0 <= self.draft_confidence < 1.0:
+            raise EngineError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
 
 
 _SERVE_FIELDS = tuple(f.name for f in fields(EngineOptions) if f.name in ServeConfig.model_fields)

@@ -61,8 +61,7 @@ class SuffixDraft(Draft):
     @classmethod
     def from_config(cls, suffix: Any, vocab_size: int) -> "SuffixDraft":
         return cls(vocab_size, max_tokens=suffix.max_tokens, max_depth=suffix.max_depth,
-                   min_prob=suffix.min_prob, factor=suffix.factor, offset=suffix.offset,
-                   max_chain=suffix.max_chain)
+                   min_prob=suffix.min_prob, max_chain=suffix.max_chain)
 
     def _follow(self, seq: Any) -> int:
         """The request's index brought up to its committed tokens; its key."""
