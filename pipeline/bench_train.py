@@ -29,6 +29,7 @@ def run_train_bench(cfg: OSDConfig, *, records: int = 2000, domain: str = "code"
 
     from infra.redis_server import RedisServer
     from infra.target import load_target
+    from train.objective import Objective
     from train.trainer import estimate_alpha
     from infra.draft_spec import warm_start_path
 
