@@ -445,7 +445,14 @@ class TrainConfig(_Section):
     retired: ClassVar[Mapping[str, str]] = {
         **{key: "the training objective's own argument for experiments (train/objective.py Objective); "
                 "training uses forward KL at every position"
-           for key in ("loss", "jsd_beta", "positions", "mix_weight")}}
+           for key in ("loss", "jsd_beta", "positions", "mix_weight")},
+        **{key: "`osd bench adapt`'s own variant (pipeline/bench_adapt.py Variant); the trainer replays "
+                "recent records only, unanchored" for key in ("warm_replay_fraction", "anchor_kl")},
+        "warm_teacher_dir": "the teacher records warm replay read; it went with train.warm_replay_fraction "
+                            "(train/teacher_set.py cached_warm_records takes the folder)",
+        **{key: "an argument of the vocabulary study's alternative (train/head_warm_start.py draft_vocab_counts "
+                "source=, per_domain=); the head's vocabulary comes from its training data"
+           for key in ("head_vocab_source", "head_vocab_prompts")}}
 
     num_workers: int = Field(1, ge=1)
     zero_stage: int = Field(2, ge=1, le=3)  # DeepSpeed ZeRO stage: 1, 2 or 3
@@ -480,14 +487,6 @@ class TrainConfig(_Section):
     # records per candidate; replaying them is what the warm start's epochs do offline.
     replay_steps: int = Field(0, ge=0)
     replay_buffer: int = Field(256, ge=1)
-    # Of each replay step's records, this fraction is drawn from the warm-start draft's own
-    # teacher records (when cached): old-domain data that keeps a shift from undoing v1.
-    warm_replay_fraction: float = Field(0.0, ge=0, lt=1)
-    # Where `osd draft init` cached those records; None: <state_dir>/teacher.
-    warm_teacher_dir: str | None = None
-    # Weight of KL(parent || draft) added to the loss, the parent frozen: an anchor to the
-    # draft training started from.
-    anchor_kl: float = Field(0.0, ge=0)
     # Publish a candidate every this many records or seconds, whichever comes first.
     export_every_records: int = Field(2000, ge=1)
     export_every_s: float = Field(600.0, gt=0)
@@ -563,12 +562,6 @@ class TrainConfig(_Section):
     # since an AVX2-only CPU emulates bfloat16 several times slower than float32.
     head_warm_autocast: Literal["auto", "none", "bfloat16"] = "auto"
     head_cuda_token_budget: int = Field(2048, ge=8)
-    # The head's draft vocabulary comes from the token counts of "warm_data" (its training data:
-    # teacher records and ShareGPT text), or "teacher_domains": those plus the target's own
-    # answers to head_vocab_prompts train prompts of each ShareGPT domain, every source weighted
-    # alike, so code and math tokens are not crowded out by chat (`osd draft vocab-study`).
-    head_vocab_source: Literal["warm_data", "teacher_domains"] = "warm_data"
-    head_vocab_prompts: int = Field(64, ge=1)
 
     def for_family(self, family: str) -> "TrainConfig":
         """The settings a family's warm start reads as warm_prompts, warm_max_new_tokens,

@@ -176,7 +176,9 @@ def test_engine_options_take_the_serve_defaults_and_validators():
 
 @pytest.mark.parametrize("section, key, value", [("serve", "draft_confidence", 0.3), ("train", "loss", "jsd"),
                                                  ("train", "jsd_beta", 0.3), ("train", "positions", "mix"),
-                                                 ("train", "mix_weight", 0.4)])
+                                                 ("train", "mix_weight", 0.4), ("train", "anchor_kl", 0.5),
+                                                 ("train", "warm_replay_fraction", 0.5),
+                                                 ("train", "warm_teacher_dir", "/tmp/t")])
 def test_a_retired_setting_loads_with_a_warning_naming_where_it_went(tmp_path, section, key, value):
     from infra.config import RetiredSettingWarning
 

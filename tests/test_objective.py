@@ -64,7 +64,7 @@ def test_a_batch_without_records_steps_with_zero_gradients(batch, draft):
 
 
 def test_the_kl_anchor_is_zero_at_the_parent_and_pulls_back_towards_it(batch, draft):
-    """train.anchor_kl: base loss + weight x KL(parent || draft). At the parent itself the KL
+    """The KL anchor (`osd bench adapt`): base loss + weight x KL(parent || draft). At the parent itself the KL
     term is 0; away from it the term is positive, and a step on it alone moves the draft's
     distribution back towards the parent's."""
     import copy

@@ -58,7 +58,7 @@ def anchored_loss_fn(base_fn: Callable[[torch.nn.Module, Batch], torch.Tensor], 
                      weight: float) -> Callable[[torch.nn.Module, Batch], torch.Tensor]:
     """base_fn + weight x KL(parent || draft) at the batch's trained positions, over the full
     vocabulary, the parent frozen: the draft may learn the new traffic but pays for every
-    move away from the draft it started from (`train.anchor_kl`)."""
+    move away from the draft it started from (`osd bench adapt --variants anchor`)."""
 
     def fn(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         loss = base_fn(model, batch)
