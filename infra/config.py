@@ -43,15 +43,18 @@ class RetiredSettingWarning(FutureWarning):
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
-    # The section's dotted path, for messages, and its retired keys: key -> where the setting went.
-    # A config that still names one loads with a RetiredSettingWarning for one release.
+    # The section's dotted path, for messages; its retired keys (key -> where the setting went)
+    # and its moved ones (old key -> (subsection, key there)). A config that still names one
+    # loads with a RetiredSettingWarning for one release: a retired value is ignored, a moved
+    # one read at its new place.
     path: ClassVar[str] = ""
     retired: ClassVar[Mapping[str, str]] = {}
+    moved: ClassVar[Mapping[str, tuple[str, str]]] = {}
 
     @model_validator(mode="before")
     @classmethod
-    def _drop_retired(cls, data: Any) -> Any:
-        if not isinstance(data, Mapping) or not cls.retired.keys() & data.keys():
+    def _old_keys(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or not (cls.retired.keys() | cls.moved.keys()) & data.keys():
             return data
         data = dict(data)
         for key in sorted(cls.retired.keys() & data.keys()):
@@ -59,6 +62,14 @@ class _Section(BaseModel):
             warnings.warn(f"{cls.path}.{key} is no longer a setting and is ignored: {cls.retired[key]}. "
                           f"Remove it from your config; a later release will refuse it.",
                           RetiredSettingWarning, stacklevel=2)
+        for key in sorted(cls.moved.keys() & data.keys()):
+            section, new = cls.moved[key]
+            sub = data.get(section) or {}
+            sub = dict(sub.model_dump(exclude_unset=True) if isinstance(sub, BaseModel) else sub)
+            sub.setdefault(new, data.pop(key))  # the new key wins where a config names both
+            data[section] = sub
+            warnings.warn(f"{cls.path}.{key} is now {cls.path}.{section}.{new}; rename it in your config "
+                          f"(the old key is read for one release).", RetiredSettingWarning, stacklevel=2)
         return data
 
 
@@ -440,8 +451,25 @@ class StreamConfig(_Section):
         return self
 
 
+class GateConfig(_Section):
+    """The offline gate (train/gate.py): each candidate and the current stable version are scored
+    on the newest `records` held-out records (at most train.held_out_buffer); it is published as
+    servable only if the paired interval's lower bound is above 0."""
+
+    path: ClassVar[str] = "train.gate"
+
+    records: int = Field(100, ge=1)
+    # Fewer held-out records than this: the candidate is gated (no evidence it is better).
+    min_records: int = Field(20, ge=1)
+    # Two-sided paired bootstrap interval, and its resamples.
+    confidence: float = Field(0.95, gt=0, lt=1)
+    resamples: int = Field(2000, ge=100)
+
+
 class TrainConfig(_Section):
     path: ClassVar[str] = "train"
+    moved: ClassVar[Mapping[str, tuple[str, str]]] = {
+        f"gate_{key}": ("gate", key) for key in ("records", "min_records", "confidence", "resamples")}
     retired: ClassVar[Mapping[str, str]] = {
         **{key: "the training objective's own argument for experiments (train/objective.py Objective); "
                 "training uses forward KL at every position"
@@ -493,13 +521,7 @@ class TrainConfig(_Section):
     # One record in this many is held out (not trained on) to estimate a candidate's acceptance.
     held_out_every: int = Field(10, ge=2)
     held_out_buffer: int = Field(200, ge=1)
-    # The offline gate (train/gate.py): each candidate and the current stable version are
-    # scored on the newest gate_records held-out records (at most held_out_buffer); it is
-    # published as servable only if the paired interval's lower bound is above 0.
-    gate_records: int = Field(100, ge=1)
-    gate_min_records: int = Field(20, ge=1)
-    gate_confidence: float = Field(0.95, gt=0, lt=1)
-    gate_resamples: int = Field(2000, ge=100)
+    gate: GateConfig = Field(default_factory=GateConfig)
     # Warm start (`osd draft init --family layer`; the head's are head_warm_*): teacher outputs
     # for this many ShareGPT train prompts.
     warm_prompts: int = Field(256, ge=1)

@@ -198,3 +198,18 @@ def test_retired_suffix_keys_and_env_too():
     assert cfg.serve.suffix.max_depth == 8
     with pytest.warns(RetiredSettingWarning, match=r"serve\.suffix\.offset"):
         load_config(environ={}, overrides={"serve": {"suffix": {"offset": 1.0}}})
+
+
+def test_the_gate_is_a_section_and_its_old_flat_keys_still_load():
+    from infra.config import RetiredSettingWarning
+
+    f_new = load_config(environ={}, overrides={"train": {"gate": {"records": 50, "min_records": 5}}})
+    assert (f_new.train.gate.records, f_new.train.gate.min_records, f_new.train.gate.resamples) == (50, 5, 2000)
+    with pytest.warns(RetiredSettingWarning) as got:
+        old = load_config(environ={"OSD_TRAIN__GATE_RECORDS": "50", "OSD_TRAIN__GATE_MIN_RECORDS": "5"})
+    assert old == f_new
+    assert sorted(str(w.message).split(";")[0] for w in got) == [
+        "train.gate_min_records is now train.gate.min_records", "train.gate_records is now train.gate.records"]
+    assert load_config(environ={"OSD_TRAIN__GATE__RESAMPLES": "300"}).train.gate.resamples == 300
+    with pytest.raises(ConfigError, match=r"train\.gate\.confidence"), pytest.warns(RetiredSettingWarning):
+        load_config(environ={}, overrides={"train": {"gate_confidence": 1.5}})

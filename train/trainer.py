@@ -351,9 +351,9 @@ class TrainerWorker:
         from train.gate import gate
 
         tc = self.cfg.train
-        kw = dict(confidence=tc.gate_confidence, resamples=tc.gate_resamples, min_records=tc.gate_min_records,
-                  min_gain=0.0)
-        records = gate_records(self.held_out, tc.gate_records, set(self.trained_prompts))
+        g = tc.gate
+        kw = dict(confidence=g.confidence, resamples=g.resamples, min_records=g.min_records, min_gain=0.0)
+        records = gate_records(self.held_out, g.records, set(self.trained_prompts))
         try:
             reg = Registry.from_config(self.cfg)
             stable = (reg.alias("stable") or {}).get("version")
