@@ -1,10 +1,10 @@
 """The configuration reference, generated from the config models (infra/config.py).
 
 mkdocs runs this file as a hook (mkdocs.yml `hooks:`): the marker in docs/configuration.md
-is replaced by one table per section listing every setting, with its dotted key, type, the
-default `infra/defaults.yaml` gives it, and what it does. Descriptions are the comments
-above (or beside) each field in infra/config.py, else the field's comment in defaults.yaml,
-so the reference is written where the setting is. `python docs/gen_config_ref.py` prints it.
+is replaced by one table per section listing every setting, with its dotted key, type, its
+default (the model's own: infra/config.py is the one place a default is written), and what it
+does. Descriptions are the comments above (or beside) each field in infra/config.py, so the
+reference is written where the setting is. `python docs/gen_config_ref.py` prints it.
 
 tests/test_docs.py checks that every field of the models has a row, so it cannot go stale.
 """
@@ -26,14 +26,12 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import yaml  # noqa: E402
 from pydantic import BaseModel  # noqa: E402
 
 from infra import config as config_module  # noqa: E402
 
 MARKER = "<!-- config-reference -->"
 CONFIG_SOURCE = Path(config_module.__file__)
-DEFAULTS_YAML = CONFIG_SOURCE.with_name("defaults.yaml")
 
 
 @dataclass(frozen=True)
@@ -104,24 +102,6 @@ def _comment_map(path: Path) -> dict[str, dict[str, str]]:
     return out
 
 
-def _yaml_comments(path: Path) -> dict[str, str]:
-    """{dotted key: its trailing comment} from defaults.yaml, by indentation."""
-    out: dict[str, str] = {}
-    stack: list[tuple[int, str]] = []
-    for raw in path.read_text().splitlines():
-        body = raw.split(" #", 1)[0] if " #" in raw else raw
-        if not body.strip() or body.lstrip().startswith("#") or ":" not in body:
-            continue
-        indent = len(raw) - len(raw.lstrip())
-        key = body.strip().split(":", 1)[0]
-        while stack and stack[-1][0] >= indent:
-            stack.pop()
-        stack.append((indent, key))
-        if " #" in raw:
-            out[".".join(k for _, k in stack)] = raw.split(" #", 1)[1].strip()
-    return out
-
-
 def _default(value: Any) -> str:
     """As YAML writes it: `true`, `null`, `[0.1, 0.5, 1.0]`, `""`."""
     if isinstance(value, BaseModel):
@@ -136,11 +116,8 @@ def _default(value: Any) -> str:
 
 
 def settings() -> list[Setting]:
-    """Every leaf setting of OSDConfig, in declaration order, with the default defaults.yaml
-    gives it (the model's own where the file leaves it out)."""
+    """Every leaf setting of OSDConfig, in declaration order, with its model's default."""
     comments = _comment_map(CONFIG_SOURCE)
-    yaml_notes = _yaml_comments(DEFAULTS_YAML)
-    effective = yaml.safe_load(DEFAULTS_YAML.read_text())  # as written: ~ paths unexpanded
     rows: list[Setting] = []
 
     def walk(model: type[BaseModel], prefix: str, values: dict[str, Any] | None) -> None:
@@ -149,7 +126,7 @@ def settings() -> list[Setting]:
             nested = _model_in(field.annotation)
             given = values if isinstance(values, dict) else {}
             value = given[name] if name in given else field.get_default(call_default_factory=True)
-            description = (comments.get(model.__name__, {}).get(name) or yaml_notes.get(key, "")).replace("|", "\\|")
+            description = comments.get(model.__name__, {}).get(name, "").replace("|", "\\|")
             if nested is not None and nested[0] == "":  # a nested section: a row for it, then its fields
                 doc = " ".join((nested[1].__doc__ or "").split()).replace("|", "\\|")
                 if prefix:  # the top-level sections head their own tables
@@ -161,7 +138,7 @@ def settings() -> list[Setting]:
             if nested is not None:  # list[Model] / dict[str, Model]: the items' own fields
                 walk(nested[1], key + nested[0] + ".", None)
 
-    walk(config_module.OSDConfig, "", effective)
+    walk(config_module.OSDConfig, "", None)
     return rows
 
 

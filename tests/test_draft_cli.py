@@ -35,7 +35,9 @@ def test_a_bad_budget_in_the_config_is_refused_by_name():
         OSDConfig.model_validate({"train": {"warm_budget_minutes": 0}})
     with pytest.raises(ValueError, match="warm_shard_prompts"):
         OSDConfig.model_validate({"train": {"warm_shard_prompts": 0}})
-    with pytest.raises(ValueError, match="head_vocab_source"):
+    from infra.config import RetiredSettingWarning
+
+    with pytest.warns(RetiredSettingWarning, match="head_vocab_source"):  # retired: ignored, named
         OSDConfig.model_validate({"train": {"head_vocab_source": "sharegpt"}})
 
 

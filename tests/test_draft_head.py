@@ -17,7 +17,8 @@ from infra.draft_head import build_head, default_feature_layers, save_head
 from infra.draft_model import load_draft
 from infra.draft_spec import DraftSpec
 from infra.target import build_tiny_llama
-from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+from serve.engine.core import GenerationParams, SpecEngine
+from engine_options import small_options
 from serve.spec_decode.head.draft import HeadRunner
 from serve.model.runner import HFRunner, LlamaRunner
 from serve.sampling.verify import SamplingParams, warp_probs
@@ -147,7 +148,7 @@ def test_unroll_depths_equal_drafting_on_own_state(target, head):
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("prompt", [[17, 200, 3, 99, 45], [42]])
 def test_greedy_output_equals_target_greedy(target, head, k, prompt):
-    eng = SpecEngine(target, head, options=EngineOptions(k=k, max_seq_len=128, max_concurrency=1))
+    eng = SpecEngine(target, head, options=small_options(k=k, max_seq_len=128, max_concurrency=1))
     r = eng.generate(prompt, GenerationParams(max_new_tokens=30))
     ar = eng.generate(prompt, GenerationParams(max_new_tokens=30, speculate=False))
     with torch.no_grad():
@@ -162,7 +163,7 @@ def test_a_head_equal_to_the_target_on_its_vocab_is_accepted(target):
     across concurrent requests (separate feature buffers per request)."""
     d2t = torch.arange(40, 240)
     h = randomised(build_head(target, DraftSpec(family="head", feature_layers=LAYERS), d2t), seed=3)
-    eng = SpecEngine(target, h, options=EngineOptions(k=3, max_seq_len=128, max_concurrency=2))
+    eng = SpecEngine(target, h, options=small_options(k=3, max_seq_len=128, max_concurrency=2))
     r = eng.generate([1, 2, 3], GenerationParams(max_new_tokens=24))
     assert set(r.capture.draft_tokens[r.capture.draft_tokens >= 0].tolist()) <= set(d2t.tolist())
 
@@ -176,7 +177,7 @@ def test_sampling_is_exact_with_target_tokens_outside_the_draft_vocab():
     head = randomised(build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 2)), d2t), seed=2, scale=0.5)
     sp = SamplingParams(temperature=1.0)
     prompt, k, n = [1, 2, 3], 2, 2000
-    eng = SpecEngine(target, head, options=EngineOptions(k=k, max_seq_len=32))
+    eng = SpecEngine(target, head, options=small_options(k=k, max_seq_len=32))
     counts = torch.zeros(8, 8, dtype=torch.long)
     drafted = accepted = 0
     for i in range(n):
@@ -231,7 +232,7 @@ def test_greedy_stays_exact_through_partial_acceptances():
     target = tiny(5, layers=3, **dict(V8, max_positions=128))
     head = randomised(build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 2)),
                                  torch.tensor([0, 1, 2, 3, 5, 6, 7])), seed=4, scale=0.3)
-    eng = SpecEngine(target, head, options=EngineOptions(k=3, max_seq_len=128, k_policy="fixed"))
+    eng = SpecEngine(target, head, options=small_options(k=3, max_seq_len=128, k_policy="fixed"))
     prompt = [1, 2, 3, 4]
     r = eng.generate(prompt, GenerationParams(max_new_tokens=60))
     with torch.no_grad():
@@ -300,7 +301,7 @@ def test_training_a_few_steps_raises_the_unrolled_estimate():
     assert after["alpha_est"] > before["alpha_est"] + 0.1, (before, after)
     assert len(after["agree_per_depth"]) == 3 and after["coverage"] == 1.0
     # The trained head in the engine: greedy still the target's, and now drafts get accepted.
-    eng = SpecEngine(target, head, options=EngineOptions(k=3, max_seq_len=128))
+    eng = SpecEngine(target, head, options=small_options(k=3, max_seq_len=128))
     res = eng.generate(prompts[21], GenerationParams(max_new_tokens=20))
     assert res.output_ids == seqs[21][6:26]
     assert res.stats.num_accepted_tokens > 0
@@ -332,7 +333,7 @@ def test_registry_version_of_a_head_swaps_in_beside_a_layer_draft(tmp_path, targ
     model, info = reg.load_draft(v.id, target, expect_target_sha256="c" * 64)
     assert info["spec"]["family"] == "head" and info["version"] == "head-v1"
     eng = SpecEngine(target, build_draft(target, DraftSpec(num_layers=2)),
-                     options=EngineOptions(k=3, max_seq_len=128, max_concurrency=1))
+                     options=small_options(k=3, max_seq_len=128, max_concurrency=1))
     runner = eng.make_draft(model)
     prompt = [17, 200, 3, 99, 45]
     a = eng.generate(prompt, GenerationParams(max_new_tokens=20), draft=runner)
@@ -360,7 +361,7 @@ def test_each_steps_drafts_are_the_unroll_of_the_committed_sequence(monkeypatch)
 
     real_propose = HeadRunner.propose
     monkeypatch.setattr(HeadRunner, "propose", recording)
-    eng = SpecEngine(target, head, options=EngineOptions(k=3, max_seq_len=128, k_policy="fixed"))
+    eng = SpecEngine(target, head, options=small_options(k=3, max_seq_len=128, k_policy="fixed"))
     eng.generate([1, 2, 3, 4], GenerationParams(max_new_tokens=40))
     assert len(steps) > 5 and any(0 < len(d) for _, d in steps)
     for committed, drafts in steps:

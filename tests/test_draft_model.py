@@ -7,7 +7,8 @@ import torch
 from safetensors import safe_open
 
 from infra.target import MANIFEST, TargetError, build_tiny_llama, tiny_tokenizer
-from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+from serve.engine.core import GenerationParams, SpecEngine
+from engine_options import small_options
 from infra.draft_model import (
     EMBED,
     HEAD,
@@ -325,7 +326,7 @@ def test_saved_draft_serves_like_the_in_memory_one(tmp_path):
         for p in trainable_state_dict(draft).values():
             p.add_(0.02 * torch.randn(p.shape, generator=torch.Generator().manual_seed(2)))
     loaded, _ = load_draft(save_draft(draft, spec, tmp_path / "d", target_ref=REF), target)
-    opts = EngineOptions(k=3, max_seq_len=128, k_policy="fixed")
+    opts = small_options(k=3, max_seq_len=128, k_policy="fixed")
     params = GenerationParams(max_new_tokens=24)
     prompt = [tok.bos_token_id, *tok.encode("speculate on this")]
     mem = SpecEngine(target, draft, None, opts).generate(prompt, params)

@@ -11,7 +11,8 @@ from test_batching import tiny
 
 from serve.spec_decode.protocol import Draft
 from serve.spec_decode.specs import build_draft
-from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+from serve.engine.core import GenerationParams, SpecEngine
+from engine_options import small_options
 from serve.sampling.verify import SamplingParams
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
@@ -35,7 +36,7 @@ def _prompts():
 
 def _engine(target, spec, **kw):
     opts = dict(k=4, max_seq_len=160, max_concurrency=4, prefill_chunk=16, k_policy="fixed")
-    return SpecEngine(target, build_draft(spec, target), options=EngineOptions(**{**opts, **kw}))
+    return SpecEngine(target, build_draft(spec, target), options=small_options(**{**opts, **kw}))
 
 
 class _Recorder:
@@ -98,7 +99,7 @@ def test_every_draft_family_keeps_the_contract(target, spec, monkeypatch):
     """Greedy output is the target's for chains and trees, batched and alone; proposals have
     the protocol's shapes; every request is released once; a draft's cache never holds more
     than the committed tokens; per-source counts name the family."""
-    ar = SpecEngine(target, None, options=EngineOptions(k=0, max_seq_len=160, max_concurrency=4))
+    ar = SpecEngine(target, None, options=small_options(k=0, max_seq_len=160, max_concurrency=4))
     prompts = _prompts()
     params = GenerationParams(max_new_tokens=30)
     want = [r.output_ids for r in ar.generate_many(prompts, params)]
@@ -140,7 +141,7 @@ def test_sampled_suffix_trees_follow_the_target(spec, monkeypatch):
     monkeypatch.setattr(SuffixDraft, "propose_tree", counting)
     target = tiny(seed=3, **V8)
     eng = SpecEngine(target, build_draft(spec, target),
-                     options=EngineOptions(k=3, max_seq_len=40, max_concurrency=4, k_policy="fixed", tree="4,2,2"))
+                     options=small_options(k=3, max_seq_len=40, max_concurrency=4, k_policy="fixed", tree="4,2,2"))
     n = 1200
     params = [GenerationParams(max_new_tokens=3, sampling=SamplingParams(1.0, seed=i)) for i in range(n)]
     results = [eng.generate(PROMPT, p) for p in params]

@@ -15,7 +15,8 @@ import torch
 from chi2 import chi2_pvalue
 from infra.target import build_tiny_llama, tiny_tokenizer
 from serve.spec_decode.specs import DraftSpecError, build_draft
-from serve.engine.core import EngineError, EngineOptions, GenerationParams, RequestError, SpecEngine
+from serve.engine.core import EngineError, GenerationParams, RequestError, SpecEngine
+from engine_options import small_options
 from serve.model.runner import HFRunner, LlamaRunner, StaticKVCache
 from serve.model.factory import make_runner
 from serve.sampling.verify import SamplingParams, warp_probs
@@ -84,7 +85,7 @@ def test_greedy_output_equals_target_greedy(greedy_targets, seed, draft_kind):
     params = GenerationParams(max_new_tokens=N_NEW, capture=False)
     rates = []
     for k, conf, adaptive in itertools.product((1, 2, 4, 7), (0.0, 0.3, 0.9), (True, False)):
-        eng = SpecEngine(target, draft, options=EngineOptions(k=k, draft_confidence=conf, k_policy="schedule" if adaptive else "fixed",
+        eng = SpecEngine(target, draft, options=small_options(k=k, draft_confidence=conf, k_policy="schedule" if adaptive else "fixed",
                                                               max_seq_len=64))
         for prompt, ref in refs:
             r = eng.generate(prompt, params)
@@ -107,7 +108,7 @@ def test_adaptive_k_shrinks_for_a_bad_draft_and_holds_for_a_perfect_one(greedy_t
     k = 6
 
     def stats(draft, adaptive):
-        eng = SpecEngine(target, draft, options=EngineOptions(k=k, k_policy="schedule" if adaptive else "fixed", max_seq_len=64))
+        eng = SpecEngine(target, draft, options=small_options(k=k, k_policy="schedule" if adaptive else "fixed", max_seq_len=64))
         return eng.generate(prompt, params).stats
 
     fixed, adaptive = stats(drafts["bad"], False), stats(drafts["bad"], True)
@@ -123,8 +124,8 @@ def test_adaptive_k_shrinks_for_a_bad_draft_and_holds_for_a_perfect_one(greedy_t
 @pytest.mark.parametrize("seed", sorted(PROMPTS))
 def test_autoregressive_equals_target_greedy(greedy_targets, seed):
     target, drafts, refs = greedy_targets[seed]
-    no_draft = SpecEngine(target, options=EngineOptions(max_seq_len=64))
-    with_draft = SpecEngine(target, drafts["bad"], options=EngineOptions(k=4, max_seq_len=64))
+    no_draft = SpecEngine(target, options=small_options(max_seq_len=64))
+    with_draft = SpecEngine(target, drafts["bad"], options=small_options(k=4, max_seq_len=64))
     for prompt, ref in refs:
         a = no_draft.generate(prompt, GenerationParams(max_new_tokens=N_NEW))
         b = with_draft.generate(prompt, GenerationParams(max_new_tokens=N_NEW, speculate=False))
@@ -145,7 +146,7 @@ def test_hf_runner_engine_equals_target_greedy(greedy_targets, monkeypatch):
 
     monkeypatch.setattr(serve.engine.core, "make_runner", hf)
     monkeypatch.setattr(serve.engine.core, "draft_runner", hf)
-    eng = SpecEngine(target, drafts["bad"], options=EngineOptions(k=3, max_seq_len=64, max_concurrency=1))
+    eng = SpecEngine(target, drafts["bad"], options=small_options(k=3, max_seq_len=64, max_concurrency=1))
     assert isinstance(eng.target, HFRunner) and isinstance(eng.draft.runner, HFRunner)
     prompt, ref = refs[0]
     r = eng.generate(prompt, GenerationParams(max_new_tokens=N_NEW))
@@ -192,7 +193,7 @@ def exact_first_two(target, prompt, sp: SamplingParams) -> torch.Tensor:
 def test_sampled_first_two_tokens_follow_target(v8, draft_kind, sampling, conf):
     target = v8["target"]
     k = 2  # max_new_tokens = k + 1 drafts both of the first two positions in the first step
-    eng = SpecEngine(target, v8[draft_kind], options=EngineOptions(k=k, draft_confidence=conf, max_seq_len=32))
+    eng = SpecEngine(target, v8[draft_kind], options=small_options(k=k, draft_confidence=conf, max_seq_len=32))
     counts = torch.zeros(8, 8, dtype=torch.long)
     drafted = accepted = drafts = 0
     for i in range(N_SAMPLES):
@@ -213,7 +214,7 @@ def test_sampled_first_two_tokens_follow_target(v8, draft_kind, sampling, conf):
 
 
 def test_sampling_is_reproducible_with_a_seed(v8):
-    eng = SpecEngine(v8["target"], v8["normal"], options=EngineOptions(k=3, max_seq_len=32))
+    eng = SpecEngine(v8["target"], v8["normal"], options=small_options(k=3, max_seq_len=32))
     params = GenerationParams(max_new_tokens=20, sampling=SamplingParams(temperature=1.0, seed=7))
     a, b = eng.generate(SAMPLE_PROMPT, params), eng.generate(SAMPLE_PROMPT, params)
     assert a.output_ids == b.output_ids
@@ -227,7 +228,7 @@ def test_sampling_is_reproducible_with_a_seed(v8):
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=3)])
 def test_kv_cache_after_partial_acceptance_equals_fresh_prefill(greedy_targets, sampling):
     target = greedy_targets[1][0]
-    eng = SpecEngine(target, build_draft("truncate:3", target), options=EngineOptions(k=4, max_seq_len=64, max_concurrency=1))
+    eng = SpecEngine(target, build_draft("truncate:3", target), options=small_options(k=4, max_seq_len=64, max_concurrency=1))
     prompt = [5, 9, 13]
     r = eng.generate(prompt, GenerationParams(max_new_tokens=40, sampling=sampling, capture=False))
     st = r.stats
@@ -271,7 +272,7 @@ def test_capture_matches_target_and_stats(greedy_targets, sampling):
     target, drafts, _ = greedy_targets[1]
     draft = drafts["truncated"]
     K = 8
-    eng = SpecEngine(target, draft, options=EngineOptions(k=4, draft_confidence=0.3, capture_top_k=K, max_seq_len=64))
+    eng = SpecEngine(target, draft, options=small_options(k=4, draft_confidence=0.3, capture_top_k=K, max_seq_len=64))
     prompt = [11, 22, 33, 44]
     r = eng.generate(prompt, GenerationParams(max_new_tokens=30, sampling=sampling))
     cap, st, n = r.capture, r.stats, len(r.output_ids)
@@ -307,7 +308,7 @@ def test_capture_matches_target_and_stats(greedy_targets, sampling):
 
 def test_capture_autoregressive_rows_have_no_draft(greedy_targets):
     target, _, _ = greedy_targets[0]
-    r = SpecEngine(target, options=EngineOptions(max_seq_len=64, capture_top_k=4)).generate(
+    r = SpecEngine(target, options=small_options(max_seq_len=64, capture_top_k=4)).generate(
         [3, 4], GenerationParams(max_new_tokens=6)
     )
     cap = r.capture
@@ -318,8 +319,8 @@ def test_capture_autoregressive_rows_have_no_draft(greedy_targets):
 
 def test_capture_off(greedy_targets):
     target, drafts, _ = greedy_targets[0]
-    on = SpecEngine(target, drafts["bad"], options=EngineOptions(k=2, max_seq_len=64))
-    off = SpecEngine(target, drafts["bad"], options=EngineOptions(k=2, max_seq_len=64, capture=False))
+    on = SpecEngine(target, drafts["bad"], options=small_options(k=2, max_seq_len=64))
+    off = SpecEngine(target, drafts["bad"], options=small_options(k=2, max_seq_len=64, capture=False))
     assert on.generate([1, 2], GenerationParams(max_new_tokens=5, capture=False)).capture is None
     assert off.generate([1, 2], GenerationParams(max_new_tokens=5)).capture is None
     assert on.generate([1, 2], GenerationParams(max_new_tokens=5)).capture is not None
@@ -340,7 +341,7 @@ def test_eos_stops_with_reason_stop(with_tok, k):
     prompt = tok.encode("abc def", add_special_tokens=False)
     ref = hf_greedy(model, prompt, 40, eos=True)
     assert ref[-1] == tok.eos_token_id and len(ref) < 40  # this prompt reaches EOS
-    eng = SpecEngine(model, model if k else None, tokenizer=tok, options=EngineOptions(k=max(k, 1), max_seq_len=128))
+    eng = SpecEngine(model, model if k else None, tokenizer=tok, options=small_options(k=max(k, 1), max_seq_len=128))
     r = eng.generate(prompt, GenerationParams(max_new_tokens=40))
     assert r.finish_reason == "stop"
     assert r.output_ids == ref
@@ -350,7 +351,7 @@ def test_eos_stops_with_reason_stop(with_tok, k):
 
 def test_max_new_tokens_reason_length(greedy_targets):
     target, _, refs = greedy_targets[0]
-    eng = SpecEngine(target, target, options=EngineOptions(k=4, max_seq_len=64))
+    eng = SpecEngine(target, target, options=small_options(k=4, max_seq_len=64))
     prompt, ref = refs[0]
     for n in (1, 2, 5, 7):
         r = eng.generate(prompt, GenerationParams(max_new_tokens=n))
@@ -362,7 +363,7 @@ def test_max_new_tokens_reason_length(greedy_targets):
 def test_stop_string(with_tok):
     model, tok = with_tok
     prompt = tok.encode("Hello", add_special_tokens=False)
-    eng = SpecEngine(model, model, tokenizer=tok, options=EngineOptions(k=4, max_seq_len=128))
+    eng = SpecEngine(model, model, tokenizer=tok, options=small_options(k=4, max_seq_len=128))
     full = eng.generate(prompt, GenerationParams(max_new_tokens=30))
     stop = "u23"
     cut = full.text.find(stop)
@@ -384,7 +385,7 @@ def _collect(stream):
 
 def test_stream_concatenates_to_result(greedy_targets):
     target, drafts, refs = greedy_targets[0]
-    eng = SpecEngine(target, drafts["truncated"], options=EngineOptions(k=3, max_seq_len=64))
+    eng = SpecEngine(target, drafts["truncated"], options=small_options(k=3, max_seq_len=64))
     prompt, ref = refs[0]
     chunks, result = asyncio.run(_collect(eng.stream(prompt, GenerationParams(max_new_tokens=N_NEW)))())
     assert [t for c in chunks for t in c] == result.output_ids == ref
@@ -395,7 +396,7 @@ def test_stream_concatenates_to_result(greedy_targets):
 @pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=1.0, seed=5)])
 def test_concurrent_streams_keep_separate_state(greedy_targets, sampling):
     target, drafts, _ = greedy_targets[0]
-    eng = SpecEngine(target, drafts["bad"], options=EngineOptions(k=3, max_seq_len=64, max_concurrency=2))
+    eng = SpecEngine(target, drafts["bad"], options=small_options(k=3, max_seq_len=64, max_concurrency=2))
     pa, pb = [7, 8, 9, 10], [200, 100]
     params = GenerationParams(max_new_tokens=20, sampling=sampling)
     seq_a, seq_b = eng.generate(pa, params), eng.generate(pb, params)
@@ -411,23 +412,23 @@ def test_concurrent_streams_keep_separate_state(greedy_targets, sampling):
 
 def test_vocab_mismatch_is_refused():
     with pytest.raises(EngineError, match="vocab"):
-        SpecEngine(tiny(0), tiny(1, vocab_size=300), options=EngineOptions(max_seq_len=64))
+        SpecEngine(tiny(0), tiny(1, vocab_size=300), options=small_options(max_seq_len=64))
     with pytest.raises(EngineError, match="tokenizer"):
-        SpecEngine(tiny(0, vocab_size=100), tokenizer=tiny_tokenizer(), options=EngineOptions(max_seq_len=64))
+        SpecEngine(tiny(0, vocab_size=100), tokenizer=tiny_tokenizer(), options=small_options(max_seq_len=64))
 
 
 def test_engine_options_validation():
     for bad in (dict(k=-1), dict(draft_confidence=1.0), dict(draft_confidence=-0.1), dict(capture_top_k=0),
                 dict(max_concurrency=0), dict(max_seq_len=1)):
         with pytest.raises(EngineError):
-            EngineOptions(**bad)
+            small_options(**bad)
     with pytest.raises(EngineError, match="prefill_chunk"):
-        EngineOptions(prefill_chunk=0)
+        small_options(prefill_chunk=0)
 
 
 def test_bad_requests_raise_at_the_call(greedy_targets):
     target, drafts, _ = greedy_targets[0]
-    eng = SpecEngine(target, drafts["bad"], options=EngineOptions(k=2, max_seq_len=32))
+    eng = SpecEngine(target, drafts["bad"], options=small_options(k=2, max_seq_len=32))
     assert eng.max_seq_len == 32
     cases = [
         ([1] * 20, GenerationParams(max_new_tokens=13), "exceeds the context"),
@@ -450,7 +451,7 @@ def test_bad_requests_raise_at_the_call(greedy_targets):
 
 def test_spec_stats_counters(greedy_targets):
     target, drafts, _ = greedy_targets[1]
-    eng = SpecEngine(target, drafts["truncated"], options=EngineOptions(k=4, draft_confidence=0.3, max_seq_len=64))
+    eng = SpecEngine(target, drafts["truncated"], options=small_options(k=4, draft_confidence=0.3, max_seq_len=64))
     r = eng.generate([9, 8, 7], GenerationParams(max_new_tokens=30))
     st = r.stats
     assert len(st.accepted_per_pos) == 4
@@ -555,7 +556,7 @@ def test_engine_pairs_a_non_llama_target_with_a_llama_draft():
     with torch.no_grad():
         gpt2.lm_head.weight.mul_(20)  # tied to the embedding; widens logits so there are no near-ties
     gpt2.generation_config.eos_token_id = None
-    eng = SpecEngine(gpt2, tiny(5, layers=1), options=EngineOptions(k=3, max_seq_len=64))
+    eng = SpecEngine(gpt2, tiny(5, layers=1), options=small_options(k=3, max_seq_len=64))
     assert isinstance(eng.target, HFRunner) and isinstance(eng.draft.runner, LlamaRunner)
     prompt = [10, 20, 30]
     r = eng.generate(prompt, GenerationParams(max_new_tokens=16))
@@ -566,7 +567,7 @@ def test_engine_pairs_a_non_llama_target_with_a_llama_draft():
 def test_per_request_draft_is_lossless_and_shares_the_slot_cache(greedy_targets):
     """A request may name its own draft (hot swap): output unchanged, one cache per draft shape."""
     target = greedy_targets[1][0]
-    eng = SpecEngine(target, build_draft("truncate:1", target), options=EngineOptions(k=3, max_seq_len=64, max_concurrency=1))
+    eng = SpecEngine(target, build_draft("truncate:1", target), options=small_options(k=3, max_seq_len=64, max_concurrency=1))
     other = eng.make_draft(build_draft("truncate:1", target))  # same shape, different object
     deeper = eng.make_draft(build_draft("truncate:2", target))
     prompt, params = [3, 7, 11], GenerationParams(max_new_tokens=20, capture=False)
@@ -581,7 +582,7 @@ def test_per_request_draft_is_lossless_and_shares_the_slot_cache(greedy_targets)
 
 def test_a_draft_with_a_shorter_context_is_refused_for_hot_swap(greedy_targets):
     target = greedy_targets[1][0]
-    eng = SpecEngine(target, None, options=EngineOptions(k=2, max_seq_len=64, max_concurrency=1))
+    eng = SpecEngine(target, None, options=small_options(k=2, max_seq_len=64, max_concurrency=1))
     short = build_draft("truncate:1", target)
     short.config.max_position_embeddings = 32
     with pytest.raises(EngineError, match="shorter than the engine's"):

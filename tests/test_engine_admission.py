@@ -10,7 +10,8 @@ import pytest
 from infra.target import build_tiny_llama
 from serve.engine.admission import Overloaded
 from serve.spec_decode.specs import build_draft
-from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+from serve.engine.core import GenerationParams, SpecEngine
+from engine_options import small_options
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -23,7 +24,7 @@ def target():
 
 
 def engine(target, **kw) -> SpecEngine:
-    return SpecEngine(target, build_draft("truncate:1", target), options=EngineOptions(k=3, max_seq_len=64, **kw))
+    return SpecEngine(target, build_draft("truncate:1", target), options=small_options(k=3, max_seq_len=64, **kw))
 
 
 async def run_stream(eng: SpecEngine, prompt: list[int], n: int = 12) -> list[int]:

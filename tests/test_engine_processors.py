@@ -12,7 +12,8 @@ import torch
 from chi2 import chi2_pvalue
 from infra.target import build_tiny_llama
 from serve.spec_decode.specs import build_draft
-from serve.engine.core import EngineOptions, GenerationParams, RequestError, SpecEngine
+from serve.engine.core import GenerationParams, RequestError, SpecEngine
+from engine_options import small_options
 from serve.sampling.processors import LogitsProcessor, ProcessorParams
 from serve.sampling.verify import SamplingParams, warp_probs
 
@@ -62,7 +63,7 @@ def drafts(target):
 
 def engine(target, draft=None, **kw) -> SpecEngine:
     opts = dict(k=3, max_seq_len=128, k_policy="fixed")
-    return SpecEngine(target, draft, options=EngineOptions(**{**opts, **kw}))
+    return SpecEngine(target, draft, options=small_options(**{**opts, **kw}))
 
 
 @pytest.mark.parametrize("draft_kind", [None, "bad", "perfect", "truncated"])
@@ -198,7 +199,7 @@ def test_sampled_first_two_tokens_follow_the_processed_target(draft_kind, params
     with torch.no_grad():
         bad.lm_head.weight.mul_(-0.5)  # q proportional to p ** -0.5
     draft = bad if draft_kind == "bad" else build_draft("truncate:1", target)
-    eng = SpecEngine(target, draft, options=EngineOptions(k=2, max_seq_len=32, k_policy="fixed"))
+    eng = SpecEngine(target, draft, options=small_options(k=2, max_seq_len=32, k_policy="fixed"))
     counts = torch.zeros(8, 8)
     drafted = accepted = 0
     for i in range(N_SAMPLES):

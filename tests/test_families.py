@@ -9,7 +9,8 @@ from test_lean_forward import hf_logits, lean_logits
 
 from infra.target import build_tiny
 from serve.spec_decode.specs import build_draft
-from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+from serve.engine.core import GenerationParams, SpecEngine
+from engine_options import small_options
 from serve.model.families import UnsupportedModel, lean_family
 from serve.model.runner import HFRunner, LlamaRunner
 from serve.model.factory import make_runner
@@ -76,26 +77,26 @@ def test_bfloat16_lean_logits_stay_near_float32(variant):
 def test_greedy_speculation_equals_autoregression(variant):
     model = tiny(variant, seed=4)
     prompt = [5, 17, 200, 3, 99]
-    ar = SpecEngine(model, options=EngineOptions(k=0, max_seq_len=128))
+    ar = SpecEngine(model, options=small_options(k=0, max_seq_len=128))
     want = ar.generate(prompt, GenerationParams(max_new_tokens=24)).output_ids
     with torch.no_grad():
         hf = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=0,
                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     assert want == hf[0, len(prompt):].tolist()
     for name in ("truncate:1", "suffix", "head:untrained"):
-        spec = SpecEngine(model, build_draft(name, model), options=EngineOptions(k=3, max_seq_len=128))
+        spec = SpecEngine(model, build_draft(name, model), options=small_options(k=3, max_seq_len=128))
         assert spec.generate(prompt, GenerationParams(max_new_tokens=24)).output_ids == want, name
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_batched_rows_equal_each_sequence_alone(variant):
     model = tiny(variant, seed=5, dtype="bfloat16")
-    eng = SpecEngine(model, build_draft("suffix", model), options=EngineOptions(k=2, max_seq_len=128, quant="int4", max_concurrency=4))
+    eng = SpecEngine(model, build_draft("suffix", model), options=small_options(k=2, max_seq_len=128, quant="int4", max_concurrency=4))
     prompts = [[5, 17, 200], [9, 8, 7, 6, 5], [100, 3]]
     params = GenerationParams(max_new_tokens=12)
     alone = [eng.generate(p, params).output_ids for p in prompts]
     assert [r.output_ids for r in eng.generate_many(prompts, params)] == alone
-    ar = SpecEngine(model, options=EngineOptions(k=0, max_seq_len=128, quant="int4"))
+    ar = SpecEngine(model, options=small_options(k=0, max_seq_len=128, quant="int4"))
     assert [ar.generate(p, params).output_ids for p in prompts] == alone  # int4 speculation is exact too
 
 

@@ -181,7 +181,7 @@ def _worker(tiny, tmp_path, held_out, parent):
 
     w = object.__new__(TrainerWorker)
     w.cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
-                                               "train": {"gate_min_records": 10, "gate_resamples": 300}})
+                                               "train": {"gate": {"min_records": 10, "resamples": 300}}})
     w.target, w.held_out, w.trained_prompts, w._stable_cache = tiny.model, held_out, {}, None
     w.parent_version = parent
     return w

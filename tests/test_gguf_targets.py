@@ -15,7 +15,8 @@ from infra.config import ModelConfig
 from infra.gguf_file import SUPPORTED_TYPES
 from infra.target import TargetError, build_tiny, identify_target, load_target
 from serve.api.chat_template import chat_prompt_ids
-from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+from serve.engine.core import GenerationParams, SpecEngine
+from engine_options import small_options
 from serve.engine.errors import RequestError
 from serve.model.linear import dequantize_int4, int4_codes
 from serve.model.factory import make_runner
@@ -66,7 +67,7 @@ def test_each_family_serves_from_its_gguf_on_the_lean_forward(family, tmp_path):
     torch.testing.assert_close(runner.forward(torch.tensor(IDS), cache), _logits(ref, IDS), rtol=1e-4, atol=1e-4)
     prompt = loaded.tokenizer.encode("hi there")
     assert prompt == list(b"hi there")
-    eng = SpecEngine(loaded.model, options=EngineOptions(k=0, max_seq_len=64))
+    eng = SpecEngine(loaded.model, options=small_options(k=0, max_seq_len=64))
     assert len(eng.generate(prompt, GenerationParams(max_new_tokens=8)).output_ids) == 8
 
 
@@ -94,7 +95,7 @@ def test_four_bit_files_serve_as_int4_by_default(qtype, quant, tmp_path):
     assert resolved.quant == quant and resolved.dtype == ("bfloat16" if quant == "int4" else "float32")
     if quant == "int4":
         loaded = load_target(str(tmp_path / "m.gguf"), resolved, progress=False)
-        eng = SpecEngine(loaded.model, options=EngineOptions(k=0, max_seq_len=64, quant="int4"))
+        eng = SpecEngine(loaded.model, options=small_options(k=0, max_seq_len=64, quant="int4"))
         assert len(eng.generate(IDS, GenerationParams(max_new_tokens=6)).output_ids) == 6
 
 

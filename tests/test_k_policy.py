@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from infra.target import build_tiny_llama
-from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+from serve.engine.core import GenerationParams, SpecEngine
+from engine_options import small_options
 from serve.spec_decode.k_policy import Acceptance, KPolicy, StepCosts, best_k, expected_tokens, profile_forward
 
 pytestmark = pytest.mark.pure
@@ -143,7 +144,7 @@ def test_profile_forward_covers_a_long_chain_sparsely_then_the_batch():
 
 
 def _engine(target, draft, k=4):
-    eng = SpecEngine(target, draft, options=EngineOptions(k=k, k_policy="cost", max_seq_len=96))
+    eng = SpecEngine(target, draft, options=small_options(k=k, k_policy="cost", max_seq_len=96))
     eng._kpolicy = KPolicy(StepCosts(list(FLAT), default_draft_fraction=0.05, frozen=True), k)
     return eng
 
@@ -153,7 +154,7 @@ def test_engine_drafts_nothing_but_probes_with_a_useless_draft_and_stays_lossles
     target.config.eos_token_id = None
     bad = build_tiny_llama(seed=77, num_layers=1, max_positions=96)
     prompt = [5, 17, 200, 3]
-    ref = SpecEngine(target, options=EngineOptions(max_seq_len=96)).generate(
+    ref = SpecEngine(target, options=small_options(max_seq_len=96)).generate(
         prompt, GenerationParams(max_new_tokens=48, capture=False))
     eng = _engine(target, bad)
     eng._kpolicy.by_draft[id(eng.draft)] = Acceptance(prior=0.0, weight=100.0)  # known to be useless
@@ -173,7 +174,7 @@ def test_engine_drafts_deep_with_the_target_as_its_own_draft():
 
 def test_engine_profiles_the_target_once_on_first_use():
     target = build_tiny_llama(seed=3, num_layers=2, max_positions=96)
-    eng = SpecEngine(target, target, options=EngineOptions(k=3, k_policy="cost", max_seq_len=96))
+    eng = SpecEngine(target, target, options=small_options(k=3, k_policy="cost", max_seq_len=96))
     assert eng._kpolicy is None
     eng.generate([5, 17], GenerationParams(max_new_tokens=4, capture=False))
     policy = eng._kpolicy
@@ -199,8 +200,8 @@ def test_min_draft_drafts_every_step_whatever_the_rule_says():
 def test_an_unknown_k_policy_is_refused_by_name():
     from serve.engine.core import EngineError
 
-    with pytest.raises(EngineError, match="k_policy must be one of cost, schedule, fixed"):
-        EngineOptions(k_policy="greedy")
+    with pytest.raises(EngineError, match="k_policy: Input should be .cost., .schedule. or .fixed."):
+        small_options(k_policy="greedy")
 
 
 def test_chain_cut_takes_what_pays_on_a_fake_profile():

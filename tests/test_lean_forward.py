@@ -8,7 +8,8 @@ from chi2 import chi2_pvalue, sample_first_two
 
 from infra.target import build_tiny_llama
 from serve.spec_decode.specs import build_draft
-from serve.engine.core import EngineError, EngineOptions, GenerationParams, SpecEngine
+from serve.engine.core import EngineError, GenerationParams, SpecEngine
+from engine_options import small_options
 from serve.model.linear import Dense, Int4, Int8, dequantize_int4, int4_codes, make_linear
 from serve.model.runner import LlamaRunner
 from serve.model.factory import make_runner
@@ -85,7 +86,7 @@ def test_greedy_decoding_equals_hf_generate_in_float32():
         with torch.no_grad():
             out = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, pad_token_id=0,
                                  attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        eng = SpecEngine(model, options=EngineOptions(k=0, max_seq_len=128))
+        eng = SpecEngine(model, options=small_options(k=0, max_seq_len=128))
         assert eng.generate(prompt, GenerationParams(max_new_tokens=32)).output_ids == out[0, len(prompt):].tolist()
 
 
@@ -174,9 +175,9 @@ def test_bfloat16_speculation_equals_its_own_autoregression(quant):
     differently now and then, so the docs (docs/engine.md) claim only near ties there."""
     model = tiny(seed=7, dtype="bfloat16", layers=4)
     prompt = [5, 17, 200, 3, 99]
-    ar = SpecEngine(model, options=EngineOptions(k=0, max_seq_len=128, quant=quant))
+    ar = SpecEngine(model, options=small_options(k=0, max_seq_len=128, quant=quant))
     sd = SpecEngine(model, build_draft("truncate:2", model),
-                    options=EngineOptions(k=3, max_seq_len=128, quant=quant, k_policy="fixed"))
+                    options=small_options(k=3, max_seq_len=128, quant=quant, k_policy="fixed"))
     want = ar.generate(prompt, GenerationParams(max_new_tokens=40)).output_ids
     r = sd.generate(prompt, GenerationParams(max_new_tokens=40))
     assert r.stats.num_draft_tokens > 0
@@ -255,8 +256,8 @@ def test_a_head_drafts_for_an_int4_target_losslessly():
     model = tiny(seed=8, dtype="bfloat16", layers=3)
     head = build_head(model, DraftSpec(family="head", feature_layers=(0, 1)), torch.arange(0, 300, 2))
     prompt = [5, 17, 200, 3, 99]
-    ar = SpecEngine(model, options=EngineOptions(k=0, max_seq_len=128, quant="int4"))
-    sd = SpecEngine(model, head, options=EngineOptions(k=3, max_seq_len=128, quant="int4", k_policy="fixed"))
+    ar = SpecEngine(model, options=small_options(k=0, max_seq_len=128, quant="int4"))
+    sd = SpecEngine(model, head, options=small_options(k=3, max_seq_len=128, quant="int4", k_policy="fixed"))
     assert sd.draft.lean.block[1].__class__.__name__ == "Int8"  # beside int4, the head's q|k|v is int8
     want = ar.generate(prompt, GenerationParams(max_new_tokens=40)).output_ids
     r = sd.generate(prompt, GenerationParams(max_new_tokens=40))
@@ -270,7 +271,7 @@ def test_int4_is_refused_where_it_does_not_apply():
     with pytest.raises(ValueError, match="unknown quant"):
         LlamaRunner(tiny(seed=0, dtype="bfloat16"), 128, quant="int3")
     with pytest.raises(EngineError, match="quant"):
-        EngineOptions(quant="int3")
+        small_options(quant="int3")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2, n_positions=64))
@@ -327,7 +328,7 @@ def test_sampling_in_bfloat16_follows_the_targets_distribution(tree):
     target = build_tiny_llama(seed=3, num_layers=2, max_positions=32, dtype="bfloat16", **V8)
     target.config.eos_token_id = None
     draft = build_draft("truncate:1", target)
-    eng = SpecEngine(target, draft, options=EngineOptions(k=2, max_seq_len=32, tree=tree, k_policy="fixed"))
+    eng = SpecEngine(target, draft, options=small_options(k=2, max_seq_len=32, tree=tree, k_policy="fixed"))
     sampling = SamplingParams(temperature=0.9, top_p=0.95)
     counts, drafted, accepted = sample_first_two(eng, [1, 2, 3], sampling, N_SAMPLES)
     assert drafted - accepted > 200 and accepted > 200  # both the accept and the residual paths ran
@@ -358,8 +359,8 @@ def test_an_int4_target_prefills_long_prompts_with_its_bfloat16_weights():
     assert torch.equal(a.k[:, :, :30], b.k[:, :, :30])  # the prompt's K/V: the bf16 model's
     # Speculation over such a prompt still equals the int4 target's own decoding.
     prompt = ids[:30].tolist()
-    ar = SpecEngine(model, options=EngineOptions(k=0, max_seq_len=128, quant="int4"))
+    ar = SpecEngine(model, options=small_options(k=0, max_seq_len=128, quant="int4"))
     sd = SpecEngine(model, build_draft("truncate:1", model),
-                    options=EngineOptions(k=3, max_seq_len=128, quant="int4", k_policy="fixed"))
+                    options=small_options(k=3, max_seq_len=128, quant="int4", k_policy="fixed"))
     want = ar.generate(prompt, GenerationParams(max_new_tokens=24)).output_ids
     assert sd.generate(prompt, GenerationParams(max_new_tokens=24)).output_ids == want

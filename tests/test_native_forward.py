@@ -14,7 +14,8 @@ from chi2 import chi2_pvalue, sample_first_two
 from infra.target import build_tiny_llama
 from serve.model.batch_forward import Item, forward_batch
 from serve.spec_decode.specs import build_draft
-from serve.engine.core import EngineError, EngineOptions, GenerationParams, SpecEngine
+from serve.engine.core import EngineError, GenerationParams, SpecEngine
+from engine_options import small_options
 from serve.model.linear import dequantize_int4, int4_codes
 from serve.model import native_build
 from serve.model.native_build import NativeUnavailable
@@ -264,9 +265,9 @@ def test_bad_input_is_refused_before_anything_is_written():
 def test_greedy_speculation_equals_the_native_targets_own_decoding(draft):
     model = tiny(layers=4)
     opts = dict(k=3, max_seq_len=160, quant="int4", k_policy="fixed")
-    own = SpecEngine(model, None, options=EngineOptions(**opts))
+    own = SpecEngine(model, None, options=small_options(**opts))
     assert isinstance(own.target, NativeLlamaRunner)
-    spec = SpecEngine(model, build_draft(draft, model), options=EngineOptions(**opts))
+    spec = SpecEngine(model, build_draft(draft, model), options=small_options(**opts))
     params = GenerationParams(max_new_tokens=24)
     gen = torch.Generator().manual_seed(9)
     drafted = 0
@@ -288,7 +289,7 @@ def test_sampling_on_the_native_target_follows_its_distribution():
     target = build_tiny_llama(seed=3, num_layers=2, max_positions=32, dtype="bfloat16", **V8)
     target.config.eos_token_id = None
     eng = SpecEngine(target, build_draft("truncate:1", target),
-                     options=EngineOptions(k=2, max_seq_len=32, quant="int4", k_policy="fixed"))
+                     options=small_options(k=2, max_seq_len=32, quant="int4", k_policy="fixed"))
     assert isinstance(eng.target, NativeLlamaRunner)
     sampling = SamplingParams(temperature=0.9, top_p=0.95)
     counts, drafted, accepted = sample_first_two(eng, [1, 2, 3], sampling, 2000)
@@ -305,10 +306,10 @@ def test_sampling_on_the_native_target_follows_its_distribution():
 def test_trees_keep_the_torch_kernels():
     model = tiny()
     eng = SpecEngine(model, build_draft("truncate:1", model),
-                     options=EngineOptions(k=3, max_seq_len=160, quant="int4", tree="4,2,2"))
+                     options=small_options(k=3, max_seq_len=160, quant="int4", tree="4,2,2"))
     assert type(eng.target) is LlamaRunner
     with pytest.raises(EngineError, match="serve.tree"):
-        SpecEngine(model, None, options=EngineOptions(max_seq_len=160, quant="int4", tree="4,2,2",
+        SpecEngine(model, None, options=small_options(max_seq_len=160, quant="int4", tree="4,2,2",
                                                       cpu_kernels="native"))
 
 
@@ -343,7 +344,7 @@ def test_without_a_compiler_the_int4_target_falls_back_saying_why(tmp_path, monk
         with pytest.raises(ValueError, match="cpu_kernels native"):
             make_runner(model, 160, "int4", "native")
         with pytest.raises(EngineError, match="cpu_kernels"):
-            EngineOptions(cpu_kernels="fast")
+            small_options(cpu_kernels="fast")
     finally:
         native_build.load_variant.cache_clear()
 

@@ -5,12 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-from infra.config import TrainConfig
 from infra.prompts import Prompt
 from infra.target import build_tiny_llama, tiny_tokenizer
 from train.batching import pack, position_logits
 from train.losses import distill_loss, position_weights
-from train.objective import distill_loss_fn
+from train.objective import Objective, distill_loss_fn
 from train.teacher_data import generate_teacher_records
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
@@ -34,7 +33,7 @@ def draft():
 
 
 def test_configured_loss_and_position_weights(batch, draft):
-    tc = TrainConfig(loss="jsd", jsd_beta=0.3, positions="mix", mix_weight=0.4)
+    tc = Objective(loss="jsd", jsd_beta=0.3, positions="mix", mix_weight=0.4)
     with torch.no_grad():
         w = position_weights(batch.accepted, batch.draft_tokens, "mix", other_weight=0.4)
         want = distill_loss(position_logits(draft, batch), batch.topk_ids, batch.topk_logprobs, kind="jsd",
@@ -45,8 +44,8 @@ def test_configured_loss_and_position_weights(batch, draft):
 
 
 def test_positions_override_weighs_every_position(batch, draft):
-    """The warm start counts every position whatever train.positions says."""
-    tc = TrainConfig(loss="fkl", positions="rejected")
+    """The warm start counts every position whatever the objective's positions say."""
+    tc = Objective(loss="fkl", positions="rejected")
     with torch.no_grad():
         want = distill_loss(position_logits(draft, batch), batch.topk_ids, batch.topk_logprobs, kind="fkl")
         got = distill_loss_fn(tc, positions="all")(draft, batch)
@@ -58,22 +57,21 @@ def test_positions_override_weighs_every_position(batch, draft):
 def test_a_batch_without_records_steps_with_zero_gradients(batch, draft):
     """The trainer's null batch (a rank without data) must leave the weights where they are."""
     draft.zero_grad()
-    loss = distill_loss_fn(TrainConfig(positions="all"))(draft, dataclasses.replace(batch, n_records=0))
+    loss = distill_loss_fn(Objective(positions="all"))(draft, dataclasses.replace(batch, n_records=0))
     loss.backward()
     assert float(loss.detach()) == 0.0
     assert all(p.grad is None or not p.grad.any() for p in draft.parameters())
 
 
 def test_the_kl_anchor_is_zero_at_the_parent_and_pulls_back_towards_it(batch, draft):
-    """train.anchor_kl: base loss + weight x KL(parent || draft). At the parent itself the KL
+    """The KL anchor (`osd bench adapt`): base loss + weight x KL(parent || draft). At the parent itself the KL
     term is 0; away from it the term is positive, and a step on it alone moves the draft's
     distribution back towards the parent's."""
     import copy
 
     from train.objective import anchored_loss_fn
 
-    tc = TrainConfig(loss="fkl")
-    base = distill_loss_fn(tc, positions="all")
+    base = distill_loss_fn(positions="all")
     parent = copy.deepcopy(draft).eval().requires_grad_(False)
     with torch.no_grad():
         assert torch.allclose(anchored_loss_fn(base, parent, 2.0)(draft, batch), base(draft, batch), atol=1e-6)
@@ -89,3 +87,11 @@ def test_the_kl_anchor_is_zero_at_the_parent_and_pulls_back_towards_it(batch, dr
         kl_only(moved, batch).backward()
         opt.step()
     assert kl_only(moved, batch) < before
+
+
+def test_the_default_objective_is_forward_kl_at_every_position():
+    assert (Objective().loss, Objective().positions) == ("fkl", "all")
+    with pytest.raises(ValueError, match="jsd_beta"):
+        Objective(loss="jsd", jsd_beta=1.0)
+    with pytest.raises(ValueError, match="loss is one of"):
+        Objective(loss="kl")

@@ -34,7 +34,7 @@ def test_the_page_follows_the_loop(tiny, tmp_path):
         "state_dir": str(tmp_path), "model": {"target": "tiny-random"},
         "serve": {"port": free_port(), "max_new_tokens": 24, "num_cpus_per_replica": 0.5, "alias_poll_s": 0.3},
         "train": {"draft_layers": 1, "export_every_records": 12, "export_every_s": 1000, "held_out_every": 5,
-                  "token_budget": 256, "max_seq_len": 128, "gate_min_records": 2, "gate_resamples": 300},
+                  "token_budget": 256, "max_seq_len": 128, "gate": {"min_records": 2, "resamples": 300}},
         "rollout": {"canary_steps": [0.5, 1.0], "min_requests": 4, "max_requests": 40, "poll_s": 0.3},
     })
     spec = DraftSpec(num_layers=1)

@@ -11,7 +11,8 @@ from infra.draft_head import build_head
 from infra.draft_spec import DraftSpec
 from infra.target import build_tiny_llama
 from serve.spec_decode.specs import build_draft
-from serve.engine.core import EngineError, EngineOptions, GenerationParams, SpecEngine
+from serve.engine.core import EngineError, GenerationParams, SpecEngine
+from engine_options import small_options
 from serve.model.runner import LlamaRunner
 from serve.sampling.verify import SamplingParams
 
@@ -88,8 +89,8 @@ def test_device_stages_give_the_cpu_stages_tokens_and_stats(k):
     target = tiny()
     draft = build_draft("truncate:1", target)
     prompt = [17, 200, 3, 99, 45]
-    cpu = SpecEngine(target, draft, options=EngineOptions(k=k, max_seq_len=64, max_concurrency=1))
-    dev = _device_path(SpecEngine(target, draft, options=EngineOptions(k=k, max_seq_len=64, max_concurrency=1)))
+    cpu = SpecEngine(target, draft, options=small_options(k=k, max_seq_len=64, max_concurrency=1))
+    dev = _device_path(SpecEngine(target, draft, options=small_options(k=k, max_seq_len=64, max_concurrency=1)))
     a = cpu.generate(prompt, GenerationParams(max_new_tokens=24))
     b = dev.generate(prompt, GenerationParams(max_new_tokens=24))
     assert b.output_ids == a.output_ids
@@ -105,9 +106,9 @@ def test_device_stages_with_a_head_draft_equal_target_greedy():
     spec = DraftSpec(family="head", feature_layers=(0, 1, 2))
     head = build_head(target, spec, torch.arange(200))
     prompt = [17, 200, 3, 99, 45, 8, 9]
-    ar = SpecEngine(target, options=EngineOptions(k=0, max_seq_len=64)).generate(prompt, GenerationParams(max_new_tokens=20))
+    ar = SpecEngine(target, options=small_options(k=0, max_seq_len=64)).generate(prompt, GenerationParams(max_new_tokens=20))
     for k in (1, 3):
-        eng = _device_path(SpecEngine(target, head, options=EngineOptions(k=k, max_seq_len=64)))
+        eng = _device_path(SpecEngine(target, head, options=small_options(k=k, max_seq_len=64)))
         assert eng.generate(prompt, GenerationParams(max_new_tokens=20)).output_ids == ar.output_ids
 
 
@@ -116,7 +117,7 @@ def test_device_stages_sample_the_targets_distribution():
     proposal (multinomial on the device) with the exact rejection rule stays lossless."""
     kw = dict(vocab_size=6, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64, max_positions=16)
     target, draft = tiny(seed=1, **kw), tiny(seed=2, layers=1, **kw)
-    eng = _device_path(SpecEngine(target, draft, options=EngineOptions(k=2, max_seq_len=16, capture=False)))
+    eng = _device_path(SpecEngine(target, draft, options=small_options(k=2, max_seq_len=16, capture=False)))
     prompt = [1, 2, 3]
     sp = lambda s: GenerationParams(max_new_tokens=2, sampling=SamplingParams(temperature=1.0, seed=s), capture=False)
     counts = torch.zeros(36)
@@ -132,7 +133,7 @@ def test_device_stages_sample_the_targets_distribution():
 
 def test_cuda_graphs_on_needs_a_gpu():
     with pytest.raises(EngineError, match="CUDA"):
-        SpecEngine(tiny(), options=EngineOptions(cuda_graphs="on"))
+        SpecEngine(tiny(), options=small_options(cuda_graphs="on"))
 
 
 @CUDA
@@ -146,7 +147,7 @@ def test_graph_path_equals_eager_path_on_cuda(draft_spec):
     prompt = [17, 200, 3, 99, 45, 8, 9]
     outs = []
     for mode in ("off", "on"):
-        eng = SpecEngine(target, draft, options=EngineOptions(k=3, max_seq_len=64, cuda_graphs=mode))
+        eng = SpecEngine(target, draft, options=small_options(k=3, max_seq_len=64, cuda_graphs=mode))
         outs.append(eng.generate(prompt, GenerationParams(max_new_tokens=24)).output_ids)
-    ar = SpecEngine(target, options=EngineOptions(k=0, max_seq_len=64, cuda_graphs="on"))
+    ar = SpecEngine(target, options=small_options(k=0, max_seq_len=64, cuda_graphs="on"))
     assert outs[0] == outs[1] == ar.generate(prompt, GenerationParams(max_new_tokens=24)).output_ids

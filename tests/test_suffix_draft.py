@@ -11,7 +11,8 @@ from test_batching import tiny
 
 from infra.config import OSDConfig
 from serve.spec_decode.specs import build_draft
-from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+from serve.engine.core import GenerationParams, SpecEngine
+from engine_options import small_options
 from serve.spec_decode.suffix.draft import SuffixDraft
 from serve.sampling.verify import SamplingParams
 
@@ -25,7 +26,7 @@ def target():
 
 def _engine(target, **kw):
     opts = dict(k=4, max_seq_len=160, max_concurrency=4, prefill_chunk=16, k_policy="fixed")
-    return SpecEngine(target, build_draft("suffix", target), options=EngineOptions(**{**opts, **kw}))
+    return SpecEngine(target, build_draft("suffix", target), options=small_options(**{**opts, **kw}))
 
 
 def _prompts():
@@ -38,7 +39,7 @@ def _prompts():
 
 def test_greedy_output_is_the_targets_and_a_repeat_is_drafted_from_the_replica(target):
     eng = _engine(target)
-    ar = SpecEngine(target, None, options=EngineOptions(k=0, max_seq_len=160, max_concurrency=4))
+    ar = SpecEngine(target, None, options=small_options(k=0, max_seq_len=160, max_concurrency=4))
     prompts = _prompts()
     params = GenerationParams(max_new_tokens=40)
     want = [r.output_ids for r in ar.generate_many(prompts, params)]
@@ -61,9 +62,9 @@ def test_a_repeat_verifies_chains_longer_than_k_up_to_max_chain(target):
     serve.suffix.max_chain, and the output is still the target's."""
     from infra.config import SuffixConfig
 
-    opts = EngineOptions(k=2, max_seq_len=160, max_concurrency=4, k_policy="fixed")
+    opts = small_options(k=2, max_seq_len=160, max_concurrency=4, k_policy="fixed")
     eng = SpecEngine(target, build_draft("suffix", target, suffix=SuffixConfig(max_chain=7)), options=opts)
-    ar = SpecEngine(target, None, options=EngineOptions(k=0, max_seq_len=160))
+    ar = SpecEngine(target, None, options=small_options(k=0, max_seq_len=160))
     prompt, params = _prompts()[2], GenerationParams(max_new_tokens=40)
     want = ar.generate(prompt, params).output_ids
     assert eng.generate(prompt, params).output_ids == want
@@ -129,7 +130,7 @@ def test_sampled_requests_follow_the_target_with_proposals_and_without():
     the target's exact distribution, and seeds reproduce."""
     target = tiny(seed=3, **V8)
     eng = SpecEngine(target, build_draft("suffix", target),
-                     options=EngineOptions(k=3, max_seq_len=40, max_concurrency=4, k_policy="fixed"))
+                     options=small_options(k=3, max_seq_len=40, max_concurrency=4, k_policy="fixed"))
     sp = SamplingParams(temperature=1.0)
     n = 1200
     params = [GenerationParams(max_new_tokens=3, sampling=SamplingParams(1.0, seed=i)) for i in range(n)]
@@ -173,8 +174,8 @@ def test_the_device_stages_serve_the_suffix_draft_as_the_cpu_batch_does(target):
 
 def test_head_with_suffix_is_the_target_greedy_and_takes_the_suffix_on_repeats(target):
     eng = SpecEngine(target, build_draft("head:untrained+suffix", target),
-                     options=EngineOptions(k=4, max_seq_len=160, max_concurrency=4, prefill_chunk=16))
-    ar = SpecEngine(target, None, options=EngineOptions(k=0, max_seq_len=160, max_concurrency=4))
+                     options=small_options(k=4, max_seq_len=160, max_concurrency=4, prefill_chunk=16))
+    ar = SpecEngine(target, None, options=small_options(k=0, max_seq_len=160, max_concurrency=4))
     prompts = _prompts()
     params = GenerationParams(max_new_tokens=40)
     want = [r.output_ids for r in ar.generate_many(prompts, params)]
@@ -194,7 +195,7 @@ def test_head_with_suffix_is_the_target_greedy_and_takes_the_suffix_on_repeats(t
 def test_head_with_suffix_samples_the_target_distribution():
     target = tiny(seed=3, **V8)
     eng = SpecEngine(target, build_draft("head:untrained+suffix", target),
-                     options=EngineOptions(k=3, max_seq_len=40, max_concurrency=4, k_policy="fixed"))
+                     options=small_options(k=3, max_seq_len=40, max_concurrency=4, k_policy="fixed"))
     n = 1200
     params = [GenerationParams(max_new_tokens=3, sampling=SamplingParams(1.0, seed=i)) for i in range(n)]
     results = [eng.generate(PROMPT, p) for p in params]

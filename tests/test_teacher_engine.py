@@ -82,7 +82,7 @@ def test_engine_records_have_their_own_cache_entry_and_the_trainer_finds_them(tm
     assert teacher_for(cfg.model_copy(update={"train": cfg.train.model_copy(update={"warm_teacher": "hf"})})) is None
     built = teacher_records(cfg, target, prompts, progress=False, generate=EngineTeacher(cfg, target))
     assert len(list((tmp_path / "teacher").glob("*/shard-*.arrow"))) == 1
-    found = cached_warm_records(cfg, target)  # the trainer's replay reads what draft init left
+    found = cached_warm_records(cfg, target)  # a warm replay reads what draft init left
     assert [r.output_ids.tolist() for r in found] == [r.output_ids.tolist() for r in built]
     teacher_records(cfg, target, prompts, progress=False)  # Hugging Face: another key, another store
     assert len(list((tmp_path / "teacher").glob("*/shard-*.arrow"))) == 2

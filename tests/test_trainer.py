@@ -76,7 +76,8 @@ def mean_fkl(draft, recs, max_seq_len=1024):
 @pytest.mark.parametrize("stage", [2, 3])
 def test_zero_two_workers_learn_and_export_loadable_drafts(ray_local, stream, records, tmp_path, stage):
     from infra.target import load_target
-    from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+    from serve.engine.core import GenerationParams, SpecEngine
+    from engine_options import small_options
     from infra.draft_model import build_draft, load_draft
     from infra.draft_spec import draft_spec_from_train
     from train.trainer import TrainerGroup
@@ -116,9 +117,9 @@ def test_zero_two_workers_learn_and_export_loadable_drafts(ray_local, stream, re
     params = dict(after.named_parameters())
     for name, w in weights.items():
         assert torch.equal(params[name].detach(), w), name
-    eng = SpecEngine(target, after, options=EngineOptions(k=3, max_seq_len=128))
+    eng = SpecEngine(target, after, options=small_options(k=3, max_seq_len=128))
     r = eng.generate([1, 2, 3, 4], GenerationParams(max_new_tokens=12))
-    ref = SpecEngine(target, None, options=EngineOptions(max_seq_len=128)).generate(
+    ref = SpecEngine(target, None, options=small_options(max_seq_len=128)).generate(
         [1, 2, 3, 4], GenerationParams(max_new_tokens=12))
     assert r.output_ids == ref.output_ids  # lossless with the trained draft
     assert r.stats.num_draft_tokens > 0

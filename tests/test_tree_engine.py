@@ -8,7 +8,8 @@ from chi2 import chi2_pvalue
 
 from infra.target import build_tiny_llama
 from serve.spec_decode.specs import build_draft
-from serve.engine.core import EngineError, EngineOptions, GenerationParams, SpecEngine
+from serve.engine.core import EngineError, GenerationParams, SpecEngine
+from engine_options import small_options
 from serve.spec_decode.trees.stages import TreeShape, tree_step
 from serve.sampling.verify import SamplingParams, warp_probs
 
@@ -24,11 +25,11 @@ def tiny(seed=0, layers=3, **kw):
 
 
 def engine(target, draft, tree, k=4, **kw):
-    return SpecEngine(target, draft, options=EngineOptions(k=k, max_seq_len=96, max_concurrency=1, tree=tree, **kw))
+    return SpecEngine(target, draft, options=small_options(k=k, max_seq_len=96, max_concurrency=1, tree=tree, **kw))
 
 
 def ar(target, prompt, n):
-    return SpecEngine(target, options=EngineOptions(k=0, max_seq_len=96)).generate(
+    return SpecEngine(target, options=small_options(k=0, max_seq_len=96)).generate(
         prompt, GenerationParams(max_new_tokens=n)).output_ids
 
 
@@ -168,7 +169,7 @@ def test_sampled_trees_are_reproducible_and_accept_more_than_a_chain_of_their_de
 @pytest.mark.parametrize("bad", ["1,1,1", "4,0,2", "a,b,c", "4,2"])
 def test_bad_tree_shapes_are_refused(bad):
     with pytest.raises(EngineError, match="tree"):
-        EngineOptions(tree=bad)
+        small_options(tree=bad)
     with pytest.raises(ValueError):
         TreeShape.parse(bad)
 
@@ -188,7 +189,7 @@ def test_tree_greedy_on_cuda_equals_the_targets(graphs, family):
         draft = build_draft("truncate:2", target)
     prompt = [1, 2, 3, 4, 5, 6, 7]
     eng = engine(target, draft, "16,4,4", cuda_graphs=graphs)
-    want = SpecEngine(target, options=EngineOptions(k=0, max_seq_len=96, cuda_graphs="off")).generate(
+    want = SpecEngine(target, options=small_options(k=0, max_seq_len=96, cuda_graphs="off")).generate(
         prompt, GenerationParams(max_new_tokens=30)).output_ids
     assert eng.generate(prompt, GenerationParams(max_new_tokens=30)).output_ids == want
 

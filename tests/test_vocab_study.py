@@ -113,9 +113,9 @@ def test_head_vocab_source_teacher_domains_weights_every_domain_alike(tmp_path, 
     from train.head_warm_start import draft_vocab_counts
     from train.teacher_set import split_held_out, warm_prompts
 
-    cfg = _cfg(tmp_path, head_vocab_source="teacher_domains", head_vocab_prompts=3, held_out_every=1000)
+    cfg = _cfg(tmp_path, held_out_every=1000)
     am = torch.tensor([1, 1, 5, 9, 9, 9])
-    got = draft_vocab_counts(cfg, tiny, am, pool=sharegpt(), progress=False)
+    got = draft_vocab_counts(cfg, tiny, am, pool=sharegpt(), progress=False, source="teacher_domains", per_domain=3)
     prompts = [p for d in DOMAINS for p in warm_prompts(cfg, 3, domain=d, prompts=sharegpt())]
     recs, _ = split_held_out(teacher_records(cfg, tiny, prompts, progress=False), 1000)  # cached: read back
     vocab = tiny.model.config.vocab_size

@@ -45,7 +45,8 @@ def test_warm_start_publishes_v1_and_resumes(tmp_path):
 
     from infra.draft_model import load_draft
     from infra.target import load_target
-    from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
+    from serve.engine.core import GenerationParams, SpecEngine
+    from engine_options import small_options
 
     first = draft_init(tmp_path, "--epochs", "1", "--out", str(tmp_path / "e1"))
     assert first["version"] == "v1" and first["path"] == str(tmp_path / "e1")
@@ -69,8 +70,8 @@ def test_warm_start_publishes_v1_and_resumes(tmp_path):
     assert metrics["alpha_est"] > metrics["alpha_est_before"]  # distillation helped on held-out records
     assert info["lineage"]["kind"] == "warm_start" and info["lineage"]["epochs"] == 3
     # The published draft serves, losslessly.
-    eng = SpecEngine(target, draft, options=EngineOptions(k=3, max_seq_len=128))
-    ref = SpecEngine(target, None, options=EngineOptions(max_seq_len=128))
+    eng = SpecEngine(target, draft, options=small_options(k=3, max_seq_len=128))
+    ref = SpecEngine(target, None, options=small_options(max_seq_len=128))
     p = GenerationParams(max_new_tokens=16)
     assert eng.generate([5, 6, 7], p).output_ids == ref.generate([5, 6, 7], p).output_ids
     assert torch.is_tensor(next(draft.parameters()))

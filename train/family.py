@@ -19,7 +19,6 @@ train/head_train.py: per_record_acceptance_head).
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any, Callable
 
@@ -63,8 +62,6 @@ class LayerFamily:
 
     def __init__(self, target: Any, tc: TrainConfig, spec: DraftSpec, draft: Any):
         self.target, self.tc, self.spec = target, tc, spec
-        # The anchor is the draft as training starts (before DeepSpeed may partition it).
-        self.anchor = copy.deepcopy(draft).eval().requires_grad_(False) if tc.anchor_kl > 0 else None
 
     def batch(self, records: list) -> Any:
         from train.batching import pack
@@ -81,10 +78,9 @@ class LayerFamily:
                      torch.full((1,), -1, dtype=torch.long), n_records=0, n_tokens=0)
 
     def loss_fn(self) -> Callable:
-        from train.objective import anchored_loss_fn, distill_loss_fn
+        from train.objective import distill_loss_fn
 
-        fn = distill_loss_fn(self.tc)
-        return fn if self.anchor is None else anchored_loss_fn(fn, self.anchor, self.tc.anchor_kl)
+        return distill_loss_fn()
 
     def rebuild(self, weights: dict[str, torch.Tensor]) -> Any:
         from infra.draft_model import draft_with_weights
@@ -108,9 +104,6 @@ class HeadFamily:
     name = "head"
 
     def __init__(self, target: Any, tc: TrainConfig, head: Any):
-        if tc.anchor_kl > 0:
-            raise ValueError(f"train.anchor_kl ({tc.anchor_kl}) anchors layer drafts only; "
-                             "set it to 0 to train a head")
         self.target, self.tc = target, tc
         # Kept from the init head before DeepSpeed wraps it: every export is rebuilt on them.
         self.spec, self.d2t = head.spec, head.d2t.detach().cpu().clone()

@@ -22,7 +22,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -136,7 +136,7 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
     _log("coverage of held-out target outputs by V_d: " + ", ".join(f"{k}: {v:.3f}" for k, v in coverage.items()))
     vocab_counts = draft_vocab_counts(cfg, loaded, train_am, generate=generate, progress=progress)
     lineage = {"parent": None, "kind": "warm_start", "family": "head", "conversations": n_conv,
-               "teacher_records": len(fs_train) - n_conv, "epochs": epochs, "vocab_source": tc.head_vocab_source}
+               "teacher_records": len(fs_train) - n_conv, "epochs": epochs, "vocab_source": "warm_data"}
     fit = _Fit(cfg, loaded, spec, fs_held, epochs, token_budget, force)
     metrics = fit(fs_train, top_tokens(vocab_counts, spec.draft_vocab), out_dir, lineage,
                   {"coverage_curve": {str(k): v for k, v in coverage.items()}})
@@ -199,21 +199,24 @@ def _prefix(fs: Any, frac: float) -> Any:
 
 
 def draft_vocab_counts(cfg: OSDConfig, loaded: Any, train_argmax: torch.Tensor, *, generate: Any = None,
-                       progress: bool = True, pool: list | None = None) -> torch.Tensor:
-    """[V] what the draft vocabulary is the top of (train.head_vocab_source): the target argmax
-    counts of the training data ("warm_data"), or with them the target's answers to
-    head_vocab_prompts train prompts of each ShareGPT domain, each source's frequencies weighted
-    alike ("teacher_domains"). pool: ShareGPT prompts already loaded (tests)."""
+                       progress: bool = True, pool: list | None = None,
+                       source: Literal["warm_data", "teacher_domains"] = "warm_data",
+                       per_domain: int = 64) -> torch.Tensor:
+    """[V] what the draft vocabulary is the top of: the target argmax counts of the training
+    data ("warm_data", what the warm start uses), or, for the vocabulary study's alternative,
+    with them the target's answers to `per_domain` train prompts of each ShareGPT domain, each
+    source's frequencies weighted alike ("teacher_domains"; they were the settings
+    train.head_vocab_source and head_vocab_prompts). pool: ShareGPT prompts already loaded (tests)."""
     from infra.prompts import DOMAINS, load_sharegpt
     from train.draft_vocab import pooled_frequencies, token_counts
     from train.teacher_set import split_held_out, teacher_records, warm_prompts
 
     tc, vocab = cfg.train, loaded.model.config.vocab_size
     counts = torch.bincount(train_argmax, minlength=vocab)
-    if tc.head_vocab_source == "warm_data":
+    if source == "warm_data":
         return counts
     pool = load_sharegpt(cfg.data, split="train") if pool is None else pool
-    prompts = [p for d in DOMAINS for p in warm_prompts(cfg, tc.head_vocab_prompts, domain=d, prompts=pool)]
+    prompts = [p for d in DOMAINS for p in warm_prompts(cfg, per_domain, domain=d, prompts=pool)]
     # Held-out ids stay out of the choice too: the warm start measures the head on them.
     recs, _ = split_held_out(teacher_records(cfg, loaded, prompts, progress=progress, generate=generate),
                              tc.held_out_every)

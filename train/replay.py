@@ -2,8 +2,8 @@
 
 After a domain shift the trainer sees a few new records a minute and replays them
 (`train.replay_steps`). Replaying only them fits the draft to a handful of prompts; mixing in
-the warm-start teacher records (`train.warm_replay_fraction` of each replay step's records)
-keeps the old domain in every step.
+the warm-start teacher records (a fraction of each replay step's records: `osd bench adapt`'s
+warm_replay variant; the trainer replays recent records only) keeps the old domain in every step.
 """
 
 from __future__ import annotations

@@ -104,13 +104,12 @@ def teacher_answers(cfg: OSDConfig, loaded: Any, prompts: list, *, progress: boo
                       progress=progress, feature_layers=feature_layers)
 
 
-def cached_warm_records(cfg: OSDConfig, loaded: Any) -> list:
-    """The warm start's teacher train records that `osd draft init` left in this state dir's
-    cache (all of them, or as many as its budget made), else []: the trainer replays them
-    (`train.warm_replay_fraction`) but never spends minutes of target generation on them.
-    All of them: v1's held-out split measured v1 once, and the online gate scores on live
-    held-out records, never on these."""
-    root = cfg.train.warm_teacher_dir or Path(cfg.state_dir) / "teacher"
+def cached_warm_records(cfg: OSDConfig, loaded: Any, root: str | Path | None = None) -> list:
+    """The warm start's teacher train records that `osd draft init` left in its cache under
+    `root` (default <state_dir>/teacher): all of them, or as many as its budget made, else [],
+    never generated here (a replay that mixes them in must not spend minutes of target
+    generation). All of them: v1's held-out split measured v1 once."""
+    root = Path(root) if root is not None else Path(cfg.state_dir) / "teacher"
     prompts = warm_prompts(cfg, cfg.train.warm_prompts)
     for generator in (engine_teacher_tag(cfg), "hf"):  # whichever generator `osd draft init` used
         records = teacher_store(cfg, loaded, generator, root).cached(prompts)

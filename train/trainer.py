@@ -100,7 +100,6 @@ class TrainerWorker:
             raise ValueError(f"asked to train a {self.family} draft; the init draft {self.init_draft} "
                              f"is a {self.fam.name} draft")
         init_distributed(self.rank, self.world_size, master_addr, master_port, tc.device, tc.collective_timeout_s)
-        self.warm_records = self._warm_records(loaded) if tc.warm_replay_fraction > 0 else []
         self.engine = DistillEngine(draft, tc)
         from infra.draft_model import target_ref_of
 
@@ -151,17 +150,6 @@ class TrainerWorker:
             draft = build_draft(self.target, self.spec_info)
             self.parent_version = None
         return draft
-
-    def _warm_records(self, loaded: Any) -> list:
-        from train.teacher_set import cached_warm_records
-
-        recs = cached_warm_records(self.cfg.for_warm_start(self.fam.name), loaded)  # the prompts its init used
-        # Teacher records are records: a head replays them through the same feature path.
-        how = " (their target features recomputed, as for live records)" if self.fam.name == "head" else ""
-        _log(self.rank, f"replay mixes in {len(recs)} warm-start records{how}" if recs else
-             "train.warm_replay_fraction is set but no warm-start teacher records are cached "
-             "(run `osd draft init` or set train.warm_teacher_dir); replaying live records only")
-        return recs
 
     @property
     def ckpt_dir(self) -> Path:
@@ -274,7 +262,7 @@ class TrainerWorker:
 
         tc = self.cfg.train
         for _ in range(tc.replay_steps):
-            pool = replay_pool(self.replay, self.warm_records, tc.warm_replay_fraction, self._rng)
+            pool = replay_pool(self.replay, (), 0.0, self._rng)
             take = take_budget(pool, tc.token_budget, tc.max_seq_len)
             if not take:
                 self.engine.train_batch(self.fam.null_batch(), loss_fn)
@@ -363,9 +351,9 @@ class TrainerWorker:
         from train.gate import gate
 
         tc = self.cfg.train
-        kw = dict(confidence=tc.gate_confidence, resamples=tc.gate_resamples, min_records=tc.gate_min_records,
-                  min_gain=0.0)
-        records = gate_records(self.held_out, tc.gate_records, set(self.trained_prompts))
+        g = tc.gate
+        kw = dict(confidence=g.confidence, resamples=g.resamples, min_records=g.min_records, min_gain=0.0)
+        records = gate_records(self.held_out, g.records, set(self.trained_prompts))
         try:
             reg = Registry.from_config(self.cfg)
             stable = (reg.alias("stable") or {}).get("version")

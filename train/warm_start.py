@@ -25,6 +25,7 @@ import torch
 
 from infra.config import OSDConfig
 from infra.draft_spec import warm_start_path
+from train.objective import Objective
 from train.teacher_set import split_held_out, teacher_records, warm_budget_s, warm_prompts
 
 
@@ -119,7 +120,7 @@ def _resumable_engine(cfg: OSDConfig, draft: torch.nn.Module, train_recs: list, 
     # Checkpoints are keyed by everything that shapes the run, so a resume never mixes settings;
     # by the records trained on, not the prompts asked for: a budget may have answered fewer.
     run_key = hashlib.sha256(json.dumps({"prompts": [r.request_id for r in train_recs], "spec": spec.model_dump(),
-                                         "loss": tc.loss, "lr": tc.lr, "tokens": tc.warm_max_new_tokens,
+                                         "loss": Objective().loss, "lr": tc.lr, "tokens": tc.warm_max_new_tokens,
                                          "budget": tc.token_budget, "warmup": tc.warmup_steps},
                                         sort_keys=True).encode()).hexdigest()[:16]
     ckpt_dir = Path(cfg.state_dir) / "warm-start" / run_key / "checkpoints"
@@ -140,8 +141,8 @@ def _train_epochs(cfg: OSDConfig, engine: Any, train_recs: list, ckpt_dir: Path,
     from train.objective import distill_loss_fn
 
     tc = cfg.train
-    # Teacher records carry no draft proposals, so every position counts whatever train.positions says.
-    loss_fn = distill_loss_fn(tc, positions="all")
+    # Teacher records carry no draft proposals, so every position counts.
+    loss_fn = distill_loss_fn(positions="all")
     losses: list[float] = []
     tokens = 0
     t_train = time.perf_counter()
@@ -177,7 +178,7 @@ def _save_v1(cfg: OSDConfig, loaded: Any, spec: Any, weights: dict[str, torch.Te
                "loss_last": losses[-1] if losses else None, "held_out_records": len(held),
                "train_tokens_per_s": tokens / train_s if train_s > 0 and tokens else None}
     lineage = {"parent": None, "kind": "warm_start", "records_consumed": n_train * tc.warm_epochs,
-               "prompts": n_prompts, "epochs": tc.warm_epochs, "loss": tc.loss}
+               "prompts": n_prompts, "epochs": tc.warm_epochs, "loss": Objective().loss}
     save_draft(final, spec, out_dir, target_ref=target_ref(loaded), lineage=lineage, metrics=metrics,
                overwrite=force)
     return {**metrics, **lineage}

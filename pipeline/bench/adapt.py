@@ -13,7 +13,9 @@ Variants (each starts from v1 with the same seeded record order):
 - `base`: the demo's settings (replay of recent records, lr warm-up);
 - `low_lr`: a third of the learning rate;
 - `warm_replay`: replay steps draw half their records from v1's warm-start data;
-- `anchor`: the loss adds `train.anchor_kl` x KL(parent || draft), the parent frozen.
+- `anchor`: the loss adds 0.5 x KL(parent || draft), the parent frozen.
+The last two are this bench's own settings (Variant), not the trainer's (README, "After a
+domain shift": warm replay did not pay, the anchor helped early and held the draft back later).
 
 Records are teacher records (the target's own greedy answers) so every position counts, as in
 the warm start; the served records' weighting by draft rejections is not replayed here.
@@ -26,6 +28,7 @@ import copy
 import json
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -40,19 +43,29 @@ def _log(msg: str) -> None:
     print(f"[osd bench adapt] {msg}", flush=True)
 
 
-def variant_config(cfg: OSDConfig, name: str) -> OSDConfig:
-    """The train settings of one variant on top of `cfg` (the demo's online settings)."""
-    upd: dict[str, Any] = {}
+@dataclass(frozen=True)
+class Variant:
+    """One variant's training: the config (its train section changed for low_lr) and this bench's
+    own settings: the share of each replay step's records drawn from v1's warm-start records, and
+    the weight of KL(parent || draft) added to the loss (they were train.warm_replay_fraction and
+    train.anchor_kl)."""
+
+    cfg: OSDConfig
+    warm_replay_fraction: float = 0.0
+    anchor_kl: float = 0.0
+
+
+def variant_config(cfg: OSDConfig, name: str) -> Variant:
+    """One variant on top of `cfg` (the demo's online settings)."""
     if name == "low_lr":
-        upd["lr"] = cfg.train.lr / 3
-    elif name == "warm_replay":
-        upd["warm_replay_fraction"] = 0.5
-    elif name == "anchor":
-        upd["anchor_kl"] = cfg.train.anchor_kl or 0.5
-    elif name != "base":
+        return Variant(cfg.model_copy(update={"train": cfg.train.model_copy(update={"lr": cfg.train.lr / 3})}))
+    if name == "warm_replay":
+        return Variant(cfg, warm_replay_fraction=0.5)
+    if name == "anchor":
+        return Variant(cfg, anchor_kl=0.5)
+    if name != "base":
         raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
-    base = {"warm_replay_fraction": 0.0, "anchor_kl": 0.0}
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update={**base, **upd})})
+    return Variant(cfg)
 
 
 def adapt_sets(cfg: OSDConfig, loaded: Any, records: int, eval_prompts: int) -> dict[str, list]:
@@ -94,14 +107,14 @@ def run_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets: dict
     from train.objective import anchored_loss_fn, distill_loss_fn
     from train.replay import replay_pool
 
-    vcfg = variant_config(cfg, name)
-    tc = vcfg.train
+    variant = variant_config(cfg, name)
+    tc = variant.cfg.train
     draft, _ = load_draft(str(v1_dir), loaded.model)
-    loss_fn = distill_loss_fn(tc, positions="all")
-    if tc.anchor_kl > 0:
+    loss_fn = distill_loss_fn(positions="all")
+    if variant.anchor_kl > 0:
         parent, _ = load_draft(str(v1_dir), loaded.model)
         parent.eval().requires_grad_(False)
-        loss_fn = anchored_loss_fn(loss_fn, parent, tc.anchor_kl)
+        loss_fn = anchored_loss_fn(loss_fn, parent, variant.anchor_kl)
     engine = DistillEngine(draft, tc)
     rng = random.Random(seed)
     stream, recent, out = list(sets["stream"]), [], []
@@ -111,7 +124,7 @@ def run_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets: dict
         engine.train_batch(pack(chunk, tc.max_seq_len), loss_fn)
         recent = (recent + chunk)[-tc.replay_buffer:]
         for _ in range(tc.replay_steps):
-            pool = replay_pool(recent, sets["warm_train"], tc.warm_replay_fraction, rng)
+            pool = replay_pool(recent, sets["warm_train"], variant.warm_replay_fraction, rng)
             engine.train_batch(pack(take_budget(pool, tc.token_budget, tc.max_seq_len), tc.max_seq_len), loss_fn)
         seen = i + len(chunk)
         if seen in checkpoints:

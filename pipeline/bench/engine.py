@@ -692,7 +692,7 @@ def add_arguments(be: argparse.ArgumentParser) -> None:
     be.add_argument("--k-sweep", nargs="+", type=positive_int, default=[], metavar="K",
                     help="also time these draft budgets in the same run, interleaved with own AR (e.g. 1 2 3)")
     be.add_argument("--confidence-sweep", nargs="+", type=probability_below_1, default=[], metavar="C",
-                    help="also time these draft confidence stops (serve.draft_confidence) in the same run, "
+                    help="also time these draft confidence stops (EngineOptions.draft_confidence) in the same run, "
                          "interleaved with own AR (e.g. 0.2 0.4)")
     be.add_argument("--tree", metavar="TOTAL,DEPTH,TOPK", help="verify EAGLE-2 draft trees (greedy); "
                                                                  "chains of the same draft are timed in the same run")

@@ -32,6 +32,7 @@ def run_train_bench(cfg: OSDConfig, *, records: int = 2000, domain: str = "code"
 
     from infra.redis_server import RedisServer
     from infra.target import load_target
+    from train.objective import Objective
     from train.trainer import estimate_alpha
     from infra.draft_spec import warm_start_path
 
@@ -62,7 +63,7 @@ def run_train_bench(cfg: OSDConfig, *, records: int = 2000, domain: str = "code"
         "alpha_gain": None if alpha_after is None or alpha_before is None else alpha_after - alpha_before,
         "init_draft": init_draft,
         "per_workers": {str(w): r for w, r in results.items()},
-        "loss": tc.loss,
+        "loss": Objective().loss,
         "lr": tc.lr,
     }
     print_table(results, domain, alpha_before, alpha_after, len(train_recs))

@@ -28,9 +28,9 @@ Draft length: at most k tokens per step (config `serve.k`), chosen per step by `
 - schedule: the budget grows by 2 after a step whose drafts were all accepted and shrinks
   by 1 (not below 1) otherwise, the rule of Hugging Face's default assistant schedule.
 - fixed: k every step.
-And a confidence stop: drafting stops when the draft's top probability at the next position
-falls below `draft_confidence` (0 disables it). Decided before drawing, so sampled drafts
-still follow q and verification stays exact.
+And a confidence stop, for experiments: drafting stops when the draft's top probability at the
+next position falls below EngineOptions.draft_confidence (0, serving's, disables it). Decided
+before drawing, so sampled drafts still follow q and verification stays exact.
 Neither can change the output, only the cost. Never past the token budget or the context.
 """
 
@@ -40,10 +40,11 @@ import asyncio
 import contextlib
 import queue
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, AsyncIterator, Iterator, Sequence
 
 import torch
+from pydantic import ValidationError
 
 from infra.config import ModelConfig, ServeConfig
 from infra.tokens import eos_token_ids
@@ -59,7 +60,7 @@ from serve.sampling.processors import LogitsProcessor
 from serve.model.linear import QUANT_MODES
 from serve.model.runner import LlamaRunner, Runner
 from serve.model.native_runner import NativeLlamaRunner
-from serve.model.factory import CPU_KERNELS, make_runner
+from serve.model.factory import make_runner
 from serve.spec_decode.factory import as_draft, draft_runner
 from serve.model.cuda_graphs import GraphLlamaRunner, StagingRing
 from serve.engine.scheduler import DONE, Scheduler
@@ -68,70 +69,75 @@ from serve.engine.stages import _event, _settle_stamps, begin_prefill, commit, e
 from serve.spec_decode.trees.stages import TreeShape, tree_step
 
 
-K_POLICIES = ("cost", "schedule", "fixed")
 DEFAULT: Any = object()  # "the engine's own draft" for the per-request draft= argument
+
+
+def _serve_default(name: str) -> Any:
+    """serve.<name>'s default: ServeConfig (infra/config.py) is the one place it is defined."""
+    return ServeConfig.model_fields[name].get_default(call_default_factory=True)
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    k: int = 4
-    draft_confidence: float = 0.0
-    k_policy: str = "schedule"  # cost, schedule or fixed (module doc)
-    capture: bool = True
-    capture_top_k: int = 32
-    max_seq_len: int = 2048
+    """The engine's share of the serve section, plus what only the engine's caller sets.
+
+    Every field named like a ServeConfig field takes that field's default and is checked by its
+    validators (bounds, k_policy's and cuda_graphs' values, tree's shape), so a default or a
+    bound is written once, in infra/config.py. `from_config` copies them from a loaded config.
+    """
+
+    k: int = _serve_default("k")
+    k_policy: str = _serve_default("k_policy")  # cost, schedule or fixed (module doc)
+    capture_top_k: int = _serve_default("capture_top_k")
+    max_seq_len: int = _serve_default("max_seq_len")
     # KV cache slots preallocated for concurrent requests, which decode together (one target
     # forward a step for all of them); more requests wait for a slot, at most max_queue of
     # them (more are refused: Overloaded) for at most queue_timeout_s.
-    max_concurrency: int = 2
+    max_concurrency: int = _serve_default("max_concurrency")
     # Prompt tokens a step prefills (serve/engine/scheduler.py): a long prompt advances by one chunk
     # a step between the running requests' decode steps.
-    prefill_chunk: int = 64
-    max_queue: int = 16
-    queue_timeout_s: float = 30.0
+    prefill_chunk: int = _serve_default("prefill_chunk")
+    max_queue: int = _serve_default("max_queue")
+    queue_timeout_s: float = _serve_default("queue_timeout_s")
     # CUDA graphs for Llama forwards of up to k+1 tokens (serve/model/cuda_graphs.py): "auto" = on CUDA.
-    cuda_graphs: str = "auto"
+    cuda_graphs: str = _serve_default("cuda_graphs")
     # "TOTAL,DEPTH,TOPK": steps verify an EAGLE-2 tree (serve/spec_decode/trees/stages.py; sampled requests
     # draw the tree from q and verify it by recursive rejection) instead of a chain; "" = chains.
-    tree: str = ""
-    # How the decoder weights are multiplied (serve/model/linear.py): "none" as loaded, "int4"
-    # group-wise 4-bit (the GGUF target's own Q4_1 codes), for the target and its drafts.
+    tree: str = _serve_default("tree")
+    # Not config, the engine's own. Whether requests may be captured at all (a request still
+    # opts in or out):
+    capture: bool = True
+    # The draft stops early where its top probability falls below this (0: never; module doc).
+    # An experiment's setting (`osd bench engine --confidence-sweep`), off in serving.
+    draft_confidence: float = 0.0
+    # How the decoder weights are multiplied (serve/model/linear.py): model.quant as resolved
+    # (ModelConfig.resolved): "none" as loaded, "int4" group-wise 4-bit (the GGUF target's own
+    # Q4_1 codes), for the target and its drafts.
     quant: str = "none"
     # An int4 target's CPU forward (infra/config.py ModelConfig.cpu_kernels): auto, native, torch.
-    cpu_kernels: str = "auto"
+    cpu_kernels: str = ModelConfig.model_fields["cpu_kernels"].default
 
     @classmethod
-    def from_config(cls, serve: "ServeConfig", model: "ModelConfig | None" = None) -> "EngineOptions":
-        return cls(k=serve.k, draft_confidence=serve.draft_confidence, k_policy=serve.k_policy,
-                   capture_top_k=serve.capture_top_k, max_seq_len=serve.max_seq_len,
-                   max_concurrency=serve.max_concurrency, prefill_chunk=serve.prefill_chunk,
-                   max_queue=serve.max_queue,
-                   queue_timeout_s=serve.queue_timeout_s, cuda_graphs=serve.cuda_graphs, tree=serve.tree,
-                   quant=model.resolved().quant if model is not None else "none",
-                   cpu_kernels=model.cpu_kernels if model is not None else "auto")
+    def from_config(cls, serve: ServeConfig, model: ModelConfig | None = None) -> "EngineOptions":
+        own = {name: getattr(serve, name) for name in _SERVE_FIELDS}
+        if model is not None:
+            own.update(quant=model.resolved().quant, cpu_kernels=model.cpu_kernels)
+        return cls(**own)
 
     def __post_init__(self) -> None:
-        if self.k < 0:
-            raise EngineError(f"k must be >= 0, got {self.k}")
-        if not 0.0 <= self.draft_confidence < 1.0:
-            raise EngineError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
-        if self.capture_top_k < 1 or self.max_concurrency < 1 or self.max_seq_len < 2 or self.prefill_chunk < 1:
-            raise EngineError("capture_top_k, max_concurrency, prefill_chunk must be >= 1 and max_seq_len >= 2")
-        if self.max_queue < 0 or self.queue_timeout_s <= 0:
-            raise EngineError("max_queue must be >= 0 and queue_timeout_s > 0")
-        if self.cuda_graphs not in ("auto", "on", "off"):
-            raise EngineError(f"cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
-        if self.k_policy not in K_POLICIES:
-            raise EngineError(f"k_policy must be one of {', '.join(K_POLICIES)}, got {self.k_policy!r}")
+        try:  # ServeConfig's and ModelConfig's own validators: one definition of each bound
+            ServeConfig.model_validate({name: getattr(self, name) for name in _SERVE_FIELDS})
+            ModelConfig.model_validate({"cpu_kernels": self.cpu_kernels})
+        except ValidationError as e:
+            raise EngineError("; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']} (got {err['input']!r})"
+                                        for err in e.errors())) from None
         if self.quant not in QUANT_MODES:
             raise EngineError(f"quant must be one of {', '.join(QUANT_MODES)}, got {self.quant!r}")
-        if self.cpu_kernels not in CPU_KERNELS:
-            raise EngineError(f"cpu_kernels must be one of {', '.join(CPU_KERNELS)}, got {self.cpu_kernels!r}")
-        if self.tree:
-            try:
-                TreeShape.parse(self.tree)
-            except ValueError as e:
-                raise EngineError(str(e)) from None
+        if not 0.0 <= self.draft_confidence < 1.0:
+            raise EngineError(f"draft_confidence must be in [0, 1), got {self.draft_confidence}")
+
+
+_SERVE_FIELDS = tuple(f.name for f in fields(EngineOptions) if f.name in ServeConfig.model_fields)
 
 
 @dataclass

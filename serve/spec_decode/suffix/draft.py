@@ -30,11 +30,15 @@ from typing import Any
 
 import torch
 
+from infra.config import SuffixConfig
 from serve.spec_decode.protocol import Draft, Proposal, StepContext, no_proposal, own_as_tensor
 from serve.spec_decode.k_policy import chain_expected, expected_tokens
 from serve.spec_decode.suffix.calibration import Calibration
 from serve.spec_decode.suffix.index import SuffixProposer
 from serve.spec_decode.trees.dynamic import DraftTree
+
+
+_DEFAULTS = SuffixConfig()
 
 
 class SuffixDraft(Draft):
@@ -45,9 +49,11 @@ class SuffixDraft(Draft):
     max_seq_len = 1 << 30  # no context limit of its own
     device = torch.device("cpu")  # its proposals go to each request's device
 
-    def __init__(self, vocab_size: int, *, max_tokens: int = 200_000,
-                 max_depth: int = 32, min_prob: float = 0.1, factor: float = 1.0, offset: float = 0.0,
-                 max_chain: int = 15):
+    def __init__(self, vocab_size: int, *, max_tokens: int = _DEFAULTS.max_tokens,
+                 max_depth: int = _DEFAULTS.max_depth, min_prob: float = _DEFAULTS.min_prob, factor: float = 1.0,
+                 offset: float = 0.0, max_chain: int = _DEFAULTS.max_chain):
+        # serve.suffix's defaults (infra/config.py SuffixConfig); factor and offset, for
+        # experiments, are this draft's own.
         self.vocab_size = vocab_size
         self.max_chain = max_chain
         self.min_prob, self.factor, self.offset = min_prob, factor, offset
@@ -61,8 +67,7 @@ class SuffixDraft(Draft):
     @classmethod
     def from_config(cls, suffix: Any, vocab_size: int) -> "SuffixDraft":
         return cls(vocab_size, max_tokens=suffix.max_tokens, max_depth=suffix.max_depth,
-                   min_prob=suffix.min_prob, factor=suffix.factor, offset=suffix.offset,
-                   max_chain=suffix.max_chain)
+                   min_prob=suffix.min_prob, max_chain=suffix.max_chain)
 
     def _follow(self, seq: Any) -> int:
         """The request's index brought up to its committed tokens; its key."""

@@ -32,43 +32,14 @@ q and the target's p are warped by the request's temperature, top-k and top-p, a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
+from infra.config import TreeShape  # serve.tree's shape, checked when the config loads
 from serve.spec_decode.trees.dynamic import (DraftTree, ancestor_matrix, compact_kv_, compaction_indices, expand_tree, tree_attention,
                         verify_tree_greedy, verify_tree_positional, verify_tree_sampling)
 from serve.sampling.verify import SamplingParams, warp_probs
-
-
-@dataclass(frozen=True)
-class TreeShape:
-    """EAGLE-2's three numbers: nodes verified per step (root included), expansion depth,
-    children expanded per level."""
-
-    total: int
-    depth: int
-    top_k: int
-
-    def __post_init__(self) -> None:
-        if self.total < 2 or self.depth < 1 or self.top_k < 1:
-            raise ValueError(f"a tree needs total >= 2, depth >= 1 and top_k >= 1, got {self}")
-
-    @classmethod
-    def parse(cls, text: str) -> "TreeShape":
-        """'TOTAL,DEPTH,TOPK', e.g. '16,4,4'."""
-        try:
-            total, depth, top_k = (int(x) for x in text.split(","))
-        except ValueError:
-            raise ValueError(f"a tree shape is TOTAL,DEPTH,TOPK (three integers), got {text!r}") from None
-        return cls(total, depth, top_k)
-
-    @property
-    def max_candidates(self) -> int:
-        """Nodes expand_tree can create before its final cut: the root's top_k children, then
-        top_k children for each of the top_k frontier nodes per level."""
-        return 1 + self.top_k + (self.depth - 1) * self.top_k * self.top_k
 
 
 class NodeRows:
