@@ -93,7 +93,7 @@ class ModelConfig(_Section):
     # PyTorch's int4 ops; "auto": native where its library loads and the model fits its tiles,
     # else torch with one line saying why.
     cpu_kernels: Literal["auto", "native", "torch"] = "auto"
-    device: str = "cpu"
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where the target runs
     # Torch intra-op threads; 0 leaves torch's default.
     num_threads: int = Field(0, ge=0)
 
@@ -146,7 +146,7 @@ class DataConfig(_Section):
     held_out_fraction: float = Field(0.05, gt=0.0, lt=1.0)
     # Length filter on the first human turn, in characters.
     min_prompt_chars: int = Field(1, ge=0)
-    max_prompt_chars: int = Field(4000, ge=1)
+    max_prompt_chars: int = Field(4000, ge=1)  # longest first human turn kept, in characters
 
     @model_validator(mode="after")
     def _lengths(self) -> "DataConfig":
@@ -168,8 +168,8 @@ class SuffixConfig(_Section):
 
     # Tokens of recent served outputs one replica keeps (about 30 bytes each), oldest evicted.
     max_tokens: int = Field(200_000, ge=1)
-    max_depth: int = Field(32, ge=1, le=256)
-    min_prob: float = Field(0.1, ge=0.0, le=1.0)
+    max_depth: int = Field(32, ge=1, le=256)  # longest suffix match the index follows, in tokens
+    min_prob: float = Field(0.1, ge=0.0, le=1.0)  # a chain stops at a token whose empirical probability is below this
     # Longest chain a step verifies, beyond serve.k: a chain is chosen, not drafted, so its
     # length costs only verify rows, which the cost profile prices (k_policy.chain_cut). At
     # most 15: a verify of up to 16 rows attends row by row exactly as decoding does.
@@ -196,7 +196,7 @@ class TenantConfig(_Section):
 class APIKeyConfig(_Section):
     # The bearer token; the chart keeps these in its Secret (OSD_SERVE__API_KEYS).
     key: str = Field(min_length=8, repr=False)
-    tenant: str = Field(DEFAULT_TENANT, pattern=TENANT_PATTERN)
+    tenant: str = Field(DEFAULT_TENANT, pattern=TENANT_PATTERN)  # its requests' tenant (serve.tenants)
     # May delete records (DELETE /v1/osd/records) and read every tenant's figures (/osd/stats).
     admin: bool = False
 
@@ -236,8 +236,8 @@ class ServeConfig(_Section):
         "draft_confidence": "an engine option for experiments (EngineOptions.draft_confidence; "
                             "`osd bench engine --confidence-sweep` times it)"}
 
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=1, le=65535)
+    host: str = "127.0.0.1"  # the HTTP endpoint's address (0.0.0.0 to listen on every interface)
+    port: int = Field(8000, ge=1, le=65535)  # the HTTP endpoint's port
     # Draft served beside the target: none, self, truncate:L, suffix, a draft directory (a head's
     # with "+suffix": both, chosen per step), "registry" (follow the registry's stable/canary
     # aliases, hot-swapping as they move), "registry+suffix" (the same, each head version
@@ -253,13 +253,13 @@ class ServeConfig(_Section):
     swap_max_failures: int = Field(5, ge=1)
     # Write a training record for each finished request (a request may override it).
     record: bool = True
-    num_replicas: int = Field(1, ge=1)
-    num_cpus_per_replica: float = Field(1.0, gt=0)
+    num_replicas: int = Field(1, ge=1)  # target replicas behind the ingress
+    num_cpus_per_replica: float = Field(1.0, gt=0)  # CPUs Ray reserves for each replica
     # A replica's forward threads (torch's and the native kernels'). 0: model.num_threads where
     # set, else every usable core for a lone replica (infra/cpu.py replica_threads),
     # else num_cpus_per_replica each.
     forward_threads: int = Field(0, ge=0)
-    max_new_tokens: int = Field(256, ge=1)
+    max_new_tokens: int = Field(256, ge=1)  # the cap on a request without max_tokens
     # Draft tokens proposed per step, at most.
     k: int = Field(4, ge=0, le=64)
     # The draft length per step (serve/engine/core.py): "cost" picks 0..k for the most expected
@@ -345,7 +345,7 @@ def _stream_cap(maxlen: int, memory_budget_mb: int, record_kb: float) -> int:
 class RedisUser(_Section):
     # An ACL user of the Redis; empty: the URL's own credentials.
     username: str = ""
-    password: str = Field("", repr=False)
+    password: str = Field("", repr=False)  # that user's password (the chart keeps it in its Secret)
 
 
 class RedisUsers(_Section):
@@ -362,8 +362,8 @@ class StreamConfig(_Section):
     # redis:// or rediss:// (user:password@ allowed) or unix://. Empty means: start a private
     # redis-server under state_dir/redis (AOF on, fsync every second, password, maxmemory).
     redis_url: str = ""
-    stream: str = "osd:records"
-    group: str = "trainers"
+    stream: str = "osd:records"  # the Redis stream the replicas write records to
+    group: str = "trainers"  # the trainers' consumer group
     # Memory the record stream may take in Redis; the cap below is derived from it, and the
     # private redis-server's maxmemory is this plus headroom. record_kb: an encoded record
     # (256 positions at top-32 are about 55 KB).
@@ -389,15 +389,15 @@ class StreamConfig(_Section):
     lag_refresh_s: float = Field(1.0, ge=0)
     # Every Redis call gives up after socket_timeout_s, so a dead Redis costs bounded time.
     socket_timeout_s: float = Field(2.0, gt=0)
-    connect_timeout_s: float = Field(1.0, gt=0)
+    connect_timeout_s: float = Field(1.0, gt=0)  # a connection attempt gives up after this
     # After a failed write the producer drops without trying for the back-off, doubled per
     # failure up to the max: at most that long of drops after Redis is back (a try costs the
     # writer thread connect_timeout_s, never a request).
     reconnect_backoff_s: float = Field(0.5, gt=0)
-    reconnect_backoff_max_s: float = Field(2.0, gt=0)
+    reconnect_backoff_max_s: float = Field(2.0, gt=0)  # the longest back-off between write attempts
     # Consumer. Entries per XREADGROUP; BLOCK in ms (0: do not block), shorter than the socket timeout.
     read_count: int = Field(64, ge=1)
-    block_ms: int = Field(1000, ge=0)
+    block_ms: int = Field(1000, ge=0)  # a consumer's longest wait for new entries (XREADGROUP BLOCK)
     # Entries pending this long (a consumer died holding them) are taken over with XAUTOCLAIM.
     claim_idle_ms: int = Field(60_000, ge=1)
     # Record ids remembered to skip duplicates (0: no dedupe).
@@ -459,7 +459,7 @@ class GateConfig(_Section):
 
     path: ClassVar[str] = "train.gate"
 
-    records: int = Field(100, ge=1)
+    records: int = Field(100, ge=1)  # the newest held-out records a candidate and stable are scored on
     # Fewer held-out records than this: the candidate is gated (no evidence it is better).
     min_records: int = Field(20, ge=1)
     # Two-sided paired bootstrap interval, and its resamples.
@@ -483,9 +483,9 @@ class TrainConfig(_Section):
                 "source=, per_domain=); the head's vocabulary comes from its training data"
            for key in ("head_vocab_source", "head_vocab_prompts")}}
 
-    num_workers: int = Field(1, ge=1)
+    num_workers: int = Field(1, ge=1)  # trainer ranks (Ray actors, one DeepSpeed process group)
     zero_stage: int = Field(2, ge=1, le=3)  # DeepSpeed ZeRO stage: 1, 2 or 3
-    offload_optimizer: bool = False
+    offload_optimizer: bool = False  # ZeRO's optimizer state on the CPU (for large drafts on GPUs)
     device: str = "cpu"  # cpu: gloo; cuda: NCCL
     # How long surviving ranks wait in a collective for a dead one before failing.
     collective_timeout_s: float = Field(300.0, gt=0)
@@ -498,10 +498,10 @@ class TrainConfig(_Section):
     # Custom Ray resources each worker asks for besides its CPU, e.g. {trainer: 1}, so the
     # workers land on the nodes that advertise them (a KubeRay worker group: helm/osd).
     resources: dict[str, float] = Field(default_factory=dict)
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-3, gt=0)  # AdamW's learning rate
     # Linear learning-rate warm-up over this many optimizer steps (0: none).
     warmup_steps: int = Field(20, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
+    grad_clip: float = Field(1.0, gt=0)  # gradient norm clipping
     # Records per optimizer step are packed up to this many tokens (prompt + output) per worker.
     token_budget: int = Field(1024, ge=1)
     # Longer records are cut to this many tokens.
@@ -509,8 +509,8 @@ class TrainConfig(_Section):
     # Draft family: decoder layers copied from the target ("first" L or evenly "spaced");
     # embedding, final norm and head shared with the target and frozen unless independent_head.
     draft_layers: int = Field(4, ge=1)
-    draft_layer_source: Literal["first", "spaced"] = "first"
-    independent_head: bool = False
+    draft_layer_source: Literal["first", "spaced"] = "first"  # which target layers a layer draft copies
+    independent_head: bool = False  # train the layer draft's own copy of the embedding and head
     # Replay: after each step on new records, this many more steps on records drawn again from
     # the last replay_buffer trained ones. Low-traffic deployments (and the demo) see few new
     # records per candidate; replaying them is what the warm start's epochs do offline.
@@ -518,16 +518,16 @@ class TrainConfig(_Section):
     replay_buffer: int = Field(256, ge=1)
     # Publish a candidate every this many records or seconds, whichever comes first.
     export_every_records: int = Field(2000, ge=1)
-    export_every_s: float = Field(600.0, gt=0)
+    export_every_s: float = Field(600.0, gt=0)  # or after this many seconds, whichever comes first
     # One record in this many is held out (not trained on) to estimate a candidate's acceptance.
     held_out_every: int = Field(10, ge=2)
-    held_out_buffer: int = Field(200, ge=1)
+    held_out_buffer: int = Field(200, ge=1)  # newest held-out records kept for the estimate and the gate
     gate: GateConfig = Field(default_factory=GateConfig)
     # Warm start (`osd draft init --family layer`; the head's are head_warm_*): teacher outputs
     # for this many ShareGPT train prompts.
     warm_prompts: int = Field(256, ge=1)
-    warm_max_new_tokens: int = Field(64, ge=1)
-    warm_epochs: int = Field(6, ge=1)
+    warm_max_new_tokens: int = Field(64, ge=1)  # the teacher's longest answer per prompt
+    warm_epochs: int = Field(6, ge=1)  # passes over the teacher records
     # The engine teacher's concurrency: beyond 24 rows a step runs the bfloat16 weights, whose
     # GEMMs reuse each weight across rows, so 64 makes more tokens a second than 16
     # (`osd bench teacher --batches 16,64`; docs/benchmarks.md).
@@ -563,15 +563,15 @@ class TrainConfig(_Section):
     # answers"), and a CPU minute makes about as many rows of either; so no ShareGPT conversations
     # by default (head_warm_conversations adds them as fixed text). 2 passes over the data.
     head_warm_prompts: int = Field(1536, ge=1)
-    head_warm_max_new_tokens: int = Field(128, ge=1)
-    head_warm_turns: Literal["first", "all"] = "all"
+    head_warm_max_new_tokens: int = Field(128, ge=1)  # the teacher's longest answer per prompt
+    head_warm_turns: Literal["first", "all"] = "all"  # a conversation's first human turn only, or every turn
     # ... and generates for at most this many minutes (warm_budget_minutes; None: every prompt),
     # checked between shards, so the warm start fits its half hour on a slower CPU too: a fast
     # CPU answers about all the prompts within it, a slow one fewer (docs/benchmarks.md, "The
     # default warm start").
     head_warm_budget_minutes: float | None = Field(12.0, gt=0)
-    head_warm_conversations: int = Field(0, ge=0)
-    head_warm_epochs: int = Field(2, ge=1)
+    head_warm_conversations: int = Field(0, ge=0)  # ShareGPT conversations added as fixed text
+    head_warm_epochs: int = Field(2, ge=1)  # passes over the data
     # Padded feature rows per optimizer step of the head's warm start. Optimizer steps, not rows,
     # limited the heads measured so far (docs/benchmarks.md, "Every human turn, and a GPU"):
     # large GPU steps gave too few of them. So the GPU default is 8x the steps of 16384 rows,
@@ -583,7 +583,7 @@ class TrainConfig(_Section):
     # bfloat16 on a GPU or a CPU with native bfloat16 GEMMs (infra/cpu.py), else float32,
     # since an AVX2-only CPU emulates bfloat16 several times slower than float32.
     head_warm_autocast: Literal["auto", "none", "bfloat16"] = "auto"
-    head_cuda_token_budget: int = Field(2048, ge=8)
+    head_cuda_token_budget: int = Field(2048, ge=8)  # tokens per head training batch on a GPU
 
     def for_family(self, family: str) -> "TrainConfig":
         """The settings a family's warm start reads as warm_prompts, warm_max_new_tokens,
@@ -617,7 +617,7 @@ class TrainConfig(_Section):
 class RegistryConfig(_Section):
     # A pyarrow filesystem URI; empty means file://<state_dir>/registry.
     uri: str = ""
-    keep_last: int = Field(5, ge=1)
+    keep_last: int = Field(5, ge=1)  # versions kept besides those an alias names (Registry.gc)
 
 
 class RolloutConfig(_Section):
@@ -636,7 +636,7 @@ class RolloutConfig(_Section):
     max_requests: int = Field(400, ge=2)
     # The controller reads records as its own consumer group, so trainers are unaffected.
     group: str = "rollout"
-    poll_s: float = Field(1.0, gt=0)
+    poll_s: float = Field(1.0, gt=0)  # the controller's loop period
 
     @model_validator(mode="after")
     def _steps(self) -> "RolloutConfig":
