@@ -522,6 +522,11 @@ class TrainConfig(_Section):
     # One record in this many is held out (not trained on) to estimate a candidate's acceptance.
     held_out_every: int = Field(10, ge=2)
     held_out_buffer: int = Field(200, ge=1)  # newest held-out records kept for the estimate and the gate
+    # The trainer's lag bound (train/lag.py): a record older than this when read is skipped
+    # (acked with the next checkpoint, counted), except a stale_keep share of them, so the
+    # trainer learns from traffic seconds old when it falls behind. 0: every record, in order.
+    max_lag_s: float = Field(0.0, ge=0)
+    stale_keep: float = Field(0.1, ge=0, le=1)
     gate: GateConfig = Field(default_factory=GateConfig)
     # Warm start (`osd draft init --family layer`; the head's are head_warm_*): teacher outputs
     # for this many ShareGPT train prompts.

@@ -24,3 +24,44 @@ def test_the_stale_share_kept_is_the_configured_one_and_fixed_per_record():
     assert not any(keep_stale(i, 0.0) for i in ids[:1000]) and all(keep_stale(i, 1.0) for i in ids[:1000])
     fresh_and_stale = [train_on(i, 100.0, 200.0, 30.0, 0.1) for i in ids]
     assert fresh_and_stale == kept and all(train_on(i, 190.0, 200.0, 30.0, 0.1) for i in ids[:1000])
+
+
+@pytest.mark.pure
+def test_the_trainer_skips_records_past_the_bound_acks_them_with_the_checkpoint_and_counts_them(tmp_path):
+    """TrainerWorker._fill with a consumer that hands it fresh and stale records (no Redis)."""
+    import time
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from infra.config import load_config
+    from infra.records import Record
+    from infra.streams import Delivery
+    from train.trainer import TrainerWorker
+
+    now = time.time()
+
+    def delivery(i, age):
+        rec = Record(request_id=f"r{i}", draft_version="v1", prompt_ids=np.array([3, i], np.int32),
+                     output_ids=np.full(4, 5, np.int32), topk_ids=np.zeros((4, 2), np.int32),
+                     topk_logprobs=np.zeros((4, 2), np.float16), accepted=np.zeros(4, bool),
+                     draft_tokens=np.full(4, -1, np.int32), draft_probs=np.zeros(4, np.float32),
+                     created_at=now - age)
+        return Delivery(f"{i}-0", rec)
+
+    got = [delivery(i, 300.0 if i % 2 else 1.0) for i in range(40)]
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
+                                             "train": {"max_lag_s": 60.0, "stale_keep": 0.25,
+                                                       "held_out_every": 1_000_000}})
+    w = TrainerWorker(cfg.model_dump(mode="json"), 0, 1, str(tmp_path / "run"))
+    w.consumer = SimpleNamespace(read=lambda count=None, block_ms=None: got)
+    w.telemetry = SimpleNamespace(status={})
+    w.held_out, w.trained_prompts = [], {}
+    buffer: list = []
+    assert w._fill(buffer, block_ms=0) == 40
+    stale = [d for d in got if now - d.record.created_at > 60]
+    kept = [d for d in stale if keep_stale(d.record.record_id, 0.25)]
+    assert 0 < len(kept) < len(stale)
+    assert {d.entry_id for d in buffer} == {d.entry_id for d in got if d not in stale} | {d.entry_id for d in kept}
+    assert {d.entry_id for d in w._held_acks} == {d.entry_id for d in stale if d not in kept}  # acked, not trained
+    assert w.skipped_stale == w.telemetry.status["skipped_stale"] == len(stale) - len(kept)

@@ -57,6 +57,7 @@ class RunStats:
     exports: list[dict[str, Any]] = field(default_factory=list)
     resumed: dict[str, Any] | None = None
     dead_lettered: int = 0
+    records_skipped_stale: int = 0  # older than train.max_lag_s when read (train/lag.py)
     replay_steps: int = 0  # of `steps`, those on replayed records
 
 
@@ -74,6 +75,7 @@ class TrainerWorker:
         self.consumer_name = consumer_name or f"trainer-{rank}"
         # Deliveries of held-out records: never trained on, acked with the next checkpoint.
         self._held_acks: list = []
+        self.skipped_stale = 0  # records past train.max_lag_s, skipped (train/lag.py)
         torch.set_num_threads(1 if world_size > 1 else max(1, torch.get_num_threads()))
 
     def address(self) -> tuple[str, int]:
@@ -158,15 +160,23 @@ class TrainerWorker:
     # -- the loop ----------------------------------------------------------------
 
     def _fill(self, buffer: list, block_ms: int) -> int:
-        """Read new deliveries; held-out ones go to the α buffer (acked at the next checkpoint)."""
+        """Read new deliveries; held-out ones go to the α buffer, and records past the lag bound
+        (train/lag.py) are skipped; both are acked at the next checkpoint."""
+        from train.lag import train_on
+
         tc = self.cfg.train
         # Small reads when there are several ranks, so one rank does not take every record.
         got = self.consumer.read(count=4 if self.world_size > 1 else None, block_ms=block_ms)
+        now = time.time()
         for d in got:
             if is_held_out(d.record.record_id, tc.held_out_every):
                 self.held_out.append(d.record)
                 del self.held_out[: -tc.held_out_buffer]
                 self._held_acks.append(d)
+            elif not train_on(d.record.record_id, d.record.created_at, now, tc.max_lag_s, tc.stale_keep):
+                self._held_acks.append(d)
+                self.skipped_stale += 1
+                self.telemetry.status["skipped_stale"] = self.skipped_stale
             else:
                 buffer.append(d)
                 self.trained_prompts[d.record.prompt_ids.tobytes()] = None
@@ -239,6 +249,7 @@ class TrainerWorker:
             if stop:
                 break
         stats.dead_lettered = self.consumer.stats().dead_total
+        stats.records_skipped_stale = self.skipped_stale
         return stats
 
     def _step(self, records: list, loss_fn, stats: RunStats, loss_acc: list[float]) -> None:
