@@ -172,6 +172,9 @@ class TrainerWorker:
     def _fill(self, buffer: list, block_ms: int) -> int:
         """Read new deliveries; held-out ones go to the α buffer (acked at the next checkpoint)."""
         tc = self.cfg.train
+        # Never longer than stream.block_ms, which the config keeps below the socket timeout:
+        # a longer BLOCK would make every idle read a timeout error.
+        block_ms = min(block_ms, self.cfg.stream.block_ms)
         # Small reads when there are several ranks, so one rank does not take every record.
         got = self.consumer.read(count=4 if self.world_size > 1 else None, block_ms=block_ms)
         for d in got:
