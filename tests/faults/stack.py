@@ -193,3 +193,42 @@ def actor_pid(handle: Any) -> int:
     info = actors(actor_id=handle._actor_id.hex())
     assert info["State"] == "ALIVE" and info["Pid"], info
     return int(info["Pid"])
+
+
+class AliasWatch:
+    """Checks, every `every` s while a scenario runs, that each alias names a version that loads
+    on the target (digests checked); a version is loaded once. failures: (alias, version, error)
+    for a version an alias still named after its load failed."""
+
+    def __init__(self, cfg: Any, target_model: Any, every: float = 0.3):
+        from infra.registry import Registry
+
+        self.reg, self.model, self.every = Registry.from_config(cfg), target_model, every
+        self.loaded: set[str] = set()
+        self.failures: list[tuple[str, str, str]] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True, name="alias-watch")
+        self._t.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self.check()
+
+    def check(self) -> None:
+        for name, alias in self.reg.aliases().items():
+            version = alias and alias["version"]
+            if not version or version in self.loaded:
+                continue
+            try:
+                self.reg.load_draft(version, self.model)
+                self.loaded.add(version)
+            except Exception as e:  # noqa: BLE001 - any failure to load is what is watched for
+                still = (self.reg.alias(name) or {}).get("version")
+                if still == version:  # not a version the alias left (and gc removed) meanwhile
+                    self.failures.append((name, version, f"{type(e).__name__}: {e}"))
+
+    def stop(self) -> "AliasWatch":
+        self._stop.set()
+        self._t.join(30)
+        self.check()
+        return self
