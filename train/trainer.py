@@ -349,6 +349,11 @@ class TrainerWorker:
             if reg.local:  # digests were computed while copying; no second hashing pass
                 path = str(reg.payload_dir(published))
                 shutil.rmtree(out_dir, ignore_errors=True)
+            # The controller collects on its decisions too, but exports can outpace them (a long
+            # canary, a controller that is down): whoever adds versions keeps them within retention.
+            removed = reg.gc(self.cfg.registry.keep_last)
+            if removed:
+                _log(0, f"registry gc removed {', '.join(removed)}")
         except (RegistryError, OSError) as e:
             _log(0, f"could not publish {version} to the registry ({e}); it stays at {out_dir}")
         _log(0, f"published {version}: alpha_est {alpha}, loss {metrics['loss']}, {self.records_total} records; "

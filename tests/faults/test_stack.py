@@ -20,12 +20,14 @@ import time
 import pytest
 import redis
 
-from tests.faults.stack import (Accounting, AliasWatch, Load, accounting, actor_pid, replica_stats,
+from tests.faults.stack import (Accounting, AliasWatch, Load, actor_pid, replica_stats,
                                 settled_accounting, stack_config, wait_for, write_warm_start)
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.deepspeed]
 
-# Drops a Redis fault may cost, and nothing else (no queue_full, error, closed, lag).
+# Drops a fault may cost, and nothing else (no queue_full, error, closed, lag). A Redis fault
+# costs redis_down drops; so may the others on 2 shared cores, where a restarting trainer can
+# starve the producer past its socket timeout (counted as redis_down, never lost).
 OUTAGE_DROPS = {"redis_down"}
 
 
@@ -161,7 +163,7 @@ def test_trainer_killed_under_load_is_restarted_by_the_supervisor(loop, tiny):
         wait_for(lambda: not _dead_consumers_pending(loop), 120, "the killed trainer's records to be taken over")
     finally:
         outcomes = load.stop()
-    _check(loop, before, outcomes, aliases)
+    _check(loop, before, outcomes, aliases, OUTAGE_DROPS)
 
 
 def _dead_consumers_pending(up) -> dict[str, int]:
@@ -172,8 +174,6 @@ def _dead_consumers_pending(up) -> dict[str, int]:
 
 
 def test_controller_killed_under_load_comes_back(loop, tiny):
-    import ray
-
     before = _snapshot(loop)
     starts = _starts(loop).get("controller", 0)
     read0 = _group(loop, loop.cfg.rollout.group).get("entries-read") or 0
@@ -184,13 +184,12 @@ def test_controller_killed_under_load_comes_back(loop, tiny):
         os.kill(actor_pid(loop.controller), signal.SIGKILL)
         # Ray restarts the actor (max_restarts=-1); it counts its start and reads where its group left off.
         wait_for(lambda: _starts(loop).get("controller", 0) > starts, 120, "the controller to start again")
-        status = wait_for(lambda: _status(loop), 120, "the restarted controller to answer")
-        assert status is not None
+        wait_for(lambda: _status(loop), 120, "the restarted controller to answer")
         wait_for(lambda: (_group(loop, loop.cfg.rollout.group).get("entries-read") or 0) > read0, 120,
                  "the restarted controller to read records")
     finally:
         outcomes = load.stop()
-    _check(loop, before, outcomes, aliases)
+    _check(loop, before, outcomes, aliases, OUTAGE_DROPS)
 
 
 def _status(up):
