@@ -508,6 +508,22 @@ def private_server(cfg: OSDConfig) -> RedisServer:
         return server
 
 
+def exited(server: RedisServer) -> bool:
+    """Whether a server this process started has exited (a crash, the OOM killer, a SIGKILL)."""
+    return server.proc is not None and server.proc.poll() is not None
+
+
+def restart_private(server: RedisServer) -> RedisServer:
+    """A private server that exited, started again on its port and data dir: clients holding its
+    URL reconnect unchanged, and the AOF brings back what reached it."""
+    server._forget()
+    new = RedisServer(server.data_dir, port=server.port, binary=server.binary,
+                      start_timeout_s=server.start_timeout_s, maxmemory_mb=server.maxmemory_mb).start()
+    with _lock:
+        _private[server.data_dir] = new
+    return new
+
+
 def resolve_redis_url(cfg: OSDConfig) -> str:
     """`stream.redis_url` if set, else the URL of the private server (started on first use)."""
     if cfg.stream.redis_url:

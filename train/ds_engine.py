@@ -20,6 +20,8 @@ after the ack finds the checkpoint on disk, and COMPLETE is never a torn file.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -27,7 +29,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -62,6 +64,29 @@ def prebuild_ops() -> list[str]:
         print(f"[osd setup] DeepSpeed op {builder.NAME}: ready ({time.time() - t0:.0f} s)", flush=True)
         built.append(builder.NAME)
     return built
+
+
+@contextlib.contextmanager
+def op_build_lock() -> Iterator[None]:
+    """One op build at a time per TORCH_EXTENSIONS_DIR, under a lock the kernel drops when its
+    holder dies. torch's own build lock is a plain file (<op>/lock): a trainer killed while it
+    built (a SIGKILL, `osd up` stopped during a first start) left it behind, and every later
+    start waited on it for ever. Whoever holds this lock is the only builder, so any torch
+    lock found then is such a leftover, and is removed."""
+    root = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".osd-build.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, or its holder dies
+        for stale in root.glob("*/lock"):
+            print(f"[osd] removing {stale}, a DeepSpeed op build's lock its killed builder left", flush=True)
+            stale.unlink(missing_ok=True)
+        yield
+
+
+def load_cpu_ops() -> list[str]:
+    """The CPU ops, built or loaded under op_build_lock before DeepSpeed asks for them."""
+    with op_build_lock():
+        return prebuild_ops()
 
 
 class CheckpointError(RuntimeError):
@@ -99,6 +124,7 @@ def init_distributed(rank: int, world_size: int, master_addr: str, master_port: 
                       WORLD_SIZE=str(world_size), LOCAL_RANK="0")
     if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        load_cpu_ops()  # under a lock a killed builder cannot leave behind
     import deepspeed
 
     from datetime import timedelta
@@ -270,4 +296,4 @@ class DistillEngine:
 
 
 if __name__ == "__main__":  # `make setup`: python -m train.ds_engine
-    prebuild_ops()
+    load_cpu_ops()

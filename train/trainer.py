@@ -165,6 +165,9 @@ class TrainerWorker:
         from train.lag import train_on
 
         tc = self.cfg.train
+        # Never longer than stream.block_ms, which the config keeps below the socket timeout:
+        # a longer BLOCK would make every idle read a timeout error.
+        block_ms = min(block_ms, self.cfg.stream.block_ms)
         # Small reads when there are several ranks, so one rank does not take every record.
         got = self.consumer.read(count=4 if self.world_size > 1 else None, block_ms=block_ms)
         now = time.time()
@@ -345,6 +348,11 @@ class TrainerWorker:
             if reg.local:  # digests were computed while copying; no second hashing pass
                 path = str(reg.payload_dir(published))
                 shutil.rmtree(out_dir, ignore_errors=True)
+            # The controller collects on its decisions too, but exports can outpace them (a long
+            # canary, a controller that is down): whoever adds versions keeps them within retention.
+            removed = reg.gc(self.cfg.registry.keep_last)
+            if removed:
+                _log(0, f"registry gc removed {', '.join(removed)}")
         except (RegistryError, OSError) as e:
             _log(0, f"could not publish {version} to the registry ({e}); it stays at {out_dir}")
         _log(0, f"published {version}: alpha_est {alpha}, loss {metrics['loss']}, {self.records_total} records; "

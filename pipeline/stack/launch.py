@@ -109,14 +109,38 @@ def _deploy_error(e: Exception) -> str:
     return (causes or lines or [type(e).__name__])[-1][:500]
 
 
+# How often `osd serve`/`osd up` look at their private redis-server, restarting it if it exited.
+REDIS_WATCH_S = 1.0
+
+
 class LocalStack:
-    """Ray + Redis + the app, started in that order and stopped in reverse."""
+    """Ray + Redis + the app, started in that order and stopped in reverse. A private
+    redis-server that exits (a crash, the OOM killer) is started again on its port and data
+    dir within REDIS_WATCH_S: the stack owns it, and nobody else would."""
 
     def __init__(self, cfg: OSDConfig, api_key: str | None = None, app_name: str = "osd"):
         self.cfg, self.api_key, self.app_name = cfg, api_key, app_name
         self.redis: Any = None
         self.reaper: Any = None
+        self.redis_restarts = 0
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
         self.url = f"http://{cfg.serve.host}:{cfg.serve.port}"
+
+    def _watch_redis(self) -> None:
+        from infra.redis_server import RedisServerError, exited, restart_private
+
+        while not self._stopping.wait(REDIS_WATCH_S):
+            server = self.redis
+            if server is None or not exited(server):
+                continue
+            _log(f"the private redis-server exited (code {server.proc.returncode}); starting it again on port "
+                 f"{server.port} from its append-only file")
+            try:
+                self.redis = restart_private(server)
+                self.redis_restarts += 1
+            except RedisServerError as e:  # tried again at the next look
+                _log(f"restarting the private redis-server failed: {e}")
 
     def start(self) -> "LocalStack":
         import ray
@@ -135,6 +159,8 @@ class LocalStack:
             self.redis = private_server(cfg)
             cfg = cfg.model_copy(update={"stream": cfg.stream.model_copy(update={"redis_url": self.redis.url})})
             _log(f"private redis-server on 127.0.0.1:{self.redis.port} (data in {cfg.state_dir}/redis)")
+            self._watcher = threading.Thread(target=self._watch_redis, name="osd-redis-watch", daemon=True)
+            self._watcher.start()
         self.cfg = cfg
         address = os.environ.get("RAY_ADDRESS")
         _log("starting Ray" if not address else f"joining Ray at {address}")
@@ -154,6 +180,9 @@ class LocalStack:
         import ray
         from ray import serve
 
+        self._stopping.set()  # before Redis stops, so it is not started again
+        if self._watcher is not None:
+            self._watcher.join(timeout=30)
         try:
             serve.shutdown()
         finally:

@@ -392,10 +392,11 @@ class TargetReplica:
                                          "rejected": pool.rejected, "timed_out": pool.timed_out}}
         if self.producer is not None:
             ps = self.producer.stats()
-            out.update(records_written=ps.written, records_dropped=ps.dropped_total,
-                       dropped_by_reason=dict(ps.dropped), queued=ps.queued, redis_up=ps.redis_up)
+            out.update(records_submitted=ps.submitted, records_written=ps.written,
+                       records_dropped=ps.dropped_total, dropped_by_reason=dict(ps.dropped), queued=ps.queued,
+                       redis_up=ps.redis_up)
         else:
-            out.update(records_written=0, records_dropped=0, dropped_by_reason={})
+            out.update(records_submitted=0, records_written=0, records_dropped=0, dropped_by_reason={})
         out["batch"] = self.engine.scheduler.log.totals()  # target forwards, their requests and rows
         out["by_source"] = self.metrics.source_table()  # drafting steps by who proposed
         suffix = suffix_of(self.router.routing.stable_runner)

@@ -1,0 +1,41 @@
+"""The registry stays within its retention however fast the trainer exports: gc ran only on the
+rollout controller's final decisions, so while a canary ran (or the controller was down) every
+export added a version; the soak (pipeline/soak.py) counted 30 against gc's 19. The trainer
+now collects after each publish."""
+
+import shutil
+from types import SimpleNamespace
+
+import pytest
+
+from infra.config import load_config
+from infra.registry import AUDIT_PROTECT, Registry
+from train.trainer import TrainerWorker
+
+pytestmark = pytest.mark.pure
+
+
+def _trainer(cfg, tiny, draft_dir, run_dir):
+    """A TrainerWorker with only what _publish reads; its family saves a copy of draft_dir."""
+    w = object.__new__(TrainerWorker)
+    w.cfg, w.target, w.run_dir, w.world_size = cfg, tiny.model, run_dir, 1
+    w.held_out, w.parent_version, w.records_total, w.versions = [], "v1", 0, 0
+    w.fam = SimpleNamespace(name="layer", rebuild=lambda weights: None, alpha=lambda draft, held: None,
+                            save=lambda draft, out, **kw: shutil.copytree(draft_dir, out))
+    w._gate = lambda draft: {"passed": False, "reason": "not scored here"}
+    return w
+
+
+def test_versions_stay_within_retention_while_no_decision_is_taken(tmp_path, tiny, draft_dir):
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "registry": {"keep_last": 1}})
+    reg = Registry.from_config(cfg)
+    reg.publish(draft_dir, "v1")
+    reg.promote("v1")
+    w = _trainer(cfg, tiny, draft_dir, tmp_path / "train" / "t")
+    for _ in range(20):  # exports, and no controller deciding on any of them
+        w.versions += 1
+        w._publish({}, [0.5], 12)
+    kept = cfg.registry.keep_last + 3 + AUDIT_PROTECT  # newest, aliased (stable, previous, canary), audited
+    ids = [v.id for v in reg.list()]
+    assert len(ids) <= kept, f"{len(ids)} versions kept, retention {kept}"
+    assert "v1" in ids and ids[-1] == "t-v0020"  # stable kept, the newest candidate kept
