@@ -280,7 +280,7 @@ def run_soak(cfg: OSDConfig, *, minutes: float = 20.0, clients: int = 2, sample_
     from infra.draft_spec import warm_started_draft
     from infra.redis_server import free_port
     from infra.registry import Registry
-    from pipeline.up import ClosedLoop
+    from pipeline.stack.up import ClosedLoop
 
     tmp = None
     if state_dir is None:
@@ -356,7 +356,7 @@ def _sample(t: float, pid: int, state: Path, run_name: str, client: Any, stream:
 
 
 def _decisions(reg: Any) -> int:
-    from pipeline.rollout import FINAL
+    from pipeline.rollout.controller import FINAL
 
     return sum(1 for e in reg.audit_log() if e.get("action") in FINAL)
 

@@ -13,7 +13,7 @@ import redis
 
 from infra.config import load_config
 from infra.redis_server import private_server
-from pipeline.launch import LocalStack
+from pipeline.stack.launch import LocalStack
 
 pytestmark = pytest.mark.redis
 

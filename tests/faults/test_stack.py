@@ -34,7 +34,7 @@ OUTAGE_DROPS = {"redis_down"}
 @pytest.fixture(scope="module")
 def loop(tiny, tmp_path_factory):
     from infra.redis_server import free_port
-    from pipeline.up import ClosedLoop
+    from pipeline.stack.up import ClosedLoop
 
     state = tmp_path_factory.mktemp("stack")
     write_warm_start(tiny, state)
