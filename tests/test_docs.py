@@ -77,14 +77,14 @@ def test_the_coverage_check_fails_when_a_setting_has_no_row():
     assert missing_from(without) == {"serve.k_policy"}
 
 
-def test_the_reference_takes_defaults_from_defaults_yaml_and_descriptions_from_the_code():
+def test_the_reference_takes_defaults_and_descriptions_from_the_config_models():
     rows = {s.key: s for s in _gen().settings()}
     assert rows["serve.k"].default == "`4`"
     assert rows["model.cache_dir"].default == "`~/.cache/osd/models`"
     assert rows["serve.api_keys[].key"].default == "required"
     assert "draft length" in rows["serve.k_policy"].description.lower()
     documented = sum(bool(s.description) for s in rows.values())
-    assert documented / len(rows) > 0.75, "most settings carry a comment in infra/config.py or defaults.yaml"
+    assert documented / len(rows) > 0.75, "most settings carry a comment in infra/config.py"
 
 
 def test_the_configuration_page_is_filled_by_the_mkdocs_hook():

@@ -8,12 +8,12 @@ import functools
 from types import ModuleType
 
 from infra.config import OSDConfig
-from pipeline.bench import adapt, engine, forward, load, stream, teacher, train
+from pipeline.bench import adapt, engine, forward, load, soak, stream, teacher, train
 from pipeline.cli.common import user_error
 
 # In the order `osd bench --help` lists them.
 BENCHES: dict[str, ModuleType] = {"engine": engine, "train": train, "adapt": adapt, "stream": stream,
-                                  "forward": forward, "load": load, "teacher": teacher}
+                                  "forward": forward, "load": load, "teacher": teacher, "soak": soak}
 
 
 def _run(bench: ModuleType, cfg: OSDConfig, args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ def stack_config(state_dir: Path, port: int, **sections: dict) -> Any:
         "state_dir": str(state_dir), "model": {"target": "tiny-random"},
         "serve": {"port": port, "max_new_tokens": 16, "num_cpus_per_replica": 0.5, "alias_poll_s": 0.3},
         "train": {"draft_layers": 1, "export_every_records": 12, "export_every_s": 1000, "held_out_every": 5,
-                  "token_budget": 256, "max_seq_len": 128, "gate_min_records": 2, "gate_resamples": 200},
+                  "token_budget": 256, "max_seq_len": 128, "gate": {"min_records": 2, "resamples": 200}},
         "rollout": {"canary_steps": [0.5, 1.0], "min_requests": 4, "max_requests": 40, "poll_s": 0.3},
     }
     for k, v in sections.items():

@@ -43,7 +43,7 @@ def _cfg(tmp_path, redis_url):
         "state_dir": str(tmp_path), "model": {"target": "tiny-random"},
         "stream": {"redis_url": redis_url, "stream": "t:records", "claim_idle_ms": 300},
         "train": {"num_workers": 1, "draft_layers": 1, "token_budget": 100, "export_every_records": 10,
-                  "held_out_every": 1000, "gate_resamples": 100}})
+                  "held_out_every": 1000, "gate": {"resamples": 100}}})
 
 
 def _produce(cfg, recs):

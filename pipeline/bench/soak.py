@@ -12,8 +12,7 @@ largest seen; registry versions: what Registry.gc keeps, registry.keep_last plus
 the recently audited and one being published; Redis: stream.memory_budget_mb), else (RSS) the first two thirds' max plus 10% and 32 MB. Printed as a
 table and written as JSON.
 
-Standalone: `python -m pipeline.soak --minutes 3`. `add_arguments` / `run` are what `osd bench
-soak` registers.
+`osd bench soak --minutes 3` (the tiny target unless `--target` names another).
 """
 
 from __future__ import annotations
@@ -24,13 +23,13 @@ import random
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.config import OSDConfig, load_config
+from tabulate import tabulate
+
+from infra.config import OSDConfig
 
 SAMPLE_EVERY_S = 10.0
 RSS_SLACK = (1.10, 32.0)  # RSS bound without a retention: earlier max x 1.10 + 32 MB
@@ -38,8 +37,8 @@ RSS_SLACK = (1.10, 32.0)  # RSS bound without a retention: earlier max x 1.10 + 
 # decided after a few requests (the same cadence as the whole-stack tests).
 FAST_LOOP = {
     "serve": {"max_new_tokens": 32, "num_cpus_per_replica": 0.5, "alias_poll_s": 0.5},
-    "train": {"export_every_records": 12, "export_every_s": 1000, "held_out_every": 5, "gate_min_records": 2,
-              "gate_resamples": 200},
+    "train": {"export_every_records": 12, "export_every_s": 1000, "held_out_every": 5,
+              "gate": {"min_records": 2, "resamples": 200}},
     "rollout": {"canary_steps": [0.5, 1.0], "min_requests": 4, "max_requests": 40, "poll_s": 0.5},
 }
 TINY = {"train": {"draft_layers": 1, "token_budget": 256, "max_seq_len": 128}}
@@ -132,6 +131,9 @@ class MixedLoad:
         self.errors: list[str] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        import httpx
+
+        self._http = httpx.Client(timeout=timeout_s)  # thread-safe; one pool for every client thread
         self._threads = [threading.Thread(target=self._client, args=(seed + i,), daemon=True, name=f"soak-{i}")
                          for i in range(clients)]
         for t in self._threads:
@@ -157,21 +159,24 @@ class MixedLoad:
                     self.errors = (self.errors + [err])[-20:]
 
     def _one(self, path: str, body: dict[str, Any], stream: bool) -> str | None:
-        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+        import httpx
+
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
-                if not stream:
-                    json.loads(resp.read())
-                    return None
-                for raw in resp:
-                    line = raw.decode().strip()
+            if not stream:
+                resp = self._http.post(self.url + path, json=body)
+                resp.raise_for_status()
+                resp.json()
+                return None
+            with self._http.stream("POST", self.url + path, json=body) as resp:
+                resp.raise_for_status()
+                for line in resp.iter_lines():
+                    line = line.strip()
                     if line == "data: [DONE]":
                         return None
                     if line.startswith("data: ") and '"error"' in line:
                         return line[:300]
                 return "the stream ended without [DONE]"
-        except (urllib.error.URLError, OSError, ValueError) as e:
+        except (httpx.HTTPError, OSError, ValueError) as e:
             return f"{type(e).__name__}: {e}"[:300]
 
     def counts(self) -> tuple[int, int]:
@@ -182,6 +187,7 @@ class MixedLoad:
         self._stop.set()
         for t in self._threads:
             t.join(self.timeout_s + 10)
+        self._http.close()
 
 
 # -- the verdict -------------------------------------------------------------------------------
@@ -307,11 +313,11 @@ def run_soak(cfg: OSDConfig, *, minutes: float = 20.0, clients: int = 2, sample_
         t0 = time.monotonic()
         _log(f"{minutes:g} min of mixed load ({clients} clients) on {cfg.model.target}, a sample every {sample_s:g} s; "
              f"state in {state}")
-        print(_header(), flush=True)
         while True:
             s = _sample(time.monotonic() - t0, os.getpid(), state, run_name, client, loop.cfg.stream.stream, load, reg)
             result.samples.append(s)
-            print(_row(s), flush=True)
+            _log(f"{s.t_s:.0f} s: {s.requests_ok} ok, {s.requests_failed} failed, {s.versions} versions, "
+                 f"redis {s.redis_used_mb} MB, stable {s.stable}")
             left = minutes * 60 - (time.monotonic() - t0)
             if left <= 0:
                 break
@@ -376,25 +382,19 @@ def _trainer_read(client: Any, stream: str) -> int | None:
 _ROLES = ("driver", "replica", "ingress", "trainer", "controller", "serve", "ray", "redis")
 
 
-def _header() -> str:
-    return (f"{'t_s':>6} " + " ".join(f"{r[:7]:>7}" for r in _ROLES)
-            + f" {'ckpt':>7} {'reg':>7} {'audit':>6} {'aof':>7} {'redisMB':>8} {'xlen':>6} {'ok':>6} {'fail':>4}"
-            f" {'vers':>4} {'read':>5} {'dec':>3} stable")
+HEADERS = ["t_s", *_ROLES, "ckpt", "reg", "audit", "aof", "redisMB", "xlen", "ok", "fail", "vers", "read", "dec",
+           "stable"]
 
 
-def _row(s: Sample) -> str:
-    def f(x: float | None, w: int) -> str:
-        return f"{x:>{w}.1f}" if x is not None else f"{'-':>{w}}"
-
+def _row(s: Sample) -> list[Any]:
     d = s.disk_mb
-    return (f"{s.t_s:>6.0f} " + " ".join(f(s.rss_mb.get(r), 7) for r in _ROLES)
-            + f" {f(d['checkpoints'], 7)} {f(d['registry_versions'], 7)} {d['registry_audit']:>6.2f}"
-            f" {f(d['redis_aof'], 7)} {f(s.redis_used_mb, 8)} {s.stream_len if s.stream_len is not None else '-':>6}"
-            f" {s.requests_ok:>6} {s.requests_failed:>4} {s.versions:>4} "
-            f"{s.trainer_read if s.trainer_read is not None else '-':>5} {s.decisions:>3} {s.stable}")
+    return [round(s.t_s), *(s.rss_mb.get(r) for r in _ROLES), d["checkpoints"], d["registry_versions"],
+            d["registry_audit"], d["redis_aof"], s.redis_used_mb, s.stream_len, s.requests_ok, s.requests_failed,
+            s.versions, s.trainer_read, s.decisions, s.stable]
 
 
 def _report(r: SoakResult) -> None:
+    print(tabulate([_row(x) for x in r.samples], headers=HEADERS, floatfmt=".1f", missingval="-"))
     print(f"\nwarm-up (until the trainer's first read): {r.warmup_s:.0f} s")
     print(f"requests: {r.requests_ok} ok, {r.requests_failed} failed"
           + (f" (last: {r.errors[-1]})" if r.errors else ""))
@@ -402,42 +402,34 @@ def _report(r: SoakResult) -> None:
     for d in r.decisions:
         acts[d["action"]] = acts.get(d["action"], 0) + 1
     print(f"rollout decisions: {acts or 'none'}")
-    print(f"\n{'series':<28} {'first':>9} {'last⅓ max':>10} {'bound':>9}  flat")
-    for name, v in r.verdicts.items():
-        first = v["first"] if v["first"] is not None else float("nan")
-        print(f"{name:<28} {first:>9.1f} {v['last_third_max']:>10.1f} {v['bound']:>9.1f}  "
-              f"{'yes' if v['flat'] else 'NO'}")
+    rows = [[name, v["first"], v["last_third_max"], v["bound"], "yes" if v["flat"] else "NO"]
+            for name, v in r.verdicts.items()]
+    print("\n" + tabulate(rows, headers=["series", "first", "last third max", "bound", "flat"], floatfmt=".1f",
+                          missingval="-"))
     print(f"\nflat within retention: {'yes' if r.all_flat else 'NO'}", flush=True)
 
 
 # -- the command -------------------------------------------------------------------------------
 
+HELP = "the whole local loop under mixed load for N minutes: is memory, disk and Redis flat?"
+ERRORS: tuple[type[Exception], ...] = ()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """`osd bench soak`'s options (the CLI registers them under its bench subcommands)."""
     parser.add_argument("--minutes", type=float, default=20.0, metavar="M", help="how long (default 20)")
     parser.add_argument("--clients", type=int, default=2, metavar="N", help="concurrent clients (default 2)")
     parser.add_argument("--sample-s", type=float, default=SAMPLE_EVERY_S, metavar="S",
                         help=f"seconds between samples (default {SAMPLE_EVERY_S:g})")
+    parser.add_argument("--target", default="tiny-random", metavar="SPEC",
+                        help="the target the loop serves (default tiny-random: the loop turns in seconds)")
     parser.add_argument("--state-dir", metavar="DIR",
                         help="state dir (registry, checkpoints, Redis); default a fresh temporary one")
     parser.add_argument("--json", metavar="PATH", default="reports/bench/soak.json", help="where to write JSON")
 
 
-def run(args: argparse.Namespace, cfg: OSDConfig | None = None) -> int:
+def run(cfg: OSDConfig, args: argparse.Namespace) -> int:
     """0 when every series stayed flat and no request failed, 1 otherwise."""
-    cfg = cfg if cfg is not None else load_config(environ={}, overrides={"model": {"target": "tiny-random"}})
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"target": args.target})})
     r = run_soak(cfg, minutes=args.minutes, clients=args.clients, sample_s=args.sample_s,
                  state_dir=args.state_dir, json_path=args.json)
     return 0 if r.all_flat and r.requests_failed == 0 else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.soak", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", metavar="YAML", help="an osd config (default: the tiny target)")
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    return run(args, load_config(args.config) if args.config else None)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
