@@ -30,7 +30,7 @@ def _cmd_records_delete(cfg: OSDConfig, args: argparse.Namespace) -> int:
     print(f"deleted {deleted.stream} record(s) from {cfg.stream.stream} and {deleted.dead_letters} dead letter(s); "
           f"audit entry written to {cfg.registry.uri or 'the registry'}")
     print("running replicas' suffix indexes are cleared by DELETE /v1/osd/records (admin key); a draft already "
-          "trained on these records keeps what it learnt (README, 'how to delete it')")
+          "trained on these records keeps what it learnt (docs/data-governance.md, 'how to delete it')")
     return 0
 
 
