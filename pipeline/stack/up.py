@@ -142,10 +142,14 @@ class ClosedLoop:
         run_dir = Path(self.cfg.state_dir) / "train" / self.run_name
 
         def run_once() -> None:
+            # A restart builds the draft from the stable version now: the one it started from may
+            # have been collected since (registry.keep_last), and the weights come from the
+            # group's last COMPLETE checkpoint anyway.
+            start = self._current_stable() or stable
             try:
-                self._trainer_group = TrainerGroup(self.cfg, run_dir, init_draft=f"registry:{stable}")
+                self._trainer_group = TrainerGroup(self.cfg, run_dir, init_draft=f"registry:{start}")
                 _log(f"trainer: {self._trainer_group.n} worker(s), ZeRO-{self.cfg.train.zero_stage}, "
-                     f"from {stable}; a candidate every {self.cfg.train.export_every_records} records "
+                     f"from {start}; a candidate every {self.cfg.train.export_every_records} records "
                      f"or {self.cfg.train.export_every_s:.0f} s")
                 self._trainer_group.run()
             except Exception as e:
@@ -160,6 +164,14 @@ class ClosedLoop:
             target=supervise, args=(run_once, self._stopping), name="osd-trainer-group", daemon=True,
             kwargs={"base_s": RESTART_BASE_S, "cap_s": RESTART_CAP_S})
         self._trainer_thread.start()
+
+    def _current_stable(self) -> str | None:
+        from infra.registry import Registry, RegistryError
+
+        try:
+            return (Registry.from_config(self.cfg).alias("stable") or {}).get("version")
+        except (RegistryError, OSError):
+            return None
 
     def stop_trainer(self) -> None:
         """Stop training (serving and rollout go on); the group's checkpoints stay."""
