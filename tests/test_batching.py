@@ -48,11 +48,21 @@ def _requests():
             (prompt(12), 8, "own", 0.05), (prompt(1), 20, "own", 0.08), (prompt(50), 12, "other", 0.1)]
 
 
-def test_greedy_outputs_in_a_batch_equal_each_request_alone(target):
+PATHS = ["cpu", "device"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_greedy_outputs_in_a_batch_equal_each_request_alone(target, path):
     """Mixed prompt lengths (one prefilled in 7 chunks, one of a single token), mixed drafts
     (the engine's, another, none), staggered arrivals: requests join and leave mid-batch; one
-    more is cancelled half-way, and its slot comes back."""
+    more is cancelled half-way, and its slot comes back. device: the GPU's path run on the CPU
+    (the pool forward, and the device-resident stages for a request decoding alone); cuda: on
+    a GPU, with CUDA graphs."""
+    if path == "cuda":
+        target = tiny().to("cuda")
     eng = _engine(target)
+    if path == "device":
+        eng.gpu = True  # the GPU's path; on CPU it runs the same tensor code
     drafts = {"own": eng.draft, "other": eng.make_draft(build_draft("truncate:2", target)), None: None}
     reqs = _requests()
     alone = [eng.generate(p, GenerationParams(max_new_tokens=n), drafts[d]).output_ids for p, n, d, _ in reqs]

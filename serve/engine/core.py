@@ -70,6 +70,10 @@ from serve.spec_decode.trees.stages import TreeShape, tree_step
 
 
 DEFAULT: Any = object()  # "the engine's own draft" for the per-request draft= argument
+# Prompt rows a GPU step takes at least (serve.prefill_chunk where larger): a GPU forward is
+# launch-bound up to about this many rows, so a step's prompt rows cost little beside its
+# decode rows, where a CPU pays for each (docs/benchmarks.md, "On a GPU").
+GPU_PREFILL_ROWS = 1024
 
 
 def _serve_default(name: str) -> Any:
@@ -202,7 +206,8 @@ class SpecEngine:
             slots.append(slot)
         self.slots: SlotPool[Slot] = SlotPool(slots, self.options.max_queue, self.options.queue_timeout_s)
         # Steps run on the threads that wait for them (serve/engine/scheduler.py).
-        self.scheduler = Scheduler(self, self.options.prefill_chunk)
+        chunk = self.options.prefill_chunk if not self.gpu else max(self.options.prefill_chunk, GPU_PREFILL_ROWS)
+        self.scheduler = Scheduler(self, chunk)
         self._kpolicy: KPolicy | None = None  # k_policy cost: made at the first speculative request
 
     def _runner(self, model: Any, quant: str = "none", make: Any = None) -> Runner:
@@ -358,7 +363,7 @@ class SpecEngine:
             if self.gpu:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            forward_batch(self.target, items)
+            forward_batch(self.target, items, pool=self.gpu)
             if self.gpu:
                 torch.cuda.synchronize()
             for c in caches:
@@ -388,10 +393,21 @@ class SpecEngine:
 
     # -- the batched step's hooks (serve/engine/scheduler.py) ---------------------------------
 
-    def batchable(self, seq: Seq) -> bool:
-        """Whether the request's next step can ride in a batched forward: the CPU chain path.
-        A tree step and the CUDA path's device-resident stages step alone."""
-        return not self.gpu and not self._use_tree(seq, seq.params.max_new_tokens - len(seq.out))
+    def batchable(self, seq: Seq, decoding: int) -> bool:
+        """Whether the request's next step rides in the step's batched forward, beside the other
+        `decoding` requests (itself included). A tree steps alone. On a GPU, a Llama target's
+        chains batch (serve/model/pool_forward.py) while two or more requests decode; a request
+        decoding alone takes the device-resident stages (one host read a step), as does any
+        request over a target without the pool forward."""
+        if self._use_tree(seq, seq.params.max_new_tokens - len(seq.out)):
+            return False
+        return not self.gpu or (decoding > 1 and isinstance(self.target, LlamaRunner))
+
+    def begin_step(self) -> None:
+        """Before a step's host-to-device copies: the staging ring's slots are free again, since
+        every earlier step ended with a read of its results (serve/model/cuda_graphs.py StagingRing)."""
+        if self.ring is not None:
+            self.ring.reset()
 
     def _limit(self, seq: Seq) -> int:
         remaining = seq.params.max_new_tokens - len(seq.out)

@@ -91,7 +91,10 @@ class KVPool:
     small capacity and double it as sequences need (up to max_len, all slots copied once):
     the batched attention then runs over whole, contiguous slot rows (bmm would otherwise
     copy every slot's prefix each layer); a fixed pool (CUDA graphs, draft trees, which
-    address every position of max_len) has max_len from the start."""
+    address every position of max_len) has max_len from the start.
+
+    One slot more than the sequences' is the spare: no sequence owns it, and a forward padded
+    to a fixed shape (serve/model/pool_forward.py) writes its padding rows there."""
 
     MIN_CAPACITY = 256
 
@@ -99,7 +102,8 @@ class KVPool:
                  growable: bool = False):
         self.max_len = max_len
         self.capacity = min(self.MIN_CAPACITY, max_len) if growable else max_len
-        shape = (layers, slots, kv_heads, self.capacity, head_dim)
+        self.spare = slots
+        shape = (layers, slots + 1, kv_heads, self.capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.caches = [StaticKVCache(layers, kv_heads, max_len, head_dim, dtype, device, self, i)
