@@ -79,6 +79,9 @@ def test_rows_are_bucketed_and_padding_goes_to_the_spare_slot():
     assert rows.line_slot.tolist() == [2, 1, 0, spare]
     short = pool_rows(caches[0].pool, toks[:1], caches[:1], runner.device)
     assert short.key == (1, 1, 1, 256)  # no padding, no padding line; never under MIN_SPAN
+    decodes = pool_rows(caches[0].pool, [toks[0], toks[2], toks[0]], caches, runner.device)
+    assert decodes.key == (4, 4, 1, 512)  # one row each: a line a row, padding included
+    assert decodes.line.tolist() == [0, 1, 2, 3] and decodes.line_slot.tolist() == [0, 1, 2, spare]
     assert [bucket(n) for n in (1, 2, 3, 17, 64)] == [1, 2, 4, 32, 64]
 
 

@@ -1,7 +1,8 @@
 """`osd bench batch`: one in-process engine under 1 to N concurrent clients, on the CPU or a GPU.
 
-Each level runs C clients, each streaming `--requests` requests back to back, every request a
-prompt no earlier request of the run has sent (so the suffix draft meets first-time prompts,
+Each level runs C clients, each streaming `--requests` requests back to back (after a round of
+one request a client, not timed, as a replica's warm-up), every request a prompt no earlier
+request of the run has sent (so the suffix draft meets first-time prompts,
 and a fresh draft serves each level). With `--speculation both` each level runs speculation
 on and off one after the other, so the two are compared at the same load in one run. Per
 level: output tokens/s, sequences and rows per target forward (the scheduler's step log:
@@ -84,11 +85,16 @@ def run_levels(engine: Any, make_draft: Callable[[], Any], ids: list[list[int]],
     rows, at = [], 0
     for c in clients:
         for spec in modes:
-            need = c * per_client
+            need = c * per_client + c
             if at + need > len(ids):
                 raise ValueError(f"{len(ids)} prompts are too few: the levels need "
-                                 f"{sum(clients) * per_client * len(modes)} (one per request)")
+                                 f"{sum(clients) * (per_client + 1) * len(modes)} (one per request)")
             params = GenerationParams(max_new_tokens=max_new, speculate=spec, capture=False)
+            # A round of one request a client first, not timed: what a replica does once in its
+            # life (CUDA graphs captured for the level's shapes, the cost profile) stays out.
+            asyncio.run(_level(engine, params, make_draft() if spec else None, ids[at:at + c], c, 1))
+            at += c
+            need -= c
             seen = engine.scheduler.log.total
             tokens, secs = asyncio.run(_level(engine, params, make_draft() if spec else None,
                                               ids[at:at + need], c, per_client))
@@ -140,8 +146,6 @@ def run(cfg: OSDConfig, args: argparse.Namespace) -> int:
     print(f"== osd bench batch: target {loaded.spec}, draft {args.draft}, k={args.k}, device={args.device}, "
           f"dtype={mcfg.dtype}, quant={mcfg.quant}, levels {clients}, {args.requests} requests a client, "
           f"{args.max_new_tokens} tokens each", flush=True)
-    # Warm-up (graph capture, the cost profile) on the prompts' tail, which the levels do not reach.
-    run_levels(engine, lambda: engine.make_draft(draft()), ids[::-1], [max(clients)], 1, 8, modes, lambda s: None)
     rows = run_levels(engine, lambda: engine.make_draft(draft()), ids, clients, args.requests,
                       args.max_new_tokens, modes, lambda s: print(s, flush=True))
     print(table(rows))

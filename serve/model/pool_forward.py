@@ -66,16 +66,19 @@ def pool_rows(pool: KVPool, tokens: list[torch.Tensor], caches: list[Any], devic
     n = sum(sizes)
     rows = bucket(n)
     pad = rows - n
-    lines = bucket(len(caches) + (pad > 0))  # padding rows get a line of their own
+    # Padding rows get a line of their own; with one row a sequence, each its own (lines = rows,
+    # so decode-only steps add no shape to the graphs' keys).
+    lines = rows if max(sizes) == 1 else bucket(len(caches) + (pad > 0))
     slot, pos, line, col = [], [], [], []
     for b, (c, t) in enumerate(zip(caches, sizes)):
         slot += [c.index] * t
         pos += range(c.length, c.length + t)
         line += [b] * t
         col += range(t)
+    pad_lines = list(range(n, rows)) if max(sizes) == 1 else [lines - 1] * pad
     line_slot = [c.index for c in caches] + [pool.spare] * (lines - len(caches))
     span = min(pool.capacity, max(MIN_SPAN, bucket(max(c.length + t for c, t in zip(caches, sizes)))))
-    host = torch.tensor(slot + [pool.spare] * pad + pos + [0] * pad + line + [lines - 1] * pad + col + [0] * pad
+    host = torch.tensor(slot + [pool.spare] * pad + pos + [0] * pad + line + pad_lines + col + [0] * pad
                         + line_slot, dtype=torch.long)
     host = host.pin_memory() if device.type == "cuda" else host
     on = host.to(device, non_blocking=True)
