@@ -203,12 +203,8 @@ class Scheduler:
             if not seq.prefilling:
                 end_prefill(seq)
                 seq.t_decode = time.perf_counter()
-        if batch and eng.kpolicy_ready():
-            costs = eng.k_policy().costs
-            if len(items) == 1:  # a request alone: the profile's own entry
-                costs.observe_verify(rows, t2 - t1)
-            else:
-                costs.observe_batch(rows, t2 - t1)
+        if batch:
+            eng.observe_forward(len(items), rows, t2 - t1)
         self.log.add(len(batch) + len(chunks), rows)
         if batch:
             self._pace(time.perf_counter() - t_step, bool(chunks))

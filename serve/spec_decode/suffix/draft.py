@@ -238,7 +238,7 @@ class HybridDraft(Draft):
 
 
 def _alpha(seq: Any) -> float:
-    return seq.kreq.alpha if seq.kreq is not None else 0.5
+    return seq.length.alpha if seq.length is not None else 0.5
 
 
 def suffix_of(draft: Any) -> SuffixDraft | None:
