@@ -29,7 +29,7 @@ from pydantic_settings.sources.utils import parse_env_vars
 
 ENV_PREFIX = "OSD_"
 # Variables that share the prefix but are not config paths: the config file, the single API key,
-# the native kernels' build folder and ISA (serve/model/native_build.py), fault injection (infra/faults.py).
+# the native kernels' build folder and ISA (serve/model/native_build.py), fault injection (infra/common/faults.py).
 RESERVED_ENV = frozenset({"OSD_CONFIG", "OSD_API_KEY", "OSD_NATIVE_DIR", "OSD_NATIVE_ISA", "OSD_FAULT"})
 
 
@@ -129,8 +129,8 @@ class ModelConfig(_Section):
 
 
 def _gguf_four_bit(target: str) -> bool:
-    """A GGUF file whose decoder is mostly 4-bit (infra/gguf_file.py) serves as int4."""
-    from infra.gguf_file import GgufError, is_gguf_spec, read_gguf_info
+    """A GGUF file whose decoder is mostly 4-bit (infra/formats/gguf_file.py) serves as int4."""
+    from infra.formats.gguf_file import GgufError, is_gguf_spec, read_gguf_info
 
     if not is_gguf_spec(target):
         return False
@@ -256,7 +256,7 @@ class ServeConfig(_Section):
     num_replicas: int = Field(1, ge=1)  # target replicas behind the ingress
     num_cpus_per_replica: float = Field(1.0, gt=0)  # CPUs Ray reserves for each replica
     # A replica's forward threads (torch's and the native kernels'). 0: model.num_threads where
-    # set, else every usable core for a lone replica (infra/cpu.py replica_threads),
+    # set, else every usable core for a lone replica (infra/common/cpu.py replica_threads),
     # else num_cpus_per_replica each.
     forward_threads: int = Field(0, ge=0)
     max_new_tokens: int = Field(256, ge=1)  # the cap on a request without max_tokens
@@ -453,7 +453,7 @@ class StreamConfig(_Section):
 
 
 class GateConfig(_Section):
-    """The offline gate (train/gate.py): each candidate and the current stable version are scored
+    """The offline gate (train/gate/compare.py): each candidate and the current stable version are scored
     on the newest `records` held-out records (at most train.held_out_buffer); it is published as
     servable only if the paired interval's lower bound is above 0."""
 
@@ -472,14 +472,14 @@ class TrainConfig(_Section):
     moved: ClassVar[Mapping[str, tuple[str, str]]] = {
         f"gate_{key}": ("gate", key) for key in ("records", "min_records", "confidence", "resamples")}
     retired: ClassVar[Mapping[str, str]] = {
-        **{key: "the training objective's own argument for experiments (train/objective.py Objective); "
+        **{key: "the training objective's own argument for experiments (train/distill/objective.py Objective); "
                 "training uses forward KL at every position"
            for key in ("loss", "jsd_beta", "positions", "mix_weight")},
         **{key: "`osd bench adapt`'s own variant (pipeline/bench_adapt.py Variant); the trainer replays "
                 "recent records only, unanchored" for key in ("warm_replay_fraction", "anchor_kl")},
         "warm_teacher_dir": "the teacher records warm replay read; it went with train.warm_replay_fraction "
-                            "(train/teacher_set.py cached_warm_records takes the folder)",
-        **{key: "an argument of the vocabulary study's alternative (train/head_warm_start.py draft_vocab_counts "
+                            "(train/teacher/sets.py cached_warm_records takes the folder)",
+        **{key: "an argument of the vocabulary study's alternative (train/warm/head.py draft_vocab_counts "
                 "source=, per_domain=); the head's vocabulary comes from its training data"
            for key in ("head_vocab_source", "head_vocab_prompts")}}
 
@@ -522,7 +522,7 @@ class TrainConfig(_Section):
     # One record in this many is held out (not trained on) to estimate a candidate's acceptance.
     held_out_every: int = Field(10, ge=2)
     held_out_buffer: int = Field(200, ge=1)  # newest held-out records kept for the estimate and the gate
-    # The trainer's lag bound (train/lag.py): a record older than this when read is skipped
+    # The trainer's lag bound (train/online/lag.py): a record older than this when read is skipped
     # (acked with the next checkpoint, counted), except a stale_keep share of them, so the
     # trainer learns from traffic seconds old when it falls behind. 0: every record, in order.
     max_lag_s: float = Field(0.0, ge=0)
@@ -541,7 +541,7 @@ class TrainConfig(_Section):
     # serving weight format (pipeline/teacher/engine.py), or "hf", Hugging Face `generate` in
     # the training dtype. warm_batch_size is the engine's concurrency, or hf's batch. "batch":
     # static batches of warm_cuda_batch_size with the head's features captured
-    # (train/teacher_batch.py), what a CUDA device always uses.
+    # (train/teacher/batch.py), what a CUDA device always uses.
     warm_teacher: Literal["engine", "hf", "batch"] = "engine"
     # Teacher generation stops starting new shards after this many minutes and the warm start
     # trains on what the cache holds (None: every prompt). The cache keeps what was made, so a
@@ -558,7 +558,7 @@ class TrainConfig(_Section):
     # "all" turns, 4000 (data.max_prompt_chars) gives about 50k train prompts).
     warm_prompt_chars: int = Field(600, ge=1)
     # On a CUDA device the teacher is one static batch of this many prompts per forward
-    # (train/teacher_batch.py), where the GPU's decode rows cost little more than one; the
+    # (train/teacher/batch.py), where the GPU's decode rows cost little more than one; the
     # shards grow to hold a batch.
     warm_cuda_batch_size: int = Field(1024, ge=1)
     # The head's warm start (`osd draft init --family head`) reads these instead of warm_prompts,
@@ -585,7 +585,7 @@ class TrainConfig(_Section):
     # The head's warm-start steps run their forward under autocast in this dtype ("none":
     # float32); weights, gradients and AdamW state stay float32. With native bfloat16 GEMMs a
     # step is much faster that way (docs/benchmarks.md, "The warm start's teacher"). "auto":
-    # bfloat16 on a GPU or a CPU with native bfloat16 GEMMs (infra/cpu.py), else float32,
+    # bfloat16 on a GPU or a CPU with native bfloat16 GEMMs (infra/common/cpu.py), else float32,
     # since an AVX2-only CPU emulates bfloat16 several times slower than float32.
     head_warm_autocast: Literal["auto", "none", "bfloat16"] = "auto"
     head_cuda_token_budget: int = Field(2048, ge=8)  # tokens per head training batch on a GPU

@@ -234,7 +234,7 @@ def test_a_worse_draft_is_never_promoted():
     assert much_worse["promote"] == 0 and much_worse["rollback"] > 0.9
 
 
-# -- the gate check (its evidence comes from train/gate.py via the manifest) --------------------------
+# -- the gate check (its evidence comes from train/gate/compare.py via the manifest) --------------------------
 
 
 def _gate(stable="v1", lower=0.01, **kw):

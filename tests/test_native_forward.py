@@ -366,7 +366,7 @@ def test_torch_kernels_on_request_and_for_models_the_tiles_do_not_fit():
 
 
 def test_a_lone_replica_takes_every_usable_core(tmp_path):
-    from infra.cpu import replica_threads, usable_cores
+    from infra.common.cpu import replica_threads, usable_cores
 
     cores = usable_cores(tmp_path / "absent")
     assert cores >= 1

@@ -6,9 +6,9 @@ import time
 import numpy as np
 import pytest
 
-from infra.records import Record, encode
+from infra.records.schema import Record, encode
 from infra.registry import Registry
-from infra.streams import FIELD, connect
+from infra.records.streams import FIELD, connect
 from serve.api.ops import stats as st
 
 # Two request shapes whose counts are worked out by hand (k = 4 drafts per step):
@@ -101,7 +101,7 @@ def _replicas(now):
 @pytest.mark.redis
 def test_summary_numbers_from_known_records_and_decisions(loop):
     from serve.api.ops.source import OpsSource
-    from train.metrics import TrainerMetrics
+    from train.online.metrics import TrainerMetrics
 
     cfg, reg, client, now = loop
     tm = TrainerMetrics(0, client, cfg.stream.stream)

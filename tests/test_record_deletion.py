@@ -8,12 +8,12 @@ import pytest
 import redis
 
 from infra.config import OSDConfig, StreamConfig
-from infra.record_deletion import DEAD_FIELD, audit_deletion, delete_from_stream, delete_records
-from infra.record_match import RecordMatch
-from infra.records import decode, encode
-from infra.redis_acl import acl_line
+from infra.records.deletion import DEAD_FIELD, audit_deletion, delete_from_stream, delete_records
+from infra.records.match import RecordMatch
+from infra.records.schema import decode, encode
+from infra.redis.acl import acl_line
 from infra.registry import Registry
-from infra.streams import FIELD, RecordConsumer, RecordProducer, connect, dead_letter_stream
+from infra.records.streams import FIELD, RecordConsumer, RecordProducer, connect, dead_letter_stream
 from test_records_v2 import encode_old, make_record
 
 pytestmark = pytest.mark.redis

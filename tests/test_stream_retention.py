@@ -7,8 +7,8 @@ import pytest
 import redis
 
 from infra.config import ConfigError, load_config
-from infra.records import encode
-from infra.streams import FIELD, RecordProducer, dead_letter_stream, retention_min_id, trim_expired
+from infra.records.schema import encode
+from infra.records.streams import FIELD, RecordProducer, dead_letter_stream, retention_min_id, trim_expired
 from test_streams import cfg, make_record
 
 
@@ -87,9 +87,9 @@ def test_producer_without_retention_keeps_old_records(redis_url):
 
 @pytest.mark.redis
 def test_an_idle_producer_still_trims(redis_url, monkeypatch):
-    import infra.streams
+    import infra.records.streams
 
-    monkeypatch.setattr(infra.streams, "TRIM_EVERY_S", 0.05)  # its idle wake-up, shortened
+    monkeypatch.setattr(infra.records.streams, "TRIM_EVERY_S", 0.05)  # its idle wake-up, shortened
     c = cfg(retention_s=600.0)
     client = redis.Redis.from_url(redis_url)
     old, kept = _seed_old_and_new(client, c.stream, time.time())

@@ -11,9 +11,9 @@ import pytest
 import redis
 
 from infra.config import OSDConfig, StreamConfig
-from infra.records import VERSION_KEY, Record, decode, encode
-from infra.redis_server import RedisServer, RedisServerError, find_redis_server, free_port, resolve_redis_url
-from infra.streams import FIELD, RecordConsumer, RecordProducer, connect, dead_letter_stream, read_records
+from infra.records.schema import VERSION_KEY, Record, decode, encode
+from infra.redis.server import RedisServer, RedisServerError, find_redis_server, free_port, resolve_redis_url
+from infra.records.streams import FIELD, RecordConsumer, RecordProducer, connect, dead_letter_stream, read_records
 
 pytestmark = pytest.mark.redis
 
@@ -150,7 +150,7 @@ def test_read_records_pages_by_time_skips_junk_and_leaves_groups_alone(redis_url
 CHILD = r"""
 import sys, time
 from infra.config import StreamConfig
-from infra.streams import RecordConsumer
+from infra.records.streams import RecordConsumer
 consumer = RecordConsumer(sys.argv[1], StreamConfig(block_ms=100, socket_timeout_s=1.0), name="doomed")
 got, end = [], time.monotonic() + 30
 while len(got) < 10 and time.monotonic() < end:
@@ -401,7 +401,7 @@ def test_resolve_url_starts_one_private_server(tmp_path):
         other.stop()
         assert r.ping()
     finally:
-        from infra.redis_server import private_server
+        from infra.redis.server import private_server
 
         private_server(conf).stop()
     configured = OSDConfig(stream={"redis_url": "rediss://u:p@example:6380/1"})

@@ -205,7 +205,7 @@ def test_head_with_suffix_samples_the_target_distribution():
 
 
 def test_only_a_head_takes_a_suffix_beside_it(target, tmp_path):
-    from infra.draft_spec import DraftSpecError
+    from infra.drafts.spec import DraftSpecError
     from serve.spec_decode.specs import resolve_auto
 
     with pytest.raises(DraftSpecError, match="must be a head"):
@@ -224,7 +224,7 @@ def test_only_a_head_takes_a_suffix_beside_it(target, tmp_path):
 def _record(i, prompt, output):
     import numpy as np
 
-    from infra.records import Record
+    from infra.records.schema import Record
 
     n = len(output)
     return Record(request_id=f"r{i}", draft_version="v1", prompt_ids=np.asarray(prompt, np.int32),
@@ -236,8 +236,8 @@ def _record(i, prompt, output):
 @pytest.mark.redis
 def test_recent_records_are_the_newest_by_tokens_oldest_first_and_leave_groups_alone(redis_url):
     from infra.config import StreamConfig
-    from infra.records import encode
-    from infra.streams import FIELD, RecordConsumer, connect, recent_records
+    from infra.records.schema import encode
+    from infra.records.streams import FIELD, RecordConsumer, connect, recent_records
 
     c = StreamConfig(stream="osd:suffix-test", block_ms=100, socket_timeout_s=1.0, connect_timeout_s=0.5)
     consumer = RecordConsumer(redis_url, c, name="a")
@@ -273,8 +273,8 @@ def test_a_new_replica_warmed_from_records_drafts_the_repeats_at_once(target):
 @pytest.mark.redis
 def test_a_replica_with_the_suffix_draft_starts_from_the_streams_records(redis_url, tmp_path):
     from infra.config import StreamConfig
-    from infra.records import encode
-    from infra.streams import FIELD, connect
+    from infra.records.schema import encode
+    from infra.records.streams import FIELD, connect
     from serve.api.app import TargetReplica
 
     c = StreamConfig(stream="osd:suffix-replica", block_ms=100, socket_timeout_s=1.0, connect_timeout_s=0.5)

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from infra.config import ConfigError, load_config
-from infra.record_match import RecordMatch
+from infra.records.match import RecordMatch
 from serve.api.proxy_auth import APIKeyMiddleware, tenant_keys_from
 from serve.spec_decode.suffix.index import SuffixProposer
 from serve.engine.tenancy import SHARED_POOL, Caller, KeyRing, Origin, origin_of, record_decision, suffix_pool

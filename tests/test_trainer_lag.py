@@ -1,11 +1,11 @@
-"""The trainer's lag bound (train/lag.py): stale records are skipped but a fixed share, the
+"""The trainer's lag bound (train/online/lag.py): stale records are skipped but a fixed share, the
 same share on every call; nothing is stale with the bound off."""
 
 import uuid
 
 import pytest
 
-from train.lag import is_stale, keep_stale, train_on
+from train.online.lag import is_stale, keep_stale, train_on
 
 
 @pytest.mark.pure
@@ -35,9 +35,9 @@ def test_the_trainer_skips_records_past_the_bound_acks_them_with_the_checkpoint_
     import numpy as np
 
     from infra.config import load_config
-    from infra.records import Record
-    from infra.streams import Delivery
-    from train.trainer import TrainerWorker
+    from infra.records.schema import Record
+    from infra.records.streams import Delivery
+    from train.online.trainer import TrainerWorker
 
     now = time.time()
 

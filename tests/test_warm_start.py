@@ -43,7 +43,7 @@ def checkpoints(state) -> dict:
 def test_warm_start_publishes_v1_and_resumes(tmp_path):
     import torch
 
-    from infra.draft_model import load_draft
+    from infra.drafts.layer import load_draft
     from infra.target import load_target
     from serve.engine.core import GenerationParams, SpecEngine
     from engine_options import small_options

@@ -21,16 +21,16 @@ import numpy as np
 from tabulate import tabulate
 
 from infra.config import OSDConfig
-from infra.redis_server import RedisServer, RedisServerError
-from infra.stats import percentile
+from infra.redis.server import RedisServer, RedisServerError
+from infra.common.stats import percentile
 
 if TYPE_CHECKING:  # pyarrow loads when the bench runs, not when the CLI lists its flags
-    from infra.records import Record
+    from infra.records.schema import Record
 
 
 def synthetic_record(rng: np.random.Generator, tokens: int, top_k: int, vocab: int = 49152) -> Record:
     """A record shaped like real traffic: about 60% of positions came from accepted drafts."""
-    from infra.records import Record, new_record_id
+    from infra.records.schema import Record, new_record_id
 
     drafted = rng.random(tokens) < 0.8
     return Record(
@@ -56,8 +56,8 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
                      json_path: str | Path | None = None, *, samples: int = 200, seed: int = 0) -> dict[str, Any]:
     """Produce, consume and ack `records` records of tokens x top_k; print a table, return the figures
     (and write them as JSON to json_path if given)."""
-    from infra.records import decode, encode, new_record_id
-    from infra.streams import FIELD, RecordConsumer, RecordProducer, connect
+    from infra.records.schema import decode, encode, new_record_id
+    from infra.records.streams import FIELD, RecordConsumer, RecordProducer, connect
 
     rng = np.random.default_rng(seed)
     pool = [synthetic_record(rng, tokens, top_k) for _ in range(min(16, records))]

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from infra.config import OSDConfig, load_config
-from infra.draft_spec import DRAFT_FAMILIES, DraftSpecError
+from infra.drafts.spec import DRAFT_FAMILIES, DraftSpecError
 from pipeline.argtypes import fractions, positive_float, positive_int
 from pipeline.cli.common import MODEL_HELP, model_flag, user_error
 
@@ -32,12 +32,12 @@ def draft_init_config(cfg: OSDConfig, args: argparse.Namespace) -> OSDConfig:
 
 def _cmd_draft_init(cfg: OSDConfig, args: argparse.Namespace) -> int:
     from pipeline.teacher.engine import teacher_for
-    from train.warm_start import run_warm_start
+    from train.warm.layer import run_warm_start
 
     cfg = draft_init_config(cfg, args)
     if args.family == "head":
-        from train.head_warm_start import run_head_warm_start
-        from train.teacher_features import TeacherDataError
+        from train.warm.head import run_head_warm_start
+        from train.teacher.features import TeacherDataError
 
         try:
             result = run_head_warm_start(cfg, out_dir=args.out, force=args.force, draft_vocab=args.draft_vocab,
@@ -52,9 +52,9 @@ def _cmd_draft_init(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_draft_vocab_study(cfg: OSDConfig, args: argparse.Namespace) -> int:
-    from infra.draft_spec import warm_start_path
+    from infra.drafts.spec import warm_start_path
     from pipeline.studies.vocab_study import StudyError, parse_eval_files, run_vocab_study
-    from train.draft_vocab import VocabError
+    from train.distill.draft_vocab import VocabError
 
     if args.max_new_tokens is not None:
         cfg = load_config(args.config, overrides={"train": {"warm_max_new_tokens": args.max_new_tokens}})
@@ -83,9 +83,9 @@ def _cmd_draft_curve(cfg: OSDConfig, args: argparse.Namespace) -> int:
 def _cmd_train(cfg: OSDConfig, args: argparse.Namespace) -> int:
     import ray
 
-    from infra.redis_server import resolve_redis_url
-    from train.family import NO_HEAD_INIT
-    from train.trainer import run_with_restarts, save_stats
+    from infra.redis.server import resolve_redis_url
+    from train.online.family import NO_HEAD_INIT
+    from train.online.trainer import run_with_restarts, save_stats
 
     if args.family == "head" and not args.init_draft:
         raise DraftSpecError(NO_HEAD_INIT)  # before Ray starts: every worker would refuse it

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from infra.canary_stats import (  # noqa: F401  (re-exported: the rule's public names)
+from infra.common.canary_stats import (  # noqa: F401  (re-exported: the rule's public names)
     VAR_FLOOR,
     RatioStats,
     RequestSample,
@@ -142,7 +142,7 @@ def decide(stable: Arm, canary: Arm, rule: CanaryRule, k: int = 4, final: bool =
 
 
 def gate_verdict(gate: dict | None, stable_version: str) -> tuple[bool, str]:
-    """Whether a candidate's offline gate evidence (manifest `metrics.gate`, train/gate.py)
+    """Whether a candidate's offline gate evidence (manifest `metrics.gate`, train/gate/compare.py)
     admits it to a canary against the *current* stable version. Missing, failing, or
     evidence against another version (a parent, or a stable since replaced) does not."""
     if not isinstance(gate, dict):

@@ -90,7 +90,7 @@ class DraftRouter:
         return runner
 
     def _refuse(self, version: str, e: Exception) -> None:
-        from infra.backoff import backoff_delay
+        from infra.common.backoff import backoff_delay
         from infra.registry import DigestMismatch, WrongTarget
 
         failures = self._failures.get(version, (0, 0.0))[0] + 1

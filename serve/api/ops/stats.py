@@ -2,7 +2,7 @@
 
 Two sources, each for what only it knows:
 - records (the stream): acceptance, mean accepted length and per-position acceptance per
-  version, counted exactly as the rollout controller counts them (infra/canary_stats.py), so
+  version, counted exactly as the rollout controller counts them (infra/common/canary_stats.py), so
   the page's canary-minus-stable interval is the controller's own;
 - serving samples (each replica's recent requests, serve/api/metrics.py `RecentRequests`):
   requests, output tokens/s, latency percentiles and errors, which records do not carry
@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from infra.canary_stats import RatioStats, RequestSample, compare_ratios, request_sample
-from infra.stats import percentile  # noqa: F401 (re-exported)
+from infra.common.canary_stats import RatioStats, RequestSample, compare_ratios, request_sample
+from infra.common.stats import percentile  # noqa: F401 (re-exported)
 
 Z95 = 1.959964  # two-sided 95% normal quantile, for one version's own interval
 
