@@ -428,8 +428,6 @@ def load_target(
     cfg = cfg or ModelConfig()
     spec = spec or cfg.target
     cfg = cfg.resolved(spec)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
     t0 = time.perf_counter()
     path: Path | None
     if spec == TINY_RANDOM or spec.startswith(TINY_RANDOM + ":"):

@@ -130,7 +130,7 @@ def test_the_demo_builds_a_missing_head_once_with_the_configured_settings(tmp_pa
 
     def fake(cfg, **kw):  # the real warm start takes ~25 minutes: only its arguments are checked
         teacher = kw.pop("generate")
-        calls.append((cfg.train.head_warm_conversations, cfg.train.head_warm_epochs, teacher.tag, kw))
+        calls.append((kw.pop("conversations", 0), cfg.train.head_warm_epochs, teacher.tag, kw))
         (tmp_path / "drafts" / "head-v1").mkdir(parents=True)
 
     monkeypatch.setattr(hws, "run_head_warm_start", fake)

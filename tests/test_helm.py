@@ -388,6 +388,7 @@ def test_tenants_keys_reach_the_config_through_the_secret(chart, tmp_path):
 
 
 def test_redis_acl_users_are_the_codes_roles(rendered):
+    from infra.config import redis_username
     from infra.redis.acl import ROLES, acl_line
 
     values, docs = rendered
@@ -400,12 +401,12 @@ def test_redis_acl_users_are_the_codes_roles(rendered):
         stream = OSDConfig.model_validate(yaml.safe_load(config_of(docs))).stream.stream
         for role in ROLES:
             # The code's rule with the password as the shell fills it in (>%s, not its #sha256).
-            want = acl_line(role, f"osd-{role}", "", stream).split(" #", 1)
+            want = acl_line(role, redis_username(role), "", stream).split(" #", 1)
             rendered_rule = f"{want[0]} >%s {want[1].split(' ', 1)[1]}"
             assert rendered_rule in script, role
             assert f"ACL_{role.upper()}_PASSWORD" in {e["name"] for e in c["env"]}
         ray_env = {e["name"] for _, g in ray_groups(rayservice(docs)) for e in g["template"]["spec"]["containers"][0]["env"]}
-        assert {"OSD_STREAM__USERS__PRODUCER__PASSWORD", "OSD_STREAM__USERS__TRAINER__USERNAME"} <= ray_env
+        assert {"OSD_STREAM__USERS__PRODUCER__PASSWORD", "OSD_STREAM__USERS__TRAINER__PASSWORD"} <= ray_env
 
 
 def test_ray_token_auth_is_on_and_redis_tls_is_used_where_asked(chart):

@@ -112,7 +112,7 @@ def test_better_candidate_is_promoted_step_by_step(tmp_path, redis_url, draft_di
     assert actions == ["start", "advance", "promote"]  # 10% -> 50% -> promoted
     assert reg.alias("stable")["version"] == "v2" and reg.alias("canary") is None
     # promoted on evidence of improvement, not on the absence of harm
-    assert final["evidence"]["acceptance"]["lower"] > cfg.rollout.min_gain
+    assert final["evidence"]["acceptance"]["lower"] > ctrl.rule.min_gain
     assert ctrl.decisions[0]["evidence"]["gate"]["stable"] == "v1"  # the start names the gate it passed
     log = reg.audit_log()
     assert [e["action"] for e in log] == actions and all(e["reason"] for e in log)

@@ -313,7 +313,9 @@ def test_post_bodies_must_be_json(app, ctype):
 
 
 def test_oversized_body_is_413_and_others_are_served(app):
-    big = chat("x" * (app["cfg"].serve.max_body_bytes + 10))
+    from serve.api.app import MAX_BODY_BYTES
+
+    big = chat("x" * (MAX_BODY_BYTES + 10))
     r = post(app, "/v1/chat/completions", big)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     # Under the body limit but far over the context: refused before tokenizing.

@@ -117,7 +117,7 @@ def _conv(cid, *turns):
 def test_every_human_turn_as_a_prompt():
     recs = [_conv("a", "first question", "second one", "continue"), _conv("b", "another", "continue"),
             _conv("c", "x" * 50, "short")]
-    cfg = DataConfig(held_out_fraction=0.01, max_prompt_chars=40)
+    cfg = DataConfig(max_prompt_chars=40)
     first = prompts_from_conversations(recs, cfg, turns="first")
     assert [p.id for p in first] == ["a", "b"]  # c's first turn is too long: c has no first-turn prompt
     every = prompts_from_conversations(recs, cfg, turns="all")
@@ -165,11 +165,14 @@ def test_the_warm_start_with_the_batch_teacher_and_curve_points(tmp_path, monkey
     from train.warm.head import run_head_warm_start
     from train.teacher.features import TeacherDataError
 
+    from train.teacher import sets
+
     train_without_second_pass(monkeypatch, "compute_features ran: the batch teacher captured every answer's features")
+    monkeypatch.setattr(sets, "CUDA_BATCH_SIZE", 5)
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
                                     "data": {"max_prompt_chars": 200},
                                     "train": {"head_warm_prompts": 16, "head_warm_max_new_tokens": 6, "warm_teacher": "batch",
-                                              "warm_cuda_batch_size": 5, "held_out_every": 4, "head_warm_turns": "all"}})
+                                              "held_out_every": 4, "head_warm_turns": "all"}})
     out = run_head_warm_start(cfg, out_dir=tmp_path / "head", progress=False, conversations=0, epochs=1,
                               curve=(0.25, 0.5))
     assert out["teacher_records"] > 0 and out["held_out_records"] > 0

@@ -107,12 +107,13 @@ class SlowTeacher:
         return out
 
 
-def test_the_warm_start_s_budget_stops_generation_and_keeps_what_it_made(tmp_path):
+def test_the_warm_start_s_budget_stops_generation_and_keeps_what_it_made(tmp_path, monkeypatch):
+    from train.teacher import sets
     from train.teacher.sets import warm_budget_s
 
+    monkeypatch.setattr(sets, "SHARD_PROMPTS", 2)
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
-                                    "train": {"warm_prompts": 7, "warm_max_new_tokens": 4, "warm_shard_prompts": 2,
-                                              "warm_budget_minutes": 0.5}})
+                                    "train": {"warm_prompts": 7, "warm_max_new_tokens": 4, "warm_budget_minutes": 0.5}})
     assert warm_budget_s(cfg) == 30.0
     target = load_target("tiny-random", progress=False)
     prompts = warm_prompts(cfg, 7)

@@ -189,7 +189,7 @@ def test_corrupt_records_go_to_dead_letter_and_training_goes_on(ray_local, strea
 def test_replay_steps_train_again_on_recent_records_and_ack_each_once(ray_local, stream, records, tmp_path):
     from train.online.trainer import TrainerGroup
 
-    cfg = stream(num_workers=1, zero_stage=2, replay_steps=2, replay_buffer=8)
+    cfg = stream(num_workers=1, zero_stage=2, replay_steps=2)
     produce(cfg, records[:24])
     group = TrainerGroup(cfg, tmp_path / "run")
     try:
@@ -303,7 +303,7 @@ print(json.dumps(out))
 
 
 def test_an_autocast_step_runs_its_forward_in_bfloat16_and_keeps_float32_weights():
-    """The head's warm start (train.head_warm_autocast) steps DeepSpeed with the forward under
+    """The head's warm start (train/warm/head.py warm_autocast) steps DeepSpeed with the forward under
     autocast: the loss's GEMMs in bfloat16, the weights it updates still float32."""
     import json
     import os

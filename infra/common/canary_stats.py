@@ -12,6 +12,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 VAR_FLOOR = 1e-4  # a handful of identical requests must not look infinitely certain
+# The canary rule's fixed parameters, shared with the ops page's view of its checks:
+TAU = 0.1  # the sequential test's mixture scale: the size of difference it is most sensitive to
+LEN_MARGIN = 0.1  # roll back when mean accepted length is surely worse by more (tokens per step)
+MIN_GAIN = 0.0  # promote only when acceptance is surely better by more than this
 
 
 @dataclass(frozen=True)

@@ -35,16 +35,15 @@ def usable_cores(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:
     return max(1, cores)
 
 
-def replica_threads(forward_threads: int, num_threads: int, num_replicas: int, num_cpus_per_replica: float) -> int:
-    """A serving replica's forward threads: serve.forward_threads, else model.num_threads, where
-    set; else a lone replica takes every usable core, sharing them with the local stack (the
+def replica_threads(forward_threads: int, num_replicas: int, num_cpus_per_replica: float) -> int:
+    """A serving replica's forward threads: serve.forward_threads where set; else a lone replica takes every usable core, sharing them with the local stack (the
     HTTP ingress, Ray's proxy, Redis: the native forward's threads claim work item by item, so
     one that the ingress takes off its core holds up little); replicas that share a machine
     take their num_cpus_per_replica each. One thread leaves the ingress a core of its own,
     which pays only while the load is light (docs/benchmarks.md, "Figures behind code
     choices")."""
-    if forward_threads or num_threads:
-        return forward_threads or num_threads
+    if forward_threads:
+        return forward_threads
     if num_replicas == 1:
         return usable_cores()
     return max(1, int(num_cpus_per_replica))

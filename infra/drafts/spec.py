@@ -73,10 +73,10 @@ class DraftSpec(BaseModel):
 
 
 def draft_spec_from_train(train: TrainConfig) -> DraftSpec:
-    """The spec a training run builds its draft to: the train section's draft_* settings.
-    One place, so the warm start, the online trainer and the benches build the same draft."""
-    return DraftSpec(num_layers=train.draft_layers, layer_source=train.draft_layer_source,
-                     independent_head=train.independent_head)
+    """The spec a training run builds its draft to: train.draft_layers, the rest DraftSpec's
+    defaults. One place, so the warm start, the online trainer and the benches build the same
+    draft."""
+    return DraftSpec(num_layers=train.draft_layers)
 
 
 def short(digest: str | None) -> str:

@@ -48,12 +48,21 @@ from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from infra.config import StreamConfig
+from infra.config import StreamConfig, redis_username
 from infra.records.schema import Record, RecordError, UnknownSchemaVersion, decode, encode
 
 log = logging.getLogger(__name__)
 
 FIELD = b"rec"
+# Tuning whose defaults every deployment used; once settings (stream.*), now constants.
+QUEUE_SIZE = 10_000  # records waiting for the writer thread; when it is full, submit() drops
+WRITE_BATCH = 64  # XADDs per pipelined round trip
+LAG_REFRESH_S = 1.0  # the trainers' lag (XINFO GROUPS) is read at most this often
+# After a trim by retention_s removed records, Redis is asked to rewrite its AOF at most this
+# often, so the trimmed records' bytes leave the disk too, not only memory.
+AOF_REWRITE_S = 3600.0
+READ_COUNT = 64  # entries per XREADGROUP
+DEDUPE_WINDOW = 100_000  # record ids a consumer remembers to skip duplicates
 # Errors that mean "Redis is not reachable right now", as opposed to a bad command.
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError)
 
@@ -110,10 +119,10 @@ def connect(url: str, cfg: StreamConfig, *, retries: int = 0, role: str | None =
     retry = Retry(ExponentialBackoff(cap=0.5, base=0.05) if retries else NoBackoff(), retries)
     user = getattr(cfg.users, role) if role else None
     creds: dict[str, str] = {}
-    if user is not None and user.username:
+    if user is not None and user.password:
         # The URL's own user:password@ would win over keyword arguments in redis-py: drop it.
         url = _without_userinfo(url)
-        creds = {"username": user.username, "password": user.password}
+        creds = {"username": redis_username(role), "password": user.password}
     return redis.Redis.from_url(
         url,
         **creds,
@@ -227,11 +236,12 @@ class ProducerStats:
 class RecordProducer:
     """Fire-and-forget writer of records to `cfg.stream`. Thread-safe `submit`."""
 
-    def __init__(self, url: str, cfg: StreamConfig, *, client: redis.Redis | None = None):
+    def __init__(self, url: str, cfg: StreamConfig, *, client: redis.Redis | None = None,
+                 queue_size: int = QUEUE_SIZE):
         self.cfg = cfg
         self.stream = cfg.stream
         self._client = client if client is not None else connect(url, cfg, role="producer")
-        self._q: queue.Queue = queue.Queue(cfg.queue_size)
+        self._q: queue.Queue = queue.Queue(queue_size)
         self._cond = threading.Condition()
         self._unfinished = 0  # submitted and queued, not yet written or dropped; flush waits for 0
         self._stats = ProducerStats()
@@ -339,7 +349,7 @@ class RecordProducer:
             batch, stop = [], item is _STOP
             if not stop:
                 batch.append(item)
-            while not stop and len(batch) < self.cfg.write_batch:
+            while not stop and len(batch) < WRITE_BATCH:
                 try:
                     item = self._q.get_nowait()
                 except queue.Empty:
@@ -413,7 +423,7 @@ class RecordProducer:
         self._trim_at = now
         try:
             trimmed = trim_expired(self._client, self.stream, self.cfg.retention_s)
-            if trimmed and self.cfg.aof_rewrite_s and now >= self._rewrite_at + self.cfg.aof_rewrite_s:
+            if trimmed and AOF_REWRITE_S and now >= self._rewrite_at + AOF_REWRITE_S:
                 self._rewrite_at = now
                 rewrite_aof(self._client)
         except _UNREACHABLE as e:
@@ -425,7 +435,7 @@ class RecordProducer:
         budget = self.cfg.lag_budget
         if budget <= 0:
             return False
-        if now - self._lag_at >= self.cfg.lag_refresh_s:
+        if now - self._lag_at >= LAG_REFRESH_S:
             lag = self._read_backlog()
             self._lag_at = now
             with self._cond:
@@ -543,7 +553,7 @@ class RecordConsumer:
         """Up to `count` records: abandoned entries first (XAUTOCLAIM), else new ones, waiting
         up to block_ms (default cfg.block_ms; 0: not at all). May return [] even when entries
         were read (all dead-lettered or duplicates). Redis errors propagate."""
-        count = count or self.cfg.read_count
+        count = count or READ_COUNT
         block = self.cfg.block_ms if block_ms is None else block_ms
         if block >= self.cfg.socket_timeout_s * 1000:
             raise ValueError(f"block_ms ({block}) must be shorter than socket_timeout_s")
@@ -658,7 +668,7 @@ class RecordConsumer:
                 dead.append((eid, "wrong_target", f"record {rec.record_id} was computed by target "
                              f"{rec.target_sha256[:12]}…, this trainer's is {want[:12]}…", fields))
                 continue
-            if self.cfg.dedupe_window:
+            if DEDUPE_WINDOW:
                 prev = self._seen.get(rec.record_id)
                 if prev is not None and prev != eid:
                     # Another entry with this record: a resubmission. The first copy stays pending until
@@ -669,7 +679,7 @@ class RecordConsumer:
                 # prev == eid: the same entry again (held past claim_idle_ms): redeliver, at-least-once.
                 self._seen[rec.record_id] = eid
                 self._seen.move_to_end(rec.record_id)
-                while len(self._seen) > self.cfg.dedupe_window:
+                while len(self._seen) > DEDUPE_WINDOW:
                     self._seen.popitem(last=False)
             out.append(Delivery(eid, rec, claimed))
             self._held.add(eid)

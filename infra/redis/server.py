@@ -502,8 +502,7 @@ def private_server(cfg: OSDConfig) -> RedisServer:
     with _lock:
         server = _private.get(data_dir)
         if server is None or not server.running:
-            server = RedisServer(data_dir, start_timeout_s=cfg.stream.start_timeout_s,
-                                 maxmemory_mb=server_maxmemory_mb(cfg.stream)).start()
+            server = RedisServer(data_dir, maxmemory_mb=server_maxmemory_mb(cfg.stream)).start()
             _private[data_dir] = server
         return server
 

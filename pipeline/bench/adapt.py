@@ -106,6 +106,7 @@ def run_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets: dict
     from train.distill.ds_engine import DistillEngine
     from train.distill.objective import anchored_loss_fn, distill_loss_fn
     from train.online.replay import replay_pool
+    from train.online.trainer import REPLAY_BUFFER
 
     variant = variant_config(cfg, name)
     tc = variant.cfg.train
@@ -122,7 +123,7 @@ def run_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets: dict
     for i in range(0, max(checkpoints), arrive):
         chunk = stream[i:i + arrive]
         engine.train_batch(pack(chunk, tc.max_seq_len), loss_fn)
-        recent = (recent + chunk)[-tc.replay_buffer:]
+        recent = (recent + chunk)[-REPLAY_BUFFER:]
         for _ in range(tc.replay_steps):
             pool = replay_pool(recent, sets["warm_train"], variant.warm_replay_fraction, rng)
             engine.train_batch(pack(take_budget(pool, tc.token_budget, tc.max_seq_len), tc.max_seq_len), loss_fn)
@@ -147,7 +148,7 @@ def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48
     from infra.drafts.spec import warm_start_path
     from infra.redis.server import free_port
     from infra.target import load_target
-    from train.distill.ds_engine import init_distributed
+    from train.distill.ds_engine import WARMUP_STEPS, init_distributed
     from train.gate.evaluator import per_record_acceptance
     from pipeline.stack.profiles import demo_config
     from train.warm.layer import run_warm_start
@@ -175,7 +176,7 @@ def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48
         rows += run_variant(cfg, v, loaded, v1_dir, sets, parent_scores, checkpoints, arrive, seed)
     out = {"v1_alpha": v1_alpha, "rows": rows, "records": len(sets["stream"]), "checkpoints": list(checkpoints),
            "arrive": arrive, "lr": cfg.train.lr, "replay_steps": cfg.train.replay_steps,
-           "warmup_steps": cfg.train.warmup_steps, "eval_records": {k: len(sets[k]) for k in parent_scores}}
+           "warmup_steps": WARMUP_STEPS, "eval_records": {k: len(sets[k]) for k in parent_scores}}
     _print(out)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -163,7 +163,7 @@ def second_turn_prompts(cfg: OSDConfig, n: int, max_chars: int) -> list[Prompt]:
 
     data = cfg.data.model_copy(update={"max_prompt_chars": min(cfg.data.max_prompt_chars, max_chars)})
     convs = sharegpt_second_turns(data)[:n]
-    return [Prompt(cid, second, "other", split_of(cid, data.held_out_fraction), (("user", first), ("user", second)))
+    return [Prompt(cid, second, "other", split_of(cid), (("user", first), ("user", second)))
             for cid, (first, second) in convs]
 
 

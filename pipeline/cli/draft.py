@@ -18,8 +18,7 @@ def draft_init_config(cfg: OSDConfig, args: argparse.Namespace) -> OSDConfig:
     """The config with `osd draft init`'s flags applied, re-validated like the file's values."""
     flags = {"warm_teacher": args.teacher, "warm_prompt_chars": args.prompt_chars, "device": args.device}
     if args.family == "head":
-        flags.update(head_warm_epochs=args.epochs, head_warm_conversations=args.conversations,
-                     head_warm_prompts=args.prompts, head_warm_max_new_tokens=args.max_new_tokens,
+        flags.update(head_warm_epochs=args.epochs, head_warm_prompts=args.prompts, head_warm_max_new_tokens=args.max_new_tokens,
                      head_warm_turns=args.turns, head_warm_budget_minutes=args.budget_minutes)
     else:
         flags.update(warm_epochs=args.epochs, warm_prompts=args.prompts, warm_max_new_tokens=args.max_new_tokens,
@@ -41,7 +40,8 @@ def _cmd_draft_init(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
         try:
             result = run_head_warm_start(cfg, out_dir=args.out, force=args.force, draft_vocab=args.draft_vocab,
-                                         generate=teacher_for(cfg), curve=args.curve)
+                                         conversations=args.conversations, generate=teacher_for(cfg),
+                                         curve=args.curve)
         except TeacherDataError as e:
             return user_error(e)
         print(json.dumps({k: result.get(k) for k in ("path", "alpha_est_before", "alpha_est", "coverage")}, indent=2))
@@ -129,7 +129,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                          "up to about 25 minutes on 2 cores: 12 of answers, then training); layer: copied target "
                          "layers (out <state_dir>/drafts/v1) (default head)")
     di.add_argument("--conversations", type=int,
-                    help="head: ShareGPT train conversations as fixed text (default train.head_warm_conversations)")
+                    help="head: ShareGPT train conversations as fixed text (default none)")
     di.add_argument("--draft-vocab", type=int, help="head: draft vocabulary size V_d (default 8192)")
     di.add_argument("--budget-minutes", type=positive_float, metavar="N",
                     help="stop teacher generation after N minutes and train on what the cache holds; a later run "
@@ -137,7 +137,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                          "layer: train.warm_budget_minutes: none)")
     di.add_argument("--device", choices=("cpu", "cuda"),
                     help="where the target generates and the head trains (default train.device: cpu); cuda: "
-                         "static batches of train.warm_cuda_batch_size prompts, features kept in GPU memory")
+                         "static batches of 1024 prompts, features kept in GPU memory")
     di.add_argument("--turns", choices=("first", "all"),
                     help="ShareGPT human turns used as prompts: each conversation's first, or every turn alone "
                          "(default train.head_warm_turns: all; layer: train.warm_turns: first)")

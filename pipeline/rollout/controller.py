@@ -56,8 +56,8 @@ class CanaryController:
 
         self.cfg = cfg = cfg if isinstance(cfg, OSDConfig) else OSDConfig.model_validate(cfg)
         ro = cfg.rollout
-        self.rule = CanaryRule(alpha=ro.alpha, tau=ro.tau, margin=ro.margin, len_margin=ro.len_margin,
-                               min_gain=ro.min_gain, min_requests=ro.min_requests, max_requests=ro.max_requests)
+        self.rule = CanaryRule(alpha=ro.alpha, margin=ro.margin, min_requests=ro.min_requests,
+                               max_requests=ro.max_requests)
         self.steps = list(ro.canary_steps)
         self.registry = registry or Registry.from_config(cfg)
         stream_cfg = cfg.stream.model_copy(update={"group": ro.group})

@@ -54,6 +54,7 @@ from serve.api.openai_protocol import (
 )
 
 MODEL_ALIAS = "osd"
+MAX_BODY_BYTES = 1 << 20  # a request body over this gets 413 before it is parsed
 log = logging.getLogger("ray.serve")
 
 
@@ -72,8 +73,8 @@ class TargetReplica:
         from serve.api.metrics import ServeMetrics
 
         self.cfg = cfg = OSDConfig.model_validate(cfg_dict)
-        torch.set_num_threads(replica_threads(cfg.serve.forward_threads, cfg.model.num_threads,
-                                              cfg.serve.num_replicas, cfg.serve.num_cpus_per_replica))
+        torch.set_num_threads(replica_threads(cfg.serve.forward_threads, cfg.serve.num_replicas,
+                                              cfg.serve.num_cpus_per_replica))
         loaded = load_target(cfg.model.target, cfg.model, progress=False)
         self.tokenizer = loaded.tokenizer
         self._token_texts: dict[int, str] = {}
@@ -122,8 +123,7 @@ class TargetReplica:
 
             self._suffix = SuffixDraft.from_config(cfg.serve.suffix, self.target.config.vocab_size)
             initial = Routing("suffix", self.engine.make_draft(self._suffix))
-        router = DraftRouter(self._load_version, initial, log, retry_base_s=cfg.serve.swap_retry_s,
-                             max_failures=cfg.serve.swap_max_failures)
+        router = DraftRouter(self._load_version, initial, log)
         alone = "the suffix draft alone" if self._suffix is not None else "autoregressively"
         try:
             aliases = self.registry.aliases()
@@ -552,14 +552,14 @@ class OpenAIIngress:
                            param="model", code="model_not_found")
 
     async def _body(self, request: Request) -> bytes:
-        """The JSON body, at most serve.max_body_bytes of it (413 past that, unread)."""
+        """The JSON body, at most MAX_BODY_BYTES of it (413 past that, unread)."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json":
             # Also what keeps a web page from posting here: a JSON POST needs a CORS preflight,
             # which this server never grants.
             raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
                            code="unsupported_media_type")
-        limit = self.cfg.serve.max_body_bytes
+        limit = MAX_BODY_BYTES
         too_big = APIError(413, f"request body is over this server's limit of {limit} bytes",
                            code="request_too_large")
         declared = request.headers.get("content-length", "")

@@ -37,6 +37,11 @@ from infra.config import TrainConfig
 from infra.common.durable import fsync_path, sync_tree, write_durable
 
 COMPLETE = "COMPLETE"
+GRAD_CLIP = 1.0  # gradient norm clipping
+# Linear learning-rate warm-up over this many optimizer steps: a fresh Adam's first steps move
+# every weight by ~lr whatever the gradient, which undid a trained draft in the first few
+# online steps.
+WARMUP_STEPS = 20
 CONSOLIDATED = "consolidated.safetensors"
 
 # DeepSpeed JIT-compiles its CPU ops (fused Adam, shared-memory all-reduce) on first use: minutes
@@ -141,18 +146,13 @@ def ds_config(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.zero_stage == 3:
         # Gather small layers whole: tiny drafts otherwise spend their time in fetch bookkeeping.
         zero.update(stage3_param_persistence_threshold=10_000, stage3_prefetch_bucket_size=5e6)
-    extra: dict[str, Any] = {}
-    if cfg.warmup_steps:
-        # Linear warm-up: a fresh Adam's first steps move every weight by ~lr whatever the
-        # gradient, which undid a trained draft in the first few online steps.
-        extra["scheduler"] = {"type": "WarmupLR", "params": {
-            "warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr, "warmup_num_steps": cfg.warmup_steps,
-            "warmup_type": "linear"}}
     return {
-        **extra,
+        "scheduler": {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr, "warmup_num_steps": WARMUP_STEPS,
+            "warmup_type": "linear"}},
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": cfg.grad_clip,
+        "gradient_clipping": GRAD_CLIP,
         # On a GPU, torch's own AdamW: DeepSpeed's fused one is compiled with nvcc at first use,
         # a minute or more on each fresh machine, for a few-million-parameter draft.
         "optimizer": {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": 0.0,

@@ -39,6 +39,8 @@ from train.gate.evaluator import estimate_alpha, gate_records, is_held_out  # no
 
 # Prompts trained on, remembered so the gate skips held-out records that repeat one (bounded).
 TRAINED_PROMPTS_KEPT = 50_000
+HELD_OUT_BUFFER = 200  # newest held-out records kept for the estimate and the gate
+REPLAY_BUFFER = 256  # the last trained records replay steps draw from (train.replay_steps)
 
 
 def _log(rank: int, msg: str) -> None:
@@ -174,9 +176,9 @@ class TrainerWorker:
         for d in got:
             if is_held_out(d.record.record_id, tc.held_out_every):
                 self.held_out.append(d.record)
-                del self.held_out[: -tc.held_out_buffer]
+                del self.held_out[: -HELD_OUT_BUFFER]
                 self._held_acks.append(d)
-            elif not train_on(d.record.record_id, d.record.created_at, now, tc.max_lag_s, tc.stale_keep):
+            elif not train_on(d.record.record_id, d.record.created_at, now, tc.max_lag_s):
                 self._held_acks.append(d)
                 self.skipped_stale += 1
                 self.telemetry.status["skipped_stale"] = self.skipped_stale
@@ -231,7 +233,7 @@ class TrainerWorker:
                 unacked += take
                 n_local = len(take)
                 self.replay.extend(d.record for d in take)
-                del self.replay[: -tc.replay_buffer]
+                del self.replay[: -REPLAY_BUFFER]
             if any_data:
                 self._replay_steps(loss_fn, stats, loss_acc)
             count = torch.tensor([float(n_local)])

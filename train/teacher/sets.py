@@ -11,6 +11,14 @@ from typing import Any, Callable
 
 from infra.config import OSDConfig
 
+# Prompts per teacher cache shard: the work a kill can lose, and the step at which the budget
+# is checked; a few times train.warm_batch_size keeps the engine's batch full.
+SHARD_PROMPTS = 256
+# On a CUDA device the teacher is one static batch of this many prompts per forward
+# (train/teacher/batch.py), where the GPU's decode rows cost little more than one; the shards
+# grow to hold a batch.
+CUDA_BATCH_SIZE = 1024
+
 
 def warm_prompts(cfg: OSDConfig, n: int, max_chars: int | None = None, split: str = "train", domain: str | None = None,
                  prompts: list | None = None):
@@ -46,12 +54,12 @@ def teacher_store(cfg: OSDConfig, loaded: Any, generator: str, root: str | Path 
 
     key = {"kind": "teacher", "format": STORE_FORMAT, "target": target_ref(loaded), "generator": generator,
            "max_new_tokens": cfg.train.warm_max_new_tokens, "top_k": cfg.serve.capture_top_k, "decode": "greedy"}
-    tc, gpu = cfg.train, on_cuda(loaded)
+    gpu = on_cuda(loaded)
     # On a GPU a shard holds at least one static batch, and its features stay in device memory:
     # 50k answers' rows are tens of GB, more than such a machine's disk, and remade in minutes.
     return TeacherStore(root or Path(cfg.state_dir) / "teacher", key,
-                        shard_prompts=max(tc.warm_shard_prompts, tc.warm_cuda_batch_size) if gpu
-                        else tc.warm_shard_prompts, features_on_disk=not gpu)
+                        shard_prompts=max(SHARD_PROMPTS, CUDA_BATCH_SIZE) if gpu else SHARD_PROMPTS,
+                        features_on_disk=not gpu)
 
 
 def on_cuda(loaded: Any) -> bool:
@@ -61,7 +69,7 @@ def on_cuda(loaded: Any) -> bool:
 
 def batch_teacher(cfg: OSDConfig, loaded: Any) -> Any:
     """The generator for a target on a CUDA device, or where train.warm_teacher is "batch"
-    (train/teacher/batch.py: static batches of train.warm_cuda_batch_size, features captured),
+    (train/teacher/batch.py: static batches of CUDA_BATCH_SIZE, features captured),
     else None: the caller's own choice stands."""
     if not on_cuda(loaded) and cfg.train.warm_teacher != "batch":
         return None
@@ -71,7 +79,7 @@ def batch_teacher(cfg: OSDConfig, loaded: Any) -> Any:
     tok = loaded.tokenizer
     eos = eos_token_ids(tok, getattr(loaded.model.generation_config, "eos_token_id", None))
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-    return StaticBatchTeacher(loaded.model, eos, pad, batch_size=cfg.train.warm_cuda_batch_size)
+    return StaticBatchTeacher(loaded.model, eos, pad, batch_size=CUDA_BATCH_SIZE)
 
 
 def teacher_records(cfg: OSDConfig, loaded: Any, prompts: list, *, progress: bool = True, generate: Any = None,

@@ -30,6 +30,11 @@ from infra.config import OSDConfig
 
 
 CONV_CHUNK = 40
+# Padded feature rows per optimizer step of the head's warm start. Optimizer steps, not rows,
+# limited the heads measured so far (docs/benchmarks.md, "Every human turn, and a GPU"): large
+# GPU steps gave too few of them. So the GPU's is 8x the steps of 16384 rows, each cheap there.
+TOKEN_BUDGET = 512
+CUDA_TOKEN_BUDGET = 2048
 
 
 def _log(msg: str) -> None:
@@ -87,11 +92,11 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
     """Teacher records + ShareGPT fixed text -> target features -> a trained head (module doc).
     The prompts, their answers' length and turns are train.head_warm_prompts,
     head_warm_max_new_tokens and head_warm_turns (OSDConfig.for_warm_start);
-    conversations and epochs default to train.head_warm_conversations and head_warm_epochs;
+    conversations (ShareGPT ones as fixed text) default to none, epochs to head_warm_epochs;
     generate: the teacher's generator (train.teacher.data.BatchGenerate; default Hugging Face).
     With model.device cuda the target generates there in static batches (train/teacher/batch.py)
-    and the head trains there; token_budget defaults to train.head_token_budget, or
-    head_cuda_token_budget on CUDA. curve: fractions in (0, 1); after the head, one more head
+    and the head trains there; token_budget defaults to TOKEN_BUDGET, or CUDA_TOKEN_BUDGET on
+    CUDA. curve: fractions in (0, 1); after the head, one more head
     per fraction, trained on that fraction of this run's answers (the first ones made, as a
     smaller budget would have), saved beside it as `<out>-at-<fraction>` for `osd draft curve`."""
     if not all(0 < f < 1 for f in curve):
@@ -114,13 +119,13 @@ def run_head_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, pr
     batched = batch_teacher(cfg, loaded)
     if batched is not None:
         generate = batched
-        _log(f"target on {cfg.model.device}: teacher answers in static batches of {tc.warm_cuda_batch_size}")
+        _log(f"target on {cfg.model.device}: teacher answers in static batches of {batched.batch_size}")
     if token_budget is None:
-        token_budget = tc.head_cuda_token_budget if on_cuda(loaded) else tc.head_token_budget
+        token_budget = CUDA_TOKEN_BUDGET if on_cuda(loaded) else TOKEN_BUDGET
     torch.manual_seed(0)
     spec = DraftSpec(family="head", feature_layers=feature_layers, draft_vocab=draft_vocab or DraftSpec().draft_vocab)
     layers = feature_layers_of(spec, loaded.model.config.num_hidden_layers)
-    conversations = tc.head_warm_conversations if conversations is None else conversations
+    conversations = conversations or 0
     epochs = epochs or tc.head_warm_epochs
     fs_train, fs_held, n_conv = _features(cfg, loaded, layers, conversations, max_len, progress, generate)
     if not len(fs_held) or not len(fs_train):
@@ -182,7 +187,11 @@ class _Fit:
 
 
 def warm_autocast(setting: str, device: str) -> torch.dtype | None:
-    """train.head_warm_autocast as a dtype (None: float32). "auto": bfloat16 where it is native."""
+    """The dtype the head's warm-start steps run their forward under (None: float32); weights,
+    gradients and AdamW state stay float32. With native bfloat16 GEMMs a step is much faster
+    that way (docs/benchmarks.md, "The warm start's teacher"). "auto": bfloat16 on a GPU or a
+    CPU with native bfloat16 GEMMs (infra/common/cpu.py), else float32, since an AVX2-only CPU
+    emulates bfloat16 several times slower than float32."""
     from infra.common.cpu import native_bf16_gemm
 
     if setting == "auto":
@@ -287,7 +296,7 @@ def _train(cfg: OSDConfig, head: Any, target: Any, fs_train: Any, epochs: int,
 
     tc = cfg.train
     init_distributed(0, 1, "127.0.0.1", free_port(), tc.device)
-    engine = DistillEngine(head, tc, autocast=warm_autocast(tc.head_warm_autocast, tc.device))
+    engine = DistillEngine(head, tc, autocast=warm_autocast("auto", tc.device))
     t = time.perf_counter()
     losses = train_epochs(engine, fs_train, head_loss_fn(target.lm_head.weight.detach()), epochs=epochs,
                           token_budget=token_budget, log=_log)

@@ -77,7 +77,7 @@ def run_warm_start(cfg: OSDConfig, *, out_dir: str | Path | None = None, progres
     if alpha_before is None:
         _log(f"no held-out record among {len(prompts)} prompts (1 in train.held_out_every = {tc.held_out_every} "
              f"is held out): v1 is published without an acceptance estimate; give more prompts for one")
-    _log(f"draft: {tc.draft_layers} {tc.draft_layer_source} layers of the target; acceptance estimate before "
+    _log(f"draft: the first {tc.draft_layers} layers of the target; acceptance estimate before "
          f"training {_estimate(alpha_before)}")
 
     engine, ckpt_dir, first_epoch = _resumable_engine(cfg, draft, train_recs, spec, force)
@@ -112,7 +112,7 @@ def _resumable_engine(cfg: OSDConfig, draft: torch.nn.Module, train_recs: list, 
     """A one-process DistillEngine on `draft`, resumed from this run's newest complete checkpoint
     unless `force`. Returns (engine, checkpoint dir, first epoch still to train)."""
     from infra.redis.server import free_port
-    from train.distill.ds_engine import DistillEngine, init_distributed
+    from train.distill.ds_engine import WARMUP_STEPS, DistillEngine, init_distributed
 
     tc = cfg.train
     init_distributed(0, 1, "127.0.0.1", free_port(), tc.device)
@@ -121,7 +121,7 @@ def _resumable_engine(cfg: OSDConfig, draft: torch.nn.Module, train_recs: list, 
     # by the records trained on, not the prompts asked for: a budget may have answered fewer.
     run_key = hashlib.sha256(json.dumps({"prompts": [r.request_id for r in train_recs], "spec": spec.model_dump(),
                                          "loss": Objective().loss, "lr": tc.lr, "tokens": tc.warm_max_new_tokens,
-                                         "budget": tc.token_budget, "warmup": tc.warmup_steps},
+                                         "budget": tc.token_budget, "warmup": WARMUP_STEPS},
                                         sort_keys=True).encode()).hexdigest()[:16]
     ckpt_dir = Path(cfg.state_dir) / "warm-start" / run_key / "checkpoints"
     resumed = engine.load_latest(ckpt_dir) if not force else None

@@ -139,10 +139,8 @@ so the file alone says where state, the registry and the trainers go.
 - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
   value: serve.api.proxy_auth:middlewares
 {{- if include "osd.redisAcl" . }}
-# Each client connects as its role's ACL user (stream.users; infra/records/streams.py connect).
+# Each client connects as its role's ACL user, osd-<role> (stream.users; infra/records/streams.py connect).
 {{- range $role := list "producer" "trainer" "admin" }}
-- name: OSD_STREAM__USERS__{{ upper $role }}__USERNAME
-  value: osd-{{ $role }}
 - name: OSD_STREAM__USERS__{{ upper $role }}__PASSWORD
   valueFrom:
     secretKeyRef:
