@@ -137,8 +137,8 @@ PROMPT = [1, 2, 3]
 
 
 def _head_draft(target, d2t):
-    from infra.draft_head import build_head
-    from infra.draft_spec import DraftSpec
+    from infra.drafts.head import build_head
+    from infra.drafts.spec import DraftSpec
 
     head = build_head(target, DraftSpec(family="head", feature_layers=(0, 1)), d2t)
     with torch.no_grad():
@@ -293,8 +293,8 @@ def test_prompt_chunks_shrink_while_they_slow_the_streams_and_grow_back(target):
 def test_head_drafts_of_a_batch_draft_together_and_stay_exact(monkeypatch):
     """Three requests with one head draft: one head forward per draft position for all of them,
     and each output equals the request alone (greedy), as the target's own greedy."""
-    from infra.draft_head import build_head
-    from infra.draft_spec import DraftSpec
+    from infra.drafts.head import build_head
+    from infra.drafts.spec import DraftSpec
     from serve.spec_decode.head import draft as head_runner
 
     target = tiny(seed=11, layers=4)
@@ -322,7 +322,7 @@ def test_head_drafts_of_a_batch_draft_together_and_stay_exact(monkeypatch):
 def test_a_steps_capture_topk_is_computed_once_and_equals_each_requests_own():
     from types import SimpleNamespace
 
-    from infra.tokens import topk_logprobs
+    from infra.records.tokens import topk_logprobs
     from serve.engine.scheduler import _capture_topk
 
     g = torch.Generator().manual_seed(0)

@@ -266,7 +266,7 @@ def soak_config(cfg: OSDConfig, state_dir: Path, port: int) -> OSDConfig:
 
 def _tiny_warm_start(state_dir: Path) -> None:
     """What `osd draft init --family layer` leaves for the tiny target, made here in a second."""
-    from infra.draft_model import DraftSpec, build_draft, save_draft
+    from infra.drafts.layer import DraftSpec, build_draft, save_draft
     from infra.target import load_target
 
     tiny = load_target("tiny-random", progress=False)
@@ -283,8 +283,8 @@ def run_soak(cfg: OSDConfig, *, minutes: float = 20.0, clients: int = 2, sample_
 
     import redis
 
-    from infra.draft_spec import warm_started_draft
-    from infra.redis_server import free_port
+    from infra.drafts.spec import warm_started_draft
+    from infra.redis.server import free_port
     from infra.registry import Registry
     from pipeline.stack.up import ClosedLoop
 
@@ -370,7 +370,7 @@ def _decisions(reg: Any) -> int:
 def _trainer_read(client: Any, stream: str) -> int | None:
     import redis
 
-    from infra.streams import group_info
+    from infra.records.streams import group_info
 
     try:
         read = (group_info(client, stream).get("trainers") or {}).get("entries-read")

@@ -21,16 +21,16 @@ import numpy as np
 from tabulate import tabulate
 
 from infra.config import OSDConfig
-from infra.redis_server import RedisServer, RedisServerError
-from infra.stats import percentile
+from infra.redis.server import RedisServer, RedisServerError
+from infra.common.stats import percentile
 
 if TYPE_CHECKING:  # pyarrow loads when the bench runs, not when the CLI lists its flags
-    from infra.records import Record
+    from infra.records.schema import Record
 
 
 def synthetic_record(rng: np.random.Generator, tokens: int, top_k: int, vocab: int = 49152) -> Record:
     """A record shaped like real traffic: about 60% of positions came from accepted drafts."""
-    from infra.records import Record, new_record_id
+    from infra.records.schema import Record, new_record_id
 
     drafted = rng.random(tokens) < 0.8
     return Record(
@@ -56,8 +56,8 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
                      json_path: str | Path | None = None, *, samples: int = 200, seed: int = 0) -> dict[str, Any]:
     """Produce, consume and ack `records` records of tokens x top_k; print a table, return the figures
     (and write them as JSON to json_path if given)."""
-    from infra.records import decode, encode, new_record_id
-    from infra.streams import FIELD, RecordConsumer, RecordProducer, connect
+    from infra.records.schema import decode, encode, new_record_id
+    from infra.records.streams import FIELD, QUEUE_SIZE, READ_COUNT, RecordConsumer, RecordProducer, connect
 
     rng = np.random.default_rng(seed)
     pool = [synthetic_record(rng, tokens, top_k) for _ in range(min(16, records))]
@@ -65,7 +65,7 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
     # The bench must not drop: room for every record, no lag budget, nothing trimmed.
     scfg = cfg.stream.model_copy(update={
         "stream": "osd:bench", "group": "bench", "lag_budget": 0,
-        "maxlen": max(cfg.stream.maxlen, records + 1), "queue_size": max(cfg.stream.queue_size, records),
+        "maxlen": max(cfg.stream.maxlen, records + 1),
     })
 
     enc, dec, payloads = [], [], []
@@ -90,14 +90,14 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
         client.delete("osd:bench:xadd")
 
         consumer = RecordConsumer(server.url, scfg, name="bench")
-        producer = RecordProducer(server.url, scfg)
+        producer = RecordProducer(server.url, scfg, queue_size=max(QUEUE_SIZE, records))
         got = 0
         t0 = time.perf_counter()
         for i in range(records):
             producer.submit(dataclasses.replace(pool[i % len(pool)], record_id=new_record_id()))
         deadline = time.monotonic() + 300
         while got < records and time.monotonic() < deadline:
-            batch = consumer.read(count=scfg.read_count)
+            batch = consumer.read(count=READ_COUNT)
             consumer.ack(batch)
             got += len(batch)
         elapsed = time.perf_counter() - t0

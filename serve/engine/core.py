@@ -47,7 +47,7 @@ import torch
 from pydantic import ValidationError
 
 from infra.config import ModelConfig, ServeConfig
-from infra.tokens import eos_token_ids
+from infra.records.tokens import eos_token_ids
 from serve.engine.admission import SlotPool
 from serve.model.batch_forward import Item, forward_batch
 from serve.engine.capture import Capture, CaptureBuffer

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from infra.tokens import topk_logprobs
+from infra.records.tokens import topk_logprobs
 from serve.model.batch_forward import Item, forward_batch
 from serve.engine.sequence import Seq
 from serve.engine.stages import commit, end_prefill, prefill_tokens, prefilled_chunk, verify
