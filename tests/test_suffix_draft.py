@@ -54,7 +54,7 @@ def test_greedy_output_is_the_targets_and_a_repeat_is_drafted_from_the_replica(t
     accepted = sum(r.stats.num_accepted_tokens for r in again)
     assert accepted / drafted > 0.9 and accepted > 0.5 * 4 * 40
     assert eng.draft.proposer.global_index.n_tokens > 0
-    assert eng.draft._fed == {}  # per-request state gone with each request
+    assert eng.draft.proposer._requests == {}  # per-request state gone with each request
 
 
 def test_a_repeat_verifies_chains_longer_than_k_up_to_max_chain(target):
@@ -113,7 +113,7 @@ def test_a_cancelled_stream_leaves_no_state_and_adds_nothing(target):
 
     asyncio.run(run())
     eng.generate([1, 2, 3], GenerationParams(max_new_tokens=2))  # a step retires the cancelled one
-    assert eng.draft._fed == {}
+    assert eng.draft.proposer._requests == {}
     assert eng.slots.free == 4
     assert eng.draft.proposer.global_index.n_tokens == 2 + 3  # only the finished request: tail + output
 
@@ -188,7 +188,7 @@ def test_head_with_suffix_is_the_target_greedy_and_takes_the_suffix_on_repeats(t
     assert "suffix" in sources
     steps, drafted, accepted = sources["suffix"]
     assert accepted / drafted > 0.8  # the suffix wins where it has seen the answer
-    assert eng.draft.suffix._fed == {}
+    assert eng.draft.suffix.proposer._requests == {}
 
 
 def test_head_with_suffix_samples_the_target_distribution():

@@ -173,10 +173,9 @@ class Seq:
         self.cap_draft_tokens: list[int] = []
         self.cap_draft_probs: list[float] = []
         self.device = device
-        # Head drafts only (serve/spec_decode/head/draft.py): target features of rows the head has not
-        # cached yet, from row feat_start on; and the verify forward's, until commit.
-        self.feats: torch.Tensor | None = None
-        self.feat_start = 0
+        # The draft's own state for this request, by family (serve/spec_decode/protocol.py draft_state).
+        self.draft_state: dict[str, Any] = {}
+        # The verify forward's features of the layers the draft reads, until commit.
         self.step_feats: torch.Tensor | None = None
         self.step_source = ""  # who proposed this step's drafts (SpecStats.by_source)
         # Scheduling (serve/engine/scheduler.py): prompt tokens in the target's cache (all but the

@@ -21,9 +21,11 @@ drawn from a distribution q (verified by rejection sampling), or chosen without 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 class Proposal(NamedTuple):
@@ -41,6 +43,16 @@ def no_proposal(device: torch.device, source: str = "", point_mass: bool = False
 def own_as_tensor(p: Proposal) -> Proposal:
     """A host proposal as the device stages take it: `own` a float32 tensor."""
     return p._replace(own=torch.tensor(p.own, dtype=torch.float32))
+
+
+def draft_state(seq: Any, family: str, make: Callable[[], T]) -> T:
+    """The request's state for a draft family, made on first use: one field of the request
+    (Seq.draft_state), typed by the family, so a draft keeps nothing keyed by id(seq) and a
+    request's state goes with it."""
+    state = seq.draft_state.get(family)
+    if state is None:
+        state = seq.draft_state[family] = make()
+    return state
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@
 Rows and caches. Row t of the head reads the target's features at position t and the token
 x_{t+1}, and predicts x_{t+2}. With N committed tokens the target has features for positions
 0..N-2 (the last token is the next forward's input), so the head's cache holds target rows
-0..N-2 at most. Per request the engine keeps `seq.feats`: the target features of the rows the
-head has not cached yet (from `seq.feat_start`), taken from the verify forward and the
-prefill, which compute them anyway: no extra target work, no host sync.
+0..N-2 at most. Per request the head keeps a HeadState (the request's draft state): the target
+features of the rows the head has not cached yet (from `feat_start`), taken from the verify
+forward and the prefill, which compute them anyway: no extra target work, no host sync.
 
 Propose: one head forward catches up on those rows (target features) and gives draft 1; each
 further draft is one row fed with the head's own output state. After verification the head's
@@ -15,11 +15,12 @@ rows next step.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from serve.spec_decode.protocol import Draft, Proposal, StepContext, no_proposal, own_as_tensor
+from serve.spec_decode.protocol import Draft, Proposal, StepContext, draft_state, no_proposal, own_as_tensor
 from serve.spec_decode.gpu_stages import choose, so_far
 from serve.spec_decode.head.lean import LeanHead
 from serve.model.runner import StaticKVCache
@@ -33,6 +34,17 @@ from serve.sampling.verify import warp_probs
 # its acceptance (docs/benchmarks.md, "The head's weights").
 HEAD_QUANT = {"none": "none", "int4": "int8"}
 
+
+
+@dataclass
+class HeadState:
+    """A request's head state: target features of the rows its cache lacks, from feat_start."""
+    feats: torch.Tensor | None = None
+    feat_start: int = 0
+
+
+def head_state(seq: Any) -> HeadState:
+    return draft_state(seq, "head", HeadState)
 
 class HeadRunner(Draft):
     """A head draft: its runner (rows over target features) and the Draft protocol."""
@@ -151,8 +163,8 @@ class HeadRunner(Draft):
     # -- the Draft protocol (serve/spec_decode/protocol.py) ------------------------------------
 
     def prefilled(self, seq: Any, feats: torch.Tensor | None) -> None:
-        seq.feats = feats
-        seq.feat_start = 0
+        st = head_state(seq)
+        st.feats, st.feat_start = feats, 0
         prefill_head(self, seq)
 
     def propose(self, seqs: list[Any], ks: list[int], ctx: StepContext) -> list[Proposal]:
@@ -165,7 +177,8 @@ class HeadRunner(Draft):
         start = cache.length
         if k <= 0 or len(seq.tokens) - 1 <= start:  # a one-token prompt: no target features yet
             return own_as_tensor(no_proposal(seq.device, self.family))
-        g = self.fuse(seq.feats[start - seq.feat_start:])
+        st = head_state(seq)
+        g = self.fuse(st.feats[start - st.feat_start:])
         nxt = seq.to_device(seq.tokens[start + 1:])
         d2t = self.head.d2t
         toks, owns, qs = [], [], []
@@ -192,7 +205,8 @@ class HeadRunner(Draft):
         vocabulary maps to target ids (d2t), other tokens get log-prob -inf."""
         cache, d2t = seq.dcache, self.head.d2t
         start = cache.length
-        g = self.fuse(seq.feats[start - seq.feat_start:])
+        st = head_state(seq)
+        g = self.fuse(st.feats[start - st.feat_start:])
         root_logits, root_state = self.rows(g, seq.to_device(seq.tokens[start + 1:]), cache)
         states = root_state.new_zeros(shape.max_candidates, root_state.shape[-1])
         states[0] = root_state[0]
@@ -226,14 +240,14 @@ class HeadRunner(Draft):
 def prefill_head(runner: HeadRunner, seq: Any) -> None:
     """At prefill: the head's rows over the prompt's target features, all but the last (rows
     0..N-3 of N prompt tokens; row t reads position t's features and token t+1), so the first
-    propose runs one row as every later one does. Moves seq.feats/feat_start past them."""
+    propose runs one row as every later one does. Moves the request's HeadState past them."""
     n = len(seq.tokens) - 2
-    if seq.feats is None or n <= 0:
+    st = head_state(seq)
+    if st.feats is None or n <= 0:
         return
     nxt = torch.tensor(seq.tokens[1:n + 1], dtype=torch.long, device=seq.device)
-    runner.rows(runner.fuse(seq.feats[:n]), nxt, seq.dcache)
-    seq.feats = seq.feats[n:]
-    seq.feat_start = n
+    runner.rows(runner.fuse(st.feats[:n]), nxt, seq.dcache)
+    st.feats, st.feat_start = st.feats[n:], n
 
 
 def propose_heads(runner: HeadRunner, seqs: list[Any], ks: list[int], confidence: float) -> list[tuple]:
@@ -248,7 +262,8 @@ def propose_heads(runner: HeadRunner, seqs: list[Any], ks: list[int], confidence
         if k <= 0 or len(seq.tokens) - 1 <= start:  # nothing to draft, or no target features yet
             continue
         live.append(i)
-        g[i] = runner.fuse(seq.feats[start - seq.feat_start:])
+        st = head_state(seq)
+        g[i] = runner.fuse(st.feats[start - st.feat_start:])
         nxt[i] = torch.tensor(seq.tokens[start + 1:], dtype=torch.long, device=seq.device)
     tokens: dict[int, list[int]] = {i: [] for i in live}
     qs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
@@ -288,6 +303,7 @@ def commit_head(seq: Any, base: int, feats: torch.Tensor) -> None:
     rows base-1..), dropping features of rows the cache already holds."""
     cache = seq.dcache
     cache.truncate(min(cache.length, base - 1))
-    prev = feats[:0] if seq.feats is None else seq.feats  # None: a one-token prompt had no prefill
-    seq.feats = torch.cat([prev, feats])[cache.length - seq.feat_start:]
-    seq.feat_start = cache.length
+    st = head_state(seq)
+    prev = feats[:0] if st.feats is None else st.feats  # None: a one-token prompt had no prefill
+    st.feats = torch.cat([prev, feats])[cache.length - st.feat_start:]
+    st.feat_start = cache.length

@@ -25,13 +25,15 @@ expects at least the head's accepted tokens, else the head.
 
 from __future__ import annotations
 
+import itertools
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from infra.config import SuffixConfig
-from serve.spec_decode.protocol import Draft, Proposal, StepContext, no_proposal, own_as_tensor
+from serve.spec_decode.protocol import Draft, Proposal, StepContext, draft_state, no_proposal, own_as_tensor
 from serve.spec_decode.k_policy import chain_expected, expected_tokens
 from serve.spec_decode.suffix.calibration import Calibration
 from serve.spec_decode.suffix.index import SuffixProposer
@@ -46,6 +48,22 @@ _DEFAULTS = SuffixConfig()
 # exactly as decoding does.
 MAX_DEPTH, MIN_PROB, MAX_CHAIN = 32, 0.1, 15
 
+
+
+_KEYS = itertools.count()
+
+
+@dataclass
+class SuffixState:
+    """A request's suffix state: its key in the proposer's request indexes, how many of its
+    tokens that index holds, and its step's chain (empirical figures) until commit."""
+    key: int = field(default_factory=lambda: next(_KEYS))
+    fed: int | None = None
+    pending: list[float] | None = None
+
+
+def suffix_state(seq: Any) -> SuffixState:
+    return draft_state(seq, SuffixDraft.family, SuffixState)
 
 class SuffixDraft(Draft):
     """Suffix decoding for every request of one engine (its indexes are the replica's)."""
@@ -66,8 +84,6 @@ class SuffixDraft(Draft):
         self.max_chain = max_chain
         self.min_prob, self.factor, self.offset = min_prob, factor, offset
         self.proposer = SuffixProposer(max_tokens, max_depth=max_depth)
-        self._fed: dict[int, int] = {}  # id(seq) -> tokens of it the request index holds
-        self._pending: dict[int, list[float]] = {}  # id(seq) -> its step's chain, empirical figures
         self.calibration = Calibration()
         self.proposed = 0  # chains proposed / steps asked, for the global index's hit rate
         self.asked = 0
@@ -78,14 +94,13 @@ class SuffixDraft(Draft):
 
     def _follow(self, seq: Any) -> int:
         """The request's index brought up to its committed tokens; its key."""
-        key = id(seq)
-        fed = self._fed.get(key)
-        if fed is None:
-            self.proposer.start(key, seq.tokens, seq.params.origin.pool)
-        elif fed < len(seq.tokens):
-            self.proposer.extend(key, seq.tokens[fed:])
-        self._fed[key] = len(seq.tokens)
-        return key
+        st = suffix_state(seq)
+        if st.fed is None:
+            self.proposer.start(st.key, seq.tokens, seq.params.origin.pool)
+        elif st.fed < len(seq.tokens):
+            self.proposer.extend(st.key, seq.tokens[st.fed:])
+        st.fed = len(seq.tokens)
+        return st.key
 
     def chain(self, seq: Any, k: int, confidence: float) -> tuple[list[int], list[float], list[float]]:
         """(tokens, their calibrated probabilities, their empirical ones) of the better index's
@@ -115,7 +130,7 @@ class SuffixDraft(Draft):
             return no_proposal(seq.device, self.family, point_mass=True)
         tokens, probs, raw = self.chain(seq, cap, ctx.confidence)
         n = ctx.worth(k, probs)
-        self._pending[id(seq)] = raw[:n]  # what verification of it teaches the calibration
+        suffix_state(seq).pending = raw[:n]  # what verification of it teaches the calibration
         return Proposal(torch.tensor(tokens[:n], dtype=torch.long, device=seq.device), None, probs[:n],
                         self.family, point_mass=True)
 
@@ -139,20 +154,22 @@ class SuffixDraft(Draft):
 
     def commit(self, seq: Any, base: int, n: int, drafted: int, feats: torch.Tensor | None) -> None:
         """A verified step: if it was this draft's chain, its outcome calibrates the figures."""
-        raw = self._pending.pop(id(seq), None)
+        st = suffix_state(seq)
+        raw, st.pending = st.pending, None
         if raw and seq.step_source == self.family and drafted == len(raw):
             self.calibration.observe(raw, n)
 
     def release(self, seq: Any) -> None:
         """The request left (finished, failed or cancelled): its output joins the shared index
         when it finished and records were allowed for it."""
-        self._pending.pop(id(seq), None)
-        if id(seq) not in self._fed:
+        st = seq.draft_state.get(self.family)
+        if st is None or st.fed is None:
+            seq.draft_state.pop(self.family, None)
             return  # it never proposed
         self._follow(seq)  # the last step's tokens too
-        del self._fed[id(seq)]
+        del seq.draft_state[self.family]
         keep = seq.params.capture and seq.finish is not None and seq.error is None
-        self.proposer.finish(id(seq), add_to_global=keep, tag=seq.params.origin)
+        self.proposer.finish(st.key, add_to_global=keep, tag=seq.params.origin)
 
     def forget(self, matches: Any) -> int:
         """Remove the shared outputs whose Origin `matches` (record deletion); returns how many."""
