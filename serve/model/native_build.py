@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).parent / "native"
-SOURCES = ("forward.cpp", "gemm.h", "ops.h", "pool.h")
+SOURCES = ("forward.cpp", "attention.h", "gemm.h", "ops.h", "pool.h")
 COMMON_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-pthread",
                 # Elementwise float math stays exactly as written, so every variant rounds alike.
                 "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
