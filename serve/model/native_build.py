@@ -107,6 +107,14 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def load_file(path: str | os.PathLike) -> ctypes.CDLL:
+    """A library built elsewhere (another checkout's, to time two builds in one run)."""
+    try:
+        return _bind(ctypes.CDLL(str(path)))
+    except OSError as e:
+        raise NativeUnavailable(f"cannot load {path}: {e}") from e
+
+
 @functools.cache
 def load_variant(name: str) -> ctypes.CDLL:
     """Variant `name`, built if needed; NativeUnavailable where this CPU cannot run it."""
