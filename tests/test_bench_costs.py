@@ -36,6 +36,24 @@ def test_forward_bench_refuses_unknown_or_misplaced_variants():
         build_runners(["int4-bf16wide"], "cuda", 64, 3)
 
 
+def test_a_native_library_built_elsewhere_runs_beside_this_checkouts(tmp_path, monkeypatch):
+    from serve.model import native_build
+
+    if not native_build.supported():
+        pytest.skip("this CPU runs no native variant")
+    monkeypatch.setenv("OSD_NATIVE_DIR", str(tmp_path / "other"))  # a second build, as main's would be
+    lib = native_build.build(native_build.supported()[0])
+    model = build_tiny_llama(seed=0, hidden_size=64, intermediate_size=128, max_positions=128)
+    runners = build_runners(["int4-native"], "cpu", 64, 3, real=model, native_libs=[str(lib)])
+    other = runners[f"int4-native@{lib.parent.name}"]
+    assert other.lib is not runners["int4-native"].lib
+    tokens = torch.tensor([1, 2, 3])
+    assert torch.equal(other.forward(tokens, other.new_cache()),
+                       runners["int4-native"].forward(tokens, runners["int4-native"].new_cache()))
+    with pytest.raises(ValueError, match="native-lib"):
+        build_runners(["float32"], "cuda", 64, 3, native_libs=[str(lib)])
+
+
 def test_the_bf16wide_variant_keeps_bfloat16_wide_weights_on_any_cpu():
     from serve.model.linear import Dense
 

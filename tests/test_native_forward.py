@@ -171,6 +171,26 @@ def test_every_variant_computes_the_same_logits():
 
 
 @needs_native
+def test_three_queries_a_kv_head_stay_exact_across_variants_and_row_counts():
+    """Three query heads a KV head: attention tiles of one to four queries and every
+    remainder, in a verify block and in its decodes, on every variant."""
+    model = build_tiny_llama(seed=11, num_layers=2, max_positions=160, dtype="bfloat16", vocab_size=304,
+                             hidden_size=96, num_heads=6, num_kv_heads=2, intermediate_size=192)
+    model.config.eos_token_id = None
+    tokens = torch.randint(0, 304, (40,), generator=torch.Generator().manual_seed(11))
+    blocks = []
+    for v in VARIANTS:
+        r = runner(model, v)
+        block = logits(r, tokens, 21)
+        cache = r.new_cache()
+        r.forward(tokens[:21], cache)
+        decodes = torch.cat([r.forward(tokens[i:i + 1], cache) for i in range(21, 40)])
+        assert torch.equal(block, decodes), v
+        blocks.append(block)
+    assert all(torch.equal(blocks[0], b) for b in blocks)
+
+
+@needs_native
 def test_a_batched_step_equals_each_sequence_alone():
     """Decode rows in a pool, a verify block and a prompt chunk in one native call: every
     sequence's logits, features and cache equal its own forward's, bit for bit."""

@@ -122,9 +122,11 @@ MAX_COMPILED_TOKENS = 64
 
 
 def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_tokens: int,
-                  real: Any = None, inductor: bool = False, vs_llamacpp: bool = False) -> dict[str, Any]:
-    """name -> runner: each variant eagerly, on CUDA each non-int4 variant as graphs too, and
-    with `inductor` each variant through torch.compile as well."""
+                  real: Any = None, inductor: bool = False, vs_llamacpp: bool = False,
+                  native_libs: Sequence[str] = ()) -> dict[str, Any]:
+    """name -> runner: each variant eagerly, on CUDA each non-int4 variant as graphs too, with
+    `inductor` each variant through torch.compile as well, and the native forward once more
+    through each library of `native_libs` ("int4-native@<its folder>")."""
     import torch
 
     from serve.model.runner import LlamaRunner
@@ -134,6 +136,8 @@ def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_to
         raise ValueError(f"unknown variant(s) {bad}: expected some of {', '.join(VARIANTS)}")
     if any(v.startswith("int4") for v in variants) and device != "cpu":
         raise ValueError("the int4 variant is the CPU path; drop it with --device cuda")
+    if native_libs and device != "cpu":
+        raise ValueError("--native-lib times the native CPU forward: drop it with --device cuda")
     models: dict[str, Any] = {}
     runners: dict[str, Any] = {}
     for v in variants:
@@ -155,6 +159,12 @@ def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_to
             runners[f"{v}-graph"].max_graph_tokens = max_tokens
         if inductor:
             runners[f"{v}-inductor"] = InductorRunner(runners[v])
+    for path in native_libs:
+        from serve.model.native_build import load_file
+        from serve.model.native_runner import NativeLlamaRunner
+
+        runners[f"int4-native@{Path(path).parent.name}"] = NativeLlamaRunner(
+            _model("int4-native", device, max_seq_len, real, models), max_seq_len, small_rows=0, lib=load_file(path))
     if vs_llamacpp:
         if device != "cpu" or real is None:
             raise ValueError("--vs-llamacpp times llama.cpp on the target's GGUF: it needs --real on the CPU")
@@ -168,14 +178,14 @@ def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_to
 def run_forward_bench(*, device: str = "cpu", variants: Sequence[str] = ("float32", "bfloat16", "int4"),
                       tokens: tuple[int, ...] = (1, 2, 3, 5, 9, 17, 33), context: int = 256,
                       max_seq_len: int = 2048, repeats: int = 30, real: Any = None, inductor: bool = False,
-                      vs_llamacpp: bool = False, json_path: str | None = None,
+                      vs_llamacpp: bool = False, native_libs: Sequence[str] = (), json_path: str | None = None,
                       log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
     """Times every (runner, T) in one run, interleaved per repeat; `real`: the target model to
     time instead of a random one of its shape."""
     import torch
 
     dev = torch.device(device)
-    runners = build_runners(variants, device, max_seq_len, max(tokens), real, inductor, vs_llamacpp)
+    runners = build_runners(variants, device, max_seq_len, max(tokens), real, inductor, vs_llamacpp, native_libs)
     vocab = next(iter(runners.values())).vocab_size
     once = _timer(dev)
     gen = torch.Generator().manual_seed(0)
@@ -254,6 +264,9 @@ def add_arguments(bf: argparse.ArgumentParser) -> None:
                                                         "weights of SmolLM2-135M's shape")
     bf.add_argument("--vs-llamacpp", action="store_true", help="also time llama.cpp's forward of the same T tokens "
                     "on the target's own GGUF (with --real; needs the bench extra, llama-cpp-python)")
+    bf.add_argument("--native-lib", action="append", default=[], metavar="SO",
+                    help="also time the native forward through this library (another build of "
+                         "serve/model/native/, e.g. main's), interleaved with the rest; repeatable")
     bf.add_argument("--tokens", default="1,2,3,5,9,17,33", help="comma-separated token counts T")
     bf.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     bf.add_argument("--repeats", type=int, default=30)
@@ -276,5 +289,5 @@ def run(cfg: Any, args: argparse.Namespace) -> int:
         real = load_target(cfg.model.target, cfg.model.for_training(), progress=True).model
     run_forward_bench(device=args.device, variants=variants, tokens=tokens, context=args.context,
                       repeats=args.repeats, real=real, inductor=args.inductor, vs_llamacpp=args.vs_llamacpp,
-                      json_path=args.json)
+                      native_libs=args.native_lib, json_path=args.json)
     return 0

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).parent / "native"
-SOURCES = ("forward.cpp", "gemm.h", "ops.h", "pool.h")
+SOURCES = ("forward.cpp", "attention.h", "gemm.h", "ops.h", "pool.h")
 COMMON_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-pthread",
                 # Elementwise float math stays exactly as written, so every variant rounds alike.
                 "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
@@ -105,6 +105,14 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.osd_gemm.argtypes = (ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
                              ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32)
     return lib
+
+
+def load_file(path: str | os.PathLike) -> ctypes.CDLL:
+    """A library built elsewhere (another checkout's, to time two builds in one run)."""
+    try:
+        return _bind(ctypes.CDLL(str(path)))
+    except OSError as e:
+        raise NativeUnavailable(f"cannot load {path}: {e}") from e
 
 
 @functools.cache

@@ -9,6 +9,7 @@
 #include <mutex>
 #include <vector>
 
+#include "attention.h"
 #include "gemm.h"
 #include "ops.h"
 #include "pool.h"
@@ -65,8 +66,6 @@ struct OsdBatch {
 
 namespace osd {
 namespace {
-
-constexpr int kMaxQueries = 8;  // queries of one KV head attended together
 
 struct Quantized {  // activations of M rows, quantized for the next GEMM
   std::vector<int8_t> q;
@@ -171,7 +170,7 @@ void attention(const OsdModel& md, const OsdBatch& bt, int layer, Work& wk, int 
   int max_len = 0;
   for (int r = 0; r < m; ++r) max_len = std::max(max_len, bt.pos[r] + 1);
   const int workers = std::max(threads, 1);
-  const int chunk = std::clamp((m * nh + 4 * workers - 1) / (4 * workers), 1, kMaxQueries);
+  const int chunk = std::clamp((m * nh + 4 * workers - 1) / (4 * workers), 1, kMaxAttendQueries);
   for (int r0 = 0; r0 < m;) {
     int r1 = r0 + 1;
     while (r1 < m && bt.seq[r1] == bt.seq[r0]) ++r1;
@@ -180,12 +179,12 @@ void attention(const OsdModel& md, const OsdBatch& bt, int layer, Work& wk, int 
       for (int q0 = 0; q0 < nq; q0 += chunk) items.insert(items.end(), {r0, g, q0, std::min(nq, q0 + chunk)});
     r0 = r1;
   }
-  wk.scores.resize(static_cast<size_t>(workers) * kMaxQueries * max_len);
+  wk.scores.resize(static_cast<size_t>(workers) * kMaxAttendQueries * max_len);
   const int n_items = static_cast<int>(items.size() / 4);
   Pool::get().run(workers, n_items, [&](int it, int w) {
-    const float* qs[kMaxQueries];
-    float* outs[kMaxQueries];
-    int lens[kMaxQueries];
+    const float* qs[kMaxAttendQueries];
+    float* outs[kMaxAttendQueries];
+    int lens[kMaxAttendQueries];
     {
       const int r0 = items[4 * it], g = items[4 * it + 1], q0 = items[4 * it + 2], q1 = items[4 * it + 3];
       for (int q = q0; q < q1; ++q) {  // query q: row r0 + q / group, head g * group + q % group
@@ -197,7 +196,7 @@ void attention(const OsdModel& md, const OsdBatch& bt, int layer, Work& wk, int 
       const OsdSeq& sq = bt.seqs[bt.seq[r0]];
       const int64_t off = layer * sq.s_layer + g * sq.s_head;
       attend_rows(qs, lens, q1 - q0, sq.k + off, sq.v + off, sq.s_pos, hd, md.attn_scale,
-                  wk.scores.data() + static_cast<int64_t>(w) * kMaxQueries * max_len, outs);
+                  wk.scores.data() + static_cast<int64_t>(w) * kMaxAttendQueries * max_len, outs);
     }
   });
 }

@@ -12,6 +12,7 @@
 namespace osd {
 
 constexpr int kLanes = 16;
+constexpr int kMaxAttendQueries = 16;  // queries of one KV head attended in one call
 
 // max/min that compile to one instruction (std::fmax is a libm call where NaNs must be handled).
 inline float fmax_(float a, float b) { return a > b ? a : b; }
@@ -200,12 +201,19 @@ inline void pv_chunk16(const float* p, const uint16_t* v, int64_t stride, int le
 }
 #endif
 
-// softmax(scores * 1) in place over [0, len): exp(s - max) / sum, the sum in 16 lanes.
+// softmax(scores * 1) in place over [0, len): exp(s - max) / sum, the max and the sum in 16
+// lanes (a max is exact in any order, and lanes let it vectorise: one running max is a chain).
 inline void softmax_row(float* scores, int len) {
-  float mx = -INFINITY;
-  for (int j = 0; j < len; ++j) mx = fmax_(mx, scores[j]);
-  float sum[kLanes] = {};
+  float lane_max[kLanes];
+  for (int l = 0; l < kLanes; ++l) lane_max[l] = -INFINITY;
   int j = 0;
+  for (; j + kLanes <= len; j += kLanes)
+    for (int l = 0; l < kLanes; ++l) lane_max[l] = fmax_(lane_max[l], scores[j + l]);
+  for (int l = 0; j < len; ++j, ++l) lane_max[l] = fmax_(lane_max[l], scores[j]);
+  float mx = -INFINITY;
+  for (int l = 0; l < kLanes; ++l) mx = fmax_(mx, lane_max[l]);
+  float sum[kLanes] = {};
+  j = 0;
   for (; j + kLanes <= len; j += kLanes)
     for (int l = 0; l < kLanes; ++l) {
       scores[j + l] = fexp(scores[j + l] - mx);
@@ -217,28 +225,6 @@ inline void softmax_row(float* scores, int len) {
   }
   const float inv = 1.0f / lane_sum(sum);
   for (int jj = 0; jj < len; ++jj) scores[jj] *= inv;
-}
-
-// Several query rows against one cache head's keys/values (bf16, position stride `stride`):
-// query i attends over positions [0, len[i]), softmax(q.k * scale) . v into out[i] [hd], hd a
-// multiple of 16. Keys outermost, so each key comes from memory once for all the queries; each
-// query's arithmetic is a lone query's. `scores` holds n * max(len) floats.
-inline void attend_rows(const float* const* q, const int* len, int n, const uint16_t* k, const uint16_t* v,
-                        int64_t stride, int hd, float scale, float* scores, float* const* out) {
-  int max_len = 0;
-  for (int i = 0; i < n; ++i) max_len = len[i] > max_len ? len[i] : max_len;
-  for (int j = 0; j < max_len; ++j) {
-    const uint16_t* kj = k + j * stride;
-    for (int i = 0; i < n; ++i)
-      if (j < len[i]) scores[i * max_len + j] = dot_key(q[i], kj, hd) * scale;
-  }
-  for (int i = 0; i < n; ++i) {
-    float* p = scores + i * max_len;
-    softmax_row(p, len[i]);
-    int c = 0;
-    for (; c + 32 <= hd; c += 32) pv_chunk32(p, v + c, stride, len[i], out[i] + c);
-    if (c < hd) pv_chunk16(p, v + c, stride, len[i], out[i] + c);
-  }
 }
 
 }  // namespace osd
