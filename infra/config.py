@@ -383,6 +383,10 @@ class StreamConfig(_Section):
     queue_size: int = Field(10_000, ge=1)
     # XADDs per pipelined round trip.
     write_batch: int = Field(64, ge=1)
+    # A replica appends each record to its on-disk spool (<state_dir>/spool) before the request
+    # gets the record id, and the next producer there replays what a killed one left, each
+    # record once: a SIGKILLed replica loses none (infra/spool.py, docs/faults.md).
+    spool: bool = True
     # Drop new records while the trainers' group has this many entries unread or read and not
     # acked (0: no limit); read from XINFO GROUPS at most every lag_refresh_s. At most the cap.
     lag_budget: int = Field(10_000, ge=0)
