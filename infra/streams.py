@@ -499,33 +499,46 @@ class RecordProducer:
         if self._spool is None or now < self._scan_at + SCAN_S or now < self._down_until:
             return
         self._scan_at = now
+        try:
+            self._replay_orphans()
+        except Exception:  # never let the writer thread die over another producer's leftovers
+            log.exception("record producer: replaying the spools in %s failed; retried in %.0f s",
+                          self._spool.dir, SCAN_S)
+
+    def _replay_orphans(self) -> None:
         for orphan in orphans(self._spool.dir, self._spool.id):
-            key = marker_key(self.stream, orphan.spool_id)
             try:
-                landed = int(self._client.get(key) or 0)
-                todo = [(n, p) for n, p in orphan.frames if n > landed]
-                for i in range(0, len(todo), self.cfg.write_batch):
-                    chunk = todo[i: i + self.cfg.write_batch]
-                    pipe = self._client.pipeline(transaction=True)
-                    for _, p in chunk:
-                        pipe.xadd(self.stream, {FIELD: p}, maxlen=self.cfg.max_entries, approximate=True)
-                    pipe.set(key, chunk[-1][0], ex=MARKER_TTL_S)
-                    pipe.execute()
-                    with self._cond:
-                        self._stats.replayed += len(chunk)
-            except _UNREACHABLE as e:
-                orphan.release()  # kept for the next scan
-                self._mark_down(e)
-                return
-            except RedisError as e:
-                orphan.release()
-                log.warning("record producer: replaying the spool of %s failed: %s", orphan.spool_id, e)
-                continue
-            orphan.remove()
-            if todo:
-                log.warning("record producer: replayed %d records a dead producer (%s) left in its spool "
-                            "(%d were in the stream already)", len(todo), orphan.spool_id,
-                            len(orphan.frames) - len(todo))
+                if not self._replay(orphan):
+                    return
+            finally:
+                orphan.release()  # a no-op once removed; otherwise kept for the next scan
+
+    def _replay(self, orphan: Any) -> bool:
+        """Write one dead producer's spool and delete it; False when Redis is unreachable."""
+        key = marker_key(self.stream, orphan.spool_id)
+        try:
+            landed = int(self._client.get(key) or 0)
+            todo = [(n, p) for n, p in orphan.frames if n > landed]
+            for i in range(0, len(todo), self.cfg.write_batch):
+                chunk = todo[i: i + self.cfg.write_batch]
+                pipe = self._client.pipeline(transaction=True)
+                for _, p in chunk:
+                    pipe.xadd(self.stream, {FIELD: p}, maxlen=self.cfg.max_entries, approximate=True)
+                pipe.set(key, chunk[-1][0], ex=MARKER_TTL_S)
+                pipe.execute()
+                with self._cond:
+                    self._stats.replayed += len(chunk)
+        except _UNREACHABLE as e:
+            self._mark_down(e)
+            return False
+        except RedisError as e:
+            log.warning("record producer: replaying the spool of %s failed: %s", orphan.spool_id, e)
+            return True
+        orphan.remove()
+        if todo:
+            log.warning("record producer: replayed %d records a dead producer (%s) left in its spool "
+                        "(%d were in the stream already)", len(todo), orphan.spool_id, len(orphan.frames) - len(todo))
+        return True
 
     def _trim(self, now: float) -> None:
         """Trim to stream.retention_s, at most every TRIM_EVERY_S, never while Redis is down."""
