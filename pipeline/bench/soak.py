@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import tempfile
 import threading
@@ -78,12 +79,15 @@ def rss_by_role(root_pid: int) -> dict[str, float]:
 
 
 def dir_mb(path: Path) -> float:
+    # os.walk, not rglob: a directory removed while it is walked (registry gc, checkpoint
+    # pruning) is skipped, where rglob raised and ended the soak.
     total = 0
-    if path.exists():
-        for p in path.rglob("*"):
+    for root, _, files in os.walk(path):
+        for name in files:
             try:
-                if p.is_file() and not p.is_symlink():
-                    total += p.stat().st_size
+                p = os.path.join(root, name)
+                if not os.path.islink(p):
+                    total += os.stat(p).st_size
             except OSError:  # removed while walked (a pruned checkpoint)
                 continue
     return round(total / 2**20, 3)
@@ -283,7 +287,6 @@ def run_soak(cfg: OSDConfig, *, minutes: float = 20.0, clients: int = 2, sample_
              warmup_s: float = 600.0) -> SoakResult:
     """Run the loop with mixed load for `minutes`, sampling every `sample_s`; print the table and
     the verdicts, write JSON to `json_path` if given."""
-    import os
 
     import redis
 
