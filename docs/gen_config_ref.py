@@ -70,7 +70,7 @@ def format_type(annotation: Any) -> str:
 def _comment_map(path: Path) -> dict[str, dict[str, str]]:
     """{class name: {field: description}} from the comments above or beside each field of a
     class. A field with none directly above it shares the comment over the field on the line
-    before it where that comment names it (`swap_retry_s` / `swap_max_failures`)."""
+    before it where that comment names it (`max_queue` / `queue_timeout_s`)."""
     source = path.read_text()
     lines = source.splitlines()
     inline: dict[int, str] = {}
@@ -142,8 +142,27 @@ def settings() -> list[Setting]:
     return rows
 
 
+def retired() -> list[tuple[str, str]]:
+    """(dotted key, where it went) for every retired and moved key of the models' sections."""
+    seen: dict[str, str] = {}
+
+    def walk(model: type[BaseModel]) -> None:
+        path = getattr(model, "path", "")
+        for key, where in getattr(model, "retired", {}).items():
+            seen[f"{path}.{key}"] = where
+        for key, (section, new) in getattr(model, "moved", {}).items():
+            seen[f"{path}.{key}"] = f"now {path}.{section}.{new}"
+        for field in model.model_fields.values():
+            nested = _model_in(field.annotation)
+            if nested is not None:
+                walk(nested[1])
+
+    walk(config_module.OSDConfig)
+    return sorted(seen.items())
+
+
 def reference_markdown() -> str:
-    """One table per top-level section."""
+    """One table per top-level section, then the retired keys."""
     parts: list[str] = []
     section = None
     for s in settings():
@@ -153,6 +172,10 @@ def reference_markdown() -> str:
             parts.append(f"\n### `{head}`\n" if head != "(top level)" else "\n### Top level\n")
             parts.append("| key | type | default | description |\n| --- | --- | --- | --- |")
         parts.append(f"| `{s.key}` | {s.type} | {s.default} | {s.description} |")
+    parts.append("\n### Retired settings\n\nA config that still names one loads with a `RetiredSettingWarning` "
+                 "(the value ignored, or read at its new place); a later release refuses them.\n\n"
+                 "| key | where it went |\n| --- | --- |")
+    parts.extend(f"| {key} | {where.replace('|', chr(92) + '|')} |" for key, where in retired())
     return "\n".join(parts).strip() + "\n"
 
 

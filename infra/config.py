@@ -29,7 +29,7 @@ from pydantic_settings.sources.utils import parse_env_vars
 
 ENV_PREFIX = "OSD_"
 # Variables that share the prefix but are not config paths: the config file, the single API key,
-# the native kernels' build folder and ISA (serve/model/native_build.py), fault injection (infra/faults.py).
+# the native kernels' build folder and ISA (serve/model/native_build.py), fault injection (infra/common/faults.py).
 RESERVED_ENV = frozenset({"OSD_CONFIG", "OSD_API_KEY", "OSD_NATIVE_DIR", "OSD_NATIVE_ISA", "OSD_FAULT"})
 
 
@@ -78,6 +78,10 @@ GGUF_INT4_TARGETS = ("smollm2-135m-instruct",)
 
 
 class ModelConfig(_Section):
+    path: ClassVar[str] = "model"
+    retired: ClassVar[Mapping[str, str]] = {
+        "num_threads": "serve.forward_threads sets a replica's threads; other processes keep torch's default"}
+
     # `smollm2-135m-instruct`, a local Hugging Face directory, or `tiny-random`.
     target: str = "smollm2-135m-instruct"
     # Where converted targets are cached (safetensors + tokenizer), keyed by source digest.
@@ -94,8 +98,6 @@ class ModelConfig(_Section):
     # else torch with one line saying why.
     cpu_kernels: Literal["auto", "native", "torch"] = "auto"
     device: str = "cpu"  # "cpu", "cuda" or "cuda:N": where the target runs
-    # Torch intra-op threads; 0 leaves torch's default.
-    num_threads: int = Field(0, ge=0)
 
     @field_validator("cache_dir")
     @classmethod
@@ -129,8 +131,8 @@ class ModelConfig(_Section):
 
 
 def _gguf_four_bit(target: str) -> bool:
-    """A GGUF file whose decoder is mostly 4-bit (infra/gguf_file.py) serves as int4."""
-    from infra.gguf_file import GgufError, is_gguf_spec, read_gguf_info
+    """A GGUF file whose decoder is mostly 4-bit (infra/formats/gguf_file.py) serves as int4."""
+    from infra.formats.gguf_file import GgufError, is_gguf_spec, read_gguf_info
 
     if not is_gguf_spec(target):
         return False
@@ -142,38 +144,30 @@ def _gguf_four_bit(target: str) -> bool:
 
 
 class DataConfig(_Section):
-    # Fraction of conversations held out from training, chosen by a hash of the id.
-    held_out_fraction: float = Field(0.05, gt=0.0, lt=1.0)
-    # Length filter on the first human turn, in characters.
-    min_prompt_chars: int = Field(1, ge=0)
-    max_prompt_chars: int = Field(4000, ge=1)  # longest first human turn kept, in characters
+    path: ClassVar[str] = "data"
+    retired: ClassVar[Mapping[str, str]] = {
+        "held_out_fraction": "the prompt split's constant (infra/prompts.py HELD_OUT_FRACTION, 5% of "
+                             "conversations by a hash of the id)",
+        "min_prompt_chars": "empty turns are dropped (infra/prompts.py); max_prompt_chars is the length filter"}
 
-    @model_validator(mode="after")
-    def _lengths(self) -> "DataConfig":
-        if self.min_prompt_chars > self.max_prompt_chars:
-            raise ValueError("min_prompt_chars must not exceed max_prompt_chars")
-        return self
+    max_prompt_chars: int = Field(4000, ge=1)  # longest first human turn kept, in characters
 
 
 class SuffixConfig(_Section):
     """The `suffix` draft (serve/spec_decode/suffix/draft.py): suffix decoding over the request's own
     context and this replica's recent served outputs. A chain is at most as long as the context
-    suffix it matched (SuffixDraft's factor and offset), and stops where its empirical
-    probability falls below min_prob."""
+    suffix it matched, and stops where its empirical probability falls low (SuffixDraft's
+    arguments)."""
 
     path: ClassVar[str] = "serve.suffix"
     retired: ClassVar[Mapping[str, str]] = {
         "factor": "the suffix draft's own argument (SuffixDraft(factor=...), serve/spec_decode/suffix/draft.py)",
-        "offset": "the suffix draft's own argument (SuffixDraft(offset=...), serve/spec_decode/suffix/draft.py)"}
+        "offset": "the suffix draft's own argument (SuffixDraft(offset=...), serve/spec_decode/suffix/draft.py)",
+        **{key: f"the suffix draft's own argument (SuffixDraft({key}=...), serve/spec_decode/suffix/draft.py)"
+           for key in ("max_depth", "min_prob", "max_chain")}}
 
     # Tokens of recent served outputs one replica keeps (about 30 bytes each), oldest evicted.
     max_tokens: int = Field(200_000, ge=1)
-    max_depth: int = Field(32, ge=1, le=256)  # longest suffix match the index follows, in tokens
-    min_prob: float = Field(0.1, ge=0.0, le=1.0)  # a chain stops at a token whose empirical probability is below this
-    # Longest chain a step verifies, beyond serve.k: a chain is chosen, not drafted, so its
-    # length costs only verify rows, which the cost profile prices (k_policy.chain_cut). At
-    # most 15: a verify of up to 16 rows attends row by row exactly as decoding does.
-    max_chain: int = Field(15, ge=1, le=15)
 
 
 DEFAULT_TENANT = "default"  # the tenant of OSD_API_KEY, and of every request where no keys are set
@@ -234,7 +228,10 @@ class ServeConfig(_Section):
     path: ClassVar[str] = "serve"
     retired: ClassVar[Mapping[str, str]] = {
         "draft_confidence": "an engine option for experiments (EngineOptions.draft_confidence; "
-                            "`osd bench engine --confidence-sweep` times it)"}
+                            "`osd bench engine --confidence-sweep` times it)",
+        **{key: "the hot swap's constant (serve/api/hot_swap.py DraftRouter: retried after 5 s, doubling, "
+                "refused after 5 failures)" for key in ("swap_retry_s", "swap_max_failures")},
+        "max_body_bytes": "the ingress's constant (serve/api/app.py MAX_BODY_BYTES, 1 MiB)"}
 
     host: str = "127.0.0.1"  # the HTTP endpoint's address (0.0.0.0 to listen on every interface)
     port: int = Field(8000, ge=1, le=65535)  # the HTTP endpoint's port
@@ -246,18 +243,12 @@ class ServeConfig(_Section):
     draft: str = "auto"
     # With draft: registry, how often each replica re-reads the aliases.
     alias_poll_s: float = Field(2.0, gt=0)
-    # A version that fails to load (registry mount away, a slow object store) is tried again
-    # after swap_retry_s, doubling up to 5 minutes, and refused for good after
-    # swap_max_failures failures; a digest mismatch or another target's draft at once.
-    swap_retry_s: float = Field(5.0, gt=0)
-    swap_max_failures: int = Field(5, ge=1)
     # Write a training record for each finished request (a request may override it).
     record: bool = True
     num_replicas: int = Field(1, ge=1)  # target replicas behind the ingress
     num_cpus_per_replica: float = Field(1.0, gt=0)  # CPUs Ray reserves for each replica
-    # A replica's forward threads (torch's and the native kernels'). 0: model.num_threads where
-    # set, else every usable core for a lone replica (infra/cpu.py replica_threads),
-    # else num_cpus_per_replica each.
+    # A replica's forward threads (torch's and the native kernels'). 0: every usable core for a
+    # lone replica (infra/common/cpu.py replica_threads), else num_cpus_per_replica each.
     forward_threads: int = Field(0, ge=0)
     max_new_tokens: int = Field(256, ge=1)  # the cap on a request without max_tokens
     # Draft tokens proposed per step, at most.
@@ -289,8 +280,6 @@ class ServeConfig(_Section):
     queue_timeout_s: float = Field(600.0, gt=0)
     # Health fails (Serve restarts the replica) when a running request made no step this long.
     stall_timeout_s: float = Field(20.0, gt=0)
-    # Request bodies above this many bytes get 413 before they are parsed.
-    max_body_bytes: int = Field(1_048_576, ge=1024)
     # Target top-k ids kept per verified position in each record.
     capture_top_k: int = Field(32, ge=1)
     suffix: SuffixConfig = SuffixConfig()
@@ -338,14 +327,27 @@ class ServeConfig(_Section):
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
-def _stream_cap(maxlen: int, memory_budget_mb: int, record_kb: float) -> int:
-    return maxlen or max(1, int(memory_budget_mb * 1024 // record_kb))
+# An encoded record, for the stream's cap: 256 positions at top-32 are about 55 KB.
+RECORD_KB = 56.0
+
+
+def _stream_cap(maxlen: int, memory_budget_mb: int) -> int:
+    return maxlen or max(1, int(memory_budget_mb * 1024 // RECORD_KB))
+
+
+def redis_username(role: str) -> str:
+    """The ACL user a role connects as where its password is set (the chart creates these)."""
+    return f"osd-{role}"
 
 
 class RedisUser(_Section):
-    # An ACL user of the Redis; empty: the URL's own credentials.
-    username: str = ""
-    password: str = Field("", repr=False)  # that user's password (the chart keeps it in its Secret)
+    path: ClassVar[str] = "stream.users.<role>"
+    retired: ClassVar[Mapping[str, str]] = {
+        "username": "a role connects as osd-<role> (infra/config.py redis_username), the chart's own names"}
+
+    # The password of the role's ACL user, osd-<role>; empty: the URL's own credentials. The
+    # chart keeps it in its Secret.
+    password: str = Field("", repr=False)
 
 
 class RedisUsers(_Section):
@@ -359,38 +361,35 @@ class RedisUsers(_Section):
 
 
 class StreamConfig(_Section):
+    path: ClassVar[str] = "stream"
+    retired: ClassVar[Mapping[str, str]] = {
+        "record_kb": "the config's constant (infra/config.py RECORD_KB, 56 KB a record)",
+        "start_timeout_s": "the private redis-server's own argument (infra/redis/server.py RedisServer, 10 s)",
+        "aof_rewrite_s": "the producer's constant (infra/records/streams.py AOF_REWRITE_S, an hour)",
+        **{key: f"the stream's constant (infra/records/streams.py {key.upper()})"
+           for key in ("queue_size", "write_batch", "lag_refresh_s", "read_count", "dedupe_window")}}
+
     # redis:// or rediss:// (user:password@ allowed) or unix://. Empty means: start a private
     # redis-server under state_dir/redis (AOF on, fsync every second, password, maxmemory).
     redis_url: str = ""
     stream: str = "osd:records"  # the Redis stream the replicas write records to
     group: str = "trainers"  # the trainers' consumer group
     # Memory the record stream may take in Redis; the cap below is derived from it, and the
-    # private redis-server's maxmemory is this plus headroom. record_kb: an encoded record
-    # (256 positions at top-32 are about 55 KB).
+    # private redis-server's maxmemory is this plus headroom.
     memory_budget_mb: int = Field(1024, ge=1)
-    record_kb: float = Field(56.0, gt=0)
     # Approximate cap on the stream (XADD MAXLEN ~): old records are trimmed, never a request
-    # held. 0: memory_budget_mb / record_kb (see max_entries).
+    # held. 0: memory_budget_mb / RECORD_KB (see max_entries).
     maxlen: int = Field(0, ge=0)
     # Records (and dead letters) older than this many seconds are trimmed (XTRIM MINID) by the
     # producer, so served text is kept no longer than this whatever the traffic. 0: no limit.
     retention_s: float = Field(0.0, ge=0, allow_inf_nan=False)
-    # After a trim by retention_s removed records, the producer asks Redis to rewrite its AOF
-    # (BGREWRITEAOF) at most this often, so the trimmed records' bytes leave the disk too, not
-    # only memory. 0: never (Redis's own growth-based rewrites only).
-    aof_rewrite_s: float = Field(3600.0, ge=0, allow_inf_nan=False)
-    # Producer. Records wait here for the writer thread; when it is full, submit() drops.
-    queue_size: int = Field(10_000, ge=1)
-    # XADDs per pipelined round trip.
-    write_batch: int = Field(64, ge=1)
     # A replica appends each record to its on-disk spool (<state_dir>/spool) before the request
     # gets the record id, and the next producer there replays what a killed one left, each
-    # record once: a SIGKILLed replica loses none (infra/spool.py, docs/faults.md).
+    # record once: a SIGKILLed replica loses none (infra/records/spool.py, docs/faults.md).
     spool: bool = True
     # Drop new records while the trainers' group has this many entries unread or read and not
-    # acked (0: no limit); read from XINFO GROUPS at most every lag_refresh_s. At most the cap.
+    # acked (0: no limit). At most the cap.
     lag_budget: int = Field(10_000, ge=0)
-    lag_refresh_s: float = Field(1.0, ge=0)
     # Every Redis call gives up after socket_timeout_s, so a dead Redis costs bounded time.
     socket_timeout_s: float = Field(2.0, gt=0)
     connect_timeout_s: float = Field(1.0, gt=0)  # a connection attempt gives up after this
@@ -399,21 +398,16 @@ class StreamConfig(_Section):
     # writer thread connect_timeout_s, never a request).
     reconnect_backoff_s: float = Field(0.5, gt=0)
     reconnect_backoff_max_s: float = Field(2.0, gt=0)  # the longest back-off between write attempts
-    # Consumer. Entries per XREADGROUP; BLOCK in ms (0: do not block), shorter than the socket timeout.
-    read_count: int = Field(64, ge=1)
+    # Consumer. BLOCK in ms (0: do not block), shorter than the socket timeout.
     block_ms: int = Field(1000, ge=0)  # a consumer's longest wait for new entries (XREADGROUP BLOCK)
     # Entries pending this long (a consumer died holding them) are taken over with XAUTOCLAIM.
     claim_idle_ms: int = Field(60_000, ge=1)
-    # Record ids remembered to skip duplicates (0: no dedupe).
-    dedupe_window: int = Field(100_000, ge=0)
-    # Private redis-server: seconds for it to answer PING.
-    start_timeout_s: float = Field(10.0, gt=0)
     users: RedisUsers = RedisUsers()
 
     @property
     def max_entries(self) -> int:
         """The stream's cap: maxlen if set, else as many records as fit the memory budget."""
-        return _stream_cap(self.maxlen, self.memory_budget_mb, self.record_kb)
+        return _stream_cap(self.maxlen, self.memory_budget_mb)
 
     # The cross-field checks below are field validators (seeing the fields declared before
     # theirs), not a model validator, so an error names the field and shows only its value,
@@ -430,8 +424,8 @@ class StreamConfig(_Section):
     @field_validator("maxlen")
     @classmethod
     def _fits_budget(cls, v: int, info: ValidationInfo) -> int:
-        budget, kb = info.data.get("memory_budget_mb"), info.data.get("record_kb")
-        if v and budget and kb and v * kb > budget * 1024:
+        budget, kb = info.data.get("memory_budget_mb"), RECORD_KB
+        if v and budget and v * kb > budget * 1024:
             raise ValueError(f"{v} records of ~{kb:g} KB take ~{v * kb / 1024:.0f} MB, over memory_budget_mb "
                              f"{budget}; lower maxlen (0 derives it from the budget) or raise memory_budget_mb")
         return v
@@ -439,12 +433,12 @@ class StreamConfig(_Section):
     @field_validator("lag_budget")
     @classmethod
     def _within_cap(cls, v: int, info: ValidationInfo) -> int:
-        if not v or not {"maxlen", "memory_budget_mb", "record_kb"} <= info.data.keys():
+        if not v or not {"maxlen", "memory_budget_mb"} <= info.data.keys():
             return v  # no budget, or a field it depends on is itself invalid (reported there)
-        cap = _stream_cap(info.data["maxlen"], info.data["memory_budget_mb"], info.data["record_kb"])
+        cap = _stream_cap(info.data["maxlen"], info.data["memory_budget_mb"])
         if v > cap:
             raise ValueError(f"{v} exceeds the stream's cap of {cap} records (maxlen, or memory_budget_mb / "
-                             f"record_kb): trimming would eat the backlog before the budget drops anything")
+                             f"{RECORD_KB:g} KB): trimming would eat the backlog before the budget drops anything")
         return v
 
     @model_validator(mode="after")
@@ -457,8 +451,8 @@ class StreamConfig(_Section):
 
 
 class GateConfig(_Section):
-    """The offline gate (train/gate.py): each candidate and the current stable version are scored
-    on the newest `records` held-out records (at most train.held_out_buffer); it is published as
+    """The offline gate (train/gate/compare.py): each candidate and the current stable version are scored
+    on the newest `records` held-out records (the trainer keeps 200); it is published as
     servable only if the paired interval's lower bound is above 0."""
 
     path: ClassVar[str] = "train.gate"
@@ -476,16 +470,32 @@ class TrainConfig(_Section):
     moved: ClassVar[Mapping[str, tuple[str, str]]] = {
         f"gate_{key}": ("gate", key) for key in ("records", "min_records", "confidence", "resamples")}
     retired: ClassVar[Mapping[str, str]] = {
-        **{key: "the training objective's own argument for experiments (train/objective.py Objective); "
+        **{key: "the training objective's own argument for experiments (train/distill/objective.py Objective); "
                 "training uses forward KL at every position"
            for key in ("loss", "jsd_beta", "positions", "mix_weight")},
-        **{key: "`osd bench adapt`'s own variant (pipeline/bench_adapt.py Variant); the trainer replays "
+        **{key: "`osd bench adapt`'s own variant (pipeline/bench/adapt.py Variant); the trainer replays "
                 "recent records only, unanchored" for key in ("warm_replay_fraction", "anchor_kl")},
         "warm_teacher_dir": "the teacher records warm replay read; it went with train.warm_replay_fraction "
-                            "(train/teacher_set.py cached_warm_records takes the folder)",
-        **{key: "an argument of the vocabulary study's alternative (train/head_warm_start.py draft_vocab_counts "
+                            "(train/teacher/sets.py cached_warm_records takes the folder)",
+        **{key: "an argument of the vocabulary study's alternative (train/warm/head.py draft_vocab_counts "
                 "source=, per_domain=); the head's vocabulary comes from its training data"
-           for key in ("head_vocab_source", "head_vocab_prompts")}}
+           for key in ("head_vocab_source", "head_vocab_prompts")},
+        **{key: f"DeepSpeed's configuration (train/distill/ds_engine.py {key.upper()})"
+           for key in ("grad_clip", "warmup_steps")},
+        **{key: f"the online trainer's constant (train/online/trainer.py {key.upper()})"
+           for key in ("held_out_buffer", "replay_buffer")},
+        "stale_keep": "the lag bound's constant (train/online/lag.py STALE_KEEP, 10% of stale records kept)",
+        **{key: f"the draft spec's own field for experiments (infra/drafts/spec.py DraftSpec.{field}); the "
+                f"layer draft copies the first target layers and shares the target's head"
+           for key, field in (("draft_layer_source", "layer_source"), ("independent_head", "independent_head"))},
+        **{key: f"the teacher's constant (train/teacher/sets.py {key.removeprefix('warm_').upper()})"
+           for key in ("warm_shard_prompts", "warm_cuda_batch_size")},
+        **{key: f"the head warm start's constant (train/warm/head.py {key.removeprefix('head_').upper()})"
+           for key in ("head_token_budget", "head_cuda_token_budget")},
+        "head_warm_autocast": "the head warm start's rule (train/warm/head.py warm_autocast: bfloat16 where "
+                              "its GEMMs are native, else float32)",
+        "head_warm_conversations": "`osd draft init --conversations N` (ShareGPT conversations as fixed text; "
+                                   "none by default)"}
 
     num_workers: int = Field(1, ge=1)  # trainer ranks (Ray actors, one DeepSpeed process group)
     zero_stage: int = Field(2, ge=1, le=3)  # DeepSpeed ZeRO stage: 1, 2 or 3
@@ -503,34 +513,27 @@ class TrainConfig(_Section):
     # workers land on the nodes that advertise them (a KubeRay worker group: helm/osd).
     resources: dict[str, float] = Field(default_factory=dict)
     lr: float = Field(1e-3, gt=0)  # AdamW's learning rate
-    # Linear learning-rate warm-up over this many optimizer steps (0: none).
-    warmup_steps: int = Field(20, ge=0)
-    grad_clip: float = Field(1.0, gt=0)  # gradient norm clipping
     # Records per optimizer step are packed up to this many tokens (prompt + output) per worker.
     token_budget: int = Field(1024, ge=1)
     # Longer records are cut to this many tokens.
     max_seq_len: int = Field(1024, ge=2)
-    # Draft family: decoder layers copied from the target ("first" L or evenly "spaced");
-    # embedding, final norm and head shared with the target and frozen unless independent_head.
+    # The layer draft: the target's first decoder layers copied; embedding, final norm and head
+    # shared with the target and frozen.
     draft_layers: int = Field(4, ge=1)
-    draft_layer_source: Literal["first", "spaced"] = "first"  # which target layers a layer draft copies
-    independent_head: bool = False  # train the layer draft's own copy of the embedding and head
     # Replay: after each step on new records, this many more steps on records drawn again from
-    # the last replay_buffer trained ones. Low-traffic deployments (and the demo) see few new
-    # records per candidate; replaying them is what the warm start's epochs do offline.
+    # the last trained ones (train/online/trainer.py REPLAY_BUFFER). Low-traffic deployments (and
+    # the demo) see few new records per candidate; replaying them is what the warm start's
+    # epochs do offline.
     replay_steps: int = Field(0, ge=0)
-    replay_buffer: int = Field(256, ge=1)
     # Publish a candidate every this many records or seconds, whichever comes first.
     export_every_records: int = Field(2000, ge=1)
     export_every_s: float = Field(600.0, gt=0)  # or after this many seconds, whichever comes first
     # One record in this many is held out (not trained on) to estimate a candidate's acceptance.
     held_out_every: int = Field(10, ge=2)
-    held_out_buffer: int = Field(200, ge=1)  # newest held-out records kept for the estimate and the gate
-    # The trainer's lag bound (train/lag.py): a record older than this when read is skipped
-    # (acked with the next checkpoint, counted), except a stale_keep share of them, so the
-    # trainer learns from traffic seconds old when it falls behind. 0: every record, in order.
+    # The trainer's lag bound (train/online/lag.py): a record older than this when read is skipped
+    # (acked with the next checkpoint, counted), except a fixed share of them, so the trainer
+    # learns from traffic seconds old when it falls behind. 0: every record, in order.
     max_lag_s: float = Field(0.0, ge=0)
-    stale_keep: float = Field(0.1, ge=0, le=1)
     gate: GateConfig = Field(default_factory=GateConfig)
     # Warm start (`osd draft init --family layer`; the head's are head_warm_*): teacher outputs
     # for this many ShareGPT train prompts.
@@ -545,15 +548,12 @@ class TrainConfig(_Section):
     # serving weight format (pipeline/teacher/engine.py), or "hf", Hugging Face `generate` in
     # the training dtype. warm_batch_size is the engine's concurrency, or hf's batch. "batch":
     # static batches of warm_cuda_batch_size with the head's features captured
-    # (train/teacher_batch.py), what a CUDA device always uses.
+    # (train/teacher/batch.py), what a CUDA device always uses.
     warm_teacher: Literal["engine", "hf", "batch"] = "engine"
     # Teacher generation stops starting new shards after this many minutes and the warm start
     # trains on what the cache holds (None: every prompt). The cache keeps what was made, so a
     # later run with a larger budget generates only the prompts not yet done.
     warm_budget_minutes: float | None = Field(None, gt=0)
-    # Prompts per teacher cache shard: the work a kill can lose, and the step at which the
-    # budget is checked; a few times warm_batch_size keeps the engine's batch full.
-    warm_shard_prompts: int = Field(256, ge=1)
     # Which ShareGPT human turns are warm-start prompts: "first", each conversation's first
     # (about 13k short train prompts), or "all", every turn as a prompt of its own (about 52k
     # distinct short ones): the target answers each turn alone, in its own words.
@@ -561,16 +561,12 @@ class TrainConfig(_Section):
     # The longest warm-start prompt, in characters (600 keeps the CPU's prefill short; with
     # "all" turns, 4000 (data.max_prompt_chars) gives about 50k train prompts).
     warm_prompt_chars: int = Field(600, ge=1)
-    # On a CUDA device the teacher is one static batch of this many prompts per forward
-    # (train/teacher_batch.py), where the GPU's decode rows cost little more than one; the
-    # shards grow to hold a batch.
-    warm_cuda_batch_size: int = Field(1024, ge=1)
     # The head's warm start (`osd draft init --family head`) reads these instead of warm_prompts,
     # warm_max_new_tokens and warm_turns (TrainConfig.for_family): the target's own answers to
     # 1536 prompts of every human turn, 128 tokens each. At equal rows its answers taught the
     # head more than ShareGPT text (docs/benchmarks.md, "ShareGPT text against the target's own
     # answers"), and a CPU minute makes about as many rows of either; so no ShareGPT conversations
-    # by default (head_warm_conversations adds them as fixed text). 2 passes over the data.
+    # by default (`osd draft init --conversations` adds them as fixed text). 2 passes over the data.
     head_warm_prompts: int = Field(1536, ge=1)
     head_warm_max_new_tokens: int = Field(128, ge=1)  # the teacher's longest answer per prompt
     head_warm_turns: Literal["first", "all"] = "all"  # a conversation's first human turn only, or every turn
@@ -579,20 +575,7 @@ class TrainConfig(_Section):
     # CPU answers about all the prompts within it, a slow one fewer (docs/benchmarks.md, "The
     # default warm start").
     head_warm_budget_minutes: float | None = Field(12.0, gt=0)
-    head_warm_conversations: int = Field(0, ge=0)  # ShareGPT conversations added as fixed text
     head_warm_epochs: int = Field(2, ge=1)  # passes over the data
-    # Padded feature rows per optimizer step of the head's warm start. Optimizer steps, not rows,
-    # limited the heads measured so far (docs/benchmarks.md, "Every human turn, and a GPU"):
-    # large GPU steps gave too few of them. So the GPU default is 8x the steps of 16384 rows,
-    # each cheap there.
-    head_token_budget: int = Field(512, ge=8)
-    # The head's warm-start steps run their forward under autocast in this dtype ("none":
-    # float32); weights, gradients and AdamW state stay float32. With native bfloat16 GEMMs a
-    # step is much faster that way (docs/benchmarks.md, "The warm start's teacher"). "auto":
-    # bfloat16 on a GPU or a CPU with native bfloat16 GEMMs (infra/cpu.py), else float32,
-    # since an AVX2-only CPU emulates bfloat16 several times slower than float32.
-    head_warm_autocast: Literal["auto", "none", "bfloat16"] = "auto"
-    head_cuda_token_budget: int = Field(2048, ge=8)  # tokens per head training batch on a GPU
 
     def for_family(self, family: str) -> "TrainConfig":
         """The settings a family's warm start reads as warm_prompts, warm_max_new_tokens,
@@ -630,16 +613,20 @@ class RegistryConfig(_Section):
 
 
 class RolloutConfig(_Section):
+    path: ClassVar[str] = "rollout"
+    retired: ClassVar[Mapping[str, str]] = {
+        "tau": "the canary rule's own field (pipeline/rollout/canary_rule.py CanaryRule.tau, 0.1)",
+        "len_margin": "the canary rule's own field (pipeline/rollout/canary_rule.py CanaryRule.len_margin, "
+                      "0.1 tokens per step)",
+        "min_gain": "the canary rule's own field (pipeline/rollout/canary_rule.py CanaryRule.min_gain): promote "
+                    "when the canary is surely better"}
+
     # Canary traffic shares to pass in turn; passing the last one promotes (pipeline/rollout/canary_rule.py).
     canary_steps: list[float] = Field(default_factory=lambda: [0.1, 0.5, 1.0])
     # Roll back when canary - stable acceptance is surely below -margin (absolute), or mean
-    # accepted length below -len_margin tokens per step.
+    # accepted length below -0.1 tokens per step (CanaryRule.len_margin).
     margin: float = Field(0.02, ge=0)
-    len_margin: float = Field(0.1, ge=0)
-    # Promote only when canary - stable acceptance is surely above min_gain.
-    min_gain: float = Field(0.0, ge=0)
     alpha: float = Field(0.05, gt=0, lt=1)  # error rate of the always-valid intervals
-    tau: float = Field(0.1, gt=0)  # mixture scale of the sequential test
     min_requests: int = Field(10, ge=2)  # per arm per step before deciding
     # Canary requests per step; still undecided then, the canary expires and stable stays.
     max_requests: int = Field(400, ge=2)

@@ -18,6 +18,8 @@ from infra.config import DataConfig
 
 Split = Literal["train", "held_out"]
 DOMAINS = ("code", "math", "writing", "other")
+# Conversations held out from training, chosen by a hash of the id: the same split everywhere.
+HELD_OUT_FRACTION = 0.05
 
 
 Turns = Literal["first", "all"]
@@ -85,7 +87,7 @@ def conversation_root(conv_id: str) -> str:
     return root if sep and tail.isdigit() else conv_id
 
 
-def split_of(conv_id: str, held_out_fraction: float) -> Split:
+def split_of(conv_id: str, held_out_fraction: float = HELD_OUT_FRACTION) -> Split:
     """Deterministic split by a hash of the conversation root, so parts of one chat
     never land on both sides."""
     h = hashlib.sha256(conversation_root(conv_id).encode()).digest()
@@ -157,9 +159,9 @@ def sharegpt_second_turns(cfg: DataConfig, split: Split | None = "held_out",
         conv_id = rec.get("id") if isinstance(rec, dict) else None
         if len(turns) < 2 or not isinstance(conv_id, str):
             continue
-        if not all(cfg.min_prompt_chars <= len(t) <= cfg.max_prompt_chars for t in turns):
+        if not all(0 < len(t) <= cfg.max_prompt_chars for t in turns):
             continue
-        if split is None or split_of(conv_id, cfg.held_out_fraction) == split:
+        if split is None or split_of(conv_id) == split:
             out.append((conv_id, turns))
     return out
 
@@ -187,12 +189,12 @@ def prompts_from_conversations(
         conv_id = rec.get("id") if isinstance(rec, dict) else None
         if not isinstance(conv_id, str):
             continue
-        s = split_of(conv_id, cfg.held_out_fraction)
+        s = split_of(conv_id)
         if split is not None and s != split:
             continue
         for i, turn in enumerate(human_turns(rec, 1 if turns == "first" else None)):
             turn = turn.strip()
-            if not cfg.min_prompt_chars <= len(turn) <= cfg.max_prompt_chars:
+            if not 0 < len(turn) <= cfg.max_prompt_chars:
                 continue
             if turns == "all":
                 if turn in seen:
@@ -257,7 +259,7 @@ def load_jsonl(path: str | Path, cfg: DataConfig | None = None) -> list[Prompt]:
                                   f'or a "messages" list')
         pid = str(obj.get("id", f"{path.stem}-{lineno}"))
         domain = obj.get("domain") if obj.get("domain") in DOMAINS else domain_of(text)
-        out.append(Prompt(pid, text, domain, split_of(pid, cfg.held_out_fraction), messages))
+        out.append(Prompt(pid, text, domain, split_of(pid), messages))
     return out
 
 
@@ -326,7 +328,7 @@ def conversation_messages(records: Iterable[Any], cfg: DataConfig, split: Split 
     out: list[tuple[str, list[dict[str, str]]]] = []
     for rec in records:
         conv_id = rec.get("id") if isinstance(rec, dict) else None
-        if not isinstance(conv_id, str) or (split is not None and split_of(conv_id, cfg.held_out_fraction) != split):
+        if not isinstance(conv_id, str) or (split is not None and split_of(conv_id) != split):
             continue
         msgs = [{"role": _ROLES[t["from"]], "content": t["value"]} for t in rec.get("conversations") or ()
                 if isinstance(t, dict) and t.get("from") in _ROLES and isinstance(t.get("value"), str)

@@ -5,7 +5,7 @@ s3://, gs:// and hdfs:// through pyarrow.fs):
 
     versions/<id>/manifest.json            the version exists iff this file parses and validates;
                                            its "target" is the draft's target_ref ({"spec", "sha256"})
-    versions/<id>/<payload>/config.json    the draft's files (infra/draft_model.py format),
+    versions/<id>/<payload>/config.json    the draft's files (infra/drafts/layer.py format),
     versions/<id>/<payload>/draft.safetensors   written before the manifest that names them
     versions/<id>/<payload>/draft.json ...
     aliases/stable.json                    {"version", "previous", "updated_at", "reason"}
@@ -60,9 +60,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from infra.draft_spec import target_mismatch as _target_mismatch
-from infra.durable import TMP_MARK, fsync_path, sync_tree, write_durable, write_synced
-from infra.faults import fault_point
+from infra.drafts.spec import target_mismatch as _target_mismatch
+from infra.common.durable import TMP_MARK, fsync_path, sync_tree, write_durable, write_synced
+from infra.common.faults import fault_point
 from infra.target import LEAN_FAMILIES
 
 MANIFEST = "manifest.json"
@@ -389,7 +389,7 @@ class Registry:
         `expect_target_sha256`: the target's identity; a version made for another is refused
         before any file is read. A version that is not a loadable draft is a RegistryError
         with one line saying why."""
-        from infra.draft_model import DraftLoadError, DraftSpecError, load_draft
+        from infra.drafts.layer import DraftLoadError, DraftSpecError, load_draft
 
         v = self.get(version)
         why = _target_mismatch(v.target, expect_target_sha256)
@@ -681,10 +681,10 @@ def _skeleton_shapes(directory: Path, config: dict[str, Any]) -> dict[str, list[
 
 
 def _head_shapes(directory: Path, spec: Any, header: dict[str, Any]) -> dict[str, list[int]]:
-    """The tensor shapes a head draft (infra/draft_head.py) of `spec` has on config.json's target."""
+    """The tensor shapes a head draft (infra/drafts/head.py) of `spec` has on config.json's target."""
     from transformers import AutoConfig
 
-    from infra.draft_head import head_shapes
+    from infra.drafts.head import head_shapes
 
     if "d2t" not in header:
         raise RegistryError("a head draft's draft.safetensors has no d2t (its draft vocabulary)")
@@ -697,9 +697,9 @@ def _head_shapes(directory: Path, spec: Any, header: dict[str, Any]) -> dict[str
 
 
 def check_draft_dir(directory: str | os.PathLike) -> tuple[dict[str, Any], dict[str, str]]:
-    """(draft.json, {file: sha256 from osd-manifest.json}) of a directory infra.draft_model.load_draft
+    """(draft.json, {file: sha256 from osd-manifest.json}) of a directory infra.drafts.layer.load_draft
     can load onto a fitting target; RegistryError naming the first thing that would stop it."""
-    from infra.draft_model import DRAFT_FORMAT, DraftSpec
+    from infra.drafts.layer import DRAFT_FORMAT, DraftSpec
 
     d = Path(directory)
     missing = [n for n in DRAFT_FILES if not (d / n).is_file()]

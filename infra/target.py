@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from infra.config import ModelConfig
-from infra.gguf_file import GgufError, GgufInfo, is_gguf_spec, read_gguf_info
+from infra.formats.gguf_file import GgufError, GgufInfo, is_gguf_spec, read_gguf_info
 
 SMOLLM2 = "smollm2-135m-instruct"
 TINY_RANDOM = "tiny-random"
@@ -159,7 +159,7 @@ def prepare_gguf(
     gguf: Path, cache_root: Path, force: bool = False, progress: bool = True, name: str | None = None
 ) -> Path:
     """Convert a GGUF file into a cached HF directory once, keyed by the file's digest; return
-    that directory. The file is checked first (infra/gguf_file.py), so one that cannot be
+    that directory. The file is checked first (infra/formats/gguf_file.py), so one that cannot be
     served leaves nothing in the cache."""
     gguf = gguf.expanduser()
     info = gguf_info(gguf)
@@ -204,7 +204,7 @@ def _convert_gguf(gguf: Path, info: GgufInfo, out: Path, progress: bool) -> None
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from infra.gguf_rope import gguf_rope_parameters
+    from infra.formats.gguf_rope import gguf_rope_parameters
 
     if not progress:
         hf_logging.disable_progress_bar()
@@ -217,7 +217,7 @@ def _convert_gguf(gguf: Path, info: GgufInfo, out: Path, progress: bool) -> None
     if info.head_dim is not None:  # transformers leaves a family's default head_dim where the file sets its own
         config.head_dim = info.head_dim
     rope = gguf_rope_parameters(reader, info.architecture, config)
-    if rope is not None:  # transformers drops a llama/qwen file's RoPE scaling (infra/gguf_rope.py)
+    if rope is not None:  # transformers drops a llama/qwen file's RoPE scaling (infra/formats/gguf_rope.py)
         config.rope_parameters = rope
     gmodel, loading = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=config,
                                                            dtype=torch.float32, output_loading_info=True)
@@ -250,12 +250,12 @@ def _convert_gguf(gguf: Path, info: GgufInfo, out: Path, progress: bool) -> None
 
 
 def _save_block_scales(reader: Any, arch: str, model: Any, out: Path) -> None:
-    """The Q4_K tensors' block scales (infra/quant_codes.py q4k_scales) beside the weights, by
+    """The Q4_K tensors' block scales (infra/formats/quant_codes.py q4k_scales) beside the weights, by
     Hugging Face name, each kept only where it reproduces the converted weight exactly."""
     import gguf
     from safetensors.torch import save_file
 
-    from infra.quant_codes import BLOCK_SCALES_FILE, fits, q4k_scales, unpermute_rows
+    from infra.formats.quant_codes import BLOCK_SCALES_FILE, fits, q4k_scales, unpermute_rows
 
     q4k = {t.name: t for t in reader.tensors if t.tensor_type.name == "Q4_K"}
     if not q4k or arch.upper() not in gguf.MODEL_ARCH.__members__:
@@ -428,18 +428,16 @@ def load_target(
     cfg = cfg or ModelConfig()
     spec = spec or cfg.target
     cfg = cfg.resolved(spec)
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
     t0 = time.perf_counter()
     path: Path | None
     if spec == TINY_RANDOM or spec.startswith(TINY_RANDOM + ":"):
         model, tok, path = build_tiny_llama(_parse_tiny_seed(spec), dtype=cfg.dtype), tiny_tokenizer(), None
     elif cfg.quant == "int4":
-        # float32 first: the 4-bit blocks' exact scales are read off it (infra/quant_codes.py)
+        # float32 first: the 4-bit blocks' exact scales are read off it (infra/formats/quant_codes.py)
         # before the cast to the activations' bfloat16 loses them.
         path = target_dir(spec, cfg, progress)
         model, tok = load_hf_dir(path, cfg.model_copy(update={"dtype": "float32"}))
-        from infra.quant_codes import keep_exact_scales  # torch: not for every importer of infra
+        from infra.formats.quant_codes import keep_exact_scales  # torch: not for every importer of infra
 
         keep_exact_scales(model, _block_scales(path))
         model.to(getattr(torch, cfg.dtype))
@@ -453,7 +451,7 @@ def load_target(
 def _block_scales(path: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
-    from infra.quant_codes import BLOCK_SCALES_FILE
+    from infra.formats.quant_codes import BLOCK_SCALES_FILE
 
     file = path / BLOCK_SCALES_FILE
     return load_file(str(file)) if file.is_file() else {}

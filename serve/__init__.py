@@ -16,5 +16,5 @@ Five rooms, each importing only the ones below it (pyproject.toml's import contr
 
 A chat request goes api/app.py -> engine/core.py -> engine/scheduler.py -> engine/stages.py
 (spec_decode/ proposes, model/ runs, sampling/verify.py accepts) -> engine/capture.py, whose
-record the replica writes to the stream (infra/streams.py).
+record the replica writes to the stream (infra/records/streams.py).
 """

@@ -13,7 +13,7 @@ def running_app(data_dir, *, key: str, name: str, serve: dict, stream_name: str,
     from ray import serve as ray_serve
 
     from infra.config import load_config
-    from infra.redis_server import RedisServer, free_port
+    from infra.redis.server import RedisServer, free_port
     from pipeline.stack.launch import lock_down_local_cluster
     from serve.api.app import build_app
 

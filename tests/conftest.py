@@ -12,7 +12,7 @@ def tiny():
 @pytest.fixture(scope="module")
 def draft_dir(tiny, tmp_path_factory):
     """A saved one-layer draft of the tiny target (test_registry.py keeps its own, with lineage)."""
-    from infra.draft_model import DraftSpec, build_draft, save_draft
+    from infra.drafts.layer import DraftSpec, build_draft, save_draft
 
     spec = DraftSpec(num_layers=1)
     out = tmp_path_factory.mktemp("drafts") / "d"
@@ -34,7 +34,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """One private redis-server (AOF on, free loopback port) for the `redis` tests of a session."""
-    from infra.redis_server import RedisServer
+    from infra.redis.server import RedisServer
 
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server

@@ -8,7 +8,7 @@ def registry_for_replica(tiny, tmp_path, layers: tuple[int, ...], **serve):
     """(cfg, registry): versions v1, v2 ... one draft of the tiny target per entry of `layers`
     (its layer count), v1 stable, and a config whose replica follows the registry's aliases."""
     from infra.config import load_config
-    from infra.draft_model import DraftSpec, build_draft, save_draft, target_ref
+    from infra.drafts.layer import DraftSpec, build_draft, save_draft, target_ref
     from infra.registry import Registry
 
     cfg = load_config(environ={}, overrides={
@@ -27,7 +27,7 @@ def greedy_records(n: int, prompt_len: int, max_new_tokens: int) -> list:
     """n records of the tiny target's greedy answers to seeded random prompts, with their top-8."""
     import torch
 
-    from infra.records import record_from_capture
+    from infra.records.schema import record_from_capture
     from infra.target import load_target
     from serve.engine.core import GenerationParams, SpecEngine
     from engine_options import small_options

@@ -48,11 +48,21 @@ def _requests():
             (prompt(12), 8, "own", 0.05), (prompt(1), 20, "own", 0.08), (prompt(50), 12, "other", 0.1)]
 
 
-def test_greedy_outputs_in_a_batch_equal_each_request_alone(target):
+PATHS = ["cpu", "device"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_greedy_outputs_in_a_batch_equal_each_request_alone(target, path):
     """Mixed prompt lengths (one prefilled in 7 chunks, one of a single token), mixed drafts
     (the engine's, another, none), staggered arrivals: requests join and leave mid-batch; one
-    more is cancelled half-way, and its slot comes back."""
+    more is cancelled half-way, and its slot comes back. device: the GPU's path run on the CPU
+    (the pool forward, and the device-resident stages for a request decoding alone); cuda: on
+    a GPU, with CUDA graphs."""
+    if path == "cuda":
+        target = tiny().to("cuda")
     eng = _engine(target)
+    if path == "device":
+        eng.gpu = True  # the GPU's path; on CPU it runs the same tensor code
     drafts = {"own": eng.draft, "other": eng.make_draft(build_draft("truncate:2", target)), None: None}
     reqs = _requests()
     alone = [eng.generate(p, GenerationParams(max_new_tokens=n), drafts[d]).output_ids for p, n, d, _ in reqs]
@@ -127,8 +137,8 @@ PROMPT = [1, 2, 3]
 
 
 def _head_draft(target, d2t):
-    from infra.draft_head import build_head
-    from infra.draft_spec import DraftSpec
+    from infra.drafts.head import build_head
+    from infra.drafts.spec import DraftSpec
 
     head = build_head(target, DraftSpec(family="head", feature_layers=(0, 1)), d2t)
     with torch.no_grad():
@@ -283,8 +293,8 @@ def test_prompt_chunks_shrink_while_they_slow_the_streams_and_grow_back(target):
 def test_head_drafts_of_a_batch_draft_together_and_stay_exact(monkeypatch):
     """Three requests with one head draft: one head forward per draft position for all of them,
     and each output equals the request alone (greedy), as the target's own greedy."""
-    from infra.draft_head import build_head
-    from infra.draft_spec import DraftSpec
+    from infra.drafts.head import build_head
+    from infra.drafts.spec import DraftSpec
     from serve.spec_decode.head import draft as head_runner
 
     target = tiny(seed=11, layers=4)
@@ -312,7 +322,7 @@ def test_head_drafts_of_a_batch_draft_together_and_stay_exact(monkeypatch):
 def test_a_steps_capture_topk_is_computed_once_and_equals_each_requests_own():
     from types import SimpleNamespace
 
-    from infra.tokens import topk_logprobs
+    from infra.records.tokens import topk_logprobs
     from serve.engine.scheduler import _capture_topk
 
     g = torch.Generator().manual_seed(0)

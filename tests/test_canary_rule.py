@@ -234,7 +234,7 @@ def test_a_worse_draft_is_never_promoted():
     assert much_worse["promote"] == 0 and much_worse["rollback"] > 0.9
 
 
-# -- the gate check (its evidence comes from train/gate.py via the manifest) --------------------------
+# -- the gate check (its evidence comes from train/gate/compare.py via the manifest) --------------------------
 
 
 def _gate(stable="v1", lower=0.01, **kw):
@@ -261,8 +261,7 @@ def _demo_rule() -> CanaryRule:
     from pipeline.stack.profiles import demo_config
 
     ro = demo_config(load_config(), Path("/nonexistent-demo-state")).rollout
-    return CanaryRule(alpha=ro.alpha, tau=ro.tau, margin=ro.margin, len_margin=ro.len_margin, min_gain=ro.min_gain,
-                      min_requests=ro.min_requests, max_requests=ro.max_requests)
+    return CanaryRule(alpha=ro.alpha, margin=ro.margin, min_requests=ro.min_requests, max_requests=ro.max_requests)
 
 
 def test_the_demos_smaller_budget_still_keeps_equal_draft_promotions_at_5_percent():

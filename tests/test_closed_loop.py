@@ -16,11 +16,11 @@ from infra.registry import Registry
 
 
 def _gate_evidence(cfg, reg, tiny, draft):
-    """What the trainer stores at export (train/gate.py), computed here for a draft published by
+    """What the trainer stores at export (train/gate/compare.py), computed here for a draft published by
     hand: `draft` against the current stable version on held-out records of the tiny target."""
     from infra.prompts import Prompt
-    from train.evaluator import gate_candidate
-    from train.teacher_data import generate_teacher_records
+    from train.gate.evaluator import gate_candidate
+    from train.teacher.data import generate_teacher_records
 
     prompts = [Prompt(f"h{i}", f"held out {i}?" * (1 + i % 3), "other", "train") for i in range(10)]
     records = generate_teacher_records(tiny.model, tiny.tokenizer, prompts, max_new_tokens=6, top_k=32,
@@ -42,9 +42,9 @@ def _wait(cond, timeout, what):
 @pytest.mark.redis
 def test_closed_loop_promotes_a_trained_candidate_and_rolls_back_a_bad_one(tiny, tmp_path):
     from pipeline.traffic.demo import post_chat
-    from infra.redis_server import free_port
+    from infra.redis.server import free_port
     from pipeline.stack.up import ClosedLoop
-    from infra.draft_model import DraftSpec, build_draft, save_draft
+    from infra.drafts.layer import DraftSpec, build_draft, save_draft
 
     cfg = load_config(environ={}, overrides={
         "state_dir": str(tmp_path), "model": {"target": "tiny-random"},

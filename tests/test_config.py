@@ -70,8 +70,8 @@ def test_bad_yaml_and_missing_file(tmp_path):
 
 def test_env_path_segments():
     # pydantic-settings reads the tree; the field converts the string (lists and mappings are YAML).
-    assert env_overrides({"OSD_SERVE__SUFFIX__MAX_DEPTH": "8", "OTHER": "x", "OSD_API_KEY": "k"}) == \
-        {"serve": {"suffix": {"max_depth": "8"}}}
+    assert env_overrides({"OSD_SERVE__SUFFIX__MAX_TOKENS": "8", "OTHER": "x", "OSD_API_KEY": "k"}) == \
+        {"serve": {"suffix": {"max_tokens": "8"}}}
     with pytest.raises(ConfigError, match="empty path segment"):
         env_overrides({"OSD_SERVE____K": "1"})
     with pytest.raises(ConfigError, match=r"OSD_SERVEZ__K: servez\.k: unknown key"):
@@ -121,7 +121,9 @@ def test_stream_cap_follows_memory_budget():
     assert s.max_entries == 300  # set explicitly: used as is
     # The default cap is what the default budget holds, not 100,000 records (5.5 GB).
     d = OSDConfig().stream
-    assert d.max_entries * d.record_kb <= d.memory_budget_mb * 1024 and d.lag_budget <= d.max_entries
+    from infra.config import RECORD_KB
+
+    assert d.max_entries * RECORD_KB <= d.memory_budget_mb * 1024 and d.lag_budget <= d.max_entries
 
 
 def test_stream_budget_combinations_refused_with_field():
@@ -178,7 +180,12 @@ def test_engine_options_take_the_serve_defaults_and_validators():
                                                  ("train", "jsd_beta", 0.3), ("train", "positions", "mix"),
                                                  ("train", "mix_weight", 0.4), ("train", "anchor_kl", 0.5),
                                                  ("train", "warm_replay_fraction", 0.5),
-                                                 ("train", "warm_teacher_dir", "/tmp/t")])
+                                                 ("train", "warm_teacher_dir", "/tmp/t"),
+                                                 ("data", "held_out_fraction", 0.1), ("serve", "max_body_bytes", 2048),
+                                                 ("serve", "swap_retry_s", 1.0), ("stream", "write_batch", 8),
+                                                 ("stream", "record_kb", 30), ("train", "grad_clip", 0.5),
+                                                 ("train", "stale_keep", 0.2), ("train", "head_token_budget", 64),
+                                                 ("rollout", "tau", 0.2)])
 def test_a_retired_setting_loads_with_a_warning_naming_where_it_went(tmp_path, section, key, value):
     from infra.config import RetiredSettingWarning
 
@@ -194,8 +201,8 @@ def test_retired_suffix_keys_and_env_too():
     from infra.config import RetiredSettingWarning
 
     with pytest.warns(RetiredSettingWarning, match=r"serve\.suffix\.factor .*SuffixDraft"):
-        cfg = load_config(environ={"OSD_SERVE__SUFFIX__FACTOR": "2", "OSD_SERVE__SUFFIX__MAX_DEPTH": "8"})
-    assert cfg.serve.suffix.max_depth == 8
+        cfg = load_config(environ={"OSD_SERVE__SUFFIX__FACTOR": "2", "OSD_SERVE__SUFFIX__MAX_TOKENS": "8"})
+    assert cfg.serve.suffix.max_tokens == 8
     with pytest.warns(RetiredSettingWarning, match=r"serve\.suffix\.offset"):
         load_config(environ={}, overrides={"serve": {"suffix": {"offset": 1.0}}})
 

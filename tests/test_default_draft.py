@@ -6,7 +6,7 @@ import json
 import pytest
 
 from infra.config import OSDConfig, load_config
-from infra.draft_spec import warm_start_path, warm_started_draft
+from infra.drafts.spec import warm_start_path, warm_started_draft
 from serve.spec_decode.specs import AUTO_DRAFT, resolve_auto
 
 pytestmark = pytest.mark.pure
@@ -17,8 +17,8 @@ def config(state_dir, **serve) -> OSDConfig:
 
 
 def save_head_at(tiny, path):
-    from infra.draft_head import build_head, save_head
-    from infra.draft_spec import DraftSpec
+    from infra.drafts.head import build_head, save_head
+    from infra.drafts.spec import DraftSpec
 
     return save_head(build_head(tiny.model, DraftSpec(family="head")), path, target_ref={"spec": "tiny-random"})
 

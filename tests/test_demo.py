@@ -7,16 +7,16 @@ import pytest
 import torch
 
 from infra.config import OSDConfig
-from infra.records import Record
+from infra.records.schema import Record
 from infra.registry import Registry
-from train.trainer import is_held_out
+from train.online.trainer import is_held_out
 
 pure = pytest.mark.pure  # all but the stream test, which reads a real Redis
 
 
 def records_from(draft, n: int, *, domain: str, created_at: float, k: int = 16) -> list[Record]:
     """Records whose target top-k is exactly `draft`'s distribution: `draft` is the perfect draft for them."""
-    from train.batching import pack, position_logits
+    from train.distill.batching import pack, position_logits
 
     rng = np.random.default_rng(int(created_at) + n)
     out = []
@@ -43,7 +43,7 @@ def records_from(draft, n: int, *, domain: str, created_at: float, k: int = 16) 
 @pure
 def test_every_version_is_scored_on_the_same_held_out_post_shift_code_records(tiny, tmp_path, one_thread):
     from pipeline.traffic.demo import paired_alpha
-    from infra.draft_model import DraftSpec, build_draft, save_draft
+    from infra.drafts.layer import DraftSpec, build_draft, save_draft
 
     torch.manual_seed(0)
     cfg = OSDConfig.model_validate({"train": {"held_out_every": 3}})
@@ -83,9 +83,9 @@ def test_a_head_version_is_scored_by_its_own_family_beside_a_layer_version(tiny,
     """`osd demo --family head`: v1 is a head, later versions may be heads; each is scored as the
     gate scores it (a head on the target's features), on the same positions as a layer version."""
     from pipeline.traffic.demo import paired_alpha
-    from infra.draft_head import build_head, save_head
-    from infra.draft_model import DraftSpec, build_draft, save_draft
-    from train.head_train import per_record_acceptance_head
+    from infra.drafts.head import build_head, save_head
+    from infra.drafts.layer import DraftSpec, build_draft, save_draft
+    from train.distill.head import per_record_acceptance_head
 
     torch.manual_seed(0)
     cfg = OSDConfig.model_validate({"train": {"held_out_every": 2}})
@@ -112,7 +112,7 @@ def test_a_head_version_is_scored_by_its_own_family_beside_a_layer_version(tiny,
 
 @pure
 def test_the_demo_names_an_unknown_draft_family():
-    from infra.draft_spec import warm_start_path
+    from infra.drafts.spec import warm_start_path
 
     cfg = OSDConfig.model_validate({"state_dir": "/x"})
     assert str(warm_start_path(cfg, "layer")) == "/x/drafts/v1"
@@ -123,14 +123,14 @@ def test_the_demo_names_an_unknown_draft_family():
 
 @pure
 def test_the_demo_builds_a_missing_head_once_with_the_configured_settings(tmp_path, monkeypatch):
-    import train.head_warm_start as hws
+    import train.warm.head as hws
     from pipeline.traffic.demo import prepare
 
     calls = []
 
     def fake(cfg, **kw):  # the real warm start takes ~25 minutes: only its arguments are checked
         teacher = kw.pop("generate")
-        calls.append((cfg.train.head_warm_conversations, cfg.train.head_warm_epochs, teacher.tag, kw))
+        calls.append((kw.pop("conversations", 0), cfg.train.head_warm_epochs, teacher.tag, kw))
         (tmp_path / "drafts" / "head-v1").mkdir(parents=True)
 
     monkeypatch.setattr(hws, "run_head_warm_start", fake)
@@ -154,7 +154,7 @@ def test_no_held_out_post_shift_records_means_no_scores(tiny, tmp_path):
 @pure
 def test_a_corrupt_version_is_named_and_the_others_still_scored(tiny, tmp_path, capsys):
     from pipeline.traffic.demo import paired_alpha
-    from infra.draft_model import WEIGHTS_FILE, DraftSpec, build_draft, save_draft
+    from infra.drafts.layer import WEIGHTS_FILE, DraftSpec, build_draft, save_draft
 
     cfg = OSDConfig.model_validate({"train": {"held_out_every": 2}})
     spec = DraftSpec(num_layers=1)
@@ -176,7 +176,7 @@ def test_a_corrupt_version_is_named_and_the_others_still_scored(tiny, tmp_path, 
 @pure
 def test_a_dead_redis_costs_the_paired_estimate_only(capsys):
     from pipeline.traffic.demo import stream_records
-    from infra.redis_server import free_port
+    from infra.redis.server import free_port
 
     cfg = OSDConfig.model_validate({"stream": {"redis_url": f"redis://127.0.0.1:{free_port()}/0",
                                                "connect_timeout_s": 0.2, "socket_timeout_s": 0.5,
@@ -190,8 +190,8 @@ def test_stream_records_come_from_the_stream(redis_url):
     import redis
 
     from pipeline.traffic.demo import stream_records
-    from infra.records import encode
-    from infra.streams import FIELD
+    from infra.records.schema import encode
+    from infra.records.streams import FIELD
 
     cfg = OSDConfig.model_validate({"stream": {"redis_url": redis_url}})
     rec = Record(request_id="r", draft_version="v1", prompt_ids=np.arange(3, dtype=np.int32),
@@ -240,7 +240,7 @@ def test_report_counts_requests_decisions_and_names_each_version_s_paired_estima
 
 def test_the_code_phase_sends_no_prompt_the_head_answered_in_its_warm_start():
     from pipeline.traffic.demo import workload_prompts
-    from train.teacher_set import warm_prompts
+    from train.teacher.sets import warm_prompts
 
     cfg = OSDConfig()
     wcfg = cfg.for_warm_start("head")

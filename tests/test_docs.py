@@ -66,7 +66,7 @@ def test_the_config_reference_covers_every_field_of_the_config_models():
     assert not missing_from(reference)
     assert documented_keys(reference) == config_keys(), "a row for a setting the models do not have"
     # Spot checks that the walk reached nested models, list items and mapping values.
-    for key in ("serve.suffix.max_chain", "serve.api_keys[].tenant", "serve.tenants.<name>.record",
+    for key in ("serve.suffix.max_tokens", "serve.api_keys[].tenant", "serve.tenants.<name>.record",
                 "stream.users.admin.password", "rollout.canary_steps"):
         assert key in documented_keys(reference)
 

@@ -33,8 +33,8 @@ def test_a_bad_budget_is_refused_by_the_parser(value, capsys):
 def test_a_bad_budget_in_the_config_is_refused_by_name():
     with pytest.raises(ValueError, match="warm_budget_minutes"):
         OSDConfig.model_validate({"train": {"warm_budget_minutes": 0}})
-    with pytest.raises(ValueError, match="warm_shard_prompts"):
-        OSDConfig.model_validate({"train": {"warm_shard_prompts": 0}})
+    with pytest.raises(ValueError, match="warm_prompts"):
+        OSDConfig.model_validate({"train": {"warm_prompts": 0}})
     from infra.config import RetiredSettingWarning
 
     with pytest.warns(RetiredSettingWarning, match="head_vocab_source"):  # retired: ignored, named
@@ -63,7 +63,8 @@ def test_the_head_answers_its_own_prompts_and_the_layer_draft_keeps_warm_prompts
     assert layer.train.head_warm_prompts == OSDConfig().train.head_warm_prompts
     # Defaults: the head answers 1536 prompts of every human turn, 128 tokens, with no ShareGPT text.
     d = OSDConfig().for_warm_start("head").train
-    assert (d.warm_prompts, d.warm_max_new_tokens, d.warm_turns, d.head_warm_conversations) == (1536, 128, "all", 0)
+    assert (d.warm_prompts, d.warm_max_new_tokens, d.warm_turns) == (1536, 128, "all")
+    assert build_parser().parse_args(["draft", "init"]).conversations is None  # the warm start's: none
     assert OSDConfig.model_validate({"train": {"head_warm_budget_minutes": None}}).for_warm_start(
         "head").train.warm_budget_minutes is None  # null in the config: every prompt
 

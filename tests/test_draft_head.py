@@ -1,4 +1,4 @@
-"""The head draft family (infra/draft_head.py, serve/spec_decode/head/draft.py) on tiny random Llamas.
+"""The head draft family (infra/drafts/head.py, serve/spec_decode/head/draft.py) on tiny random Llamas.
 
 The head's forward is checked against a direct computation through Hugging Face's own decoder
 layer; the serving path (rows + own-state feedback) against the training unroll; the engine's
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from chi2 import chi2_pvalue
-from infra.draft_head import build_head, default_feature_layers, save_head
-from infra.draft_model import load_draft
-from infra.draft_spec import DraftSpec
+from infra.drafts.head import build_head, default_feature_layers, save_head
+from infra.drafts.layer import load_draft
+from infra.drafts.spec import DraftSpec
 from infra.target import build_tiny_llama
 from serve.engine.core import GenerationParams, SpecEngine
 from engine_options import small_options
@@ -208,7 +208,7 @@ def test_save_load_round_trip_and_registry_check(tmp_path, target, head):
     for (n, p), (_, q) in zip(head.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(p, q), n
     assert loaded.embed.data_ptr() == target.model.embed_tokens.weight.data_ptr()
-    from infra.draft_spec import DraftLoadError
+    from infra.drafts.spec import DraftLoadError
 
     with pytest.raises(DraftLoadError, match="not this one"):
         load_draft(d, target, expect_target_sha256="b" * 64)
@@ -217,7 +217,7 @@ def test_save_load_round_trip_and_registry_check(tmp_path, target, head):
 
 
 def test_layer_drafts_keep_their_draft_json(tmp_path, target):
-    from infra.draft_model import build_draft, save_draft
+    from infra.drafts.layer import build_draft, save_draft
 
     spec = DraftSpec(num_layers=1)
     d = save_draft(build_draft(target, spec), spec, tmp_path / "l1", target_ref={"spec": "x", "sha256": None})
@@ -267,7 +267,7 @@ class _TorchEngine:
 
 
 def test_training_a_few_steps_raises_the_unrolled_estimate():
-    from train.head_train import compute_features, estimate_alpha_head, evaluate, head_loss_fn, train_epochs
+    from train.distill.head import compute_features, estimate_alpha_head, evaluate, head_loss_fn, train_epochs
 
     target = tiny(7, layers=4, max_positions=128)
     g = torch.Generator().manual_seed(0)
@@ -289,7 +289,7 @@ def test_training_a_few_steps_raises_the_unrolled_estimate():
     # The same estimate straight from served records (prompt + output), as an online trainer has them.
     import numpy as np
 
-    from infra.records import Record
+    from infra.records.schema import Record
 
     recs = [Record(request_id=str(i), draft_version="x", prompt_ids=np.array(s[:6], np.int32),
                    output_ids=np.array(s[6:], np.int32), topk_ids=np.zeros((len(s) - 6, 1), np.int32),
@@ -310,7 +310,7 @@ def test_training_a_few_steps_raises_the_unrolled_estimate():
 def test_features_of_a_padded_batch_are_each_sequences_own(target):
     """Long and short sequences in one right-padded batch: each keeps its own length, and the
     stored argmax is the target's own at every position (no padding rows leak in)."""
-    from train.head_train import compute_features
+    from train.distill.head import compute_features
 
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, 259, (n,), generator=g).tolist() for n in (300, 7)]
@@ -324,7 +324,7 @@ def test_features_of_a_padded_batch_are_each_sequences_own(target):
 def test_registry_version_of_a_head_swaps_in_beside_a_layer_draft(tmp_path, target, head):
     """A head published to the registry loads by version id (digests checked) and serves as a
     per-request draft of an engine whose own draft is a layer draft: the hot-swap path."""
-    from infra.draft_model import build_draft
+    from infra.drafts.layer import build_draft
     from infra.registry import Registry
 
     reg = Registry((tmp_path / "reg").as_uri(), cache_dir=tmp_path / "cache")

@@ -1,4 +1,4 @@
-"""infra/draft_model.py: the draft family built from a target, and its on-disk format."""
+"""infra/drafts/layer.py: the draft family built from a target, and its on-disk format."""
 
 import json
 
@@ -9,7 +9,7 @@ from safetensors import safe_open
 from infra.target import MANIFEST, TargetError, build_tiny_llama, tiny_tokenizer
 from serve.engine.core import GenerationParams, SpecEngine
 from engine_options import small_options
-from infra.draft_model import (
+from infra.drafts.layer import (
     EMBED,
     HEAD,
     INFO_FILE,

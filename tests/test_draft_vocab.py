@@ -1,9 +1,9 @@
-"""train/draft_vocab.py: draft vocabularies from token counts and their coverage (pure numpy)."""
+"""train/distill/draft_vocab.py: draft vocabularies from token counts and their coverage (pure numpy)."""
 
 import numpy as np
 import pytest
 
-from train.draft_vocab import VocabError, coverage, coverage_table, pooled_frequencies, token_counts, top_vocab
+from train.distill.draft_vocab import VocabError, coverage, coverage_table, pooled_frequencies, token_counts, top_vocab
 
 pytestmark = pytest.mark.pure
 

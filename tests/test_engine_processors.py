@@ -103,8 +103,8 @@ def test_processors_in_a_batch_equal_each_request_alone(target, drafts):
 
 
 def test_device_stages_and_head_drafts_apply_the_processors(target):
-    from infra.draft_head import build_head
-    from infra.draft_spec import DraftSpec
+    from infra.drafts.head import build_head
+    from infra.drafts.spec import DraftSpec
 
     head = build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 3)), torch.arange(220))
     want = processed_greedy(target, PROMPTS[0], N_NEW, PENALTIES)

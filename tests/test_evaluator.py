@@ -1,4 +1,4 @@
-"""train/evaluator.py: the held-out split and α_est, the acceptance estimate of a candidate."""
+"""train/gate/evaluator.py: the held-out split and α_est, the acceptance estimate of a candidate."""
 
 import math
 
@@ -7,10 +7,10 @@ import torch
 
 from infra.prompts import Prompt
 from infra.target import build_tiny_llama, tiny_tokenizer
-from train.batching import pack, position_logits
-from train.evaluator import estimate_alpha, is_held_out
-from train.losses import expected_acceptance
-from train.teacher_data import generate_teacher_records
+from train.distill.batching import pack, position_logits
+from train.gate.evaluator import estimate_alpha, is_held_out
+from train.distill.losses import expected_acceptance
+from train.teacher.data import generate_teacher_records
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 

@@ -1,7 +1,7 @@
 """Target features captured during the engine's teacher generation (pipeline/teacher/feature_recorder.py,
 pipeline/teacher/engine.py EngineTeacher.capture): equal to a separate forward over the same
 tokens through the same runner, kept in the teacher cache, and what the head's warm start trains
-on with no second forward pass (train/head_warm_start.py)."""
+on with no second forward pass (train/warm/head.py)."""
 
 import numpy as np
 import pytest
@@ -12,7 +12,7 @@ from infra.config import OSDConfig
 from infra.prompts import Prompt
 from infra.target import LoadedModel, build_tiny_llama, tiny_tokenizer
 from pipeline.teacher.engine import EngineTeacher
-from train.teacher_data import generate_teacher_answers
+from train.teacher.data import generate_teacher_answers
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -117,22 +117,22 @@ class _Engine:
 
 def train_without_second_pass(monkeypatch, why: str) -> None:
     """The head's warm start trains in-process (no DeepSpeed process group), and any forward pass
-    for features (train.head_train.compute_features) fails the test with `why`."""
-    import train.ds_engine
-    import train.head_train
+    for features (train.distill.head.compute_features) fails the test with `why`."""
+    import train.distill.ds_engine
+    import train.distill.head
 
     def no_forward(*a, **k):
         raise AssertionError(why)
 
-    monkeypatch.setattr(train.head_train, "compute_features", no_forward)
-    monkeypatch.setattr(train.ds_engine, "init_distributed", lambda *a, **k: None)
-    monkeypatch.setattr(train.ds_engine, "DistillEngine", _Engine)
+    monkeypatch.setattr(train.distill.head, "compute_features", no_forward)
+    monkeypatch.setattr(train.distill.ds_engine, "init_distributed", lambda *a, **k: None)
+    monkeypatch.setattr(train.distill.ds_engine, "DistillEngine", _Engine)
 
 
 def test_the_head_warm_start_trains_on_captured_features_with_no_second_pass(tmp_path, monkeypatch):
     import json
 
-    from train.head_warm_start import run_head_warm_start
+    from train.warm.head import run_head_warm_start
 
     train_without_second_pass(monkeypatch, "compute_features ran for teacher records whose features were captured")
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
@@ -157,20 +157,20 @@ def test_the_head_warm_start_trains_on_captured_features_with_no_second_pass(tmp
 
 
 def test_without_captured_features_the_warm_start_computes_them(tmp_path, monkeypatch):
-    import train.ds_engine
-    import train.head_train
-    from train.head_warm_start import run_head_warm_start
+    import train.distill.ds_engine
+    import train.distill.head
+    from train.warm.head import run_head_warm_start
 
     calls = []
-    real = train.head_train.compute_features
+    real = train.distill.head.compute_features
 
     def counted(target, seqs, *a, **k):
         calls.append(len(seqs))
         return real(target, seqs, *a, **k)
 
-    monkeypatch.setattr(train.head_train, "compute_features", counted)
-    monkeypatch.setattr(train.ds_engine, "init_distributed", lambda *a, **k: None)
-    monkeypatch.setattr(train.ds_engine, "DistillEngine", _Engine)
+    monkeypatch.setattr(train.distill.head, "compute_features", counted)
+    monkeypatch.setattr(train.distill.ds_engine, "init_distributed", lambda *a, **k: None)
+    monkeypatch.setattr(train.distill.ds_engine, "DistillEngine", _Engine)
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
                                     "data": {"max_prompt_chars": 200},
                                     "train": {"head_warm_prompts": 8, "head_warm_max_new_tokens": 6, "warm_teacher": "hf",

@@ -1,4 +1,4 @@
-"""The offline gate (train/gate.py, train/evaluator.py, the trainer's export): a candidate is
+"""The offline gate (train/gate/compare.py, train/gate/evaluator.py, the trainer's export): a candidate is
 scored against the current stable version on the same held-out records, and only a paired
 interval above 0 lets it through."""
 
@@ -9,7 +9,7 @@ import torch
 
 import numpy as np
 
-from train.gate import BOOTSTRAP, bootstrap_draws, gate, paired_interval
+from train.gate.compare import BOOTSTRAP, bootstrap_draws, gate, paired_interval
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -126,7 +126,7 @@ VOCAB = 259  # the tiny target's vocabulary; a top-k this wide makes the lower b
 @pytest.fixture(scope="module")
 def records(tiny):
     from infra.prompts import Prompt
-    from train.teacher_data import generate_teacher_records
+    from train.teacher.data import generate_teacher_records
 
     prompts = [Prompt(f"g{i}", f"gate question {i}?" * (1 + i % 3), "other", "train") for i in range(24)]
     return generate_teacher_records(tiny.model, tiny.tokenizer, prompts, max_new_tokens=8, top_k=VOCAB,
@@ -136,14 +136,14 @@ def records(tiny):
 @pytest.fixture(scope="module")
 def drafts(tiny):
     """`good`: both of the tiny target's layers (the target itself); `weak`: its first layer only."""
-    from infra.draft_model import DraftSpec, build_draft
+    from infra.drafts.layer import DraftSpec, build_draft
 
     return {"good": build_draft(tiny.model, DraftSpec(num_layers=2)),
             "weak": build_draft(tiny.model, DraftSpec(num_layers=1))}
 
 
 def test_per_record_scores_add_up_to_alpha_est(drafts, records):
-    from train.evaluator import estimate_alpha, per_record_acceptance
+    from train.gate.evaluator import estimate_alpha, per_record_acceptance
 
     scores = per_record_acceptance(drafts["weak"], records, 128)
     assert len(scores) == len(records) and all(n == len(r.output_ids) for (_, n), r in zip(scores, records))
@@ -152,7 +152,7 @@ def test_per_record_scores_add_up_to_alpha_est(drafts, records):
 
 
 def test_the_gate_admits_a_better_candidate_and_refuses_a_worse_or_equal_one(drafts, records):
-    from train.evaluator import gate_candidate
+    from train.gate.evaluator import gate_candidate
 
     better = gate_candidate(drafts["good"], drafts["weak"], "v1", records, 128)
     assert better["passed"] and better["lower"] > 0 and better["records"] == len(records)
@@ -163,7 +163,7 @@ def test_the_gate_admits_a_better_candidate_and_refuses_a_worse_or_equal_one(dra
 
 
 def test_gate_records_are_the_newest_held_out_ones_whose_prompt_was_not_trained_on(records):
-    from train.evaluator import gate_records
+    from train.gate.evaluator import gate_records
 
     trained = {records[-1].prompt_ids.tobytes()}
     picked = gate_records(records, 5, trained)
@@ -177,7 +177,7 @@ def test_gate_records_are_the_newest_held_out_ones_whose_prompt_was_not_trained_
 def _worker(tiny, tmp_path, held_out, parent):
     """A TrainerWorker with only what its export-time gate reads (no Ray, no DeepSpeed, no stream)."""
     from infra.config import load_config
-    from train.trainer import TrainerWorker
+    from train.online.trainer import TrainerWorker
 
     w = object.__new__(TrainerWorker)
     w.cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
@@ -188,7 +188,7 @@ def _worker(tiny, tmp_path, held_out, parent):
 
 
 def _publish(reg, draft, tmp_path, version, **kw):
-    from infra.draft_model import DraftSpec, save_draft
+    from infra.drafts.layer import DraftSpec, save_draft
 
     spec = DraftSpec(num_layers=draft.config.num_hidden_layers)
     save_draft(draft, spec, tmp_path / version, target_ref={"spec": "tiny-random"})
@@ -235,7 +235,7 @@ def test_an_unloadable_stable_means_no_pass(tiny, tmp_path, drafts, records):
 
 def test_drafts_differ_as_built(drafts, records):
     """Sanity of the fixture the gate tests rely on: the weak draft is well below the target."""
-    from train.evaluator import estimate_alpha
+    from train.gate.evaluator import estimate_alpha
 
     with torch.no_grad():
         assert estimate_alpha(drafts["weak"], records, 128) < estimate_alpha(drafts["good"], records, 128) - 0.05

@@ -1,4 +1,4 @@
-"""Any GGUF file of the lean families as `model.target` (infra/gguf_file.py, infra/target.py):
+"""Any GGUF file of the lean families as `model.target` (infra/formats/gguf_file.py, infra/target.py):
 tiny GGUFs written here with the `gguf` package (tests/gguf_files.py), one per weight format
 and per family. Each loads to exactly the weights it encodes, gives the reference model's
 logits, and serves; a bad file is refused with one clear message and leaves no cache."""
@@ -12,7 +12,7 @@ from gguf_files import write_gguf
 
 import gguf
 from infra.config import ModelConfig
-from infra.gguf_file import SUPPORTED_TYPES
+from infra.formats.gguf_file import SUPPORTED_TYPES
 from infra.target import TargetError, build_tiny, identify_target, load_target
 from serve.api.chat_template import chat_prompt_ids
 from serve.engine.core import GenerationParams, SpecEngine
@@ -167,7 +167,7 @@ def test_chat_needs_the_files_chat_template(tmp_path):
 def test_int4_serving_keeps_the_files_4bit_blocks_bit_for_bit(qtype, tmp_path):
     """The served model is bfloat16, which cannot hold the blocks' values; the scales read off the
     float32 weights at load make the int4 weights the file's own again, in the native layout."""
-    from infra.quant_codes import EXACT_SCALES
+    from infra.formats.quant_codes import EXACT_SCALES
     from serve.model.native_formats import dequantize_q4
 
     shape = K_SHAPE if qtype == "Q4_K" else SHAPE
@@ -189,7 +189,7 @@ def test_int4_serving_keeps_the_files_4bit_blocks_bit_for_bit(qtype, tmp_path):
 
 
 def test_a_q8_0_head_keeps_its_scales_and_a_k_quants_come_from_its_blocks(tmp_path):
-    from infra.quant_codes import EXACT_SCALES, keep_exact_scales
+    from infra.formats.quant_codes import EXACT_SCALES, keep_exact_scales
 
     q8 = write_gguf(build_tiny("llama", seed=10, **SHAPE), tmp_path / "q8.gguf", "Q8_0")
     keep_exact_scales(q8)
@@ -208,7 +208,7 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "l
                                   {**LLAMA3_ROPE, "factor": 8.0, "original_max_position_embeddings": 2048}],
                          ids=["llama3.2", "linear", "llama3-other"])
 def test_rope_scaling_comes_back_from_the_file(rope, tmp_path):
-    """transformers' GGUF reader drops a llama file's RoPE scaling; without infra/gguf_rope.py
+    """transformers' GGUF reader drops a llama file's RoPE scaling; without infra/formats/gguf_rope.py
     these logits are another model's."""
     shape = {**SHAPE, "max_positions": 16384}
     ref = write_gguf(build_tiny("llama", seed=11, **shape, rope_parameters=rope), tmp_path / "m.gguf", "F32")

@@ -1,4 +1,4 @@
-"""The Grafana dashboard (infra/grafana_dashboard.py): the checked-in JSON is the generated one,
+"""The Grafana dashboard (infra/grafana/dashboard.py): the checked-in JSON is the generated one,
 every PromQL expression parses, and every metric it names is one the platform registers, under
 the name Ray's Prometheus endpoint actually exposes (checked on a live Ray endpoint)."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from infra import grafana_dashboard as gd
+from infra.grafana import dashboard as gd
 
 ROOT = Path(__file__).resolve().parent.parent
 # Every module that registers application metrics.
-SOURCES = ("serve/api/metrics.py", "train/metrics.py", "pipeline/rollout/controller.py")
+SOURCES = ("serve/api/metrics.py", "train/online/metrics.py", "pipeline/rollout/controller.py")
 _DECL = re.compile(r"\.(Counter|Gauge|Histogram)\(\s*\"(osd_[a-z0-9_]+)\"")
 
 
@@ -64,7 +64,7 @@ def exprs(dash: dict) -> list[str]:
 @pytest.mark.pure
 def test_checked_in_json_is_the_generated_one():
     for path in gd.OUTPUTS:  # infra/grafana/osd.json and the Helm chart's copy
-        assert path.read_text() == gd.render(), f"{path} is stale: run python -m infra.grafana_dashboard"
+        assert path.read_text() == gd.render(), f"{path} is stale: run python -m infra.grafana.dashboard"
 
 
 @pytest.mark.pure
@@ -121,7 +121,7 @@ class _Emitter:
         from pipeline.rollout.controller import _Metrics
         from pipeline.rollout.canary_rule import Arm
         from serve.api.metrics import ServeMetrics, StreamMetrics
-        from train.metrics import TrainerMetrics
+        from train.online.metrics import TrainerMetrics
 
         sm = ServeMetrics()
         stats = SimpleNamespace(num_drafts=1, num_draft_tokens=3, num_accepted_tokens=2, accepted_per_pos=[1, 1],
@@ -162,7 +162,7 @@ def test_registered_names_are_what_rays_endpoint_exposes():
     import ray
     from ray import cloudpickle
 
-    from infra.redis_server import free_port
+    from infra.redis.server import free_port
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import tests/
 

@@ -19,14 +19,14 @@ from typing import Any
 import pytest
 import yaml
 
-from infra.draft_spec import LOOP_DRAFT
+from infra.drafts.spec import LOOP_DRAFT
 
 helm = pytest.importorskip("helm_python")
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 jsonschema = pytest.importorskip("jsonschema")
 
 from infra.config import ConfigError, OSDConfig, TrainConfig, load_config  # noqa: E402
-from infra.redis_server import server_maxmemory_mb  # noqa: E402
+from infra.redis.server import server_maxmemory_mb  # noqa: E402
 
 pytestmark = pytest.mark.helm
 
@@ -388,7 +388,8 @@ def test_tenants_keys_reach_the_config_through_the_secret(chart, tmp_path):
 
 
 def test_redis_acl_users_are_the_codes_roles(rendered):
-    from infra.redis_acl import ROLES, acl_line
+    from infra.config import redis_username
+    from infra.redis.acl import ROLES, acl_line
 
     values, docs = rendered
     for sts in of_kind(docs, "StatefulSet"):
@@ -400,12 +401,12 @@ def test_redis_acl_users_are_the_codes_roles(rendered):
         stream = OSDConfig.model_validate(yaml.safe_load(config_of(docs))).stream.stream
         for role in ROLES:
             # The code's rule with the password as the shell fills it in (>%s, not its #sha256).
-            want = acl_line(role, f"osd-{role}", "", stream).split(" #", 1)
+            want = acl_line(role, redis_username(role), "", stream).split(" #", 1)
             rendered_rule = f"{want[0]} >%s {want[1].split(' ', 1)[1]}"
             assert rendered_rule in script, role
             assert f"ACL_{role.upper()}_PASSWORD" in {e["name"] for e in c["env"]}
         ray_env = {e["name"] for _, g in ray_groups(rayservice(docs)) for e in g["template"]["spec"]["containers"][0]["env"]}
-        assert {"OSD_STREAM__USERS__PRODUCER__PASSWORD", "OSD_STREAM__USERS__TRAINER__USERNAME"} <= ray_env
+        assert {"OSD_STREAM__USERS__PRODUCER__PASSWORD", "OSD_STREAM__USERS__TRAINER__PASSWORD"} <= ray_env
 
 
 def test_ray_token_auth_is_on_and_redis_tls_is_used_where_asked(chart):
@@ -505,7 +506,7 @@ def test_records_lost_to_a_stream_outage_alert_within_a_minute(rendered):
 
 
 def test_grafana_dashboard_ships_the_generated_json(chart):
-    from infra.grafana_dashboard import render
+    from infra.grafana.dashboard import render
 
     out = chart.render(values={}, name=RELEASE)
     assert not out.get("osd/templates/grafana-dashboard.yaml", "").strip()  # off by default
@@ -553,13 +554,13 @@ def test_cluster_args_refuse_unknown_keys_and_bad_values():
 def test_the_cluster_warm_start_builds_the_family_it_is_given(family, out, tmp_path, monkeypatch):
     import pipeline.stack.cluster
     import pipeline.stack.up
-    import train.head_warm_start
-    import train.warm_start
+    import train.warm.head
+    import train.warm.layer
     from infra.config import OSDConfig
 
     built = []
-    for module, name, fam in ((train.head_warm_start, "run_head_warm_start", "head"),
-                              (train.warm_start, "run_warm_start", "layer")):
+    for module, name, fam in ((train.warm.head, "run_head_warm_start", "head"),
+                              (train.warm.layer, "run_warm_start", "layer")):
         monkeypatch.setattr(module, name, lambda cfg, fam=fam, **kw: built.append((fam, kw)))
     monkeypatch.setattr(pipeline.stack.up, "ensure_stable", lambda cfg, src: f"stable from {Path(src).name}")
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path)})

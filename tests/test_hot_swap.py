@@ -82,7 +82,7 @@ def test_bad_digest_is_refused_and_the_replica_keeps_serving(setup):
 
 def test_a_version_for_another_target_is_refused_and_the_replica_keeps_serving(setup, tmp_path):
     """Same shapes, other weights: only the recorded target identity tells them apart."""
-    from infra.draft_model import DraftSpec, build_draft, save_draft, target_ref
+    from infra.drafts.layer import DraftSpec, build_draft, save_draft, target_ref
     from infra.target import load_target, target_identity
     from serve.api.app import TargetReplica
 
@@ -158,9 +158,9 @@ def head_registry(tiny, tmp_path):
     import torch
 
     from infra.config import load_config
-    from infra.draft_head import build_head, save_head
-    from infra.draft_model import target_ref
-    from infra.draft_spec import DraftSpec
+    from infra.drafts.head import build_head, save_head
+    from infra.drafts.layer import target_ref
+    from infra.drafts.spec import DraftSpec
     from infra.registry import Registry
 
     cfg = load_config(environ={}, overrides={

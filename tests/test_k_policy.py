@@ -58,7 +58,7 @@ def test_the_choice_maximises_expected_tokens_per_second():
 def test_a_request_leans_on_its_drafts_long_run_acceptance_and_forgets_while_idle():
     policy = KPolicy(StepCosts(list(FLAT), frozen=True), k_max=4)
     policy.by_draft["d"] = Acceptance(prior=0.6, weight=100.0)
-    req = policy.new_request("d")
+    req = policy.start("d")
     assert req.alpha == pytest.approx(0.6)
     req.observe(2, 0)
     req.observe(2, 0)  # two early rejections move it, but do not decide the reply
@@ -91,14 +91,14 @@ def test_frozen_costs_ignore_observations_and_live_ones_follow_them():
 
 def test_a_request_at_zero_probes_its_draft_now_and_then():
     policy = KPolicy(StepCosts(list(FLAT), frozen=True), k_max=4, probe_every=4)
-    fresh = policy.new_request("new")
+    fresh = policy.start("new")
     first = fresh.choose(limit=10)
     assert first >= 1  # an unseen draft starts from alpha 0.5 and is tried
     for _ in range(30):
         fresh.observe(fresh.choose(limit=10), 0)
     assert fresh.alpha < 0.2 and fresh.shared.alpha < 0.5  # rejected every time: both fall from 0.5
     policy.by_draft["bad"] = Acceptance(prior=0.0, weight=50.0)  # what earlier requests learned
-    req = policy.new_request("bad")
+    req = policy.start("bad")
     choices = []
     for _ in range(12):
         k = req.choose(limit=10)
@@ -110,9 +110,9 @@ def test_a_request_at_zero_probes_its_draft_now_and_then():
     assert req.idle_limit == 256  # rejected probes back off to the cap
     while not req.probing:
         req.choose(limit=10)
-    assert policy.new_request("bad").idle_limit == 256  # the draft's next request keeps the back-off
+    assert policy.start("bad").idle_limit == 256  # the draft's next request keeps the back-off
     req.observe(1, 1)  # an accepted probe starts the count over
-    assert req.idle_limit == 0 and policy.new_request("bad").idle_limit == 0
+    assert req.idle_limit == 0 and policy.start("bad").idle_limit == 0
     assert req.choose(limit=0) == 0  # no room left: never drafts
 
 
@@ -145,7 +145,7 @@ def test_profile_forward_covers_a_long_chain_sparsely_then_the_batch():
 
 def _engine(target, draft, k=4):
     eng = SpecEngine(target, draft, options=small_options(k=k, k_policy="cost", max_seq_len=96))
-    eng._kpolicy = KPolicy(StepCosts(list(FLAT), default_draft_fraction=0.05, frozen=True), k)
+    eng._lengths = KPolicy(StepCosts(list(FLAT), default_draft_fraction=0.05, frozen=True), k)
     return eng
 
 
@@ -157,7 +157,7 @@ def test_engine_drafts_nothing_but_probes_with_a_useless_draft_and_stays_lossles
     ref = SpecEngine(target, options=small_options(max_seq_len=96)).generate(
         prompt, GenerationParams(max_new_tokens=48, capture=False))
     eng = _engine(target, bad)
-    eng._kpolicy.by_draft[id(eng.draft)] = Acceptance(prior=0.0, weight=100.0)  # known to be useless
+    eng._lengths.by_draft[id(eng.draft)] = Acceptance(prior=0.0, weight=100.0)  # known to be useless
     r = eng.generate(prompt, GenerationParams(max_new_tokens=48, capture=False))
     assert r.output_ids == ref.output_ids
     assert r.stats.num_draft_tokens <= 2  # probes only: after 16 idle steps, then after 32
@@ -175,13 +175,13 @@ def test_engine_drafts_deep_with_the_target_as_its_own_draft():
 def test_engine_profiles_the_target_once_on_first_use():
     target = build_tiny_llama(seed=3, num_layers=2, max_positions=96)
     eng = SpecEngine(target, target, options=small_options(k=3, k_policy="cost", max_seq_len=96))
-    assert eng._kpolicy is None
+    assert eng._lengths is None
     eng.generate([5, 17], GenerationParams(max_new_tokens=4, capture=False))
-    policy = eng._kpolicy
+    policy = eng._lengths
     # Rows 1..k+1 (a request alone) and on to a full batch's verify rows: 2 slots x (k+1).
     assert policy is not None and len(policy.costs.verify_s) == 8 and all(v > 0 for v in policy.costs.verify_s)
     eng.generate([5, 17], GenerationParams(max_new_tokens=4, capture=False))
-    assert eng._kpolicy is policy
+    assert eng._lengths is policy
     assert torch.get_num_threads() >= 1
 
 
@@ -192,7 +192,7 @@ def test_min_draft_drafts_every_step_whatever_the_rule_says():
     target.config.eos_token_id = None
     bad = build_tiny_llama(seed=77, num_layers=1, max_positions=96)
     eng = _engine(target, bad)
-    eng._kpolicy.by_draft[id(eng.draft)] = Acceptance(prior=0.0, weight=100.0)
+    eng._lengths.by_draft[id(eng.draft)] = Acceptance(prior=0.0, weight=100.0)
     r = eng.generate([5, 17, 200, 3], GenerationParams(max_new_tokens=20, capture=False, min_draft=1))
     assert r.stats.num_drafts == r.stats.num_steps - 1  # every step but the last (no room for a draft)
 
@@ -217,3 +217,50 @@ def test_chain_cut_takes_what_pays_on_a_fake_profile():
     assert chain_cut(gentle, 0.0, 1, 0, [0.95, 0.9, 0.05, 0.05]) == 2
     # In a batch the rows are dearer and the others' tokens are at stake: the cut comes sooner.
     assert chain_cut(gentle, 0.0, 4, 3, [0.95, 0.9, 0.05, 0.05]) <= 2
+
+
+def test_fixed_and_schedule_policies_plan_within_limits_and_minimums():
+    from serve.spec_decode.k_policy import length_policy
+
+    fixed = length_policy("fixed", 4, profile=lambda: pytest.fail("only the cost rule profiles"))
+    a, b = fixed.start("d"), fixed.start("d", min_draft=2)
+    assert fixed.plan([a, None, b], [10, 10, 1], 3) == [4, 0, 1]  # the limit caps even a minimum
+    sched = length_policy("schedule", 5, profile=lambda: pytest.fail("only the cost rule profiles"))
+    r = sched.start("d")
+    assert sched.plan([r], [10], 1) == [5]
+    r.observe(5, 2)  # a rejection: one less
+    r.observe(4, 4)  # all accepted: two more, at most k
+    assert sched.plan([r], [10], 1) == [5] and r.alpha == 0.5
+    r.observe(5, 0)
+    r.observe(0, 0)  # nothing drafted: nothing learned
+    assert sched.plan([r], [10], 1) == [4]
+    with pytest.raises(ValueError, match="unknown k_policy 'greedy'"):
+        length_policy("greedy", 4, profile=lambda: [])
+
+
+def test_the_cost_policy_sizes_a_lone_request_and_a_batch_with_its_minimum():
+    policy = KPolicy(StepCosts(list(FLAT), frozen=True), k_max=4)
+    policy.by_draft["bad"] = Acceptance(prior=0.0, weight=100.0)
+    policy.by_draft["good"] = Acceptance(prior=0.95, weight=100.0)
+    useless, good = policy.start("bad", min_draft=1), policy.start("good")
+    assert policy.plan([policy.start("bad")], [10], 1) == [0]
+    assert policy.plan([useless], [10], 1) == [1]  # its rule says 0; the canary's minimum says 1
+    assert policy.plan([good, useless, None], [10, 10, 10], 3) == [4, 1, 0]
+
+
+def test_only_the_policy_reads_k_policy_names():
+    """The draft length is decided in one place: no module of serve/ but the policy's compares a
+    value with a k_policy name."""
+    import ast
+    from pathlib import Path
+
+    names = {"cost", "schedule", "fixed"}
+    offenders = []
+    for path in Path("serve").rglob("*.py"):
+        if path.as_posix() == "serve/spec_decode/k_policy.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(c, ast.Constant) and c.value in names for c in [node.left, *node.comparators]):
+                offenders.append(f"{path}:{node.lineno}")
+    assert offenders == []

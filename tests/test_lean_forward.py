@@ -203,7 +203,7 @@ def test_a_verify_block_rounds_exactly_as_one_row_decode_forwards_in_bfloat16(qu
 
 
 def test_where_bfloat16_is_emulated_a_verify_block_attends_each_row_as_its_decode_does(monkeypatch):
-    """An AVX2-only CPU's path (infra/cpu.py): each row's probabilities times V over its own
+    """An AVX2-only CPU's path (infra/common/cpu.py): each row's probabilities times V over its own
     prefix. One bmm over the whole block rounded these rows otherwise than their one-row
     decodes on 2 Zen 3 cores (the contexts below are ones where it did)."""
     import serve.model.runner
@@ -225,8 +225,8 @@ def test_where_bfloat16_is_emulated_a_verify_block_attends_each_row_as_its_decod
 def test_a_head_beside_an_int4_target_keeps_int8_weights_close_to_its_own():
     """int4 codes of a one-layer head moved its greedy drafts off the float head's (docs/benchmarks.md,
     "The head's weights"); int8 keeps its logits within a small fraction of the float head's."""
-    from infra.draft_head import build_head
-    from infra.draft_spec import DraftSpec
+    from infra.drafts.head import build_head
+    from infra.drafts.spec import DraftSpec
     from serve.spec_decode.head.lean import LeanHead
 
     model = tiny(seed=8, dtype="bfloat16", layers=3)
@@ -250,8 +250,8 @@ def test_a_head_beside_an_int4_target_keeps_int8_weights_close_to_its_own():
 
 
 def test_a_head_drafts_for_an_int4_target_losslessly():
-    from infra.draft_head import build_head
-    from infra.draft_spec import DraftSpec
+    from infra.drafts.head import build_head
+    from infra.drafts.spec import DraftSpec
 
     model = tiny(seed=8, dtype="bfloat16", layers=3)
     head = build_head(model, DraftSpec(family="head", feature_layers=(0, 1)), torch.arange(0, 300, 2))

@@ -1,4 +1,4 @@
-"""train/losses.py: distillation losses on the K+1 bucket partition (top-K + OTHER)."""
+"""train/distill/losses.py: distillation losses on the K+1 bucket partition (top-K + OTHER)."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train.losses import (
+from train.distill.losses import (
     Acceptance,
     collapse,
     distill_loss,

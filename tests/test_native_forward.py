@@ -366,7 +366,7 @@ def test_torch_kernels_on_request_and_for_models_the_tiles_do_not_fit():
 
 
 def test_a_lone_replica_takes_every_usable_core(tmp_path):
-    from infra.cpu import replica_threads, usable_cores
+    from infra.common.cpu import replica_threads, usable_cores
 
     cores = usable_cores(tmp_path / "absent")
     assert cores >= 1
@@ -375,6 +375,6 @@ def test_a_lone_replica_takes_every_usable_core(tmp_path):
     assert usable_cores(quota) == 1
     quota.write_text("max 100000\n")
     assert usable_cores(quota) == cores
-    assert replica_threads(0, 0, 1, 1.0) == usable_cores()
-    assert replica_threads(0, 0, 3, 2.0) == 2  # replicas sharing a machine: their CPUs each
-    assert replica_threads(3, 2, 1, 1.0) == 3 and replica_threads(0, 2, 1, 1.0) == 2
+    assert replica_threads(0, 1, 1.0) == usable_cores()
+    assert replica_threads(0, 3, 2.0) == 2  # replicas sharing a machine: their CPUs each
+    assert replica_threads(3, 1, 1.0) == 3

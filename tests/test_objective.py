@@ -1,4 +1,4 @@
-"""train/objective.py: the loss closure the online trainer and the warm start both step on."""
+"""train/distill/objective.py: the loss closure the online trainer and the warm start both step on."""
 
 import dataclasses
 
@@ -7,10 +7,10 @@ import torch
 
 from infra.prompts import Prompt
 from infra.target import build_tiny_llama, tiny_tokenizer
-from train.batching import pack, position_logits
-from train.losses import distill_loss, position_weights
-from train.objective import Objective, distill_loss_fn
-from train.teacher_data import generate_teacher_records
+from train.distill.batching import pack, position_logits
+from train.distill.losses import distill_loss, position_weights
+from train.distill.objective import Objective, distill_loss_fn
+from train.teacher.data import generate_teacher_records
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -69,7 +69,7 @@ def test_the_kl_anchor_is_zero_at_the_parent_and_pulls_back_towards_it(batch, dr
     distribution back towards the parent's."""
     import copy
 
-    from train.objective import anchored_loss_fn
+    from train.distill.objective import anchored_loss_fn
 
     base = distill_loss_fn(positions="all")
     parent = copy.deepcopy(draft).eval().requires_grad_(False)

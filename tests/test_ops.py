@@ -6,9 +6,10 @@ import time
 import numpy as np
 import pytest
 
-from infra.records import Record, encode
+from infra.common.canary_stats import MIN_GAIN
+from infra.records.schema import Record, encode
 from infra.registry import Registry
-from infra.streams import FIELD, connect
+from infra.records.streams import FIELD, connect
 from serve.api.ops import stats as st
 
 # Two request shapes whose counts are worked out by hand (k = 4 drafts per step):
@@ -101,7 +102,7 @@ def _replicas(now):
 @pytest.mark.redis
 def test_summary_numbers_from_known_records_and_decisions(loop):
     from serve.api.ops.source import OpsSource
-    from train.metrics import TrainerMetrics
+    from train.online.metrics import TrainerMetrics
 
     cfg, reg, client, now = loop
     tm = TrainerMetrics(0, client, cfg.stream.stream)
@@ -139,7 +140,7 @@ def test_summary_numbers_from_known_records_and_decisions(loop):
     assert c["acceptance"]["diff"] == pytest.approx(50 / 60 - 18 / 34)
     # 50% is the last step before full traffic: the promote check shows beside the rollback ones.
     assert [k["check"] for k in c["checks"]] == ["not worse (no rollback)"] * 2 + ["better (promote)"]
-    assert c["checks"][2]["threshold"] == cfg.rollout.min_gain
+    assert c["checks"][2]["threshold"] == MIN_GAIN
     assert c["checks"][0]["threshold"] == -cfg.rollout.margin
     assert c["checks"][0]["verdict"] == ("pass" if c["checks"][0]["lower"] > -cfg.rollout.margin else "pending")
 

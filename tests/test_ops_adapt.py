@@ -74,9 +74,9 @@ def test_the_ops_summary_and_page_show_the_time_to_adapt(tmp_path, redis_url, dr
     import numpy as np
 
     from infra.config import load_config
-    from infra.records import Record, encode
+    from infra.records.schema import Record, encode
     from infra.registry import Registry
-    from infra.streams import FIELD, connect
+    from infra.records.streams import FIELD, connect
     from serve.api.ops.page import page
     from serve.api.ops.source import OpsSource
 

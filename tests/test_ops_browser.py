@@ -23,7 +23,7 @@ SCREENSHOT = Path(__file__).resolve().parent.parent / "reports" / "ops" / "ops.p
 @pytest.fixture(scope="module")
 def app(tiny, tmp_path_factory):
     from infra.config import load_config
-    from infra.draft_model import DraftSpec, build_draft, save_draft, target_ref
+    from infra.drafts.layer import DraftSpec, build_draft, save_draft, target_ref
     from infra.registry import Registry
 
     state = tmp_path_factory.mktemp("ops-state")

@@ -24,8 +24,8 @@ def _wait(cond, timeout, what):
 
 
 def test_the_page_follows_the_loop(tiny, tmp_path):
-    from infra.draft_model import DraftSpec, build_draft, save_draft
-    from infra.redis_server import free_port
+    from infra.drafts.layer import DraftSpec, build_draft, save_draft
+    from infra.redis.server import free_port
     from pipeline.traffic.demo import post_chat
     from pipeline.stack.up import ClosedLoop
     from serve.api.ops.page import fetch_summary

@@ -1,4 +1,4 @@
-"""infra/reaper.py: what a process started is stopped when it is killed with SIGKILL, even
+"""infra/common/reaper.py: what a process started is stopped when it is killed with SIGKILL, even
 a grandchild that was orphaned (reparented away) before the kill."""
 
 import os
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.pure
 
 OWNER = """
 import subprocess, sys, time
-from infra.reaper import Reaper
+from infra.common.reaper import Reaper
 Reaper().start()
 # An orphan, as Ray's agents become when the raylet dies: the middle process lives a while
 # (the guard records it and its child), then exits and leaves its child to init.
@@ -47,7 +47,7 @@ def test_sigkilled_owner_takes_its_orphans_along():
 
 def test_clean_close_ends_the_guard_and_spares_the_owners_children():
     """A clean stop is not a crash: the owner's other children (a test session's Redis) live on."""
-    from infra.reaper import Reaper
+    from infra.common.reaper import Reaper
 
     child = subprocess.Popen(["sleep", "300"])
     try:

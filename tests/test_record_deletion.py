@@ -7,13 +7,13 @@ import contextlib
 import pytest
 import redis
 
-from infra.config import OSDConfig, StreamConfig
-from infra.record_deletion import DEAD_FIELD, audit_deletion, delete_from_stream, delete_records
-from infra.record_match import RecordMatch
-from infra.records import decode, encode
-from infra.redis_acl import acl_line
+from infra.config import OSDConfig, StreamConfig, redis_username
+from infra.records.deletion import DEAD_FIELD, audit_deletion, delete_from_stream, delete_records
+from infra.records.match import RecordMatch
+from infra.records.schema import decode, encode
+from infra.redis.acl import acl_line
 from infra.registry import Registry
-from infra.streams import FIELD, RecordConsumer, RecordProducer, connect, dead_letter_stream
+from infra.records.streams import FIELD, RecordConsumer, RecordProducer, connect, dead_letter_stream
 from test_records_v2 import encode_old, make_record
 
 pytestmark = pytest.mark.redis
@@ -66,13 +66,13 @@ def _acl_users(redis_url):
     admin = redis.Redis.from_url(redis_url)
     users = {}
     for role in ("producer", "trainer", "admin"):
-        name, pw = f"osd-{role}", f"pw-{role}-123"
+        name, pw = redis_username(role), f"pw-{role}-123"
         admin.execute_command("ACL", "SETUSER", *acl_line(role, name, pw, STREAM).split()[1:])
-        users[role] = {"username": name, "password": pw}
+        users[role] = {"password": pw}  # the client connects as osd-<role>
     try:
         yield users
     finally:
-        admin.execute_command("ACL", "DELUSER", *[u["username"] for u in users.values()])
+        admin.execute_command("ACL", "DELUSER", *[redis_username(role) for role in users])
 
 
 def test_each_role_may_do_its_part_only(redis_url):

@@ -5,7 +5,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from infra.records import (
+from infra.records.schema import (
     SCHEMA_VERSION,
     VERSION_KEY,
     CorruptRecord,
@@ -227,7 +227,7 @@ def test_codec_stays_pure():
     import sys
     from pathlib import Path
 
-    code = "import sys, infra.records; print([m for m in ('redis', 'torch', 'serve') if m in sys.modules])"
+    code = "import sys, infra.records.schema; print([m for m in ('redis', 'torch', 'serve') if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], check=True,
                          capture_output=True, text=True).stdout
     assert out.strip() == "[]"

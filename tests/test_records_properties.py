@@ -1,4 +1,4 @@
-"""Property tests of the record codec (infra/records.py): any valid record round-trips bit
+"""Property tests of the record codec (infra/records/schema.py): any valid record round-trips bit
 for bit, and any damaged payload is either decoded to a shape-consistent record or refused
 with RecordError, never another exception.
 
@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from infra.records import Record, RecordError, decode, encode
+from infra.records.schema import Record, RecordError, decode, encode
 
 pytestmark = pytest.mark.pure
 

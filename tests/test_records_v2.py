@@ -7,8 +7,8 @@ import pytest
 import redis
 
 from infra.config import StreamConfig
-from infra.records import SCHEMA_VERSION, VERSION_KEY, Record, decode, encode, record_schema
-from infra.streams import FIELD, RecordConsumer, dead_letter_stream
+from infra.records.schema import SCHEMA_VERSION, VERSION_KEY, Record, decode, encode, record_schema
+from infra.records.streams import FIELD, RecordConsumer, dead_letter_stream
 
 
 def make_record(i: int = 0, n: int = 6, k: int = 3, **over) -> Record:

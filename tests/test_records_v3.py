@@ -4,7 +4,7 @@ trips them, and v1 and v2 records still decode, with no owner."""
 import numpy as np
 import pytest
 
-from infra.records import SCHEMA_VERSION, decode, encode, record_from_capture
+from infra.records.schema import SCHEMA_VERSION, decode, encode, record_from_capture
 from test_records_v2 import encode_old, make_record
 
 pytestmark = pytest.mark.pure

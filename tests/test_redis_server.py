@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from infra.config import OSDConfig, StreamConfig
-from infra.redis_server import (RedisServer, RedisServerError, check_redis_url, find_redis_server, free_port,
+from infra.redis.server import (RedisServer, RedisServerError, check_redis_url, find_redis_server, free_port,
                                    private_server, redact_url, server_maxmemory_mb)
 
 pytestmark = pytest.mark.redis
@@ -46,7 +46,7 @@ def dead_pid() -> int:
 
 OWNER = r"""
 import sys, threading, time
-from infra.redis_server import RedisServer
+from infra.redis.server import RedisServer
 # Started from a thread that then ends: the server must still live as long as this process.
 t = threading.Thread(target=lambda: print(RedisServer(sys.argv[1]).start().pid, flush=True))
 t.start(); t.join()

@@ -9,8 +9,8 @@ import pytest
 import redis
 
 from infra.config import StreamConfig
-from infra.redis_server import find_redis_server, free_port
-from infra.streams import RecordConsumer, RecordProducer, connect
+from infra.redis.server import find_redis_server, free_port
+from infra.records.streams import RecordConsumer, RecordProducer, connect
 from test_records_v2 import make_record
 
 pytestmark = pytest.mark.redis

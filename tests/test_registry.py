@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
 @pytest.fixture(scope="module")
 def draft_dir(tiny, tmp_path_factory):
-    from infra.draft_model import DraftSpec, build_draft, save_draft, target_ref
+    from infra.drafts.layer import DraftSpec, build_draft, save_draft, target_ref
 
     spec = DraftSpec(num_layers=1)
     out = tmp_path_factory.mktemp("drafts") / "d1"
@@ -48,7 +48,7 @@ def test_publish_get_list_and_load(reg, draft_dir, tiny):
     assert [x.id for x in reg.list()] == ["v1", "v2"]
     model, info = reg.load_draft("v1", tiny.model)
     ids = torch.tensor([[1, 2, 3]])
-    from infra.draft_model import load_draft
+    from infra.drafts.layer import load_draft
 
     ref, _ = load_draft(draft_dir, tiny.model)
     assert torch.equal(model(ids).logits, ref(ids).logits) and info["version"] == "v1"

@@ -21,7 +21,7 @@ from aiohttp import web
 from pipeline.cli import main
 from infra.config import OSDConfig
 from infra.prompts import Prompt, PromptDataError, select_prompts
-from infra.redis_server import free_port
+from infra.redis.server import free_port
 from pipeline.traffic.replay import (
     BAD_RESPONSE,
     RequestResult,

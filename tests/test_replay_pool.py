@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from train.replay import replay_pool
+from train.online.replay import replay_pool
 
 pytestmark = pytest.mark.pure
 

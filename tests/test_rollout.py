@@ -6,10 +6,10 @@ import random
 import numpy as np
 import pytest
 
-from infra.records import Record
+from infra.records.schema import Record
 from infra.registry import Registry
 from pipeline.rollout.controller import CanaryController
-from infra.streams import RecordProducer
+from infra.records.streams import RecordProducer
 
 pytestmark = [pytest.mark.usefixtures("one_thread")]
 redis = pytest.mark.redis  # every test but the metrics one reads a real stream
@@ -24,7 +24,7 @@ def _cfg(tmp_path, redis_url, **rollout):
 
 
 def _gate(stable="v1", lower=0.01):
-    """Offline gate evidence as the trainer writes it (train/gate.py), with a chosen interval."""
+    """Offline gate evidence as the trainer writes it (train/gate/compare.py), with a chosen interval."""
     return {"stable": stable, "lower": lower, "upper": lower + 0.04, "diff": lower + 0.02, "records": 40,
             "positions": 900, "passed": lower > 0, "min_gain": 0.0, "reason": "set by the test",
             "per_record": [[0.1, 20]] * 40}
@@ -112,7 +112,7 @@ def test_better_candidate_is_promoted_step_by_step(tmp_path, redis_url, draft_di
     assert actions == ["start", "advance", "promote"]  # 10% -> 50% -> promoted
     assert reg.alias("stable")["version"] == "v2" and reg.alias("canary") is None
     # promoted on evidence of improvement, not on the absence of harm
-    assert final["evidence"]["acceptance"]["lower"] > cfg.rollout.min_gain
+    assert final["evidence"]["acceptance"]["lower"] > ctrl.rule.min_gain
     assert ctrl.decisions[0]["evidence"]["gate"]["stable"] == "v1"  # the start names the gate it passed
     log = reg.audit_log()
     assert [e["action"] for e in log] == actions and all(e["reason"] for e in log)
@@ -188,10 +188,10 @@ def test_with_the_real_gate_a_worse_draft_never_becomes_canary_and_a_better_one_
     (the target itself) admitted and then promoted on served evidence."""
     import torch
 
-    from infra.draft_model import DraftSpec, build_draft, save_draft
+    from infra.drafts.layer import DraftSpec, build_draft, save_draft
     from infra.prompts import Prompt
-    from train.evaluator import gate_candidate
-    from train.teacher_data import generate_teacher_records
+    from train.gate.evaluator import gate_candidate
+    from train.teacher.data import generate_teacher_records
 
     prompts = [Prompt(f"q{i}", f"rollout question {i}?" * (1 + i % 3), "other", "train") for i in range(10)]
     held_out = generate_teacher_records(tiny.model, tiny.tokenizer, prompts, max_new_tokens=6, top_k=259,
@@ -229,7 +229,7 @@ def test_with_the_real_gate_a_worse_draft_never_becomes_canary_and_a_better_one_
 
 @redis
 def test_controller_survives_a_dead_redis(tmp_path, draft_dir):
-    from infra.redis_server import RedisServer
+    from infra.redis.server import RedisServer
 
     with RedisServer(tmp_path / "redis") as srv:
         cfg = _cfg(tmp_path, srv.url, poll_s=0.05)
@@ -250,7 +250,7 @@ def test_controller_survives_a_dead_redis(tmp_path, draft_dir):
 @redis
 def test_a_never_empty_stream_does_not_starve_decisions(tmp_path, redis_url, draft_dir, monkeypatch):
     """Records arriving as fast as they are read: each tick still reaches its decision."""
-    from infra.streams import Delivery
+    from infra.records.streams import Delivery
 
     cfg, reg, ctrl = _stable_and_candidate(tmp_path, redis_url, draft_dir, "bad")
     ctrl.tick()  # "bad" becomes the canary at 10%

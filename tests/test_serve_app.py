@@ -170,7 +170,7 @@ def test_prompt_over_context_is_400_not_500(app):
 def test_request_writes_a_record_matching_the_engine(app):
     """HTTP -> replica -> Redis: the record's ids and top-k are what the engine produced."""
     from infra.prompts import chat_ids
-    from infra.streams import RecordConsumer
+    from infra.records.streams import RecordConsumer
     from infra.target import load_target
     from serve.spec_decode.specs import build_draft
     from serve.engine.core import EngineOptions, GenerationParams, SpecEngine
@@ -239,8 +239,8 @@ def _stored_record(app, record_id, timeout_s=15):
     """The record `record_id` once the producer has written it (None if it never is)."""
     import redis
 
-    from infra.records import decode
-    from infra.streams import FIELD
+    from infra.records.schema import decode
+    from infra.records.streams import FIELD
 
     client = redis.Redis.from_url(app["cfg"].stream.redis_url)
     deadline = time.monotonic() + timeout_s
@@ -313,7 +313,9 @@ def test_post_bodies_must_be_json(app, ctype):
 
 
 def test_oversized_body_is_413_and_others_are_served(app):
-    big = chat("x" * (app["cfg"].serve.max_body_bytes + 10))
+    from serve.api.app import MAX_BODY_BYTES
+
+    big = chat("x" * (MAX_BODY_BYTES + 10))
     r = post(app, "/v1/chat/completions", big)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     # Under the body limit but far over the context: refused before tokenizing.

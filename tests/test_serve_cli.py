@@ -27,7 +27,7 @@ def serve_env(tmp_path, **extra) -> dict:
 
 def start_serve(tmp_path, *args, **env):
     """Start `osd serve`; returns (process, url, every process it started)."""
-    from infra.redis_server import free_port
+    from infra.redis.server import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port), *args],
@@ -105,8 +105,8 @@ def test_kill_9_of_osd_serve_leaves_no_process(tmp_path):
 def test_osd_serve_serves_the_suffix_draft_by_default_and_names_the_head(tmp_path, tiny):
     """With no --draft and no serve.draft, `osd serve` serves the suffix draft (chosen by
     measurement), and says how to serve the head `osd draft init --family head` published."""
-    from infra.draft_head import build_head, save_head
-    from infra.draft_spec import DraftSpec
+    from infra.drafts.head import build_head, save_head
+    from infra.drafts.spec import DraftSpec
 
     head = save_head(build_head(tiny.model, DraftSpec(family="head")), tmp_path / "drafts" / "head-v1",
                      target_ref={"spec": "tiny-random"})
@@ -129,7 +129,7 @@ def test_osd_serve_serves_the_suffix_draft_by_default_and_names_the_head(tmp_pat
 ], ids=["draft-too-deep", "redis-unreachable", "redis-url-not-redis"])
 def test_misconfiguration_fails_fast_with_one_line(tmp_path, args, env, expect):
     """Issue 18, defect 10: these used to fail after 35-39 s inside Ray, or print nothing at all."""
-    from infra.redis_server import free_port
+    from infra.redis.server import free_port
 
     proc = subprocess.run([sys.executable, "-m", "pipeline.cli", "serve", "--port", str(free_port()), *args],
                           env=serve_env(tmp_path, **env), capture_output=True, text=True, timeout=120)

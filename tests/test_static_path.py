@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from chi2 import chi2_pvalue
-from infra.draft_head import build_head
-from infra.draft_spec import DraftSpec
+from infra.drafts.head import build_head
+from infra.drafts.spec import DraftSpec
 from infra.target import build_tiny_llama
 from serve.spec_decode.specs import build_draft
 from serve.engine.core import EngineError, GenerationParams, SpecEngine

@@ -7,8 +7,9 @@ import pytest
 import redis
 
 from infra.config import ConfigError, load_config
-from infra.records import encode
-from infra.streams import FIELD, RecordProducer, dead_letter_stream, retention_min_id, trim_expired
+from infra.records import streams
+from infra.records.schema import encode
+from infra.records.streams import FIELD, RecordProducer, dead_letter_stream, retention_min_id, trim_expired
 from test_streams import cfg, make_record
 
 
@@ -87,9 +88,9 @@ def test_producer_without_retention_keeps_old_records(redis_url):
 
 @pytest.mark.redis
 def test_an_idle_producer_still_trims(redis_url, monkeypatch):
-    import infra.streams
+    import infra.records.streams
 
-    monkeypatch.setattr(infra.streams, "TRIM_EVERY_S", 0.05)  # its idle wake-up, shortened
+    monkeypatch.setattr(infra.records.streams, "TRIM_EVERY_S", 0.05)  # its idle wake-up, shortened
     c = cfg(retention_s=600.0)
     client = redis.Redis.from_url(redis_url)
     old, kept = _seed_old_and_new(client, c.stream, time.time())
@@ -120,9 +121,10 @@ def _check_rewrites(client: redis.Redis, c, redis_url: str) -> None:
     _wait_no_rewrite(client)
     assert client.info("persistence")["aof_rewrites"] > before
     after = client.info("persistence")["aof_rewrites"]
-    never = cfg(retention_s=600.0, aof_rewrite_s=0.0, stream=c.stream + ":2")  # 0: never asks
+    never = cfg(retention_s=600.0, stream=c.stream + ":2")
     _seed_old_and_new(client, never.stream, time.time())
-    with RecordProducer(redis_url, never) as p:
+    with pytest.MonkeyPatch.context() as mp, RecordProducer(redis_url, never) as p:
+        mp.setattr(streams, "AOF_REWRITE_S", 0.0)  # 0: never asks
         assert p.submit(make_record(98)) and p.flush(10)
     _wait_no_rewrite(client)
     assert client.info("persistence")["aof_rewrites"] == after

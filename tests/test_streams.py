@@ -11,9 +11,10 @@ import pytest
 import redis
 
 from infra.config import OSDConfig, StreamConfig
-from infra.records import VERSION_KEY, Record, decode, encode
-from infra.redis_server import RedisServer, RedisServerError, find_redis_server, free_port, resolve_redis_url
-from infra.streams import FIELD, RecordConsumer, RecordProducer, connect, dead_letter_stream, read_records
+from infra.records import streams
+from infra.records.schema import VERSION_KEY, Record, decode, encode
+from infra.redis.server import RedisServer, RedisServerError, find_redis_server, free_port, resolve_redis_url
+from infra.records.streams import FIELD, RecordConsumer, RecordProducer, connect, dead_letter_stream, read_records
 
 pytestmark = pytest.mark.redis
 
@@ -150,7 +151,7 @@ def test_read_records_pages_by_time_skips_junk_and_leaves_groups_alone(redis_url
 CHILD = r"""
 import sys, time
 from infra.config import StreamConfig
-from infra.streams import RecordConsumer
+from infra.records.streams import RecordConsumer
 consumer = RecordConsumer(sys.argv[1], StreamConfig(block_ms=100, socket_timeout_s=1.0), name="doomed")
 got, end = [], time.monotonic() + 30
 while len(got) < 10 and time.monotonic() < end:
@@ -239,7 +240,7 @@ def test_redis_restart_with_aof_keeps_records_and_group_state(tmp_path):
 
 def test_submit_never_raises_and_counts_drops_when_redis_is_down():
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    with RecordProducer(url, cfg(queue_size=8)) as p:
+    with RecordProducer(url, cfg(), queue_size=8) as p:
         results = [p.submit(make_record(i)) for i in range(100)]
         assert p.flush(10)
         s = p.stats()
@@ -278,8 +279,9 @@ def test_producer_drops_while_redis_stopped_then_recovers(tmp_path):
         server.stop()
 
 
-def test_lag_budget_drops_and_counts(redis_url):
-    c = cfg(lag_budget=5, lag_refresh_s=0)
+def test_lag_budget_drops_and_counts(redis_url, monkeypatch):
+    monkeypatch.setattr(streams, "LAG_REFRESH_S", 0.0)  # the lag read at every record
+    c = cfg(lag_budget=5)
     consumer = RecordConsumer(redis_url, c, name="slow")
     with RecordProducer(redis_url, c) as p:
         for i in range(12):
@@ -293,11 +295,12 @@ def test_lag_budget_drops_and_counts(redis_url):
         assert p.stats().written == 6  # ... and records flow again
 
 
-def test_lag_budget_counts_read_but_unacked_entries(redis_url):
+def test_lag_budget_counts_read_but_unacked_entries(redis_url, monkeypatch):
     """A trainer holds what it read until its checkpoint. Those entries are still needed (if it
     dies they are redelivered from the stream), so they count toward the budget like unread
     ones; counting only unread ones let MAXLEN trim held entries out from under a trainer."""
-    c = cfg(lag_budget=5, lag_refresh_s=0)
+    monkeypatch.setattr(streams, "LAG_REFRESH_S", 0.0)
+    c = cfg(lag_budget=5)
     consumer = RecordConsumer(redis_url, c, name="holder")
     with RecordProducer(redis_url, c) as p:
         for i in range(5):
@@ -401,7 +404,7 @@ def test_resolve_url_starts_one_private_server(tmp_path):
         other.stop()
         assert r.ping()
     finally:
-        from infra.redis_server import private_server
+        from infra.redis.server import private_server
 
         private_server(conf).stop()
     configured = OSDConfig(stream={"redis_url": "rediss://u:p@example:6380/1"})

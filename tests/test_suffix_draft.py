@@ -59,11 +59,9 @@ def test_greedy_output_is_the_targets_and_a_repeat_is_drafted_from_the_replica(t
 
 def test_a_repeat_verifies_chains_longer_than_k_up_to_max_chain(target):
     """A chain is chosen, not drafted: a repeat's chain runs past the engine's k, to
-    serve.suffix.max_chain, and the output is still the target's."""
-    from infra.config import SuffixConfig
-
+    the suffix draft's max_chain, and the output is still the target's."""
     opts = small_options(k=2, max_seq_len=160, max_concurrency=4, k_policy="fixed")
-    eng = SpecEngine(target, build_draft("suffix", target, suffix=SuffixConfig(max_chain=7)), options=opts)
+    eng = SpecEngine(target, SuffixDraft(target.config.vocab_size, max_chain=7), options=opts)
     ar = SpecEngine(target, None, options=small_options(k=0, max_seq_len=160))
     prompt, params = _prompts()[2], GenerationParams(max_new_tokens=40)
     want = ar.generate(prompt, params).output_ids
@@ -143,17 +141,18 @@ def test_sampled_requests_follow_the_target_with_proposals_and_without():
 
 
 def test_suffix_settings_come_from_the_config():
-    cfg = OSDConfig.model_validate({"serve": {"suffix": {"max_tokens": 1000, "min_prob": 0.3}}})
+    from infra.config import RetiredSettingWarning
+
+    cfg = OSDConfig.model_validate({"serve": {"suffix": {"max_tokens": 1000}}})
     d = build_draft("suffix", tiny(**V8), suffix=cfg.serve.suffix)
-    assert isinstance(d, SuffixDraft) and d.min_prob == 0.3
-    assert d.proposer.global_index.max_tokens == 1000
-    with pytest.raises(ValueError, match="min_prob"):
-        OSDConfig.model_validate({"serve": {"suffix": {"min_prob": 2}}})
+    assert isinstance(d, SuffixDraft) and d.proposer.global_index.max_tokens == 1000
+    assert (d.min_prob, d.max_chain) == (0.1, 15)  # the draft's own, no longer settings
+    with pytest.warns(RetiredSettingWarning, match=r"serve\.suffix\.min_prob .*SuffixDraft"):
+        OSDConfig.model_validate({"serve": {"suffix": {"min_prob": 0.3}}})
     # A chain past 15 tokens would verify 17+ rows, which no longer attend as decoding does.
     for bad in (0, 16):
         with pytest.raises(ValueError, match="max_chain"):
-            OSDConfig.model_validate({"serve": {"suffix": {"max_chain": bad}}})
-    assert build_draft("suffix", tiny(**V8), suffix=cfg.serve.suffix).max_chain == 15
+            SuffixDraft(8, max_chain=bad)
 
 
 def test_the_device_stages_serve_the_suffix_draft_as_the_cpu_batch_does(target):
@@ -205,7 +204,7 @@ def test_head_with_suffix_samples_the_target_distribution():
 
 
 def test_only_a_head_takes_a_suffix_beside_it(target, tmp_path):
-    from infra.draft_spec import DraftSpecError
+    from infra.drafts.spec import DraftSpecError
     from serve.spec_decode.specs import resolve_auto
 
     with pytest.raises(DraftSpecError, match="must be a head"):
@@ -224,7 +223,7 @@ def test_only_a_head_takes_a_suffix_beside_it(target, tmp_path):
 def _record(i, prompt, output):
     import numpy as np
 
-    from infra.records import Record
+    from infra.records.schema import Record
 
     n = len(output)
     return Record(request_id=f"r{i}", draft_version="v1", prompt_ids=np.asarray(prompt, np.int32),
@@ -236,8 +235,8 @@ def _record(i, prompt, output):
 @pytest.mark.redis
 def test_recent_records_are_the_newest_by_tokens_oldest_first_and_leave_groups_alone(redis_url):
     from infra.config import StreamConfig
-    from infra.records import encode
-    from infra.streams import FIELD, RecordConsumer, connect, recent_records
+    from infra.records.schema import encode
+    from infra.records.streams import FIELD, RecordConsumer, connect, recent_records
 
     c = StreamConfig(stream="osd:suffix-test", block_ms=100, socket_timeout_s=1.0, connect_timeout_s=0.5)
     consumer = RecordConsumer(redis_url, c, name="a")
@@ -273,8 +272,8 @@ def test_a_new_replica_warmed_from_records_drafts_the_repeats_at_once(target):
 @pytest.mark.redis
 def test_a_replica_with_the_suffix_draft_starts_from_the_streams_records(redis_url, tmp_path):
     from infra.config import StreamConfig
-    from infra.records import encode
-    from infra.streams import FIELD, connect
+    from infra.records.schema import encode
+    from infra.records.streams import FIELD, connect
     from serve.api.app import TargetReplica
 
     c = StreamConfig(stream="osd:suffix-replica", block_ms=100, socket_timeout_s=1.0, connect_timeout_s=0.5)

@@ -20,7 +20,7 @@ def tiny1():
 
 @pytest.fixture(scope="module")
 def draft_for_tiny1(tiny1, tmp_path_factory):
-    from infra.draft_model import DraftSpec, build_draft, save_draft, target_ref
+    from infra.drafts.layer import DraftSpec, build_draft, save_draft, target_ref
 
     spec = DraftSpec(num_layers=1)
     out = tmp_path_factory.mktemp("drafts") / "for-tiny1"

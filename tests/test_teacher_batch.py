@@ -1,4 +1,4 @@
-"""The static-batch teacher (train/teacher_batch.py), what the warm start generates with on a
+"""The static-batch teacher (train/teacher/batch.py), what the warm start generates with on a
 CUDA device, run here on the CPU: its answers equal Hugging Face `generate`'s, the features it
 captures equal a separate forward over the same tokens, and the store keeps them in memory
 only when told to. Also the prompt set of every human turn (infra/prompts.py)."""
@@ -10,11 +10,11 @@ import torch
 from infra.config import DataConfig, OSDConfig
 from infra.prompts import Prompt, prompts_from_conversations
 from infra.target import LoadedModel, build_tiny_llama, tiny_tokenizer
-from train.head_train import compute_features
-from train.teacher_batch import StaticBatchTeacher
-from train.teacher_data import generate_teacher_answers
-from train.teacher_store import TeacherStore
-from train.teacher_features import features_path
+from train.distill.head import compute_features
+from train.teacher.batch import StaticBatchTeacher
+from train.teacher.data import generate_teacher_answers
+from train.teacher.store import TeacherStore
+from train.teacher.features import features_path
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -117,7 +117,7 @@ def _conv(cid, *turns):
 def test_every_human_turn_as_a_prompt():
     recs = [_conv("a", "first question", "second one", "continue"), _conv("b", "another", "continue"),
             _conv("c", "x" * 50, "short")]
-    cfg = DataConfig(held_out_fraction=0.01, max_prompt_chars=40)
+    cfg = DataConfig(max_prompt_chars=40)
     first = prompts_from_conversations(recs, cfg, turns="first")
     assert [p.id for p in first] == ["a", "b"]  # c's first turn is too long: c has no first-turn prompt
     every = prompts_from_conversations(recs, cfg, turns="all")
@@ -162,14 +162,17 @@ def test_the_warm_start_with_the_batch_teacher_and_curve_points(tmp_path, monkey
     import json
 
     from tests.test_feature_capture import train_without_second_pass
-    from train.head_warm_start import run_head_warm_start
-    from train.teacher_features import TeacherDataError
+    from train.warm.head import run_head_warm_start
+    from train.teacher.features import TeacherDataError
+
+    from train.teacher import sets
 
     train_without_second_pass(monkeypatch, "compute_features ran: the batch teacher captured every answer's features")
+    monkeypatch.setattr(sets, "CUDA_BATCH_SIZE", 5)
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
                                     "data": {"max_prompt_chars": 200},
                                     "train": {"head_warm_prompts": 16, "head_warm_max_new_tokens": 6, "warm_teacher": "batch",
-                                              "warm_cuda_batch_size": 5, "held_out_every": 4, "head_warm_turns": "all"}})
+                                              "held_out_every": 4, "head_warm_turns": "all"}})
     out = run_head_warm_start(cfg, out_dir=tmp_path / "head", progress=False, conversations=0, epochs=1,
                               curve=(0.25, 0.5))
     assert out["teacher_records"] > 0 and out["held_out_records"] > 0

@@ -1,4 +1,4 @@
-"""train/teacher_data.py: batched teacher generation with top-k capture, and its Arrow codec
+"""train/teacher/data.py: batched teacher generation with top-k capture, and its Arrow codec
 (the on-disk cache itself: tests/test_teacher_store.py)."""
 
 import numpy as np
@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from infra.prompts import Prompt, chat_ids
-from infra.records import decode, encode
+from infra.records.schema import decode, encode
 from infra.target import build_tiny_llama, tiny_tokenizer
-from train.teacher_data import generate_teacher_records, records_to_table, table_to_records
+from train.teacher.data import generate_teacher_records, records_to_table, table_to_records
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 

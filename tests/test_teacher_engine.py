@@ -8,8 +8,8 @@ from infra.config import OSDConfig
 from infra.prompts import Prompt
 from infra.target import LoadedModel, build_tiny_llama, load_target, tiny_tokenizer
 from pipeline.teacher.engine import EngineTeacher, teacher_for
-from train.teacher_data import generate_teacher_records
-from train.teacher_set import cached_warm_records, engine_teacher_tag, teacher_records, warm_prompts
+from train.teacher.data import generate_teacher_records
+from train.teacher.sets import cached_warm_records, engine_teacher_tag, teacher_records, warm_prompts
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -64,7 +64,7 @@ def test_engine_answers_end_at_the_first_eos_as_hf_does(loaded, hf):
 
 
 def test_a_prompt_over_the_context_is_refused_before_any_generation(loaded):
-    from train.teacher_data import TeacherDataError
+    from train.teacher.data import TeacherDataError
 
     long = Prompt("long", "word " * 5000, "other", "train")
     with pytest.raises(TeacherDataError, match="long"):
@@ -107,12 +107,13 @@ class SlowTeacher:
         return out
 
 
-def test_the_warm_start_s_budget_stops_generation_and_keeps_what_it_made(tmp_path):
-    from train.teacher_set import warm_budget_s
+def test_the_warm_start_s_budget_stops_generation_and_keeps_what_it_made(tmp_path, monkeypatch):
+    from train.teacher import sets
+    from train.teacher.sets import warm_budget_s
 
+    monkeypatch.setattr(sets, "SHARD_PROMPTS", 2)
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
-                                    "train": {"warm_prompts": 7, "warm_max_new_tokens": 4, "warm_shard_prompts": 2,
-                                              "warm_budget_minutes": 0.5}})
+                                    "train": {"warm_prompts": 7, "warm_max_new_tokens": 4, "warm_budget_minutes": 0.5}})
     assert warm_budget_s(cfg) == 30.0
     target = load_target("tiny-random", progress=False)
     prompts = warm_prompts(cfg, 7)

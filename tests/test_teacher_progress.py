@@ -1,11 +1,11 @@
-"""train/teacher_progress.py: the generation bar counts tokens against a bound that shrinks at
+"""train/teacher/progress.py: the generation bar counts tokens against a bound that shrinks at
 early EOS, and its rate and ETA follow an injected clock (no timing is measured)."""
 
 import io
 
 import pytest
 
-from train.teacher_progress import TokenProgress
+from train.teacher.progress import TokenProgress
 
 pytestmark = pytest.mark.pure
 

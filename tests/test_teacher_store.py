@@ -1,4 +1,4 @@
-"""train/teacher_store.py: the teacher cache grows across runs, resumes after a kill to the
+"""train/teacher/store.py: the teacher cache grows across runs, resumes after a kill to the
 same content an uninterrupted run makes, drops damaged shards, and stops at a budget measured
 on an injected clock. Pure: the answers are made-up records, no model runs."""
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from infra.prompts import Prompt
-from infra.records import Record
-from train.teacher_data import TeacherDataError
-from train.teacher_features import Answers, FeatureRows, features_path
-from train.teacher_store import TeacherStore, record_digest
+from infra.records.schema import Record
+from train.teacher.data import TeacherDataError
+from train.teacher.features import Answers, FeatureRows, features_path
+from train.teacher.store import TeacherStore, record_digest
 
 pytestmark = pytest.mark.pure
 

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from infra.config import ConfigError, load_config
-from infra.record_match import RecordMatch
+from infra.records.match import RecordMatch
 from serve.api.proxy_auth import APIKeyMiddleware, tenant_keys_from
 from serve.spec_decode.suffix.index import SuffixProposer
 from serve.engine.tenancy import SHARED_POOL, Caller, KeyRing, Origin, origin_of, record_decision, suffix_pool
@@ -135,9 +135,8 @@ def test_config_show_hides_keys_and_redis_passwords(capsys, monkeypatch):
     from pipeline.cli import main
 
     monkeypatch.setenv("OSD_SERVE__API_KEYS", "[{key: acme-key-1, tenant: acme}]")
-    monkeypatch.setenv("OSD_STREAM__USERS__PRODUCER__USERNAME", "osd-producer")
     monkeypatch.setenv("OSD_STREAM__USERS__PRODUCER__PASSWORD", "hunter2-secret")
     assert main(["config", "show"]) == 0
     out = capsys.readouterr().out
     assert "acme-key-1" not in out and "hunter2-secret" not in out
-    assert "tenant: acme" in out and "osd-producer" in out
+    assert "tenant: acme" in out and "password: '***'" in out

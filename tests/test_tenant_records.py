@@ -12,8 +12,8 @@ import pytest
 import redis
 
 from infra.config import load_config
-from infra.records import decode
-from infra.streams import FIELD, dead_letter_stream
+from infra.records.schema import decode
+from infra.records.streams import FIELD, dead_letter_stream
 
 pytestmark = [pytest.mark.redis, pytest.mark.usefixtures("one_thread")]
 STREAM = "test:tenants"

@@ -1,11 +1,11 @@
-"""infra/tokens.py: the top-k log-probs and the EOS ids that serving and training share."""
+"""infra/records/tokens.py: the top-k log-probs and the EOS ids that serving and training share."""
 
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from infra.tokens import eos_token_ids, topk_logprobs
+from infra.records.tokens import eos_token_ids, topk_logprobs
 
 pytestmark = pytest.mark.pure
 

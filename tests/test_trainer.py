@@ -48,7 +48,7 @@ def stream(redis_url, tmp_path):
 
 
 def produce(cfg, recs):
-    from infra.streams import RecordProducer
+    from infra.records.streams import RecordProducer
 
     with RecordProducer(cfg.stream.redis_url, cfg.stream) as p:
         for r in recs:
@@ -58,15 +58,15 @@ def produce(cfg, recs):
 
 
 def group_state(cfg):
-    from infra.streams import RecordConsumer
+    from infra.records.streams import RecordConsumer
 
     with RecordConsumer(cfg.stream.redis_url, cfg.stream, name="inspector") as c:
         return c.pending(), c.lag()
 
 
 def mean_fkl(draft, recs, max_seq_len=1024):
-    from train.batching import pack, position_logits
-    from train.losses import distill_loss
+    from train.distill.batching import pack, position_logits
+    from train.distill.losses import distill_loss
 
     with torch.no_grad():
         b = pack(recs, max_seq_len)
@@ -78,9 +78,9 @@ def test_zero_two_workers_learn_and_export_loadable_drafts(ray_local, stream, re
     from infra.target import load_target
     from serve.engine.core import GenerationParams, SpecEngine
     from engine_options import small_options
-    from infra.draft_model import build_draft, load_draft
-    from infra.draft_spec import draft_spec_from_train
-    from train.trainer import TrainerGroup
+    from infra.drafts.layer import build_draft, load_draft
+    from infra.drafts.spec import draft_spec_from_train
+    from train.online.trainer import TrainerGroup
 
     cfg = stream(zero_stage=stage)
     produce(cfg, records)
@@ -137,8 +137,8 @@ def test_zero_two_workers_learn_and_export_loadable_drafts(ray_local, stream, re
 def test_killed_worker_resumes_and_loses_no_record(ray_local, stream, records, tmp_path):
     import ray
 
-    from train.ds_engine import DistillEngine
-    from train.trainer import run_with_restarts
+    from train.distill.ds_engine import DistillEngine
+    from train.online.trainer import run_with_restarts
 
     cfg = stream(zero_stage=2, export_every_records=10)
     produce(cfg, records)
@@ -169,8 +169,8 @@ def test_killed_worker_resumes_and_loses_no_record(ray_local, stream, records, t
 def test_corrupt_records_go_to_dead_letter_and_training_goes_on(ray_local, stream, records, tmp_path):
     import redis
 
-    from infra.streams import FIELD, dead_letter_stream
-    from train.trainer import TrainerGroup
+    from infra.records.streams import FIELD, dead_letter_stream
+    from train.online.trainer import TrainerGroup
 
     cfg = stream(num_workers=1, zero_stage=1)
     client = redis.Redis.from_url(cfg.stream.redis_url)
@@ -187,9 +187,9 @@ def test_corrupt_records_go_to_dead_letter_and_training_goes_on(ray_local, strea
 
 
 def test_replay_steps_train_again_on_recent_records_and_ack_each_once(ray_local, stream, records, tmp_path):
-    from train.trainer import TrainerGroup
+    from train.online.trainer import TrainerGroup
 
-    cfg = stream(num_workers=1, zero_stage=2, replay_steps=2, replay_buffer=8)
+    cfg = stream(num_workers=1, zero_stage=2, replay_steps=2)
     produce(cfg, records[:24])
     group = TrainerGroup(cfg, tmp_path / "run")
     try:
@@ -203,7 +203,7 @@ def test_replay_steps_train_again_on_recent_records_and_ack_each_once(ray_local,
 
 
 def _held_out(record, cfg):
-    from train.trainer import is_held_out
+    from train.online.trainer import is_held_out
 
     return is_held_out(record.record_id, cfg.train.held_out_every)
 
@@ -218,10 +218,10 @@ def recording_fsync(fd):
     return real_fsync(fd)
 os.fsync = recording_fsync
 from infra.config import load_config
-from infra.redis_server import free_port
+from infra.redis.server import free_port
 from infra.target import load_target
-from infra.draft_model import DraftSpec, build_draft
-from train.ds_engine import DistillEngine, init_distributed
+from infra.drafts.layer import DraftSpec, build_draft
+from train.distill.ds_engine import DistillEngine, init_distributed
 init_distributed(0, 1, "127.0.0.1", free_port(), "cpu", 120)
 cfg = load_config(environ={}, overrides={"train": {"zero_stage": 1}}).train
 target = load_target("tiny-random", progress=False).model
@@ -265,8 +265,8 @@ def test_a_group_whose_start_fails_gives_its_placement_group_back(ray_local, str
     import ray
     from ray.util import placement_group_table
 
-    from infra.redis_server import free_port
-    from train.trainer import TrainerGroup
+    from infra.redis.server import free_port
+    from train.online.trainer import TrainerGroup
 
     cfg = stream(num_workers=1, zero_stage=1)
     cfg = cfg.model_copy(update={"stream": cfg.stream.model_copy(update={"redis_url": f"redis://127.0.0.1:{free_port()}"})})
@@ -280,8 +280,8 @@ def test_a_group_whose_start_fails_gives_its_placement_group_back(ray_local, str
 _AUTOCAST_STEP = """
 import json, torch
 from infra.config import load_config
-from infra.redis_server import free_port
-from train.ds_engine import DistillEngine, init_distributed
+from infra.redis.server import free_port
+from train.distill.ds_engine import DistillEngine, init_distributed
 init_distributed(0, 1, "127.0.0.1", free_port(), "cpu", 120)
 cfg = load_config(environ={}, overrides={"train": {"zero_stage": 1}}).train
 seen = []
@@ -303,7 +303,7 @@ print(json.dumps(out))
 
 
 def test_an_autocast_step_runs_its_forward_in_bfloat16_and_keeps_float32_weights():
-    """The head's warm start (train.head_warm_autocast) steps DeepSpeed with the forward under
+    """The head's warm start (train/warm/head.py warm_autocast) steps DeepSpeed with the forward under
     autocast: the loss's GEMMs in bfloat16, the weights it updates still float32."""
     import json
     import os
@@ -319,11 +319,11 @@ def test_an_autocast_step_runs_its_forward_in_bfloat16_and_keeps_float32_weights
 
 
 def test_auto_autocast_is_bfloat16_only_where_bfloat16_is_native(monkeypatch):
-    import infra.cpu
-    from train.head_warm_start import warm_autocast
+    import infra.common.cpu
+    from train.warm.head import warm_autocast
 
-    monkeypatch.setattr(infra.cpu, "native_bf16_gemm", lambda: False)  # an AVX2-only CPU
+    monkeypatch.setattr(infra.common.cpu, "native_bf16_gemm", lambda: False)  # an AVX2-only CPU
     assert warm_autocast("auto", "cpu") is None and warm_autocast("auto", "cuda") == torch.bfloat16
     assert warm_autocast("bfloat16", "cpu") == torch.bfloat16 and warm_autocast("none", "cuda") is None
-    monkeypatch.setattr(infra.cpu, "native_bf16_gemm", lambda: True)  # AVX-512 or AMX
+    monkeypatch.setattr(infra.common.cpu, "native_bf16_gemm", lambda: True)  # AVX-512 or AMX
     assert warm_autocast("auto", "cpu") == torch.bfloat16

@@ -1,4 +1,4 @@
-"""Online training of a head draft (train/family.py's HeadFamily in the trainer actors).
+"""Online training of a head draft (train/online/family.py's HeadFamily in the trainer actors).
 
 The pieces (batch from records, null batch, per-record acceptance, the α it raises) on tiny
 random Llamas with no services; then a TrainerGroup on a real local Ray and redis-server that
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from infra.draft_head import build_head, save_head
-from infra.draft_spec import DraftSpec
-from infra.records import Record
+from infra.drafts.head import build_head, save_head
+from infra.drafts.spec import DraftSpec
+from infra.records.schema import Record
 from infra.target import build_tiny_llama
 from test_draft_head import _TorchEngine  # DistillEngine's contract over AdamW
 from test_trainer import group_state, produce, ray_local, records, stream  # noqa: F401 (fixtures)
@@ -69,9 +69,9 @@ def fresh_head(target, vocab=None):
 @pytest.mark.pure
 @pytest.mark.usefixtures("one_thread")
 def test_head_batch_from_records_has_the_features_compute_features_gives(target, recs):
-    from train.batching import pack
-    from train.family import HeadFamily
-    from train.head_train import collate, compute_features
+    from train.distill.batching import pack
+    from train.online.family import HeadFamily
+    from train.distill.head import collate, compute_features
 
     max_seq_len = 20  # cuts the 30-token records: the head sees the tokens a layer draft would
     fam = HeadFamily(target, train_cfg(max_seq_len=max_seq_len), fresh_head(target, 150))
@@ -94,7 +94,7 @@ def test_head_batch_from_records_has_the_features_compute_features_gives(target,
 @pytest.mark.pure
 @pytest.mark.usefixtures("one_thread")
 def test_null_head_batch_gives_zero_loss_and_zero_gradients_connected_to_the_graph(target):
-    from train.family import HeadFamily
+    from train.online.family import HeadFamily
 
     head = fresh_head(target, 150)
     fam = HeadFamily(target, train_cfg(), head)
@@ -110,8 +110,8 @@ def test_null_head_batch_gives_zero_loss_and_zero_gradients_connected_to_the_gra
 def test_per_record_acceptance_of_a_head_matches_a_direct_computation(target, recs):
     """Depth 1: the head's draft at row p+k-2 (features of position p+k-2, token p+k-1) for
     output k, as full-vocab logits (-inf outside d2t), through the layer family's measure."""
-    from train.head_train import compute_features, per_record_acceptance_head
-    from train.losses import expected_acceptance
+    from train.distill.head import compute_features, per_record_acceptance_head
+    from train.distill.losses import expected_acceptance
 
     head = fresh_head(target, 150)
     got = per_record_acceptance_head(head, target, recs[:4], 1024, depth=1)
@@ -133,8 +133,8 @@ def test_per_record_acceptance_of_a_head_matches_a_direct_computation(target, re
 def test_heads_scored_with_a_feature_cache_share_one_target_forward_and_score_the_same(target, recs, monkeypatch):
     """The demo's paired estimate scores every version on the same records: the target's
     features are computed once per set of feature layers, and the scores are unchanged."""
-    import train.head_train as ht
-    from train.family import per_record
+    import train.distill.head as ht
+    from train.online.family import per_record
 
     heads = [fresh_head(target, 150), fresh_head(target, 200)]
     with torch.no_grad():
@@ -154,9 +154,9 @@ def test_heads_scored_with_a_feature_cache_share_one_target_forward_and_score_th
 def test_a_few_steps_on_a_fixed_pattern_raise_the_heads_alpha_and_pass_the_paired_gate(target, recs):
     """The trainer's head pieces (batch, loss, rebuild) over records of the target's greedy
     pattern: α rises, and the paired gate (each draft scored by its family) sees it."""
-    from infra.draft_model import build_draft
-    from train.family import HeadFamily, per_record
-    from train.gate import gate
+    from infra.drafts.layer import build_draft
+    from train.online.family import HeadFamily, per_record
+    from train.gate.compare import gate
 
     head = fresh_head(target)
     fam = HeadFamily(target, train_cfg(max_seq_len=1024), head)
@@ -181,7 +181,7 @@ def test_a_few_steps_on_a_fixed_pattern_raise_the_heads_alpha_and_pass_the_paire
 @pytest.mark.pure
 def test_a_head_trainer_without_an_init_draft_fails_clearly(tmp_path):
     from infra.config import load_config
-    from train.trainer import TrainerWorker
+    from train.online.trainer import TrainerWorker
 
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"}})
     w = TrainerWorker(cfg.model_dump(mode="json"), 0, 1, str(tmp_path / "run"), family="head")
@@ -195,7 +195,7 @@ def test_a_family_mismatch_is_refused_at_setup(tmp_path):
     """Refused before the rendezvous (no process group is ever joined here)."""
     from infra.config import load_config
     from infra.target import load_target
-    from train.trainer import TrainerWorker
+    from train.online.trainer import TrainerWorker
 
     d = save_head(build_head(load_target("tiny-random", progress=False).model, DraftSpec(family="head")),
                   tmp_path / "head", target_ref={"spec": "tiny-random"})
@@ -213,11 +213,11 @@ def test_a_group_started_from_a_head_trains_and_publishes_head_versions(ray_loca
                                                                         stage):
     """Two ranks (one may step on a null batch while the other has data), a layer version as
     stable: the head candidates are gated against it, each scored by its family."""
-    from infra.draft_head import HeadDraft, top_tokens
-    from infra.draft_model import build_draft, load_draft, save_draft
+    from infra.drafts.head import HeadDraft, top_tokens
+    from infra.drafts.layer import build_draft, load_draft, save_draft
     from infra.registry import Registry
     from infra.target import load_target
-    from train.trainer import TrainerGroup
+    from train.online.trainer import TrainerGroup
 
     cfg = stream(zero_stage=stage, held_out_every=4, gate={"min_records": 1, "resamples": 200}, replay_steps=1)
     target = load_target("tiny-random", progress=False).model
@@ -275,7 +275,7 @@ def test_a_refusal_at_setup_is_raised_once_not_restarted(monkeypatch, tmp_path):
     restart; a worker that died is restarted."""
     import ray.exceptions as rex
 
-    import train.trainer as trainer
+    import train.online.trainer as trainer
     from infra.config import load_config
 
     starts = []

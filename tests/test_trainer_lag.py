@@ -1,11 +1,12 @@
-"""The trainer's lag bound (train/lag.py): stale records are skipped but a fixed share, the
+"""The trainer's lag bound (train/online/lag.py): stale records are skipped but a fixed share, the
 same share on every call; nothing is stale with the bound off."""
 
 import uuid
 
 import pytest
 
-from train.lag import is_stale, keep_stale, train_on
+from train.online import lag
+from train.online.lag import is_stale, keep_stale, train_on
 
 
 @pytest.mark.pure
@@ -27,7 +28,7 @@ def test_the_stale_share_kept_is_the_configured_one_and_fixed_per_record():
 
 
 @pytest.mark.pure
-def test_the_trainer_skips_records_past_the_bound_acks_them_with_the_checkpoint_and_counts_them(tmp_path):
+def test_the_trainer_skips_records_past_the_bound_acks_them_with_the_checkpoint_and_counts_them(tmp_path, monkeypatch):
     """TrainerWorker._fill with a consumer that hands it fresh and stale records (no Redis)."""
     import time
     from types import SimpleNamespace
@@ -35,9 +36,9 @@ def test_the_trainer_skips_records_past_the_bound_acks_them_with_the_checkpoint_
     import numpy as np
 
     from infra.config import load_config
-    from infra.records import Record
-    from infra.streams import Delivery
-    from train.trainer import TrainerWorker
+    from infra.records.schema import Record
+    from infra.records.streams import Delivery
+    from train.online.trainer import TrainerWorker
 
     now = time.time()
 
@@ -51,8 +52,8 @@ def test_the_trainer_skips_records_past_the_bound_acks_them_with_the_checkpoint_
 
     got = [delivery(i, 300.0 if i % 2 else 1.0) for i in range(40)]
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
-                                             "train": {"max_lag_s": 60.0, "stale_keep": 0.25,
-                                                       "held_out_every": 1_000_000}})
+                                             "train": {"max_lag_s": 60.0, "held_out_every": 1_000_000}})
+    monkeypatch.setattr(lag, "STALE_KEEP", 0.25)
     w = TrainerWorker(cfg.model_dump(mode="json"), 0, 1, str(tmp_path / "run"))
     w.consumer = SimpleNamespace(read=lambda count=None, block_ms=None: got)
     w.telemetry = SimpleNamespace(status={})

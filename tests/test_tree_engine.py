@@ -90,8 +90,8 @@ N_SAMPLES = 1500
 
 
 def _v8_draft(kind, target):
-    from infra.draft_head import build_head
-    from infra.draft_spec import DraftSpec
+    from infra.drafts.head import build_head
+    from infra.drafts.spec import DraftSpec
 
     if kind == "head":  # target tokens 1, 4 and 7 are outside its vocabulary: q = 0 there
         return build_head(target, DraftSpec(family="head", feature_layers=(0, 1)), torch.tensor([0, 2, 3, 5, 6]))
@@ -178,8 +178,8 @@ def test_bad_tree_shapes_are_refused(bad):
 @pytest.mark.parametrize("graphs", ["off", "on"])
 @pytest.mark.parametrize("family", ["layer", "head"])
 def test_tree_greedy_on_cuda_equals_the_targets(graphs, family):
-    from infra.draft_head import build_head
-    from infra.draft_spec import DraftSpec
+    from infra.drafts.head import build_head
+    from infra.drafts.spec import DraftSpec
 
     target = tiny(**SMALL).cuda()
     if family == "head":
@@ -196,8 +196,8 @@ def test_tree_greedy_on_cuda_equals_the_targets(graphs, family):
 
 @pytest.mark.parametrize("tree", ["5,4,1", "8,3,2", "16,4,4"])
 def test_head_tree_greedy_output_equals_the_targets(tree):
-    from infra.draft_head import build_head
-    from infra.draft_spec import DraftSpec
+    from infra.drafts.head import build_head
+    from infra.drafts.spec import DraftSpec
 
     target = tiny(**SMALL)
     head = build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 2)), torch.tensor([0, 2, 3, 5, 6, 8, 9]))
@@ -207,8 +207,8 @@ def test_head_tree_greedy_output_equals_the_targets(tree):
 
 
 def test_a_width_one_head_tree_is_the_head_chain():
-    from infra.draft_head import build_head
-    from infra.draft_spec import DraftSpec
+    from infra.drafts.head import build_head
+    from infra.drafts.spec import DraftSpec
 
     target = tiny(**SMALL)
     head = build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 2)), torch.arange(12))

@@ -59,7 +59,7 @@ def test_stopping_during_the_back_off_ends_supervision_without_another_start():
 
 def test_closed_loop_keeps_restarting_its_trainer_group(tmp_path, monkeypatch):
     """ClosedLoop's trainer thread with a fake group: failed groups are shut down and replaced."""
-    import train.trainer
+    import train.online.trainer
     import pipeline.stack.up as up
     from infra.config import load_config
 
@@ -80,7 +80,7 @@ def test_closed_loop_keeps_restarting_its_trainer_group(tmp_path, monkeypatch):
         def shutdown(self):
             shut.append(len(made))
 
-    monkeypatch.setattr(train.trainer, "TrainerGroup", FakeGroup)
+    monkeypatch.setattr(train.online.trainer, "TrainerGroup", FakeGroup)
     monkeypatch.setattr(up, "RESTART_BASE_S", 0.0)  # back-off of 0 s: the sequence, not the waiting, is tested
     loop = up.ClosedLoop(load_config(environ={}, overrides={"state_dir": str(tmp_path)}), run_name="t")
     loop._start_trainer("v1")

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from infra.config import OSDConfig
-from infra.draft_spec import DraftLoadError, DraftSpec
+from infra.drafts.spec import DraftLoadError, DraftSpec
 from infra.prompts import DOMAINS, Prompt
 from infra.target import load_target
 from pipeline.studies.vocab_study import StudyError, format_table, parse_eval_files, round_robin, run_vocab_study
-from train.draft_vocab import coverage, pooled_frequencies, token_counts
-from train.teacher_set import teacher_records
+from train.distill.draft_vocab import coverage, pooled_frequencies, token_counts
+from train.teacher.sets import teacher_records
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
 
@@ -38,7 +38,7 @@ def _cfg(tmp_path, **train):
 
 
 def test_the_study_measures_every_domain_and_writes_json(tmp_path, tiny, capsys):
-    from infra.draft_head import build_head, save_head
+    from infra.drafts.head import build_head, save_head
 
     reasoning = tmp_path / "reasoning.jsonl"
     reasoning.write_text('{"prompt": "if a then b; a; so?"}\n{"prompt": "which is heavier?"}\n')
@@ -70,7 +70,7 @@ def test_the_study_measures_every_domain_and_writes_json(tmp_path, tiny, capsys)
 
 
 def test_the_head_s_own_vocabulary_is_measured_as_saved(tmp_path, tiny):
-    from infra.draft_head import build_head, save_head, saved_draft_vocab
+    from infra.drafts.head import build_head, save_head, saved_draft_vocab
 
     d2t = torch.tensor([3, 7, 11, 200])
     path = save_head(build_head(tiny.model, DraftSpec(family="head", draft_vocab=4), d2t), tmp_path / "h",
@@ -101,7 +101,7 @@ def test_a_study_with_no_fit_prompts_is_refused(tmp_path, tiny):
 
 
 def test_head_vocab_source_default_is_the_training_data_s_counts(tmp_path, tiny):
-    from train.head_warm_start import draft_vocab_counts
+    from train.warm.head import draft_vocab_counts
 
     am = torch.tensor([1, 1, 5, 9, 9, 9])
     got = draft_vocab_counts(_cfg(tmp_path), tiny, am, pool=sharegpt(), progress=False)
@@ -110,8 +110,8 @@ def test_head_vocab_source_default_is_the_training_data_s_counts(tmp_path, tiny)
 
 
 def test_head_vocab_source_teacher_domains_weights_every_domain_alike(tmp_path, tiny):
-    from train.head_warm_start import draft_vocab_counts
-    from train.teacher_set import split_held_out, warm_prompts
+    from train.warm.head import draft_vocab_counts
+    from train.teacher.sets import split_held_out, warm_prompts
 
     cfg = _cfg(tmp_path, held_out_every=1000)
     am = torch.tensor([1, 1, 5, 9, 9, 9])

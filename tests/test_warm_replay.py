@@ -5,7 +5,7 @@ import pytest
 
 from infra.config import OSDConfig
 from infra.target import load_target
-from train.teacher_set import cached_warm_records, teacher_records, warm_prompts
+from train.teacher.sets import cached_warm_records, teacher_records, warm_prompts
 
 pytestmark = pytest.mark.pure
 

@@ -43,7 +43,7 @@ def checkpoints(state) -> dict:
 def test_warm_start_publishes_v1_and_resumes(tmp_path):
     import torch
 
-    from infra.draft_model import load_draft
+    from infra.drafts.layer import load_draft
     from infra.target import load_target
     from serve.engine.core import GenerationParams, SpecEngine
     from engine_options import small_options
@@ -54,7 +54,7 @@ def test_warm_start_publishes_v1_and_resumes(tmp_path):
     after_first = checkpoints(tmp_path)
     assert list(after_first) == [0]
     teacher = teacher_files(tmp_path)
-    assert len(teacher) == 1  # 40 prompts: one shard of train.warm_shard_prompts (256)
+    assert len(teacher) == 1  # 40 prompts: one shard of train/teacher/sets.py SHARD_PROMPTS (256)
 
     # Same settings, more epochs: the teacher cache is hit and epoch 1 is not redone.
     second = draft_init(tmp_path, "--epochs", "3")

@@ -5,7 +5,7 @@ The online trainer's situation after the demo's shift, replayed offline and with
 warm-start draft v1 (trained on general ShareGPT) meets a stream of code records, a few at a
 time, and each step is followed by `train.replay_steps` steps on records drawn again. After
 `checkpoints` records the candidate is scored against v1 on the *same* held-out records, the
-paired statistic of the offline gate (train/gate.py), on two sets:
+paired statistic of the offline gate (train/gate/compare.py), on two sets:
 - held-out code prompts: did the candidate learn the new domain?
 - held-out general prompts (v1's own held-out split): did it forget the old one?
 
@@ -71,7 +71,7 @@ def variant_config(cfg: OSDConfig, name: str) -> Variant:
 def adapt_sets(cfg: OSDConfig, loaded: Any, records: int, eval_prompts: int) -> dict[str, list]:
     """Teacher records (cached): the code stream, held-out code, v1's warm-start train and held-out sets."""
     from infra.prompts import load_sharegpt, unique_texts
-    from train.teacher_set import split_held_out, teacher_records, warm_prompts
+    from train.teacher.sets import split_held_out, teacher_records, warm_prompts
 
     sharegpt = load_sharegpt(cfg.data)
     warm = warm_prompts(cfg, cfg.train.warm_prompts, prompts=sharegpt)
@@ -88,8 +88,8 @@ def adapt_sets(cfg: OSDConfig, loaded: Any, records: int, eval_prompts: int) -> 
 
 def paired(candidate: Any, parent_scores: list, records: list, max_seq_len: int) -> dict[str, float]:
     """Candidate minus parent, per position, on the same records, with the gate's interval."""
-    from train.evaluator import per_record_acceptance
-    from train.gate import paired_interval
+    from train.gate.evaluator import per_record_acceptance
+    from train.gate.compare import paired_interval
 
     cand = per_record_acceptance(candidate, records, max_seq_len)
     diffs = [c - s for (c, _), (s, _) in zip(cand, parent_scores)]
@@ -101,11 +101,12 @@ def paired(candidate: Any, parent_scores: list, records: list, max_seq_len: int)
 def run_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets: dict[str, list],
                 parent_scores: dict[str, list], checkpoints: Sequence[int], arrive: int, seed: int) -> list[dict]:
     """Train one variant from v1 over the stream; score at each checkpoint."""
-    from infra.draft_model import load_draft
-    from train.batching import pack, take_budget
-    from train.ds_engine import DistillEngine
-    from train.objective import anchored_loss_fn, distill_loss_fn
-    from train.replay import replay_pool
+    from infra.drafts.layer import load_draft
+    from train.distill.batching import pack, take_budget
+    from train.distill.ds_engine import DistillEngine
+    from train.distill.objective import anchored_loss_fn, distill_loss_fn
+    from train.online.replay import replay_pool
+    from train.online.trainer import REPLAY_BUFFER
 
     variant = variant_config(cfg, name)
     tc = variant.cfg.train
@@ -122,7 +123,7 @@ def run_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets: dict
     for i in range(0, max(checkpoints), arrive):
         chunk = stream[i:i + arrive]
         engine.train_batch(pack(chunk, tc.max_seq_len), loss_fn)
-        recent = (recent + chunk)[-tc.replay_buffer:]
+        recent = (recent + chunk)[-REPLAY_BUFFER:]
         for _ in range(tc.replay_steps):
             pool = replay_pool(recent, sets["warm_train"], variant.warm_replay_fraction, rng)
             engine.train_batch(pack(take_budget(pool, tc.token_budget, tc.max_seq_len), tc.max_seq_len), loss_fn)
@@ -143,14 +144,14 @@ def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48
                     checkpoints: Sequence[int] = (18, 48, 96), arrive: int = 2,
                     variants: Sequence[str] = VARIANTS, seed: int = 0,
                     json_path: str | Path | None = "reports/bench/adapt.json") -> dict[str, Any]:
-    from infra.draft_model import load_draft
-    from infra.draft_spec import warm_start_path
-    from infra.redis_server import free_port
+    from infra.drafts.layer import load_draft
+    from infra.drafts.spec import warm_start_path
+    from infra.redis.server import free_port
     from infra.target import load_target
-    from train.ds_engine import init_distributed
-    from train.evaluator import per_record_acceptance
+    from train.distill.ds_engine import WARMUP_STEPS, init_distributed
+    from train.gate.evaluator import per_record_acceptance
     from pipeline.stack.profiles import demo_config
-    from train.warm_start import run_warm_start
+    from train.warm.layer import run_warm_start
 
     # The demo's online training settings (lr, replay, warm-up), the run this bench stands for;
     # v1's held-out split stays the warm start's own.
@@ -175,7 +176,7 @@ def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48
         rows += run_variant(cfg, v, loaded, v1_dir, sets, parent_scores, checkpoints, arrive, seed)
     out = {"v1_alpha": v1_alpha, "rows": rows, "records": len(sets["stream"]), "checkpoints": list(checkpoints),
            "arrive": arrive, "lr": cfg.train.lr, "replay_steps": cfg.train.replay_steps,
-           "warmup_steps": cfg.train.warmup_steps, "eval_records": {k: len(sets[k]) for k in parent_scores}}
+           "warmup_steps": WARMUP_STEPS, "eval_records": {k: len(sets[k]) for k in parent_scores}}
     _print(out)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -163,7 +163,7 @@ def second_turn_prompts(cfg: OSDConfig, n: int, max_chars: int) -> list[Prompt]:
 
     data = cfg.data.model_copy(update={"max_prompt_chars": min(cfg.data.max_prompt_chars, max_chars)})
     convs = sharegpt_second_turns(data)[:n]
-    return [Prompt(cid, second, "other", split_of(cid, data.held_out_fraction), (("user", first), ("user", second)))
+    return [Prompt(cid, second, "other", split_of(cid), (("user", first), ("user", second)))
             for cid, (first, second) in convs]
 
 
@@ -201,7 +201,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     mcfg = bench_model_config(cfg, device, target, dtype, quant)
     loaded = load_target(mcfg.target, mcfg, progress=True)
     if draft_spec in ("head:init", "head+suffix"):  # the warm-started head: built once, then taken from disk
-        from train.head_warm_start import run_head_warm_start
+        from train.warm.head import run_head_warm_start
 
         head = run_head_warm_start(cfg.model_copy(update={"model": mcfg}))["path"]
         draft_spec = head if draft_spec == "head:init" else f"{head}+suffix"

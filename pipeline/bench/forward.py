@@ -27,7 +27,7 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads
                      intermediate_size=1536)
 # A variant: "float32", "bfloat16", "float16", or "int4" (int4 weights, bfloat16 activations;
 # its many-row weights as serving keeps them on this CPU: float32 where bfloat16 GEMMs are
-# not native, infra/cpu.py), "int4-bf16wide" (int4, its many-row weights bfloat16 on any CPU),
+# not native, infra/common/cpu.py), "int4-bf16wide" (int4, its many-row weights bfloat16 on any CPU),
 # and "int4-native" (the native forward, serve/model/native_runner.py, over the same weights).
 VARIANTS = ("float32", "bfloat16", "float16", "int4", "int4-bf16wide", "int4-native")
 

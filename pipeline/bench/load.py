@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import httpx
 from tabulate import tabulate
 
-from infra.stats import percentile  # noqa: F401 (re-exported)
+from infra.common.stats import percentile  # noqa: F401 (re-exported)
 
 CHAT_PATH = "/v1/chat/completions"
 HEALTH_PATH = "/healthz"

@@ -98,7 +98,7 @@ def disk_mb(state_dir: Path, run_name: str) -> dict[str, float]:
             "registry_audit": dir_mb(state_dir / "registry" / "audit"),
             "checkpoints": dir_mb(state_dir / "train" / run_name / "checkpoints"),
             "redis_aof": dir_mb(state_dir / "redis"),
-            # The replicas' record spools (infra/spool.py): emptied as their records are written.
+            # The replicas' record spools (infra/records/spool.py): emptied as their records are written.
             "spool": dir_mb(state_dir / "spool"),
             "state_dir": dir_mb(state_dir)}
 
@@ -274,7 +274,7 @@ def soak_config(cfg: OSDConfig, state_dir: Path, port: int) -> OSDConfig:
 
 def _tiny_warm_start(state_dir: Path) -> None:
     """What `osd draft init --family layer` leaves for the tiny target, made here in a second."""
-    from infra.draft_model import DraftSpec, build_draft, save_draft
+    from infra.drafts.layer import DraftSpec, build_draft, save_draft
     from infra.target import load_target
 
     tiny = load_target("tiny-random", progress=False)
@@ -290,8 +290,8 @@ def run_soak(cfg: OSDConfig, *, minutes: float = 20.0, clients: int = 2, sample_
 
     import redis
 
-    from infra.draft_spec import warm_started_draft
-    from infra.redis_server import free_port
+    from infra.drafts.spec import warm_started_draft
+    from infra.redis.server import free_port
     from infra.registry import Registry
     from pipeline.stack.up import ClosedLoop
 
@@ -377,7 +377,7 @@ def _decisions(reg: Any) -> int:
 def _trainer_read(client: Any, stream: str) -> int | None:
     import redis
 
-    from infra.streams import group_info
+    from infra.records.streams import group_info
 
     try:
         read = (group_info(client, stream).get("trainers") or {}).get("entries-read")

@@ -21,16 +21,16 @@ import numpy as np
 from tabulate import tabulate
 
 from infra.config import OSDConfig
-from infra.redis_server import RedisServer, RedisServerError
-from infra.stats import percentile
+from infra.redis.server import RedisServer, RedisServerError
+from infra.common.stats import percentile
 
 if TYPE_CHECKING:  # pyarrow loads when the bench runs, not when the CLI lists its flags
-    from infra.records import Record
+    from infra.records.schema import Record
 
 
 def synthetic_record(rng: np.random.Generator, tokens: int, top_k: int, vocab: int = 49152) -> Record:
     """A record shaped like real traffic: about 60% of positions came from accepted drafts."""
-    from infra.records import Record, new_record_id
+    from infra.records.schema import Record, new_record_id
 
     drafted = rng.random(tokens) < 0.8
     return Record(
@@ -57,9 +57,9 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
                      spool: bool = False) -> dict[str, Any]:
     """Produce, consume and ack `records` records of tokens x top_k; print a table, return the figures
     (and write them as JSON to json_path if given). spool: the producer spools each record on
-    disk in submit(), as a replica's does (infra/spool.py); submit's p50 is what a request pays."""
-    from infra.records import decode, encode, new_record_id
-    from infra.streams import FIELD, RecordConsumer, RecordProducer, connect
+    disk in submit(), as a replica's does (infra/records/spool.py); submit's p50 is what a request pays."""
+    from infra.records.schema import decode, encode, new_record_id
+    from infra.records.streams import FIELD, QUEUE_SIZE, READ_COUNT, RecordConsumer, RecordProducer, connect
 
     rng = np.random.default_rng(seed)
     pool = [synthetic_record(rng, tokens, top_k) for _ in range(min(16, records))]
@@ -67,7 +67,7 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
     # The bench must not drop: room for every record, no lag budget, nothing trimmed.
     scfg = cfg.stream.model_copy(update={
         "stream": "osd:bench", "group": "bench", "lag_budget": 0,
-        "maxlen": max(cfg.stream.maxlen, records + 1), "queue_size": max(cfg.stream.queue_size, records),
+        "maxlen": max(cfg.stream.maxlen, records + 1),
     })
 
     enc, dec, payloads = [], [], []
@@ -92,7 +92,8 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
         client.delete("osd:bench:xadd")
 
         consumer = RecordConsumer(server.url, scfg, name="bench")
-        producer = RecordProducer(server.url, scfg, spool_dir=Path(tmp) / "spool" if spool else None)
+        producer = RecordProducer(server.url, scfg, queue_size=max(QUEUE_SIZE, records),
+                                  spool_dir=Path(tmp) / "spool" if spool else None)
         got, submit = 0, []
         t0 = time.perf_counter()
         for i in range(records):
@@ -102,7 +103,7 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
             submit.append(time.perf_counter() - t1)
         deadline = time.monotonic() + 300
         while got < records and time.monotonic() < deadline:
-            batch = consumer.read(count=scfg.read_count)
+            batch = consumer.read(count=READ_COUNT)
             consumer.ack(batch)
             got += len(batch)
         elapsed = time.perf_counter() - t0
@@ -154,7 +155,7 @@ def add_arguments(bs: argparse.ArgumentParser) -> None:
     bs.add_argument("--tokens", type=int, default=256, metavar="N", help="positions per record (default 256)")
     bs.add_argument("--top-k", type=int, default=32, metavar="K", help="target top-k per position (default 32)")
     bs.add_argument("--spool", action="store_true",
-                    help="the producer spools each record on disk as a replica's does (infra/spool.py)")
+                    help="the producer spools each record on disk as a replica's does (infra/records/spool.py)")
     bs.add_argument("--json", metavar="PATH", default="reports/bench/stream.json", help="where to write JSON")
 
 

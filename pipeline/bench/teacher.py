@@ -26,7 +26,7 @@ from pipeline.argtypes import sizes
 
 def _prompt_pool(cfg: OSDConfig, prompts: int, rounds: int) -> list:
     """rounds * prompts distinct ShareGPT train prompts, or a clear error when there are fewer."""
-    from train.teacher_set import warm_prompts
+    from train.teacher.sets import warm_prompts
 
     pool = warm_prompts(cfg, prompts * rounds)
     if len(pool) < prompts * rounds:
@@ -46,7 +46,7 @@ def run_teacher_bench(cfg: OSDConfig, prompts: int = 32, rounds: int = 3, max_ne
         return _run_batch_bench(cfg, prompts, rounds, max_new_tokens, json_path, batches)
     from infra.target import load_target
     from pipeline.teacher.engine import EngineTeacher
-    from train.teacher_data import generate_teacher_records
+    from train.teacher.data import generate_teacher_records
     tc = cfg.train
     new = max_new_tokens or tc.warm_max_new_tokens
     pool = _prompt_pool(cfg, prompts, rounds)
@@ -81,7 +81,7 @@ def run_teacher_bench(cfg: OSDConfig, prompts: int = 32, rounds: int = 3, max_ne
 
 def _run_batch_bench(cfg: OSDConfig, prompts: int, rounds: int, max_new_tokens: int | None,
                      json_path: str | Path | None, batches: tuple[int, ...]) -> dict[str, Any]:
-    from infra.draft_head import default_feature_layers
+    from infra.drafts.head import default_feature_layers
     from infra.prompts import chat_ids
     from infra.target import load_target
     from pipeline.teacher.engine import EngineTeacher

@@ -30,11 +30,11 @@ def run_train_bench(cfg: OSDConfig, *, records: int = 2000, domain: str = "code"
                     json_path: str | Path | None = None) -> dict[str, Any]:
     import ray
 
-    from infra.redis_server import RedisServer
+    from infra.redis.server import RedisServer
     from infra.target import load_target
-    from train.objective import Objective
-    from train.trainer import estimate_alpha
-    from infra.draft_spec import warm_start_path
+    from train.distill.objective import Objective
+    from train.online.trainer import estimate_alpha
+    from infra.drafts.spec import warm_start_path
 
     tc = cfg.train
     loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=True)
@@ -77,7 +77,7 @@ def run_train_bench(cfg: OSDConfig, *, records: int = 2000, domain: str = "code"
 def teacher_sets(cfg: OSDConfig, loaded: Any, records: int, eval_prompts: int, domain: str) -> tuple[list, list]:
     """Teacher records of `records` train-split and `eval_prompts` held-out prompts of `domain`."""
     from infra.prompts import load_sharegpt
-    from train.teacher_set import teacher_records, warm_prompts
+    from train.teacher.sets import teacher_records, warm_prompts
 
     sharegpt = load_sharegpt(cfg.data)  # both selections from one parse
     train_p = warm_prompts(cfg, records, split="train", domain=domain, prompts=sharegpt)
@@ -88,8 +88,8 @@ def teacher_sets(cfg: OSDConfig, loaded: Any, records: int, eval_prompts: int, d
 
 def starting_draft(cfg: OSDConfig, loaded: Any, init_draft: str | None) -> Any:
     """The draft training starts from: `init_draft`, or a fresh one built as the trainer would."""
-    from infra.draft_model import build_draft, load_draft
-    from infra.draft_spec import draft_spec_from_train
+    from infra.drafts.layer import build_draft, load_draft
+    from infra.drafts.spec import draft_spec_from_train
 
     if init_draft:
         return load_draft(init_draft, loaded.model)[0]
@@ -114,10 +114,10 @@ def time_workers(run_cfg: OSDConfig, loaded: Any, train_recs: list, eval_recs: l
     candidate it exported on the held-out records."""
     import dataclasses
 
-    from infra.draft_model import load_draft
-    from infra.records import new_record_id
-    from infra.streams import RecordProducer
-    from train.trainer import TrainerGroup, estimate_alpha
+    from infra.drafts.layer import load_draft
+    from infra.records.schema import new_record_id
+    from infra.records.streams import RecordProducer
+    from train.online.trainer import TrainerGroup, estimate_alpha
 
     tc, w = run_cfg.train, run_cfg.train.num_workers
     with RecordProducer(run_cfg.stream.redis_url, run_cfg.stream) as prod:

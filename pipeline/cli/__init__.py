@@ -13,9 +13,9 @@ import sys
 from typing import Callable, Sequence
 
 from infra.config import ConfigError, OSDConfig, load_config
-from infra.draft_spec import DraftSpecError
+from infra.drafts.spec import DraftSpecError
 from infra.prompts import PromptDataError
-from infra.redis_server import RedisServerError
+from infra.redis.server import RedisServerError
 from infra.registry import RegistryError
 from infra.target import TargetError
 from pipeline.cli import bench, draft, info, records, registry, replay, run

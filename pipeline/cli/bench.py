@@ -8,12 +8,13 @@ import functools
 from types import ModuleType
 
 from infra.config import OSDConfig
-from pipeline.bench import adapt, engine, forward, load, soak, stream, teacher, train
+from pipeline.bench import adapt, batch, engine, forward, load, soak, stream, teacher, train
 from pipeline.cli.common import user_error
 
 # In the order `osd bench --help` lists them.
 BENCHES: dict[str, ModuleType] = {"engine": engine, "train": train, "adapt": adapt, "stream": stream,
-                                  "forward": forward, "load": load, "teacher": teacher, "soak": soak}
+                                  "forward": forward, "load": load, "batch": batch, "teacher": teacher,
+                                  "soak": soak}
 
 
 def _run(bench: ModuleType, cfg: OSDConfig, args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 from infra.config import OSDConfig, load_config
-from infra.draft_spec import DRAFT_FAMILIES, DraftSpecError
+from infra.drafts.spec import DRAFT_FAMILIES, DraftSpecError
 from pipeline.argtypes import fractions, positive_float, positive_int
 from pipeline.cli.common import MODEL_HELP, model_flag, user_error
 
@@ -18,8 +18,7 @@ def draft_init_config(cfg: OSDConfig, args: argparse.Namespace) -> OSDConfig:
     """The config with `osd draft init`'s flags applied, re-validated like the file's values."""
     flags = {"warm_teacher": args.teacher, "warm_prompt_chars": args.prompt_chars, "device": args.device}
     if args.family == "head":
-        flags.update(head_warm_epochs=args.epochs, head_warm_conversations=args.conversations,
-                     head_warm_prompts=args.prompts, head_warm_max_new_tokens=args.max_new_tokens,
+        flags.update(head_warm_epochs=args.epochs, head_warm_prompts=args.prompts, head_warm_max_new_tokens=args.max_new_tokens,
                      head_warm_turns=args.turns, head_warm_budget_minutes=args.budget_minutes)
     else:
         flags.update(warm_epochs=args.epochs, warm_prompts=args.prompts, warm_max_new_tokens=args.max_new_tokens,
@@ -32,16 +31,17 @@ def draft_init_config(cfg: OSDConfig, args: argparse.Namespace) -> OSDConfig:
 
 def _cmd_draft_init(cfg: OSDConfig, args: argparse.Namespace) -> int:
     from pipeline.teacher.engine import teacher_for
-    from train.warm_start import run_warm_start
+    from train.warm.layer import run_warm_start
 
     cfg = draft_init_config(cfg, args)
     if args.family == "head":
-        from train.head_warm_start import run_head_warm_start
-        from train.teacher_features import TeacherDataError
+        from train.warm.head import run_head_warm_start
+        from train.teacher.features import TeacherDataError
 
         try:
             result = run_head_warm_start(cfg, out_dir=args.out, force=args.force, draft_vocab=args.draft_vocab,
-                                         generate=teacher_for(cfg), curve=args.curve)
+                                         conversations=args.conversations, generate=teacher_for(cfg),
+                                         curve=args.curve)
         except TeacherDataError as e:
             return user_error(e)
         print(json.dumps({k: result.get(k) for k in ("path", "alpha_est_before", "alpha_est", "coverage")}, indent=2))
@@ -52,9 +52,9 @@ def _cmd_draft_init(cfg: OSDConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_draft_vocab_study(cfg: OSDConfig, args: argparse.Namespace) -> int:
-    from infra.draft_spec import warm_start_path
+    from infra.drafts.spec import warm_start_path
     from pipeline.studies.vocab_study import StudyError, parse_eval_files, run_vocab_study
-    from train.draft_vocab import VocabError
+    from train.distill.draft_vocab import VocabError
 
     if args.max_new_tokens is not None:
         cfg = load_config(args.config, overrides={"train": {"warm_max_new_tokens": args.max_new_tokens}})
@@ -83,9 +83,9 @@ def _cmd_draft_curve(cfg: OSDConfig, args: argparse.Namespace) -> int:
 def _cmd_train(cfg: OSDConfig, args: argparse.Namespace) -> int:
     import ray
 
-    from infra.redis_server import resolve_redis_url
-    from train.family import NO_HEAD_INIT
-    from train.trainer import run_with_restarts, save_stats
+    from infra.redis.server import resolve_redis_url
+    from train.online.family import NO_HEAD_INIT
+    from train.online.trainer import run_with_restarts, save_stats
 
     if args.family == "head" and not args.init_draft:
         raise DraftSpecError(NO_HEAD_INIT)  # before Ray starts: every worker would refuse it
@@ -129,7 +129,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                          "up to about 25 minutes on 2 cores: 12 of answers, then training); layer: copied target "
                          "layers (out <state_dir>/drafts/v1) (default head)")
     di.add_argument("--conversations", type=int,
-                    help="head: ShareGPT train conversations as fixed text (default train.head_warm_conversations)")
+                    help="head: ShareGPT train conversations as fixed text (default none)")
     di.add_argument("--draft-vocab", type=int, help="head: draft vocabulary size V_d (default 8192)")
     di.add_argument("--budget-minutes", type=positive_float, metavar="N",
                     help="stop teacher generation after N minutes and train on what the cache holds; a later run "
@@ -137,7 +137,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                          "layer: train.warm_budget_minutes: none)")
     di.add_argument("--device", choices=("cpu", "cuda"),
                     help="where the target generates and the head trains (default train.device: cpu); cuda: "
-                         "static batches of train.warm_cuda_batch_size prompts, features kept in GPU memory")
+                         "static batches of 1024 prompts, features kept in GPU memory")
     di.add_argument("--turns", choices=("first", "all"),
                     help="ShareGPT human turns used as prompts: each conversation's first, or every turn alone "
                          "(default train.head_warm_turns: all; layer: train.warm_turns: first)")

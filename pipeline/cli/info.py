@@ -13,7 +13,7 @@ from infra.config import OSDConfig
 def _cmd_config_show(cfg: OSDConfig, args: argparse.Namespace) -> int:
     import yaml
 
-    from infra.redis_server import redact_urls
+    from infra.redis.server import redact_urls
 
     # URLs may carry passwords (redis://:secret@host); the output gets pasted into issues.
     tree = redact_urls(cfg.model_dump(mode="json"))

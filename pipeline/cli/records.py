@@ -1,5 +1,5 @@
 """`osd records delete`: remove a tenant's, a user's or a request's records from the stream and
-its dead-letter stream, and write the audit entry (infra/record_deletion.py).
+its dead-letter stream, and write the audit entry (infra/records/deletion.py).
 
 The running replicas' suffix indexes are in their memory, out of this process's reach: the
 HTTP route (DELETE /v1/osd/records, admin key) clears those as well; this command says so.
@@ -15,9 +15,9 @@ from infra.config import OSDConfig
 
 
 def _cmd_records_delete(cfg: OSDConfig, args: argparse.Namespace) -> int:
-    from infra.record_deletion import audit_deletion, delete_from_stream
-    from infra.record_match import RecordMatch
-    from infra.redis_server import resolve_redis_url
+    from infra.records.deletion import audit_deletion, delete_from_stream
+    from infra.records.match import RecordMatch
+    from infra.redis.server import resolve_redis_url
 
     try:
         match = RecordMatch(tenant=args.tenant, user=args.user, request_id=args.request_id)

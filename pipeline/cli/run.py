@@ -6,7 +6,7 @@ import argparse
 import os
 
 from infra.config import OSDConfig, load_config
-from infra.draft_spec import DRAFT_FAMILIES
+from infra.drafts.spec import DRAFT_FAMILIES
 from pipeline.cli.common import MODEL_HELP, model_flag
 
 

@@ -50,7 +50,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from infra.canary_stats import (  # noqa: F401  (re-exported: the rule's public names)
+from infra.common.canary_stats import (  # noqa: F401  (re-exported: the rule's public names)
+    LEN_MARGIN,
+    MIN_GAIN,
+    TAU,
     VAR_FLOOR,
     RatioStats,
     RequestSample,
@@ -90,10 +93,10 @@ class Arm:
 @dataclass(frozen=True)
 class CanaryRule:
     alpha: float = 0.05  # error probability of each always-valid interval
-    tau: float = 0.1  # mixture scale: the size of difference the test is most sensitive to
+    tau: float = TAU  # mixture scale: the size of difference the test is most sensitive to
     margin: float = 0.02  # acceptance: roll back when surely worse by more than this
-    len_margin: float = 0.1  # mean accepted length (tokens per step): the same
-    min_gain: float = 0.0  # acceptance: promote only when surely better by more than this
+    len_margin: float = LEN_MARGIN  # mean accepted length (tokens per step): the same
+    min_gain: float = MIN_GAIN  # acceptance: promote only when surely better by more than this
     min_requests: int = 10  # per arm, before any decision
     max_requests: int = 400  # canary requests in one step; undecided then: expire
 
@@ -142,7 +145,7 @@ def decide(stable: Arm, canary: Arm, rule: CanaryRule, k: int = 4, final: bool =
 
 
 def gate_verdict(gate: dict | None, stable_version: str) -> tuple[bool, str]:
-    """Whether a candidate's offline gate evidence (manifest `metrics.gate`, train/gate.py)
+    """Whether a candidate's offline gate evidence (manifest `metrics.gate`, train/gate/compare.py)
     admits it to a canary against the *current* stable version. Missing, failing, or
     evidence against another version (a parent, or a stable since replaced) does not."""
     if not isinstance(gate, dict):

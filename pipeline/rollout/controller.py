@@ -11,7 +11,7 @@ One look (`tick`):
    count: both arms over the same span of traffic.
 2. No canary: the registry versions newer than stable that were never decided on, newest
    first, meet the offline gate: a version whose manifest lacks passing paired evidence
-   against the *current* stable (train/gate.py, written by the trainer at export) is audited
+   against the *current* stable (train/gate/compare.py, written by the trainer at export) is audited
    `gated` with that evidence and never served. The first one admitted becomes the canary
    at the first weight (alias `canary`), and the window restarts.
 3. A canary: `decide()` on the window. advance -> next weight (window restarts); promote
@@ -38,7 +38,7 @@ from typing import Any
 
 from pipeline.rollout.canary_rule import Arm, CanaryRule, decide, gate_verdict, request_sample
 from infra.config import OSDConfig
-from infra.faults import fault_point
+from infra.common.faults import fault_point
 from infra.registry import AliasMoved, Registry, RegistryError
 
 # Decisions after which a version is never canaried again by the controller.
@@ -52,12 +52,12 @@ def _log(msg: str) -> None:
 class CanaryController:
     def __init__(self, cfg: OSDConfig | dict[str, Any], registry: Registry | None = None,
                  consumer_name: str = "controller"):
-        from infra.streams import RecordConsumer
+        from infra.records.streams import RecordConsumer
 
         self.cfg = cfg = cfg if isinstance(cfg, OSDConfig) else OSDConfig.model_validate(cfg)
         ro = cfg.rollout
-        self.rule = CanaryRule(alpha=ro.alpha, tau=ro.tau, margin=ro.margin, len_margin=ro.len_margin,
-                               min_gain=ro.min_gain, min_requests=ro.min_requests, max_requests=ro.max_requests)
+        self.rule = CanaryRule(alpha=ro.alpha, margin=ro.margin, min_requests=ro.min_requests,
+                               max_requests=ro.max_requests)
         self.steps = list(ro.canary_steps)
         self.registry = registry or Registry.from_config(cfg)
         stream_cfg = cfg.stream.model_copy(update={"group": ro.group})
@@ -77,8 +77,8 @@ class CanaryController:
 
     def _count_start(self, cfg: OSDConfig) -> None:
         """Starts of the controller, for the ops page (above 1: it was restarted) and Prometheus."""
-        from infra.loop_status import count_start
-        from infra.streams import connect
+        from infra.redis.loop_status import count_start
+        from infra.records.streams import connect
 
         self.metrics.started()
         try:

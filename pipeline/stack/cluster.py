@@ -29,7 +29,7 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from infra.config import ConfigError, OSDConfig, load_config
-from infra.draft_spec import DRAFT_FAMILIES, loop_draft
+from infra.drafts.spec import DRAFT_FAMILIES, loop_draft
 
 LOOP_RUN_NAME = "cluster"
 
@@ -50,7 +50,7 @@ class LoopArgs(AppArgs):
     run_name: str = Field(LOOP_RUN_NAME, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
     train: bool = True
     # With no stable draft in the registry, make v1 in the cluster (`osd draft init`) first,
-    # of this family: the head by default, as `osd draft init` (infra.draft_spec.PREFERRED_FAMILIES).
+    # of this family: the head by default, as `osd draft init` (infra.drafts.spec.PREFERRED_FAMILIES).
     warm_start: bool = True
     warm_start_family: Literal[DRAFT_FAMILIES] = "head"
 
@@ -117,8 +117,8 @@ def _warm_start_and_promote(cfg_dict: dict[str, Any], family: str = "head") -> s
     stable. The head takes `osd draft init --family head`'s defaults."""
     from pipeline.teacher.engine import teacher_for
     from pipeline.stack.up import ensure_stable
-    from infra.draft_spec import warm_start_path
-    from train.warm_start import warm_start_family
+    from infra.drafts.spec import warm_start_path
+    from train.warm.layer import warm_start_family
 
     cfg = OSDConfig.model_validate(cfg_dict)
     out = warm_start_path(cfg, family)
@@ -193,7 +193,7 @@ class LoopSupervisor:
 
     def _train_once(self) -> None:
         from pipeline.stack.up import failure_reason
-        from train.trainer import TrainerGroup
+        from train.online.trainer import TrainerGroup
 
         run_dir = Path(self.cfg.state_dir) / "train" / self.args.run_name
         try:

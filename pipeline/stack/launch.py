@@ -60,8 +60,8 @@ def with_draft_resolved(cfg: OSDConfig) -> OSDConfig:
 
 def preflight(cfg: OSDConfig) -> None:
     """Check in this process what the replicas would otherwise fail on inside Ray."""
-    from infra.draft_spec import REGISTRY_DRAFTS, DraftLoadError
-    from infra.redis_server import RedisServerError, check_redis_url
+    from infra.drafts.spec import REGISTRY_DRAFTS, DraftLoadError
+    from infra.redis.server import RedisServerError, check_redis_url
     from infra.target import load_target, target_identity
     from serve.spec_decode.specs import DraftSpecError, build_draft
 
@@ -128,7 +128,7 @@ class LocalStack:
         self.url = f"http://{cfg.serve.host}:{cfg.serve.port}"
 
     def _watch_redis(self) -> None:
-        from infra.redis_server import RedisServerError, exited, restart_private
+        from infra.redis.server import RedisServerError, exited, restart_private
 
         while not self._stopping.wait(REDIS_WATCH_S):
             server = self.redis
@@ -146,10 +146,10 @@ class LocalStack:
         import ray
         from ray import serve
 
-        from infra.redis_server import private_server
+        from infra.redis.server import private_server
         from serve.api.app import build_app
 
-        from infra.reaper import Reaper
+        from infra.common.reaper import Reaper
 
         cfg = self.cfg = with_draft_resolved(self.cfg)
         warn_if_exposed(cfg, self.api_key)

@@ -21,7 +21,7 @@ def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
     # fine-tuning learning rate, so a trained draft is refined rather than jolted.
     # One record in 3 held out: at demo traffic (~0.2 requests/s) the gate's 20 records take
     # ~5 minutes to gather; at 1 in 10 the 14-minute run never gave a candidate enough.
-    # The trainer learns from the last minute's traffic when it falls behind (train/lag.py).
+    # The trainer learns from the last minute's traffic when it falls behind (train/online/lag.py).
     d["train"].update(num_workers=1, export_every_records=48, export_every_s=150, held_out_every=3,
                       warm_epochs=cfg.train.warm_epochs, replay_steps=3, lr=3e-4, max_lag_s=60.0)
     # A canary gets a few dozen requests here, not hundreds. Promotion looks at one side of the

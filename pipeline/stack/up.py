@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from infra.backoff import backoff_delay
+from infra.common.backoff import backoff_delay
 from infra.config import OSDConfig
-from infra.draft_spec import loop_draft
+from infra.drafts.spec import loop_draft
 
 # Trainer restarts: 1 s, 2 s, 4 s ... at most RESTART_CAP_S apart, without end. A run that
 # lasted RESTART_CAP_S or more was healthy, so its failure starts the back-off over.
@@ -80,7 +80,7 @@ def supervise(run_once: Callable[[], Any], stopping: threading.Event, *, base_s:
 
 def ensure_stable(cfg: OSDConfig, warm_start_dir: str | Path | None = None) -> str:
     """The stable version id, publishing and promoting the warm-start draft if the registry has none."""
-    from infra.draft_spec import warm_start_path, warm_started_draft
+    from infra.drafts.spec import warm_start_path, warm_started_draft
     from infra.registry import Registry
 
     reg = Registry.from_config(cfg)
@@ -137,7 +137,7 @@ class ClosedLoop:
         return self
 
     def _start_trainer(self, stable: str) -> None:
-        from train.trainer import TrainerGroup
+        from train.online.trainer import TrainerGroup
 
         run_dir = Path(self.cfg.state_dir) / "train" / self.run_name
 

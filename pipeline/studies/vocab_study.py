@@ -7,9 +7,9 @@ for today's 8k vocabulary, against 0.93 on ShareGPT).
    the vocabularies; held-out prompts of each domain, plus any `--eval-file NAME=PATH` JSONL
    (prompts from elsewhere: evaluated only), measure them.
 2. Answers: the target's greedy answers through the warm start's teacher cache
-   (train/teacher_store.py), so the study and `osd draft init` reuse each other's answers.
+   (train/teacher/store.py), so the study and `osd draft init` reuse each other's answers.
    Prompts are taken round-robin across domains, so a budget stop keeps the domains even.
-3. Vocabularies (train/draft_vocab.py): "balanced", every domain's frequencies weighted
+3. Vocabularies (train/distill/draft_vocab.py): "balanced", every domain's frequencies weighted
    alike; "pooled", all fit tokens as one corpus; and the saved head's own d2t when there is
    one. Coverage per domain and V_d: a table on stdout and JSON under reports/.
 """
@@ -24,7 +24,7 @@ import numpy as np
 from tabulate import tabulate
 
 from infra.config import OSDConfig
-from train.draft_vocab import STUDY_SIZES, coverage, coverage_table, token_counts
+from train.distill.draft_vocab import STUDY_SIZES, coverage, coverage_table, token_counts
 
 # Study domain -> ShareGPT's domain tag (infra/prompts.py DOMAINS).
 SHAREGPT_DOMAINS = {"chat": "other", "code": "code", "math": "math", "writing": "writing"}
@@ -51,7 +51,7 @@ def study_prompts(cfg: OSDConfig, per_domain: int, held_per_domain: int, eval_fi
                   sharegpt: list | None = None) -> tuple[dict[str, list], dict[str, list]]:
     """({domain: fit prompts}, {domain: eval prompts}). sharegpt: prompts already loaded (tests)."""
     from infra.prompts import load_jsonl, load_sharegpt
-    from train.teacher_set import warm_prompts
+    from train.teacher.sets import warm_prompts
 
     if per_domain < 1 or held_per_domain < 1:
         raise StudyError(f"need >= 1 prompt per domain, got {per_domain} fit and {held_per_domain} held out")
@@ -99,9 +99,9 @@ def run_vocab_study(cfg: OSDConfig, *, per_domain: int = 64, held_per_domain: in
                     generate: Any = None, sharegpt: list | None = None, progress: bool = True) -> dict[str, Any]:
     """The study (module doc). loaded / generate / sharegpt: a tiny target, a generator and
     prompts in tests; default the config's target, train.warm_teacher and ShareGPT."""
-    from infra.draft_head import saved_draft_vocab
+    from infra.drafts.head import saved_draft_vocab
     from infra.target import load_target
-    from train.teacher_set import teacher_records
+    from train.teacher.sets import teacher_records
 
     fit_p, ev_p = study_prompts(cfg, per_domain, held_per_domain, eval_files or {}, sharegpt)
     if loaded is None:

@@ -8,11 +8,11 @@ others' decode steps, and the weights are in the serving format (int4 by default
 records are the distribution users are actually served, as live capture records are.
 
 `train` cannot import `serve` (layers point down), so the pipeline builds this generator
-and hands it to `train.warm_start` as a `train.teacher_data.BatchGenerate`.
+and hands it to `train.warm.layer` as a `train.teacher.data.BatchGenerate`.
 
 `capture` also records the target features a head draft reads, as the answers are generated
 (pipeline/teacher/feature_recorder.py, attached as the requests' draft): the head's warm start then
-needs no second forward pass over them (train/teacher_features.py).
+needs no second forward pass over them (train/teacher/features.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any, Callable
 import numpy as np
 
 from infra.config import OSDConfig
-from train.teacher_features import FeatureRows
-from train.teacher_set import engine_teacher_tag
+from train.teacher.features import FeatureRows
+from train.teacher.sets import engine_teacher_tag
 
 Answer = tuple[np.ndarray, np.ndarray, np.ndarray]  # output ids, top-k ids, top-k log-probs
 
@@ -62,13 +62,13 @@ class EngineTeacher:
     def __call__(self, rows: list[list[int]], max_new_tokens: int, top_k: int,
                  on_answer: Callable[[int], None] | None) -> list[Answer]:
         """on_answer: told each answer's token count as it finishes (in finishing order), so the
-        caller's bar (train/teacher_progress.py) counts tokens, tokens/s and the ETA across calls."""
+        caller's bar (train/teacher/progress.py) counts tokens, tokens/s and the ETA across calls."""
         return [_answer(r) for r in self._generate(rows, max_new_tokens, top_k, on_answer, None)]
 
     def capture(self, rows: list[list[int]], max_new_tokens: int, top_k: int,
                 on_answer: Callable[[int], None] | None, layers: tuple[int, ...]) -> list[tuple[Answer, FeatureRows]]:
         """The answers with their feature rows of the target's `layers` (a
-        train.teacher_data.CapturingGenerate), recorded as they were generated."""
+        train.teacher.data.CapturingGenerate), recorded as they were generated."""
         from pipeline.teacher.feature_recorder import FeatureRecorder
 
         if not rows:
@@ -101,7 +101,7 @@ def _answer(r: Any) -> Answer:
 def teacher_for(cfg: OSDConfig) -> EngineTeacher | None:
     """The generator `train.warm_teacher` names: the engine, or None for Hugging Face `generate`.
     None on a CUDA device too: there the warm start answers in static batches of its own
-    (train/teacher_batch.py), where the engine would decode one request at a time."""
+    (train/teacher/batch.py), where the engine would decode one request at a time."""
     if cfg.model.device.startswith("cuda"):
         return None
     return EngineTeacher(cfg) if cfg.train.warm_teacher == "engine" else None

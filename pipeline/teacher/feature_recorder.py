@@ -4,7 +4,7 @@ The engine hands a draft the target's features of every row it computes (serve/s
 `prefilled` gets the prompt's rows 0..P-2, each `commit` the step's committed rows), because a
 head draft reads them. Attached to the teacher's requests (pipeline/teacher/engine.py), this
 draft keeps them, so the head's warm start trains on features captured during generation with
-no second forward pass (train/teacher_features.py).
+no second forward pass (train/teacher/features.py).
 
 It asks for the head's layers plus the target's last decoder layer, whose output through the
 target's final norm is the LM head's input (`final`), as serve/model/runner.py LlamaRunner computes
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from serve.spec_decode.protocol import Draft, Proposal, StepContext, no_proposal, own_as_tensor
-from train.teacher_features import FeatureRows
+from train.teacher.features import FeatureRows
 
 ARGMAX_ROWS = 256  # prompt rows per LM-head product: [256, V] logits at a time, not [P, V]
 

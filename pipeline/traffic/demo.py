@@ -126,7 +126,7 @@ def stream_records(cfg: OSDConfig) -> list:
     costs the paired estimate only, never the report."""
     import redis
 
-    from infra.streams import connect, read_records
+    from infra.records.streams import connect, read_records
 
     try:
         client = connect(cfg.stream.redis_url, cfg.stream)
@@ -144,8 +144,8 @@ def paired_alpha(cfg: OSDConfig, records: list, shift_time: float, target: Any, 
     trainer held out, whose prompt it never trained on either, so no version saw them. Served α per version comes from different
     requests, and acceptance varies far more between prompts than between drafts; on identical
     positions the versions are compared paired, and the trainer's lineage shows whether it learns."""
-    from train.family import family_name, per_record
-    from train.trainer import is_held_out
+    from train.online.family import family_name, per_record
+    from train.online.trainer import is_held_out
 
     every = cfg.train.held_out_every
     # A held-out record whose prompt was also served in a record the trainer took is not unseen.
@@ -277,14 +277,14 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 2100, sp
 def prepare(cfg: OSDConfig, family: str = "head") -> tuple[Any, Path]:
     """The target (converted and cached on the first run) and the warm-start draft v1's directory."""
     from infra.target import load_target
-    from infra.draft_spec import warm_start_path
+    from infra.drafts.spec import warm_start_path
 
     v1 = warm_start_path(cfg, family)
     _log(f"target {cfg.model.target}: preparing (cached after the first run)")
     loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=True)
     if not v1.is_dir():
         from pipeline.teacher.engine import teacher_for
-        from train.warm_start import warm_start_family
+        from train.warm.layer import warm_start_family
 
         _log(f"no warm-started {family} draft yet: running `osd draft init --family {family}` once "
              f"({'up to about 25 minutes' if family == 'head' else 'about 9 minutes'} on 2 cores; cached for later runs)")
@@ -295,7 +295,7 @@ def prepare(cfg: OSDConfig, family: str = "head") -> tuple[Any, Path]:
 def workload_prompts(cfg: OSDConfig, speed_prompts: int, family: str = "head") -> tuple[list, list, list]:
     """(general, code, speed check) prompts: short held-out ShareGPT prompts, no text twice."""
     from infra.prompts import load_sharegpt, unique_texts
-    from train.teacher_set import warm_prompts
+    from train.teacher.sets import warm_prompts
 
     sharegpt = load_sharegpt(cfg.data)  # parsed once: held-out traffic, v1's prompts, the train top-up
     held = [p for p in sharegpt if p.split == "held_out" and len(p.text) <= 600]

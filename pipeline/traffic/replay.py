@@ -36,7 +36,7 @@ from tabulate import tabulate
 
 from infra.config import OSDConfig
 from infra.prompts import Prompt
-from infra.stats import percentile  # noqa: F401 (re-exported)
+from infra.common.stats import percentile  # noqa: F401 (re-exported)
 
 MODEL_NAME = "osd"
 MAX_ERRORS_KEPT = 5

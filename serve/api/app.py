@@ -5,7 +5,7 @@
 
 Each replica runs the speculative engine and, when a request finishes, submits one record
 (prompt, output, the target's top-k per position) to the Redis stream. Submitting only
-enqueues (see infra.streams.RecordProducer): serving never waits on, or fails because
+enqueues (see infra.records.streams.RecordProducer): serving never waits on, or fails because
 of, the record path.
 
 `build_app(cfg)` binds the deployments from the one config tree, so tests and `osd serve`
@@ -27,8 +27,8 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from infra.config import OSDConfig
-from infra.cpu import replica_threads
-from infra.draft_spec import REGISTRY_DRAFTS
+from infra.common.cpu import replica_threads
+from infra.drafts.spec import REGISTRY_DRAFTS
 from serve.api.openai_protocol import (
     SSE_DONE,
     APIError,
@@ -55,6 +55,7 @@ from serve.api.openai_protocol import (
 )
 
 MODEL_ALIAS = "osd"
+MAX_BODY_BYTES = 1 << 20  # a request body over this gets 413 before it is parsed
 log = logging.getLogger("ray.serve")
 
 
@@ -66,15 +67,15 @@ class TargetReplica:
     def __init__(self, cfg_dict: dict[str, Any]):
         import torch
 
-        from infra.streams import RecordProducer
+        from infra.records.streams import RecordProducer
         from infra.target import load_target
         from serve.spec_decode.specs import build_draft
         from serve.engine.core import EngineOptions, SpecEngine
         from serve.api.metrics import ServeMetrics
 
         self.cfg = cfg = OSDConfig.model_validate(cfg_dict)
-        torch.set_num_threads(replica_threads(cfg.serve.forward_threads, cfg.model.num_threads,
-                                              cfg.serve.num_replicas, cfg.serve.num_cpus_per_replica))
+        torch.set_num_threads(replica_threads(cfg.serve.forward_threads, cfg.serve.num_replicas,
+                                              cfg.serve.num_cpus_per_replica))
         loaded = load_target(cfg.model.target, cfg.model, progress=False)
         self.tokenizer = loaded.tokenizer
         self._token_texts: dict[int, str] = {}
@@ -124,8 +125,7 @@ class TargetReplica:
 
             self._suffix = SuffixDraft.from_config(cfg.serve.suffix, self.target.config.vocab_size)
             initial = Routing("suffix", self.engine.make_draft(self._suffix))
-        router = DraftRouter(self._load_version, initial, log, retry_base_s=cfg.serve.swap_retry_s,
-                             max_failures=cfg.serve.swap_max_failures)
+        router = DraftRouter(self._load_version, initial, log)
         alone = "the suffix draft alone" if self._suffix is not None else "autoregressively"
         try:
             aliases = self.registry.aliases()
@@ -145,7 +145,7 @@ class TargetReplica:
     def _warm_suffix(self, cfg: OSDConfig) -> None:
         """A suffix draft starts from the fleet's recent records in the stream (a best effort: a
         stream that cannot be read leaves the index empty, and serving goes on)."""
-        from infra.streams import connect, recent_records
+        from infra.records.streams import connect, recent_records
         from serve.spec_decode.suffix.draft import suffix_of, warm_from_records
         from serve.engine.tenancy import origin_of
 
@@ -249,7 +249,7 @@ class TargetReplica:
 
     def _finish(self, req: dict[str, Any], version: str, result: Any, domain: str | None, record: bool,
                 t0: float) -> dict[str, Any]:
-        from infra.records import record_from_capture
+        from infra.records.schema import record_from_capture
 
         req_id = req["request_id"]
         record_id = None
@@ -413,7 +413,7 @@ class TargetReplica:
     def forget(self, match: dict[str, str]) -> dict[str, Any]:
         """Remove from this replica's suffix indexes the outputs a deletion names (RecordMatch's
         fields); the ingress calls it on every replica it reaches."""
-        from infra.record_match import RecordMatch
+        from infra.records.match import RecordMatch
         from serve.spec_decode.suffix.draft import suffix_of
 
         suffixes = {id(s): s for s in map(suffix_of, self.router.runners()) if s is not None}
@@ -562,14 +562,14 @@ class OpenAIIngress:
                            param="model", code="model_not_found")
 
     async def _body(self, request: Request) -> bytes:
-        """The JSON body, at most serve.max_body_bytes of it (413 past that, unread)."""
+        """The JSON body, at most MAX_BODY_BYTES of it (413 past that, unread)."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype != "application/json":
             # Also what keeps a web page from posting here: a JSON POST needs a CORS preflight,
             # which this server never grants.
             raise APIError(415, f"Content-Type must be application/json, got {ctype or 'none'!r}",
                            code="unsupported_media_type")
-        limit = self.cfg.serve.max_body_bytes
+        limit = MAX_BODY_BYTES
         too_big = APIError(413, f"request body is over this server's limit of {limit} bytes",
                            code="request_too_large")
         declared = request.headers.get("content-length", "")
@@ -752,8 +752,8 @@ class OpenAIIngress:
     async def _delete_records(self, request: Request) -> dict[str, Any]:
         """DELETE /v1/osd/records?tenant=|user=|request_id=: the matching records out of the
         stream, its dead letters and every reached replica's suffix indexes, then an audit entry."""
-        from infra.record_deletion import audit_deletion, delete_from_stream
-        from infra.record_match import RecordMatch
+        from infra.records.deletion import audit_deletion, delete_from_stream
+        from infra.records.match import RecordMatch
 
         q = request.query_params
         try:

@@ -10,7 +10,7 @@ Versions come from the registry by id: the digests are checked before the safete
 read. A version whose digest fails, or that was made for another target (its recorded target
 identity is not the replica's), is refused for good; one that fails for another reason (a
 registry mount away, an object store timing out) is tried again after a doubling back-off
-and refused for good only after `serve.swap_max_failures` failures. Meanwhile the replica
+and refused for good only after `max_failures` failures (5). Meanwhile the replica
 keeps serving what it had. Routing is one tuple replaced whole, so the request path never
 sees half a swap.
 
@@ -90,7 +90,7 @@ class DraftRouter:
         return runner
 
     def _refuse(self, version: str, e: Exception) -> None:
-        from infra.backoff import backoff_delay
+        from infra.common.backoff import backoff_delay
         from infra.registry import DigestMismatch, WrongTarget
 
         failures = self._failures.get(version, (0, 0.0))[0] + 1

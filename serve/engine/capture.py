@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from infra.tokens import topk_logprobs
+from infra.records.tokens import topk_logprobs
 
 
 @dataclass

@@ -47,7 +47,7 @@ import torch
 from pydantic import ValidationError
 
 from infra.config import ModelConfig, ServeConfig
-from infra.tokens import eos_token_ids
+from infra.records.tokens import eos_token_ids
 from serve.engine.admission import SlotPool
 from serve.model.batch_forward import Item, forward_batch
 from serve.engine.capture import Capture, CaptureBuffer
@@ -55,7 +55,7 @@ from serve.engine.detokenize import StopScanner
 from serve.spec_decode import gpu_stages
 from serve.spec_decode.protocol import Draft, Proposal, StepContext, no_proposal
 from serve.engine.errors import EngineError, RequestError  # noqa: F401 (re-exported)
-from serve.spec_decode.k_policy import KPolicy, StepCosts, chain_cut, profile_forward
+from serve.spec_decode.k_policy import LengthPolicy, length_policy, profile_forward
 from serve.sampling.processors import LogitsProcessor
 from serve.model.linear import QUANT_MODES
 from serve.model.runner import LlamaRunner, Runner
@@ -70,6 +70,10 @@ from serve.spec_decode.trees.stages import TreeShape, tree_step
 
 
 DEFAULT: Any = object()  # "the engine's own draft" for the per-request draft= argument
+# Prompt rows a GPU step takes at least (serve.prefill_chunk where larger): a GPU forward is
+# launch-bound up to about this many rows, so a step's prompt rows cost little beside its
+# decode rows, where a CPU pays for each (docs/benchmarks.md, "On a GPU").
+GPU_PREFILL_ROWS = 1024
 
 
 def _serve_default(name: str) -> Any:
@@ -202,8 +206,11 @@ class SpecEngine:
             slots.append(slot)
         self.slots: SlotPool[Slot] = SlotPool(slots, self.options.max_queue, self.options.queue_timeout_s)
         # Steps run on the threads that wait for them (serve/engine/scheduler.py).
-        self.scheduler = Scheduler(self, self.options.prefill_chunk)
-        self._kpolicy: KPolicy | None = None  # k_policy cost: made at the first speculative request
+        chunk = self.options.prefill_chunk if not self.gpu else max(self.options.prefill_chunk, GPU_PREFILL_ROWS)
+        self.scheduler = Scheduler(self, chunk)
+        # The draft-length policy (serve.k_policy), made at the first speculative request (the
+        # cost rule profiles the target then).
+        self._lengths: LengthPolicy | None = None
 
     def _runner(self, model: Any, quant: str = "none", make: Any = None) -> Runner:
         """The model's runner (`make`'s: make_runner's for the target); on CUDA a Llama gets CUDA graphs for its forwards of up to k+1
@@ -297,8 +304,8 @@ class SpecEngine:
             seq.proc = LogitsProcessor(params.processors, prompt, seq.eos, self.target.vocab_size, self.device)
         if params.stop and self.tokenizer is not None:
             seq.stops = StopScanner(self.tokenizer, params.stop)
-        if seq.draft is not None and self.options.k_policy == "cost":
-            seq.kreq = self.k_policy().new_request(id(seq.draft))
+        if seq.draft is not None:
+            seq.length = self.lengths().start(id(seq.draft), params.min_draft)
         begin_prefill(seq)
         if not seq.prefilling:  # a one-token prompt: nothing to prefill
             end_prefill(seq)
@@ -320,16 +327,14 @@ class SpecEngine:
         self.scheduler.submit(seq)
         return seq
 
-    def k_policy(self) -> KPolicy:
-        """The cost rule's state, profiling the target's forward by row count on first use
-        (a few forwards of 1..k+1 rows, and of batched steps' row counts, over scratch caches:
+    def lengths(self) -> LengthPolicy:
+        """The draft-length policy (serve/spec_decode/k_policy.py), the one place a draft's length
+        is decided; the cost rule profiles the target's forward by row count on first use (a
+        few forwards of 1..k+1 rows, and of batched steps' row counts, over scratch caches:
         about a second)."""
-        if self._kpolicy is None:
-            self._kpolicy = KPolicy(StepCosts(self._profile_forward()), self.options.k)
-        return self._kpolicy
-
-    def kpolicy_ready(self) -> bool:
-        return self._kpolicy is not None
+        if self._lengths is None:
+            self._lengths = length_policy(self.options.k_policy, self.options.k, self._profile_forward)
+        return self._lengths
 
     def _profile_forward(self) -> list[float]:
         """V(rows): up to k+1 rows one sequence's forward (a request alone), and up to the
@@ -358,7 +363,7 @@ class SpecEngine:
             if self.gpu:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            forward_batch(self.target, items)
+            forward_batch(self.target, items, pool=self.gpu)
             if self.gpu:
                 torch.cuda.synchronize()
             for c in caches:
@@ -388,39 +393,45 @@ class SpecEngine:
 
     # -- the batched step's hooks (serve/engine/scheduler.py) ---------------------------------
 
-    def batchable(self, seq: Seq) -> bool:
-        """Whether the request's next step can ride in a batched forward: the CPU chain path.
-        A tree step and the CUDA path's device-resident stages step alone."""
-        return not self.gpu and not self._use_tree(seq, seq.params.max_new_tokens - len(seq.out))
+    def batchable(self, seq: Seq, decoding: int) -> bool:
+        """Whether the request's next step rides in the step's batched forward, beside the other
+        `decoding` requests (itself included). A tree steps alone. On a GPU, a Llama target's
+        chains batch (serve/model/pool_forward.py) while two or more requests decode; a request
+        decoding alone takes the device-resident stages (one host read a step), as does any
+        request over a target without the pool forward."""
+        if self._use_tree(seq, seq.params.max_new_tokens - len(seq.out)):
+            return False
+        return not self.gpu or (decoding > 1 and isinstance(self.target, LlamaRunner))
+
+    def begin_step(self) -> None:
+        """Before a step's host-to-device copies: the staging ring's slots are free again, since
+        every earlier step ended with a read of its results (serve/model/cuda_graphs.py StagingRing)."""
+        if self.ring is not None:
+            self.ring.reset()
 
     def _limit(self, seq: Seq) -> int:
         remaining = seq.params.max_new_tokens - len(seq.out)
         return min(remaining - 1, self.max_seq_len - len(seq.tokens) - 1)
 
-    def plan(self, seqs: list[Seq], prefill_rows: int) -> list[int]:
-        """Draft lengths for a batched step: the cost rule over the whole batch (k_policy.plan;
-        with one sequence, the single-request rule), else each request's schedule or k."""
+    def plan(self, seqs: list[Seq], prefill_rows: int = 0) -> list[int]:
+        """Every drafting request's length for one step, from the one policy, asked once for the
+        whole step; 0 for a request without a draft."""
         limits = [self._limit(s) for s in seqs]
-        if self.options.k_policy != "cost" or not any(s.kreq is not None for s in seqs):
-            return [min(s.k, lim) if s.draft is not None else 0 for s, lim in zip(seqs, limits)]
-        ks = self.k_policy().plan([s.kreq for s in seqs], limits, len(seqs) + prefill_rows)
-        return [self._min_draft(s, k, lim) for s, k, lim in zip(seqs, ks, limits)]
+        if not any(s.length is not None for s in seqs):
+            return [0] * len(seqs)
+        return self.lengths().plan([s.length for s in seqs], limits, len(seqs) + prefill_rows)
 
-    def _min_draft(self, seq: Seq, k: int, limit: int) -> int:
-        if seq.kreq is not None and seq.params.min_draft:
-            return max(k, min(seq.params.min_draft, limit, self.options.k))
-        return k
+    def observe_forward(self, sequences: int, rows: int, seconds: float) -> None:
+        """A batched step's target forward, for the policy's costs (once it exists)."""
+        if self._lengths is not None:
+            self._lengths.observe_forward(sequences, rows, seconds)
 
     def step_context(self, seqs: list[Seq], ks: list[int]) -> StepContext:
-        """What a draft may read to size its proposals (serve/spec_decode/protocol.py StepContext): the cost
-        profile's cut, once profiled; a step of one request compares with a request alone."""
-        return StepContext(self.options.draft_confidence, self.options.k, self._limit,
-                           self._chain_cut if self.kpolicy_ready() else None, len(seqs) + sum(ks), len(seqs))
-
-    def _chain_cut(self, probs: list[float], base_rows: int, others: int) -> int:
-        costs = self.k_policy().costs
-        profile = costs.batch_profile() if base_rows > 1 else costs.verify_s
-        return chain_cut(profile, costs.step_s, base_rows, others, probs)
+        """What a draft may read to size its proposals (serve/spec_decode/protocol.py StepContext): the
+        policy's cut, where it has one; a step of one request compares with a request alone."""
+        cut = self._lengths.cut if self._lengths is not None else None
+        return StepContext(self.options.draft_confidence, self.options.k, self._limit, cut,
+                           len(seqs) + sum(ks), len(seqs))
 
     def propose_all(self, seqs: list[Seq], ks: list[int]) -> list[tuple[Proposal, float]]:
         """The propose stage of a batched step: the requests of each draft propose together
@@ -455,31 +466,21 @@ class SpecEngine:
         by_t[0] += 1
         by_t[1] += score_s
         seq.stats.count_source(seq.step_source, drafted, accepted)
-        learn = seq.draft is None or seq.draft.teaches_k(seq.step_source)
-        if seq.kreq is not None:
-            costs = seq.kreq.policy.costs
-            if not seq.kreq.probing and learn:
-                costs.observe_draft(seq.kreq.draft_key, drafted, draft_s)
-            costs.observe_step(verify_s)
-        if learn:
-            self._learn_k(seq, drafted, accepted)
-
-    def _learn_k(self, seq: Seq, drafted: int, accepted: int) -> None:
-        if seq.kreq is not None:
-            seq.kreq.observe(drafted, accepted)
-        elif self.options.k_policy == "schedule" and drafted:
-            seq.k = min(seq.k + 2, self.options.k) if accepted == drafted else max(seq.k - 1, 1)
+        if seq.length is not None:
+            learn = seq.draft.teaches_k(seq.step_source)
+            seq.length.observe_costs(drafted, draft_s, verify_s, learn)
+            if learn:
+                seq.length.observe(drafted, accepted)
 
     def _step(self, seq: Seq) -> list[int]:
         """One step of a request alone: a tree, or the CUDA path's device-resident stages (the
         CPU's chains step in the batch: serve/engine/scheduler.py)."""
         if self._use_tree(seq, seq.params.max_new_tokens - len(seq.out)):
             return self._stages_tree(seq)
-        limit = self._limit(seq)
-        k = seq.kreq.choose(limit) if seq.kreq is not None else min(seq.k, limit)
-        k = self._min_draft(seq, k, limit)
+        k = self.plan([seq])[0]
         n, k_drafted, emitted = self._stages_gpu(seq, k)
-        self._learn_k(seq, k_drafted, n)
+        if seq.length is not None:
+            seq.length.observe(k_drafted, n)
         return emitted
 
     def _use_tree(self, seq: Seq, remaining: int) -> bool:

@@ -15,7 +15,8 @@ Each step (run by whoever waits for it: Scheduler's doc):
    draft together (a head drafts them in one forward per draft position);
 5. runs one target forward over every request's rows (serve/model/batch_forward.py);
 6. verifies and commits per request, as a request alone does, and delivers its tokens.
-A request the batch cannot carry (a draft tree, the CUDA path) steps alone in the same loop.
+A request the batch cannot carry (a draft tree; on a GPU, a request decoding alone) steps alone
+in the same loop.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from typing import Any
 
 import torch
 
-from infra.tokens import topk_logprobs
+from infra.records.tokens import topk_logprobs
 from serve.model.batch_forward import Item, forward_batch
 from serve.engine.sequence import Seq
 from serve.engine.stages import commit, end_prefill, prefill_tokens, prefilled_chunk, verify
+from serve.sampling.verify import verify_greedy
 
 DONE = object()  # delivered after a request's last tokens
 ALONE_CHUNKS = 8  # a prompt's chunk, in prefill_chunks, while no request decodes
@@ -164,10 +166,11 @@ class Scheduler:
         decoding = [s for s in seqs if not s.prefilling]
         batch = []
         for seq in decoding:
-            if eng.batchable(seq):
+            if eng.batchable(seq, len(decoding)):
                 batch.append(seq)
             else:
                 seq.deliver(eng._step(seq))
+        eng.begin_step()
         chunks = self._chunks([s for s in seqs if s.prefilling], len(decoding))
         if not batch and not chunks:
             return
@@ -178,15 +181,21 @@ class Scheduler:
         items += [Item(toks, s.slot.target, logits=False) for s, toks in chunks]
         layers = _feature_layers(batch + [s for s, _ in chunks])
         t1 = time.perf_counter()
-        outs = forward_batch(eng.target, items, layers)
+        outs = forward_batch(eng.target, items, layers, pool=eng.gpu)
         t2 = time.perf_counter()
         rows = sum(it.tokens.numel() for it in items)
         topks = _capture_topk(batch, [lg for lg, _ in outs[:len(batch)]])
-        for seq, (p, draft_s), (logits, feats), topk in zip(batch, props, outs, topks):
+        reads = _greedy_reads(batch, [p.tokens for p, _ in props], [lg for lg, _ in outs[:len(batch)]], eng.gpu)
+        for seq, (p, draft_s), (logits, feats), topk, read in zip(batch, props, outs, topks, reads):
             seq.step_feats = _pick(feats, layers, _reads(seq))
             t3 = time.perf_counter()
-            n, nxt = verify(seq, p.tokens, p.q, logits, p.point_mass)
-            emitted = commit(seq, p.tokens.tolist(), p.own, logits, n, nxt, topk)
+            if read is not None:
+                n, nxt = verify_greedy(*read)
+                drafted = read[0].tolist()
+            else:
+                n, nxt = verify(seq, p.tokens, p.q, logits, p.point_mass)
+                drafted = p.tokens.tolist()
+            emitted = commit(seq, drafted, p.own, logits, n, nxt, topk)
             eng.after_step(seq, p.tokens.numel(), n, rows, draft_s, t2 - t1, time.perf_counter() - t3)
             seq.deliver(emitted)
         for (seq, toks), (_, feats) in zip(chunks, outs[len(batch):]):
@@ -194,12 +203,8 @@ class Scheduler:
             if not seq.prefilling:
                 end_prefill(seq)
                 seq.t_decode = time.perf_counter()
-        if batch and eng.kpolicy_ready():
-            costs = eng.k_policy().costs
-            if len(items) == 1:  # a request alone: the profile's own entry
-                costs.observe_verify(rows, t2 - t1)
-            else:
-                costs.observe_batch(rows, t2 - t1)
+        if batch:
+            eng.observe_forward(len(items), rows, t2 - t1)
         self.log.add(len(batch) + len(chunks), rows)
         if batch:
             self._pace(time.perf_counter() - t_step, bool(chunks))
@@ -251,6 +256,23 @@ def _capture_topk(batch: list[Seq], logits: list[torch.Tensor]) -> list[tuple[to
     for i in want:
         t = logits[i].shape[0]
         out[i], lo = (ids[lo:lo + t], lps[lo:lo + t]), lo + t
+    return out
+
+
+def _greedy_reads(batch: list[Seq], drafts: list[torch.Tensor], logits: list[torch.Tensor],
+                  device: bool) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """On a GPU, what greedy verify reads of every greedy request without processors, (drafts,
+    the target's argmax per row) on the host, in one device-to-host copy for the whole step
+    instead of a few syncs per request; None for the others (and on the CPU), which verify as
+    a request alone does."""
+    want = [i for i, s in enumerate(batch) if device and s.params.sampling.greedy and s.proc is None]
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batch)
+    if not want:
+        return out
+    parts = [t for i in want for t in (drafts[i], logits[i].argmax(-1))]
+    host = torch.cat(parts).cpu().split([t.numel() for t in parts])
+    for j, i in enumerate(want):
+        out[i] = (host[2 * j], host[2 * j + 1])
     return out
 
 

@@ -14,7 +14,7 @@ import torch
 from serve.engine.capture import CaptureBuffer
 from serve.engine.detokenize import StopScanner
 from serve.model.cuda_graphs import StagingRing
-from serve.spec_decode.k_policy import RequestK
+from serve.spec_decode.k_policy import RequestLength
 from serve.sampling.processors import LogitsProcessor, ProcessorParams
 from serve.model.runner import KVCache, Runner
 from serve.engine.tenancy import Origin
@@ -154,8 +154,8 @@ class Seq:
         self.slot = slot
         self.draft = draft  # this request's draft (None: autoregressive)
         self.dcache = slot.draft_cache(draft) if draft is not None else None
-        self.k = k  # this request's current draft budget (k_policy schedule moves it within [1, k])
-        self.kreq: RequestK | None = None  # k_policy cost: this request's choice of k
+        # Its share of the draft-length policy (serve/spec_decode/k_policy.py); None without a draft.
+        self.length: RequestLength | None = None
         self.eos = (frozenset() if params.ignore_eos else eos) | frozenset(params.stop_token_ids)
         # Set by the engine when params.processors is active (it knows the vocab).
         self.proc: LogitsProcessor | None = None
@@ -166,6 +166,7 @@ class Seq:
         self.finish: str | None = None
         self.text: str | None = None  # set when a stop string cut the output
         self.stops: StopScanner | None = None  # set by the engine when stop strings apply
+        # k: the most a step drafts (the per-position counts' length; a tree's deeper steps extend them)
         self.stats = SpecStats(accepted_per_pos=[0] * k, drafted_per_pos=[0] * k, reached_per_pos=[0] * k)
         self.capture = capture
         self.cap_accepted: list[bool] = []

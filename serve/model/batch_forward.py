@@ -13,7 +13,9 @@ beyond that its prompt weights (the model's own bfloat16, fused), because the we
 int4 and int8 kernels cost about as much per row at any row count, while oneDNN's dense
 GEMM reuses each weight across rows; the head likewise beyond WIDE_HEAD_ROWS rows.
 The native runner (serve/model/native_runner.py) takes the whole batch in one call of its
-own; a target that is neither (HFRunner, the CUDA-graph runner) runs its sequences one
+own. On a GPU, the rows of every sequence with logits run in one pool forward of bucketed
+shapes (serve/model/pool_forward.py; the CUDA-graph runner replays it as a graph), prompt
+chunks one forward each. A target that is none of these (HFRunner) runs its sequences one
 forward each.
 """
 
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from serve.model.pool_forward import pool_forward, pool_rows
 from serve.model.runner import LlamaRunner, StaticKVCache, attention
 
 # Rows up to which a batched forward uses the step weights (module doc): past them the bfloat16
@@ -33,6 +36,9 @@ from serve.model.runner import LlamaRunner, StaticKVCache, attention
 # beside a decode row still reads the head a decode step reads.
 WIDE_ROWS = 24
 WIDE_HEAD_ROWS = 8
+# A GPU step's sequences of up to this many rows ride in the pool forward (verify blocks and
+# decode rows); longer ones (prompt chunks) run alone.
+POOL_MAX_ROWS = 32
 
 
 @dataclass
@@ -45,10 +51,16 @@ class Item:
 Output = tuple["torch.Tensor | None", "torch.Tensor | None"]  # (logits [T, V] fp32, features [T, F])
 
 
-def forward_batch(runner: Any, items: list[Item], layers: tuple[int, ...] = ()) -> list[Output]:
-    """Run every item's rows; returns per item (logits or None, features of `layers` or None)."""
+def forward_batch(runner: Any, items: list[Item], layers: tuple[int, ...] = (), pool: bool | None = None) -> list[Output]:
+    """Run every item's rows; returns per item (logits or None, features of `layers` or None).
+    pool: the GPU's pool forward (default: on a GPU; tests take it on the CPU)."""
     if hasattr(runner, "forward_rows"):  # the native forward takes a batch in one call
         return runner.forward_rows(items, layers)
+    if pool is None:
+        pool = runner.device.type == "cuda"
+    if pool and isinstance(runner, LlamaRunner) and len(items) > 1:
+        with torch.inference_mode():
+            return pooled(runner, items, layers)
     if type(runner) is not LlamaRunner or runner.device.type != "cpu" or len(items) == 1:
         return [_solo(runner, it, layers) for it in items]
     with torch.inference_mode():
@@ -61,6 +73,37 @@ def _solo(runner: Any, it: Item, layers: tuple[int, ...]) -> Output:
     if layers:
         return runner.forward_features(it.tokens, it.cache, layers)
     return runner.forward(it.tokens, it.cache), None
+
+
+def pooled(r: LlamaRunner, items: list[Item], layers: tuple[int, ...] = ()) -> list[Output]:
+    """The GPU's batched step (module doc): the items with logits whose caches share one pool
+    in one pool forward (through the runner's graphs where it has them), the rest alone."""
+    pool = next((it.cache.pool for it in items if it.cache.pool is not None), None)
+    ride = [i for i, it in enumerate(items)
+            if it.logits and pool is not None and it.cache.pool is pool and it.tokens.numel() <= POOL_MAX_ROWS]
+    out: list[Output] = [(None, None)] * len(items)
+    if len(ride) > 1:
+        its = [items[i] for i in ride]
+        sizes = [it.tokens.numel() for it in its]
+        reserve(its, sizes)
+        rows = pool_rows(pool, [it.tokens for it in its], [it.cache for it in its], r.device)
+        run = getattr(r, "forward_pool", None)
+        logits, feats = (run(pool, rows, layers) if run is not None else
+                         pool_forward(r, pool, *rows.inputs, rows.width, rows.span, layers))
+        lo = 0
+        for i, it, t in zip(ride, its, sizes):
+            it.cache.length += t
+            out[i] = (logits[lo:lo + t], feats[lo:lo + t] if feats is not None else None)
+            lo += t
+    else:
+        ride = []
+    rest = sorted(set(range(len(items))) - set(ride))
+    if len(rest) > 1:  # prompt chunks: one eager forward for all (each attends alone)
+        for i, o in zip(rest, _batched(r, [items[i] for i in rest], layers)):
+            out[i] = o
+    elif rest:
+        out[rest[0]] = _solo(r, items[rest[0]], layers)
+    return out
 
 
 def _batched(r: LlamaRunner, items: list[Item], layers: tuple[int, ...]) -> list[Output]:

@@ -12,6 +12,15 @@ matter are the per-request KV caches the engine already owns, and capture costs
 milliseconds where compile costs minutes per shape, on every replica start. Nothing here
 needs a compiler; graphs keyed by (cache, T) say exactly what is captured.
 
+Batched steps (serve/model/batch_forward.py pooled): one graph per bucket of (rows, grid
+width, attended span) of the pool forward (serve/model/pool_forward.py), as vLLM captures a
+graph per batch size; the rows are padded to the bucket. The rows' values, slots and
+positions are the graph's inputs; the pool is its cache.
+
+A request slot's own forwards (decode, verify) take the same pool graphs, as a batch of one,
+so no graph is captured per slot. Caches outside a pool (draft scratch, tests) keep graphs of
+their own:
+
 Shapes. Each runner forward of T tokens (T <= max_graph_tokens, which the engine sets to
 k+1) is one graph per (cache, T, feature layers), captured on first use: decode (T=1), verify (T = drafts+1,
 so the draft-length policy and the budget clamp use the sizes they need, each captured once),
@@ -25,11 +34,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from serve.model.runner import LlamaRunner, StaticKVCache
+from serve.model.pool_forward import PoolRows, pool_forward, pool_rows
+from serve.model.runner import KVPool, LlamaRunner, StaticKVCache
 
 # Forwards of more tokens than this (prefill) run eagerly: a graph per prompt length
 # would be captured once and never replayed.
 MAX_GRAPH_TOKENS = 64
+# Pool forwards of more rows than this (a bucket) run eagerly.
+MAX_GRAPH_ROWS = 256
 
 
 @dataclass
@@ -53,24 +65,29 @@ class GraphSet:
         self._new_cache = new_cache
         self._scratch: Any = None
 
-    def run(self, key: Any, fn: Callable[..., Any], cache: Any, inputs: Sequence[torch.Tensor]) -> Any:
+    def run(self, key: Any, fn: Callable[..., Any], cache: Any, inputs: Sequence[torch.Tensor],
+            warm_on: Any = None) -> Any:
+        """Replay key's graph (captured on first use) over `inputs`. warm_on: what the warm-up
+        runs over instead of a scratch cache, for a forward whose writes are idempotent (the
+        pool forward writes each row's K/V where the replay writes the same values)."""
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self.graphs[key] = self._capture(fn, cache, inputs)
+            entry = self.graphs[key] = self._capture(fn, cache, inputs, warm_on)
         for buf, x in zip(entry.inputs, inputs):
             buf.copy_(x)
         entry.graph.replay()
         return entry.outputs
 
-    def _capture(self, fn: Callable[..., Any], cache: Any, inputs: Sequence[torch.Tensor]) -> _Captured:
+    def _capture(self, fn: Callable[..., Any], cache: Any, inputs: Sequence[torch.Tensor],
+                 warm_on: Any = None) -> _Captured:
         static = tuple(x.clone() for x in inputs)
-        if self._scratch is None:
+        if warm_on is None and self._scratch is None:
             self._scratch = self._new_cache()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                fn(self._scratch, *static)
+                fn(self._scratch if warm_on is None else warm_on, *static)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
@@ -103,6 +120,10 @@ class GraphLlamaRunner(LlamaRunner):
         start = cache.length
         if start + t > cache.max_len:
             raise ValueError(f"sequence of {start + t} tokens exceeds the cache's {cache.max_len}")
+        if cache.pool is not None:  # a request slot: the pool forward's graphs, shared by every slot
+            out, feats = self.forward_pool(cache.pool, pool_rows(cache.pool, [tokens], [cache], self.device), layers)
+            cache.length = start + t
+            return out[:t], (feats[:t] if feats is not None else None)
         begin = self.arange[start: start + 1]  # a device tensor made without a host copy
 
         def step(c: StaticKVCache, toks: torch.Tensor, at: torch.Tensor):
@@ -110,6 +131,19 @@ class GraphLlamaRunner(LlamaRunner):
 
         logits, feats = self.graphs.run((id(cache), t, layers), step, cache, (tokens, begin))
         cache.length = start + t
+        return logits.clone(), (feats.clone() if feats is not None else None)
+
+    def forward_pool(self, pool: KVPool, rows: PoolRows,
+                     layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The pool forward (serve/model/pool_forward.py), a graph per bucket of its shapes."""
+        if rows.tokens.shape[0] > MAX_GRAPH_ROWS:
+            return pool_forward(self, pool, *rows.inputs, rows.width, rows.span, layers)
+        width, span = rows.width, rows.span
+
+        def step(p: KVPool, *inputs: torch.Tensor):
+            return pool_forward(self, p, *inputs, width, span, layers)
+
+        logits, feats = self.graphs.run((id(pool), "pool", rows.key, layers), step, pool, rows.inputs, warm_on=pool)
         return logits.clone(), (feats.clone() if feats is not None else None)
 
     def forward_masked(self, tokens: torch.Tensor, start: torch.Tensor, pos: torch.Tensor, visible: torch.Tensor,

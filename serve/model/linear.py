@@ -10,7 +10,7 @@ through one of these, so the forward does not care how a weight is stored:
   135M model is bound by the bytes it reads.
 
 Why int4 can be exact for a GGUF target: its Q4_0 and Q4_1 blocks are int4 codes with a
-scale and a minimum per group of 32, which infra/quant_codes.py recovers bit for bit (the
+scale and a minimum per group of 32, which infra/formats/quant_codes.py recovers bit for bit (the
 loader keeps their float16 scales on each weight). The kernel computes w = (q - 8)·s + z, so
 z = m + 8·d.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from infra.quant_codes import INT4_GROUP, dequantize_int4, int4_codes  # noqa: F401 (re-exported)
+from infra.formats.quant_codes import INT4_GROUP, dequantize_int4, int4_codes  # noqa: F401 (re-exported)
 
 QUANT_MODES = ("none", "int4")
 
@@ -54,7 +54,7 @@ class Dense:
 class Upcast(AddAfter):
     """A float32 weight under lower-precision activations: x in float32, the product back in
     x's dtype. The many-row weights of an int4 target on a CPU without native bfloat16
-    (infra/cpu.py native_bf16_gemm): there a float32 GEMM of many rows is several times faster
+    (infra/common/cpu.py native_bf16_gemm): there a float32 GEMM of many rows is several times faster
     than an emulated bfloat16 one, and the two casts cost little beside it."""
 
     weight: torch.Tensor  # [out, in] float32
@@ -110,7 +110,7 @@ class Int8(AddAfter):
 
 def make_linear(w: torch.Tensor, quant: str, dtype: torch.dtype,
                 scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> Dense | Int4 | Int8 | Upcast:
-    """w as `quant` keeps it; `scales`: int4's exact block scales where known (infra/quant_codes.py)."""
+    """w as `quant` keeps it; `scales`: int4's exact block scales where known (infra/formats/quant_codes.py)."""
     if quant == "none":
         return Dense(w)
     if quant == "upcast":  # internal: a runner's wide weights (LlamaRunner), never a user's quant

@@ -2,7 +2,7 @@
 [N, K] weight with torch: tiles of 16 output columns by 32 inputs, each tile's blocks along K
 contiguous, so a thread streams its columns' bytes once per step whatever the row count.
 
-- Q4: the GGUF's Q4_0/Q4_1 blocks, w = d * code + m, codes 0..15 (infra/quant_codes.py
+- Q4: the GGUF's Q4_0/Q4_1 blocks, w = d * code + m, codes 0..15 (infra/formats/quant_codes.py
   recovers them from the dequantized weights), d and m in float16 as the GGUF keeps them.
 - Q8: symmetric int8 blocks of 32 with a float16 scale (the GGUF's Q8_0), for the head.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from infra.quant_codes import INT4_GROUP, int4_codes
-from infra.quant_codes import q8_codes as quant_q8_codes
+from infra.formats.quant_codes import INT4_GROUP, int4_codes
+from infra.formats.quant_codes import q8_codes as quant_q8_codes
 
 TILE = 16
 BLOCK = INT4_GROUP  # 32
@@ -38,7 +38,7 @@ def _as_bytes(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def pack_q4(w: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """[N, K] float weight -> the Q4 stream, uint8 [N/16 * K/32 * 320]; `scales`: the blocks'
-    exact scale and minimum where known (infra/quant_codes.py)."""
+    exact scale and minimum where known (infra/formats/quant_codes.py)."""
     _check(w)
     return pack_q4_codes(*int4_codes(w, BLOCK, scales))
 
@@ -55,7 +55,7 @@ def pack_q4_codes(codes: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) ->
 
 
 def q8_codes(w: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """infra/quant_codes.py q8_codes (codes against the float16 scale the kernel reads, or the
+    """infra/formats/quant_codes.py q8_codes (codes against the float16 scale the kernel reads, or the
     blocks' exact one where known) of a weight the Q8 tiles fit."""
     _check(w)
     return quant_q8_codes(w, scale, BLOCK)

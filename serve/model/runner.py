@@ -21,8 +21,8 @@ from typing import Any, Callable, NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
-from infra.cpu import native_bf16_gemm
-from infra.quant_codes import EXACT_SCALES, int4_codes
+from infra.common.cpu import native_bf16_gemm
+from infra.formats.quant_codes import EXACT_SCALES, int4_codes
 from serve.model.linear import QUANT_MODES, Dense, Int4, Int8, Upcast, make_linear
 from serve.model.families import Family, lean_family
 
@@ -91,7 +91,10 @@ class KVPool:
     small capacity and double it as sequences need (up to max_len, all slots copied once):
     the batched attention then runs over whole, contiguous slot rows (bmm would otherwise
     copy every slot's prefix each layer); a fixed pool (CUDA graphs, draft trees, which
-    address every position of max_len) has max_len from the start."""
+    address every position of max_len) has max_len from the start.
+
+    One slot more than the sequences' is the spare: no sequence owns it, and a forward padded
+    to a fixed shape (serve/model/pool_forward.py) writes its padding rows there."""
 
     MIN_CAPACITY = 256
 
@@ -99,7 +102,8 @@ class KVPool:
                  growable: bool = False):
         self.max_len = max_len
         self.capacity = min(self.MIN_CAPACITY, max_len) if growable else max_len
-        shape = (layers, slots, kv_heads, self.capacity, head_dim)
+        self.spare = slots
+        shape = (layers, slots + 1, kv_heads, self.capacity, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.caches = [StaticKVCache(layers, kv_heads, max_len, head_dim, dtype, device, self, i)
@@ -172,7 +176,7 @@ def shared_linear(sources: tuple[torch.Tensor, ...], quant: str, dtype: torch.dt
 
 
 def exact_scales(sources: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...] | None:
-    """The block scales the loader kept on `sources` (infra/quant_codes.py), concatenated as the
+    """The block scales the loader kept on `sources` (infra/formats/quant_codes.py), concatenated as the
     weights are; None where none has them. In a fused weight whose parts the file kept in
     different types (Q4_K_M's q and k in Q4_K, v in Q6_K), a part without them takes its own
     min/max scales, so the others stay exact."""
@@ -223,7 +227,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 def _rowwise_pv(probs: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """probs [KV, G, T, L] times v [KV, L, hd], each row summed over its own visible prefix
-    only -> [T, KV, G, hd]. Where bfloat16 GEMMs are emulated (AVX2: infra/cpu.py) one bmm
+    only -> [T, KV, G, hd]. Where bfloat16 GEMMs are emulated (AVX2: infra/common/cpu.py) one bmm
     over the block's full length, masked zeros included, now and then rounds a row otherwise
     than the decode's bmm over that row's prefix (3 of 16 real 5-row verify blocks differed at
     some layer on 2 Zen 3 cores), so there each row takes a decode's exact shapes: [KV, G, L_j]."""
@@ -239,7 +243,7 @@ def _shared_head(weight: torch.Tensor, quant: str, dtype: torch.dtype) -> Dense 
 def wide_format(dtype: torch.dtype, upcast: bool | None = None) -> str:
     """How a runner keeps its wide weights (prompts, batched steps of many rows): "none", the
     model's own weights, or "upcast", float32 copies under its lower-precision activations,
-    where this CPU has no native bfloat16 GEMM (infra/cpu.py). upcast:
+    where this CPU has no native bfloat16 GEMM (infra/common/cpu.py). upcast:
     force either way (tests); None: decide by dtype and CPU."""
     if upcast is None:
         upcast = dtype != torch.float32 and not native_bf16_gemm()

@@ -15,7 +15,7 @@ from serve.spec_decode.suffix.draft import HybridDraft, WithSuffix
 
 def draft_runner(model: Any, max_seq_len: int | None = None, quant: str = "none",
                  cpu_kernels: str = "auto") -> Runner:
-    """A head draft (infra/draft_head.py) gets its own runner; any other draft model the runner a
+    """A head draft (infra/drafts/head.py) gets its own runner; any other draft model the runner a
     target of its kind would get (serve/model/factory.py)."""
     if getattr(model, "osd_family", None) == "head":
         return HeadRunner(model, max_seq_len, quant)

@@ -18,13 +18,18 @@ MAX_IDLE steps; the back-off carries over to the draft's next requests): a usele
 then costs a probe's verify row and the draft's catch-up over the skipped tokens once in
 16, 32, 64, ... steps.
 
+The engine asks one policy (`length_policy`: cost, schedule or fixed, the LengthPolicy
+protocol) once per step for every request of the step; each request keeps its own state in
+one object the policy made (a RequestLength). A request's minimum draft (a canary's, so both
+arms report served acceptance) is that request's property, applied by every policy alike.
+
 Pure: no torch, milliseconds to test with a fake profile.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 PROBE_EVERY = 16
 MAX_IDLE = 256
@@ -185,8 +190,97 @@ class StepCosts:
             self.step_s += EWMA * (seconds - self.step_s)
 
 
+class RequestLength(Protocol):
+    """One request's share of the policy: what it learned of its draft."""
+    min_draft: int  # drafts at least this many a step while it can (0: the rule decides)
+    probing: bool  # this step's draft is a probe (the cost rule's), which teaches no draft cost
+
+    @property
+    def alpha(self) -> float:
+        """The request's acceptance estimate (a neutral 0.5 where the policy keeps none)."""
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """What the step's verify accepted of its drafts."""
+
+    def observe_costs(self, drafted: int, draft_s: float, step_s: float, teaches: bool) -> None:
+        """The step's draft and fixed seconds (teaches: the draft's tokens count as its own)."""
+
+
+class LengthPolicy(Protocol):
+    """Per engine: the one rule that sizes drafts."""
+    k_max: int
+    # The cost profile's cut of a proposed chain (StepContext.cut), where the policy has one.
+    cut: Callable[[list[float], int, int], int] | None
+
+    def start(self, draft_key: object, min_draft: int = 0) -> RequestLength:
+        """A new request's state, drafting with the draft `draft_key` names."""
+
+    def plan(self, requests: Sequence[RequestLength | None], limits: Sequence[int], base_rows: int) -> list[int]:
+        """Every request's draft length for one step, each at most its limit (budget and
+        context). None: a request without a draft, which decodes (0). base_rows: the
+        step's rows besides drafts (a row a request, prompt chunks)."""
+
+    def observe_forward(self, sequences: int, rows: int, seconds: float) -> None:
+        """A target forward's measured cost."""
+
+
+def with_min_draft(r: RequestLength, k: int, limit: int, k_max: int) -> int:
+    return max(k, min(r.min_draft, limit, k_max)) if r.min_draft else k
+
+
+@dataclass
+class FixedRequest:
+    k: int
+    min_draft: int = 0
+    probing: bool = False
+    alpha: float = 0.5
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        pass
+
+    def observe_costs(self, drafted: int, draft_s: float, step_s: float, teaches: bool) -> None:
+        pass
+
+
+@dataclass
+class ScheduleRequest(FixedRequest):
+    k_max: int = 1
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """Hugging Face's assistant schedule: +2 after a step whose drafts were all accepted,
+        -1 (not below 1) otherwise."""
+        if drafted:
+            self.k = min(self.k + 2, self.k_max) if accepted == drafted else max(self.k - 1, 1)
+
+
+class FixedLength:
+    """k every step (at most the limit)."""
+    cut = None
+
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+
+    def start(self, draft_key: object, min_draft: int = 0) -> RequestLength:
+        return FixedRequest(self.k_max, min_draft)
+
+    def plan(self, requests: Sequence[RequestLength | None], limits: Sequence[int], base_rows: int) -> list[int]:
+        return [with_min_draft(r, min(r.k, lim), lim, self.k_max) if r is not None else 0  # type: ignore[attr-defined]
+                for r, lim in zip(requests, limits)]
+
+    def observe_forward(self, sequences: int, rows: int, seconds: float) -> None:
+        pass
+
+
+class ScheduleLength(FixedLength):
+    """Each request's budget moves with its acceptance (ScheduleRequest), from k_max."""
+
+    def start(self, draft_key: object, min_draft: int = 0) -> RequestLength:
+        return ScheduleRequest(self.k_max, min_draft, k_max=self.k_max)
+
+
 class KPolicy:
-    """Per engine: the costs, each draft's acceptance across requests, and the choice per step."""
+    """The cost rule (module doc), per engine: the costs, each draft's acceptance across
+    requests, and the choice per step."""
 
     def __init__(self, costs: StepCosts, k_max: int, probe_every: int = PROBE_EVERY):
         self.costs = costs
@@ -196,19 +290,46 @@ class KPolicy:
         self.idle_limit: dict[object, int] = {}  # per draft: the probe back-off, carried across requests
 
     def plan(self, requests: Sequence["RequestK | None"], limits: Sequence[int], base_rows: int) -> list[int]:
-        """Draft lengths for one batched step (plan_batch), then each request's probe rule
-        (RequestK.settle). None: a sequence without a draft (it decodes)."""
+        """Draft lengths for one step: a request alone by its own rule (RequestK.choose), a
+        batch by plan_batch; then each request's probe rule (RequestK.settle) and minimum."""
+        if len(requests) == 1 and base_rows == 1 and requests[0] is not None:
+            return [with_min_draft(requests[0], requests[0].choose(limits[0]), limits[0], self.k_max)]
         c = self.costs
         alphas = [r.alpha if r is not None else 0.0 for r in requests]
         draft_s = [c.draft_cost(r.draft_key) if r is not None else 0.0 for r in requests]
         caps = [min(self.k_max, lim) if r is not None else 0 for r, lim in zip(requests, limits)]
         profile = c.verify_s if len(requests) == 1 else c.batch_profile()
         ks = plan_batch(profile, base_rows, alphas, caps, draft_s, c.step_s * len(requests))
-        return [r.settle(k, lim) if r is not None else 0 for r, k, lim in zip(requests, ks, limits)]
+        return [with_min_draft(r, r.settle(k, lim), lim, self.k_max) if r is not None else 0
+                for r, k, lim in zip(requests, ks, limits)]
 
-    def new_request(self, draft_key: object) -> "RequestK":
+    def start(self, draft_key: object, min_draft: int = 0) -> "RequestK":
         shared = self.by_draft.setdefault(draft_key, Acceptance())
-        return RequestK(self, draft_key, Acceptance(weight=0.0), shared, idle_limit=self.idle_limit.get(draft_key, 0))
+        return RequestK(self, draft_key, Acceptance(weight=0.0), shared, idle_limit=self.idle_limit.get(draft_key, 0),
+                        min_draft=min_draft)
+
+
+    def observe_forward(self, sequences: int, rows: int, seconds: float) -> None:
+        if sequences == 1:  # a request alone: the profile's own entry
+            self.costs.observe_verify(rows, seconds)
+        else:
+            self.costs.observe_batch(rows, seconds)
+
+    def cut(self, probs: list[float], base_rows: int, others: int) -> int:
+        """StepContext.cut: a proposed chain's length that pays, on this engine's profile."""
+        profile = self.costs.batch_profile() if base_rows > 1 else self.costs.verify_s
+        return chain_cut(profile, self.costs.step_s, base_rows, others, probs)
+
+
+def length_policy(name: str, k_max: int, profile: Callable[[], list[float]]) -> LengthPolicy:
+    """The policy serve.k_policy names; `profile` times the target (the cost rule's V)."""
+    if name == "cost":
+        return KPolicy(StepCosts(profile()), k_max)
+    if name == "schedule":
+        return ScheduleLength(k_max)
+    if name == "fixed":
+        return FixedLength(k_max)
+    raise ValueError(f"unknown k_policy {name!r}: cost, schedule or fixed")
 
 
 @dataclass
@@ -220,6 +341,7 @@ class RequestK:
     idle_steps: int = 0
     idle_limit: int = 0  # steps at k = 0 before the next probe (0: probe_every)
     probing: bool = False
+    min_draft: int = 0
 
     @property
     def alpha(self) -> float:
@@ -249,6 +371,11 @@ class RequestK:
         elif k > 0:
             self.idle_steps = 0
         return k
+
+    def observe_costs(self, drafted: int, draft_s: float, step_s: float, teaches: bool) -> None:
+        if not self.probing and teaches:
+            self.policy.costs.observe_draft(self.draft_key, drafted, draft_s)
+        self.policy.costs.observe_step(step_s)
 
     def observe(self, drafted: int, accepted: int) -> None:
         if self.probing:  # back off after a rejected probe, start over after an accepted one

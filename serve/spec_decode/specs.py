@@ -2,10 +2,10 @@
 
 - `none`: no draft (autoregressive).
 - `self`: the target as its own draft (acceptance 1 under greedy); measures the cost side.
-- `truncate:L`: the draft family (infra/draft_model.py) with share_layers: the target's
+- `truncate:L`: the draft family (infra/drafts/layer.py) with share_layers: the target's
   first L decoder layers with its embedding, final norm and head, sharing the target's
   tensors (no copy).
-- `head:untrained`: a head draft (infra/draft_head.py) as built before training, its
+- `head:untrained`: a head draft (infra/drafts/head.py) as built before training, its
   vocabulary the first 8192 token ids: its acceptance means nothing, its cost per draft
   token is a trained head's (`osd bench engine` on a GPU with no trained head at hand).
 - `suffix`: suffix decoding over each request's own context and the replica's recent outputs
@@ -13,12 +13,12 @@
 - `H+suffix` (H a head: a head draft directory or head:untrained; `head+suffix` names the
   warm-started head, resolved by `resolve_auto`): the head and the suffix draft, the suffix
   chain taken at each step where it expects at least as many accepted tokens as the head.
-- a directory: a draft published by `osd draft init` or the trainer (infra/draft_model.py).
+- a directory: a draft published by `osd draft init` or the trainer (infra/drafts/layer.py).
 - `auto` (serve.draft's default): resolved once by `resolve_auto` before anything is built:
   `suffix`, chosen by measurement (AUTO_DRAFT).
 - `registry`: the registry's stable and canary versions, hot-swapped as their aliases move
   (serve/api/hot_swap.py); `registry+suffix`: each head version beside the replica's one suffix
-  index, which every swap keeps (the loop's draft, infra/draft_spec.py LOOP_DRAFT).
+  index, which every swap keeps (the loop's draft, infra/drafts/spec.py LOOP_DRAFT).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.config import OSDConfig
-from infra.draft_spec import DraftSpec, DraftSpecError, warm_start_path, warm_started_draft
+from infra.drafts.spec import DraftSpec, DraftSpecError, warm_start_path, warm_started_draft
 
 AUTO = "auto"
 # What `auto` serves, chosen by measurement (docs/benchmarks.md, "The suffix draft"): suffix
@@ -67,19 +67,19 @@ def build_draft(spec: str | None, target: Any, *, target_sha256: str | None = No
         total = target.config.num_hidden_layers
         if not 1 <= n <= total:  # checked here: DraftSpec would refuse 0 with a pydantic error
             raise DraftSpecError(f"truncate:{n} needs 1..{total} layers")
-        from infra.draft_model import build_draft as build_family
+        from infra.drafts.layer import build_draft as build_family
 
         return build_family(target, DraftSpec(num_layers=n, share_layers=True))
     if spec == "head:untrained":
         import torch
 
-        from infra.draft_head import build_head
+        from infra.drafts.head import build_head
 
         v_d = min(8192, target.config.vocab_size)
         d2t = torch.arange(v_d, device=target.lm_head.weight.device)
         return build_head(target, DraftSpec(family="head"), d2t)
     if Path(spec).expanduser().is_dir():
-        from infra.draft_model import load_draft  # a published draft directory (digests checked)
+        from infra.drafts.layer import load_draft  # a published draft directory (digests checked)
 
         return load_draft(Path(spec).expanduser(), target, expect_target_sha256=target_sha256)[0]
     raise DraftSpecError(f"unknown draft spec {spec!r}: expected none, self, truncate:L, suffix or a draft directory")

@@ -1,4 +1,4 @@
-"""The fault-injection suite: real processes killed at named points (infra/faults.py), real
+"""The fault-injection suite: real processes killed at named points (infra/common/faults.py), real
 Redis stopped and killed under load, torn files and full disks; each test asserts what the
 loop promises afterwards (docs/faults.md, "What survives what")."""
 

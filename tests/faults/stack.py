@@ -36,7 +36,7 @@ def stack_config(state_dir: Path, port: int, **sections: dict) -> Any:
 
 def write_warm_start(tiny: Any, state_dir: Path) -> None:
     """<state_dir>/drafts/v1: what `osd draft init --family layer` leaves, so `up` publishes v1."""
-    from infra.draft_model import DraftSpec, build_draft, save_draft
+    from infra.drafts.layer import DraftSpec, build_draft, save_draft
 
     spec = DraftSpec(num_layers=1)
     save_draft(build_draft(tiny.model, spec), spec, state_dir / "drafts" / "v1", target_ref={"spec": "tiny-random"})
@@ -168,7 +168,7 @@ class Accounting:
 
 
 def accounting(url: str, client: Any, stream: str) -> Accounting:
-    from infra.streams import group_info
+    from infra.records.streams import group_info
 
     reps = replica_stats(url)
     dropped: dict[str, int] = {}

@@ -4,7 +4,7 @@ COMPLETE ones, and a killed run's half-written tags go too."""
 
 import pytest
 
-from train.ds_engine import COMPLETE, DistillEngine, prune_checkpoints
+from train.distill.ds_engine import COMPLETE, DistillEngine, prune_checkpoints
 
 pytestmark = pytest.mark.pure
 
@@ -42,7 +42,7 @@ def test_a_full_disk_while_marking_complete_leaves_a_tag_that_is_never_resumed(t
     import errno
     import os
 
-    from infra.durable import write_durable
+    from infra.common.durable import write_durable
 
     d = tmp_path / "checkpoints"
     good = _tag(d, 1)

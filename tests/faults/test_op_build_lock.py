@@ -11,14 +11,14 @@ import sys
 
 import pytest
 
-from train.ds_engine import op_build_lock
+from train.distill.ds_engine import op_build_lock
 
 pytestmark = pytest.mark.pure
 
 _BUILDER = """
 import sys, time
 from pathlib import Path
-from train.ds_engine import op_build_lock
+from train.distill.ds_engine import op_build_lock
 with op_build_lock():
     Path(sys.argv[1], "fused_adam").mkdir(exist_ok=True)
     Path(sys.argv[1], "fused_adam", "lock").touch()  # what torch's FileBaton makes as it builds

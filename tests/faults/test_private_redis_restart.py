@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from infra.config import load_config
-from infra.redis_server import private_server
+from infra.redis.server import private_server
 from pipeline.stack.launch import LocalStack
 
 pytestmark = pytest.mark.redis

@@ -16,8 +16,8 @@ _PRODUCE = """
 import os, signal, sys, time
 import numpy as np
 from infra.config import StreamConfig
-from infra.records import Record
-from infra.streams import RecordProducer
+from infra.records.schema import Record
+from infra.records.streams import RecordProducer
 url, n, pause, end = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 p = RecordProducer(url, StreamConfig(stream="f:exit", lag_budget=0))
 k = 8

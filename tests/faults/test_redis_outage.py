@@ -12,9 +12,9 @@ import pytest
 import redis
 
 from infra.config import StreamConfig
-from infra.records import Record
-from infra.redis_server import RedisServer
-from infra.streams import RecordProducer
+from infra.records.schema import Record
+from infra.redis.server import RedisServer
+from infra.records.streams import RecordProducer
 
 pytestmark = pytest.mark.redis
 

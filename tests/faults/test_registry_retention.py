@@ -10,7 +10,7 @@ import pytest
 
 from infra.config import load_config
 from infra.registry import AUDIT_PROTECT, Registry
-from train.trainer import TrainerWorker
+from train.online.trainer import TrainerWorker
 
 pytestmark = pytest.mark.pure
 

@@ -1,4 +1,4 @@
-"""A replica SIGKILLed with records queued for Redis: with the spool (infra/spool.py) every
+"""A replica SIGKILLed with records queued for Redis: with the spool (infra/records/spool.py) every
 record whose id a request got reaches the stream exactly once, replayed by the next producer
 on the spool dir (a restarted replica, or a live one), even when Redis held the batch in flight
 (SIGSTOP) and executed it after the kill."""
@@ -14,10 +14,10 @@ import pytest
 import redis
 
 from infra.config import StreamConfig
-from infra.records import decode
-from infra.redis_server import RedisServer
-from infra.spool import Spool, SpoolError, frame, marker_key, orphans, read_frames
-from infra.streams import FIELD, RecordProducer, connect
+from infra.records.schema import decode
+from infra.redis.server import RedisServer
+from infra.records.spool import Spool, SpoolError, frame, marker_key, orphans, read_frames
+from infra.records.streams import FIELD, RecordProducer, connect
 from tests.faults.conftest import ROOT
 from tests.test_streams import make_record as _record
 
@@ -30,10 +30,10 @@ _REPLICA = """
 import json, os, signal, sys, time
 import numpy as np
 from infra.config import StreamConfig
-from infra.records import Record
-from infra.streams import RecordProducer
+from infra.records.schema import Record
+from infra.records.streams import RecordProducer
 a = json.loads(sys.argv[1])
-p = RecordProducer(a["url"], StreamConfig(stream=a["stream"], lag_budget=0, socket_timeout_s=60, write_batch=4),
+p = RecordProducer(a["url"], StreamConfig(stream=a["stream"], lag_budget=0, socket_timeout_s=60),
                    spool_dir=a["spool"])
 k = 8
 ids = []
@@ -142,7 +142,7 @@ def test_a_live_producer_adopts_a_dead_ones_spool_and_keeps_its_own(redis_url, t
 def test_a_replay_cut_off_half_way_is_taken_up_where_it_stopped(redis_url, tmp_path):
     spool = tmp_path / "spool"
     dead = Spool(spool)
-    from infra.records import encode
+    from infra.records.schema import encode
 
     recs = [_record(i) for i in range(6)]
     payloads = [encode(r) for r in recs]
@@ -202,12 +202,12 @@ def test_a_spool_dir_that_cannot_be_made_is_said_at_start(tmp_path):
 
 @pytest.mark.redis
 def test_the_producer_role_may_spool_and_replay_and_no_more(redis_url, tmp_path):
-    from infra.redis_acl import acl_line
+    from infra.redis.acl import acl_line
 
     admin = redis.Redis.from_url(redis_url)
     admin.execute_command("ACL", "SETUSER", *acl_line("producer", "osd-producer", "pw-p-123", STREAM).split()[1:])
     cfg = StreamConfig(stream=STREAM, lag_budget=0,
-                       users={"producer": {"username": "osd-producer", "password": "pw-p-123"}})
+                       users={"producer": {"password": "pw-p-123"}})
     spool = tmp_path / "spool"
     try:
         ids = _killed(_replica(redis_url, spool, 10, pause=0.0))

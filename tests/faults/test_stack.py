@@ -36,7 +36,7 @@ OUTAGE_DROPS = {"redis_down"}
 
 @pytest.fixture(scope="module")
 def loop(tiny, tmp_path_factory):
-    from infra.redis_server import free_port
+    from infra.redis.server import free_port
     from pipeline.stack.up import ClosedLoop
 
     state = tmp_path_factory.mktemp("stack")
@@ -62,7 +62,7 @@ def _client(up) -> redis.Redis:
 
 
 def _group(up, name: str) -> dict:
-    from infra.streams import group_info
+    from infra.records.streams import group_info
 
     try:
         return group_info(_client(up), up.cfg.stream.stream).get(name) or {}
@@ -71,7 +71,7 @@ def _group(up, name: str) -> dict:
 
 
 def _starts(up) -> dict[str, int]:
-    from infra.loop_status import read_starts
+    from infra.redis.loop_status import read_starts
 
     return read_starts(_client(up), up.cfg.stream.stream)
 
@@ -214,7 +214,7 @@ def _replica_pid(replica_id: str) -> int:
 
 
 def _stream_ids(up) -> list[str]:
-    from infra.streams import scan_records
+    from infra.records.streams import scan_records
 
     return [rec.record_id for _, rec in scan_records(_client(up), up.cfg.stream.stream)]
 

@@ -6,7 +6,7 @@ import pytest
 import ray.exceptions as rex
 
 from infra.config import load_config
-from train import trainer
+from train.online import trainer
 
 pytestmark = pytest.mark.pure
 

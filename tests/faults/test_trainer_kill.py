@@ -19,8 +19,8 @@ N_RECORDS = 30
 # leak into the test process. Prints its totals as JSON when it ends by itself.
 _TRAIN = """
 import json, sys
-from infra.redis_server import free_port
-from train.trainer import TrainerWorker
+from infra.redis.server import free_port
+from train.online.trainer import TrainerWorker
 args = json.loads(sys.argv[1])
 w = TrainerWorker(args["cfg"], 0, 1, args["run_dir"])
 resumed = w.setup("127.0.0.1", free_port())
@@ -47,7 +47,7 @@ def _cfg(tmp_path, redis_url):
 
 
 def _produce(cfg, recs):
-    from infra.streams import RecordProducer
+    from infra.records.streams import RecordProducer
 
     with RecordProducer(cfg.stream.redis_url, cfg.stream) as p:
         for r in recs:
@@ -81,7 +81,7 @@ def test_kill_at_a_boundary_loses_nothing_and_trains_nothing_twice(tmp_path, red
     assert (out["resumed"] is None) == (point == "trainer.mid_step")  # killed before any checkpoint
     # The checkpoint's records are not trained again; the others are trained once, after the restart.
     assert out["records_total"] == N_RECORDS, f"trained {out['records_total']} times for {N_RECORDS} records"
-    from infra.loop_status import read_starts
+    from infra.redis.loop_status import read_starts
     import redis
 
     assert read_starts(redis.Redis.from_url(redis_url), cfg.stream.stream) == {"trainer-0": 2}  # ops: 1 restart

@@ -6,8 +6,8 @@ socket_timeout_s", and `osd up` restarted it for ever (found by test_stack.py)."
 import pytest
 
 from infra.config import load_config
-from infra.streams import RecordConsumer
-from train.trainer import TrainerWorker
+from infra.records.streams import RecordConsumer
+from train.online.trainer import TrainerWorker
 
 pytestmark = pytest.mark.redis
 

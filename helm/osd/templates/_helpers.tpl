@@ -94,7 +94,7 @@ app.kubernetes.io/component: redis
 {{- end -}}
 
 {{/*
-What each role's Redis user may run: the same rules as infra/redis_acl.py ROLE_COMMANDS
+What each role's Redis user may run: the same rules as infra/redis/acl.py ROLE_COMMANDS
 (tests/test_helm.py holds the two equal).
 */}}
 {{- define "osd.redisAclCommands" -}}
@@ -139,10 +139,8 @@ so the file alone says where state, the registry and the trainers go.
 - name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
   value: serve.api.proxy_auth:middlewares
 {{- if include "osd.redisAcl" . }}
-# Each client connects as its role's ACL user (stream.users; infra/streams.py connect).
+# Each client connects as its role's ACL user, osd-<role> (stream.users; infra/records/streams.py connect).
 {{- range $role := list "producer" "trainer" "admin" }}
-- name: OSD_STREAM__USERS__{{ upper $role }}__USERNAME
-  value: osd-{{ $role }}
 - name: OSD_STREAM__USERS__{{ upper $role }}__PASSWORD
   valueFrom:
     secretKeyRef:

@@ -28,7 +28,7 @@ ADAPT_EVERY = 4  # the poller's time-to-adapt gauges: every 4th stream poll (a m
 class OpsSource:
     def __init__(self, cfg: OSDConfig, registry: Any = None, client: Any = None):
         from infra.registry import Registry
-        from infra.streams import connect
+        from infra.records.streams import connect
 
         self.cfg = cfg
         self.registry = registry or Registry.from_config(cfg)
@@ -44,8 +44,8 @@ class OpsSource:
     def read(self, since: float) -> tuple[list[st.Evidence], list[tuple[float, str]]]:
         """The newest records since `since` (at most MAX_RECORDS), oldest first: the drafted
         ones as evidence, and every one's (time, domain) for the shift detector."""
-        from infra.records import RecordError, decode
-        from infra.streams import FIELD
+        from infra.records.schema import RecordError, decode
+        from infra.records.streams import FIELD
 
         if self.client is None:
             return [], []
@@ -163,7 +163,7 @@ class OpsSource:
         last = versions[-1] if versions else None
         suffix = [r["suffix"] for r in replicas if r.get("suffix")]
         return {"records_written": sum(int(r.get("records_written", 0)) for r in replicas),
-                # Written from the spool a killed replica left (infra/spool.py): not lost.
+                # Written from the spool a killed replica left (infra/records/spool.py): not lost.
                 "records_replayed": sum(int(r.get("records_replayed", 0)) for r in replicas),
                 "records_dropped": dropped,
                 # Starts beyond the first of each trainer rank and the rollout controller.
@@ -189,8 +189,8 @@ class OpsSource:
 
 def stream_health(client: Any, name: str) -> dict[str, Any]:
     """Length, dead letters, each group's lag (Redis 7's XINFO GROUPS) and the loop's status hash."""
-    from infra.loop_status import read_all, read_starts
-    from infra.streams import dead_letter_stream, group_info
+    from infra.redis.loop_status import read_all, read_starts
+    from infra.records.streams import dead_letter_stream, group_info
 
     groups = [{"group": g, "lag": _int(i.get("lag")), "pending": _int(i.get("pending")),
                "consumers": _int(i.get("consumers")), "last_delivered": i.get("last-delivered-id")}
@@ -240,7 +240,7 @@ class StreamPoller:
         return self
 
     def _run(self) -> None:
-        from infra.streams import connect
+        from infra.records.streams import connect
         from serve.api.metrics import StreamMetrics
 
         gauges = StreamMetrics()

@@ -2,7 +2,7 @@
 
 Two sources, each for what only it knows:
 - records (the stream): acceptance, mean accepted length and per-position acceptance per
-  version, counted exactly as the rollout controller counts them (infra/canary_stats.py), so
+  version, counted exactly as the rollout controller counts them (infra/common/canary_stats.py), so
   the page's canary-minus-stable interval is the controller's own;
 - serving samples (each replica's recent requests, serve/api/metrics.py `RecentRequests`):
   requests, output tokens/s, latency percentiles and errors, which records do not carry
@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from infra.canary_stats import RatioStats, RequestSample, compare_ratios, request_sample
-from infra.stats import percentile  # noqa: F401 (re-exported)
+from infra.common.canary_stats import LEN_MARGIN, MIN_GAIN, TAU, RatioStats, RequestSample, compare_ratios, request_sample
+from infra.common.stats import percentile  # noqa: F401 (re-exported)
 
 Z95 = 1.959964  # two-sided 95% normal quantile, for one version's own interval
 
@@ -145,14 +145,14 @@ def canary_vs_stable(aggs: dict[str, VersionAgg], stable: str, canary: str, roll
                            "final_step": final, "alpha": rollout.alpha, "checks": []}
     if min(n.values()) < 2:
         return out
-    acc = compare_ratios(s.acceptance, c.acceptance, rollout.tau, rollout.alpha)
-    length = compare_ratios(s.length, c.length, rollout.tau, rollout.alpha, scale=float(k))
+    acc = compare_ratios(s.acceptance, c.acceptance, TAU, rollout.alpha)
+    length = compare_ratios(s.length, c.length, TAU, rollout.alpha, scale=float(k))
     out.update(acceptance=acc, mean_accepted_len=length)
     enough = min(n.values()) >= rollout.min_requests
     checks = [("acceptance", "not worse (no rollback)", acc, -rollout.margin),
-              ("mean_accepted_len", "not worse (no rollback)", length, -rollout.len_margin)]
+              ("mean_accepted_len", "not worse (no rollback)", length, -LEN_MARGIN)]
     if final:
-        checks.append(("acceptance", "better (promote)", acc, rollout.min_gain))
+        checks.append(("acceptance", "better (promote)", acc, MIN_GAIN))
     for metric, what, cmp, threshold in checks:
         if not enough:
             verdict = "pending"

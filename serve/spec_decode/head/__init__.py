@@ -1,2 +1,2 @@
-"""The head draft (infra/draft_head.py) served: `draft` is its runner and propose stage, `lean`
+"""The head draft (infra/drafts/head.py) served: `draft` is its runner and propose stage, `lean`
 its math over fused, optionally quantized weights."""

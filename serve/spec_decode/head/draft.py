@@ -1,4 +1,4 @@
-"""Serving a `head` draft (infra/draft_head.py): its runner and its propose stage.
+"""Serving a `head` draft (infra/drafts/head.py): its runner and its propose stage.
 
 Rows and caches. Row t of the head reads the target's features at position t and the token
 x_{t+1}, and predicts x_{t+2}. With N committed tokens the target has features for positions

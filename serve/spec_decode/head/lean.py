@@ -1,6 +1,6 @@
 """The head draft's serving math over fused weights, optionally quantized (serve/model/linear.py).
 
-Same computation as infra/draft_head.py's `mix -> qkv -> attend -> logits` (which training
+Same computation as infra/drafts/head.py's `mix -> qkv -> attend -> logits` (which training
 keeps), written as the target's lean forward is: q|k|v and gate|up as one GEMM each, fused
 RMSNorm, RoPE without concatenation, one row's attention as two small bmm. On 2 CPU
 cores a head row costs a few milliseconds through nn.Linear modules, a large share of an

@@ -39,6 +39,12 @@ from serve.spec_decode.trees.dynamic import DraftTree
 
 
 _DEFAULTS = SuffixConfig()
+# The index follows a suffix match of at most MAX_DEPTH tokens; a chain stops at a token whose
+# empirical probability is below MIN_PROB. A chain is chosen, not drafted, so its length
+# costs only verify rows, which the cost profile prices (k_policy.chain_cut): it may run past
+# serve.k up to MAX_CHAIN, at most 15, since a verify of up to 16 rows attends row by row
+# exactly as decoding does.
+MAX_DEPTH, MIN_PROB, MAX_CHAIN = 32, 0.1, 15
 
 
 class SuffixDraft(Draft):
@@ -50,10 +56,12 @@ class SuffixDraft(Draft):
     device = torch.device("cpu")  # its proposals go to each request's device
 
     def __init__(self, vocab_size: int, *, max_tokens: int = _DEFAULTS.max_tokens,
-                 max_depth: int = _DEFAULTS.max_depth, min_prob: float = _DEFAULTS.min_prob, factor: float = 1.0,
-                 offset: float = 0.0, max_chain: int = _DEFAULTS.max_chain):
-        # serve.suffix's defaults (infra/config.py SuffixConfig); factor and offset, for
+                 max_depth: int = MAX_DEPTH, min_prob: float = MIN_PROB, factor: float = 1.0,
+                 offset: float = 0.0, max_chain: int = MAX_CHAIN):
+        # max_tokens is serve.suffix's (infra/config.py SuffixConfig); the others, for
         # experiments, are this draft's own.
+        if not 1 <= max_chain <= MAX_CHAIN:  # 17+ verify rows no longer attend as decoding does
+            raise ValueError(f"max_chain must be in 1..{MAX_CHAIN}, got {max_chain}")
         self.vocab_size = vocab_size
         self.max_chain = max_chain
         self.min_prob, self.factor, self.offset = min_prob, factor, offset
@@ -66,8 +74,7 @@ class SuffixDraft(Draft):
 
     @classmethod
     def from_config(cls, suffix: Any, vocab_size: int) -> "SuffixDraft":
-        return cls(vocab_size, max_tokens=suffix.max_tokens, max_depth=suffix.max_depth,
-                   min_prob=suffix.min_prob, max_chain=suffix.max_chain)
+        return cls(vocab_size, max_tokens=suffix.max_tokens)
 
     def _follow(self, seq: Any) -> int:
         """The request's index brought up to its committed tokens; its key."""
@@ -238,7 +245,7 @@ class HybridDraft(Draft):
 
 
 def _alpha(seq: Any) -> float:
-    return seq.kreq.alpha if seq.kreq is not None else 0.5
+    return seq.length.alpha if seq.length is not None else 0.5
 
 
 def suffix_of(draft: Any) -> SuffixDraft | None:

@@ -1,0 +1,150 @@
+"""What the online trainer does differently per draft family, behind one small interface.
+
+The trainer's loop (read, step, checkpoint, ack, export, gate, publish) is the same for both
+families; what differs is how records become a batch, the loss, how exported weights become
+a draft again, how a draft is scored and how it is saved:
+
+- `layer` (infra/drafts/layer.py): records are packed as token ids (train/distill/batching.py) and the
+  loss compares the draft's logits with the records' stored target top-k (train/distill/objective.py).
+- `head` (infra/drafts/head.py): records carry no hidden states, so each step recomputes the
+  target's features over prompt + output (one no-grad target forward) and trains the unrolled
+  loss over the head's draft vocabulary (train/distill/head.py). The draft vocabulary (d2t)
+  comes from the warm start, so a head trainer starts from a warm-started head, never fresh.
+
+The family is the loaded init draft's (`osd_family`). The gate may compare drafts of two
+families (the stable version may be a layer draft, the candidate a head): `per_record`
+scores each with its own function, both on the same positions and measure (see
+train/distill/head.py: per_record_acceptance_head).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from infra.config import TrainConfig
+from infra.drafts.spec import DraftSpec
+
+NO_HEAD_INIT = ("the head family starts from a warm-started head: run `osd draft init --family head` "
+                "and pass it as the init draft")
+
+
+def family_name(draft: Any) -> str:
+    return "head" if getattr(draft, "osd_family", None) == "head" else "layer"
+
+
+def per_record(draft: Any, target: Any, records: list, max_seq_len: int,
+               feature_cache: dict | None = None) -> list[tuple[float, int]]:
+    """(summed expected acceptance, positions) per record for a draft of either family.
+    `feature_cache`: a dict kept across calls on the same records, so the target's features
+    for a head are computed once per set of feature layers, not once per head."""
+    if family_name(draft) == "head":
+        from train.distill.head import per_record_acceptance_head, records_features
+
+        feats = None
+        if feature_cache is not None:
+            key = tuple(draft.feature_layers)
+            if key not in feature_cache:
+                feature_cache[key] = records_features(target, records, draft.feature_layers, max_seq_len)
+            feats = feature_cache[key]
+        return per_record_acceptance_head(draft, target, records, max_seq_len, features=feats)
+    from train.gate.evaluator import per_record_acceptance
+
+    return per_record_acceptance(draft, records, max_seq_len)
+
+
+class LayerFamily:
+    """Copied target layers on the target's head: packed token batches, top-k distillation."""
+
+    name = "layer"
+
+    def __init__(self, target: Any, tc: TrainConfig, spec: DraftSpec, draft: Any):
+        self.target, self.tc, self.spec = target, tc, spec
+
+    def batch(self, records: list) -> Any:
+        from train.distill.batching import pack
+
+        return pack(records, self.tc.max_seq_len)
+
+    def null_batch(self) -> Any:
+        """One dummy position with no records: a step that contributes nothing but takes part."""
+        from train.distill.batching import Batch
+
+        z = torch.zeros(1, dtype=torch.long)
+        return Batch(torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.long), z, z,
+                     torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1), torch.zeros(1, dtype=torch.bool),
+                     torch.full((1,), -1, dtype=torch.long), n_records=0, n_tokens=0)
+
+    def loss_fn(self) -> Callable:
+        from train.distill.objective import distill_loss_fn
+
+        return distill_loss_fn()
+
+    def rebuild(self, weights: dict[str, torch.Tensor]) -> Any:
+        from infra.drafts.layer import draft_with_weights
+
+        return draft_with_weights(self.target, self.spec, weights)
+
+    def alpha(self, draft: Any, records: list) -> float | None:
+        from train.gate.evaluator import estimate_alpha
+
+        return estimate_alpha(draft, records, self.tc.max_seq_len)
+
+    def save(self, draft: Any, directory: Path, **kw: Any) -> Path:
+        from infra.drafts.layer import save_draft
+
+        return save_draft(draft, self.spec, directory, **kw)
+
+
+class HeadFamily:
+    """A head on the target's hidden states: features recomputed per step, the unrolled loss."""
+
+    name = "head"
+
+    def __init__(self, target: Any, tc: TrainConfig, head: Any):
+        self.target, self.tc = target, tc
+        # Kept from the init head before DeepSpeed wraps it: every export is rebuilt on them.
+        self.spec, self.d2t = head.spec, head.d2t.detach().cpu().clone()
+        self.layers = tuple(head.feature_layers)
+
+    def batch(self, records: list) -> Any:
+        """All `records` as one HeadBatch, their features from a no-grad target forward."""
+        from train.distill.head import collate, records_features
+
+        fs = records_features(self.target, records, self.layers, self.tc.max_seq_len)
+        return collate(fs, range(len(fs)))
+
+    def null_batch(self) -> Any:
+        from train.distill.head import null_head_batch
+
+        h = self.target.config.hidden_size
+        return null_head_batch(len(self.layers) * h, h)
+
+    def loss_fn(self) -> Callable:
+        from train.distill.head import head_loss_fn
+
+        return head_loss_fn(self.target.lm_head.weight.detach())
+
+    def rebuild(self, weights: dict[str, torch.Tensor]) -> Any:
+        from infra.drafts.head import head_with_weights
+
+        return head_with_weights(self.target, self.spec, self.d2t, weights)
+
+    def alpha(self, draft: Any, records: list) -> float | None:
+        from train.distill.head import estimate_alpha_head
+
+        return estimate_alpha_head(draft, self.target, records, self.tc.max_seq_len)
+
+    def save(self, draft: Any, directory: Path, **kw: Any) -> Path:
+        from infra.drafts.head import save_head
+
+        return save_head(draft, directory, **kw)
+
+
+def family_for(draft: Any, target: Any, tc: TrainConfig, spec: DraftSpec) -> LayerFamily | HeadFamily:
+    """The family of the draft a trainer starts from (`spec`: what layer exports are rebuilt to)."""
+    if family_name(draft) == "head":
+        return HeadFamily(target, tc, draft)
+    return LayerFamily(target, tc, spec, draft)
