@@ -383,6 +383,10 @@ class StreamConfig(_Section):
     # Records (and dead letters) older than this many seconds are trimmed (XTRIM MINID) by the
     # producer, so served text is kept no longer than this whatever the traffic. 0: no limit.
     retention_s: float = Field(0.0, ge=0, allow_inf_nan=False)
+    # A replica appends each record to its on-disk spool (<state_dir>/spool) before the request
+    # gets the record id, and the next producer there replays what a killed one left, each
+    # record once: a SIGKILLed replica loses none (infra/records/spool.py, docs/faults.md).
+    spool: bool = True
     # Drop new records while the trainers' group has this many entries unread or read and not
     # acked (0: no limit). At most the cap.
     lag_budget: int = Field(10_000, ge=0)

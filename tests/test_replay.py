@@ -443,11 +443,13 @@ def test_cli_concurrency_and_rate_are_exclusive(capsys):
 
 
 @pytest.mark.redis
-def test_cli_bench_stream_small(tmp_path, capsys):
+@pytest.mark.parametrize("spool", [False, True])
+def test_cli_bench_stream_small(tmp_path, capsys, spool):
     out = tmp_path / "stream.json"
-    rc = main(["bench", "stream", "--records", "200", "--tokens", "32", "--top-k", "8", "--json", str(out)])
+    rc = main(["bench", "stream", "--records", "200", "--tokens", "32", "--top-k", "8", "--json", str(out)]
+              + ["--spool"] * spool)
     assert rc == 0
     s = json.loads(out.read_text())
     assert s["records"] == 200 and s["dropped"] == 0 and s["tokens"] == 32 and s["top_k"] == 8
-    assert s["records_per_s"] > 0
+    assert s["records_per_s"] > 0 and s["spool"] is spool and s["submit_us_p50"] > 0
     assert "records/s" in capsys.readouterr().out

@@ -13,6 +13,9 @@ counted in `stats().dropped` by reason (served as osd_records_dropped_total{reas
 chart's OSDRecordStreamDown alert fires within a minute of redis_down / redis_full drops).
 The queue is written as soon as a record arrives, so a SIGKILL loses at most the batch in
 flight; an exit without close() still writes what is queued (an atexit hook, EXIT_FLUSH_S).
+With a spool dir (a replica's is <state_dir>/spool) a SIGKILL loses nothing: submit() appends
+the record to an on-disk spool before it returns, and the next producer on that dir replays
+what a dead one left, each record once (infra.records.spool).
 With `stream.retention_s` set it also deletes what is older than that from the stream and its
 dead-letter stream (XTRIM MINID), every TRIM_EVERY_S seconds whether or not records come.
 
@@ -44,12 +47,13 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import OutOfMemoryError, RedisError, ResponseError
+from redis.exceptions import ExecAbortError, OutOfMemoryError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from infra.config import StreamConfig, redis_username
 from infra.records.schema import Record, RecordError, UnknownSchemaVersion, decode, encode
+from infra.records.spool import MARKER_TTL_S, SCAN_S, Spool, marker_key, orphans
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +224,15 @@ TRIM_EVERY_S = 5.0
 
 
 @dataclass
+class _Spooled:
+    """A queued record that is in the spool: its payload, its file (None: the append failed,
+    so it is queued unspooled) and frame number."""
+    payload: bytes
+    segment: Any
+    number: int
+
+
+@dataclass
 class ProducerStats:
     submitted: int = 0
     written: int = 0
@@ -227,6 +240,8 @@ class ProducerStats:
     queued: int = 0
     lag: int | None = None  # trainers' backlog (unread + unacked entries) at the last refresh
     redis_up: bool = True
+    replayed: int = 0  # records a dead producer left in the spool, written by this one
+    spooled: int = 0  # left in the spool at close() for the next producer: neither written nor lost
 
     @property
     def dropped_total(self) -> int:
@@ -237,8 +252,12 @@ class RecordProducer:
     """Fire-and-forget writer of records to `cfg.stream`. Thread-safe `submit`."""
 
     def __init__(self, url: str, cfg: StreamConfig, *, client: redis.Redis | None = None,
-                 queue_size: int = QUEUE_SIZE):
+                 queue_size: int = QUEUE_SIZE, spool_dir: str | os.PathLike | None = None):
         self.cfg = cfg
+        # Opened first: a spool dir that cannot be made is a configuration error, said at start.
+        self._spool = Spool(spool_dir) if spool_dir is not None else None
+        self._spool_lock = threading.Lock()
+        self._scan_at = float("-inf")
         self.stream = cfg.stream
         self._client = client if client is not None else connect(url, cfg, role="producer")
         self._q: queue.Queue = queue.Queue(queue_size)
@@ -272,12 +291,44 @@ class RecordProducer:
                 self._stats.dropped[CLOSED] = self._stats.dropped.get(CLOSED, 0) + 1
                 return False
             self._unfinished += 1
+        if self._spool is not None:
+            return self._submit_spooled(record)
         try:
             self._q.put_nowait(record)
         except queue.Full:
             self._finish(0, {QUEUE_FULL: 1})
             return False
         return True
+
+    def _submit_spooled(self, record: Record | bytes) -> bool:
+        # Encoded here, not in the writer, because the spool holds bytes; the writer then has
+        # nothing to encode, so the work moves rather than grows.
+        try:
+            payload = encode(record) if isinstance(record, Record) else bytes(record)
+        except RecordError as e:
+            log.warning("record producer: dropping invalid record %s: %s", record.record_id, e)
+            self._finish(0, {INVALID: 1})
+            return False
+        # One lock over append and enqueue: the queue must hold frames in frame order, since a
+        # batch's marker says "every frame up to this one is in the stream".
+        with self._spool_lock:
+            try:
+                item = _Spooled(payload, *self._spool.append(payload))
+            except OSError as e:  # a full or failing disk: the record goes unspooled, as before
+                log.warning("record producer: spool append failed (%s); this record is queued without it", e)
+                item = _Spooled(payload, None, 0)
+            try:
+                self._q.put_nowait(item)
+            except queue.Full:
+                self._spool_done([item])
+                self._finish(0, {QUEUE_FULL: 1})
+                return False
+        return True
+
+    def _spool_done(self, items: list[Any]) -> None:
+        segs = [it.segment for it in items if isinstance(it, _Spooled) and it.segment is not None]
+        if segs:
+            self._spool.done(segs)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued record is written or dropped; False on timeout."""
@@ -292,7 +343,8 @@ class RecordProducer:
     def stats(self) -> ProducerStats:
         with self._cond:
             s = self._stats
-            return ProducerStats(s.submitted, s.written, dict(s.dropped), self._q.qsize(), s.lag, s.redis_up)
+            return ProducerStats(s.submitted, s.written, dict(s.dropped), self._q.qsize(), s.lag, s.redis_up,
+                                 s.replayed, s.spooled)
 
     def close(self, timeout: float = 5.0) -> None:
         """Write what is queued (bounded by `timeout`), stop the thread, close the connection."""
@@ -305,15 +357,20 @@ class RecordProducer:
         except queue.Full:
             pass
         self._thread.join(timeout)
-        left = 0
+        left = []
         while True:  # the thread did not get to these (timeout): count them, don't lose them silently
             try:
                 item = self._q.get_nowait()
             except queue.Empty:
                 break
-            left += item is not _STOP
+            if item is not _STOP:
+                left.append(item)
+        # A spooled one stays in the spool file for the next producer to replay: not lost.
+        kept = sum(isinstance(it, _Spooled) and it.segment is not None for it in left)
         if left:
-            self._finish(0, {CLOSED: left})
+            self._finish(0, {CLOSED: len(left) - kept}, spooled=kept)
+        if self._spool is not None and not self._thread.is_alive():
+            self._spool.close()  # deletes the files unless records are left in them
         self._client.close()
 
     def __enter__(self) -> "RecordProducer":
@@ -324,11 +381,12 @@ class RecordProducer:
 
     # -- writer thread --
 
-    def _finish(self, written: int, dropped: dict[str, int]) -> None:
+    def _finish(self, written: int, dropped: dict[str, int], spooled: int = 0) -> None:
         with self._cond:
             s = self._stats
             s.written += written
-            n = written
+            s.spooled += spooled
+            n = written + spooled
             for reason, k in dropped.items():
                 if k:
                     s.dropped[reason] = s.dropped.get(reason, 0) + k
@@ -338,13 +396,18 @@ class RecordProducer:
                 self._cond.notify_all()
 
     def _run(self) -> None:
+        self._adopt(time.monotonic())
+        wake = min(TRIM_EVERY_S if self.cfg.retention_s else float("inf"),
+                   SCAN_S if self._spool is not None else float("inf"))
         while True:
             try:
                 # Blocks idle at no CPU cost; close() wakes it with _STOP. With a retention it
-                # also wakes to trim a stream nothing is written to.
-                item = self._q.get(timeout=TRIM_EVERY_S if self.cfg.retention_s else None)
+                # also wakes to trim a stream nothing is written to, with a spool to adopt
+                # what a dead producer left.
+                item = self._q.get(timeout=None if wake == float("inf") else wake)
             except queue.Empty:
                 self._trim(time.monotonic())
+                self._adopt(time.monotonic())
                 continue
             batch, stop = [], item is _STOP
             if not stop:
@@ -364,6 +427,8 @@ class RecordProducer:
                 except Exception:  # never let the thread die: every later record would sit in the queue
                     log.exception("record producer: unexpected error, %d records dropped", len(batch))
                     self._finish(0, {ERROR: len(batch)})
+                finally:
+                    self._spool_done(batch)
             if stop:
                 return
 
@@ -372,12 +437,16 @@ class RecordProducer:
         # First, so the stream is trimmed even while the lag budget drops every batch, and a
         # flush() returns with it trimmed; a trim that finds Redis gone drops this batch.
         self._trim(now)
+        self._adopt(now)
         if now < self._down_until:
             self._finish(0, {REDIS_DOWN: len(batch)})
             return
-        payloads, invalid = [], 0
+        payloads, invalid, last = [], 0, 0
         for item in batch:
-            if isinstance(item, Record):
+            if isinstance(item, _Spooled):
+                payloads.append(item.payload)
+                last = max(last, item.number)
+            elif isinstance(item, Record):
                 try:
                     payloads.append(encode(item))
                 except RecordError as e:
@@ -389,10 +458,25 @@ class RecordProducer:
             if self._over_budget(now):
                 self._finish(0, {LAG: len(payloads), INVALID: invalid})
                 return
-            pipe = self._client.pipeline(transaction=False)
+            if last:
+                self._spool.sync(now)  # at most every spool.FSYNC_S; for a power loss, not a SIGKILL
+            # Spooled: the batch and its marker in one transaction, so after a crash the marker
+            # tells a replay exactly which frames are in the stream (infra.records.spool).
+            pipe = self._client.pipeline(transaction=last > 0)
             for p in payloads:
                 pipe.xadd(self.stream, {FIELD: p}, maxlen=self.cfg.max_entries, approximate=True)
-            results = pipe.execute(raise_on_error=False) if payloads else []
+            if last:
+                pipe.set(marker_key(self.stream, self._spool.id), last, ex=MARKER_TTL_S)
+            results = pipe.execute(raise_on_error=False)[:len(payloads)] if payloads else []
+        except ExecAbortError as e:  # a transaction refused whole: OOM at queue time (noeviction)
+            full = "OOM" in str(e) or "maxmemory" in str(e)
+            if full and not self._full:
+                log.warning("record producer: Redis is out of memory (maxmemory reached): dropping records as "
+                            "redis_full until it has room")
+            self._full = full
+            self._mark_up()
+            self._finish(0, {REDIS_FULL if full else ERROR: len(payloads), INVALID: invalid})
+            return
         except _UNREACHABLE as e:
             # Some XADDs of the batch may have landed; they are counted as dropped (over-counting
             # drops is the safe side, and a consumer dedupes anyway if a caller resubmits).
@@ -415,6 +499,55 @@ class RecordProducer:
                         next(r for r in errors if not isinstance(r, OutOfMemoryError)))
         self._mark_up()
         self._finish(len(results) - len(errors), {REDIS_FULL: full, ERROR: len(errors) - full, INVALID: invalid})
+
+    def _adopt(self, now: float) -> None:
+        """Replay the spools dead producers left in our spool dir, at most every SCAN_S, never
+        while Redis is down. Frames at or below a spool's marker are in the stream already;
+        the rest go in batches, each with the marker moved in its transaction, so a replay cut
+        off half-way is taken up where it stopped, never written twice."""
+        if self._spool is None or now < self._scan_at + SCAN_S or now < self._down_until:
+            return
+        self._scan_at = now
+        try:
+            self._replay_orphans()
+        except Exception:  # never let the writer thread die over another producer's leftovers
+            log.exception("record producer: replaying the spools in %s failed; retried in %.0f s",
+                          self._spool.dir, SCAN_S)
+
+    def _replay_orphans(self) -> None:
+        for orphan in orphans(self._spool.dir, self._spool.id):
+            try:
+                if not self._replay(orphan):
+                    return
+            finally:
+                orphan.release()  # a no-op once removed; otherwise kept for the next scan
+
+    def _replay(self, orphan: Any) -> bool:
+        """Write one dead producer's spool and delete it; False when Redis is unreachable."""
+        key = marker_key(self.stream, orphan.spool_id)
+        try:
+            landed = int(self._client.get(key) or 0)
+            todo = [(n, p) for n, p in orphan.frames if n > landed]
+            for i in range(0, len(todo), WRITE_BATCH):
+                chunk = todo[i: i + WRITE_BATCH]
+                pipe = self._client.pipeline(transaction=True)
+                for _, p in chunk:
+                    pipe.xadd(self.stream, {FIELD: p}, maxlen=self.cfg.max_entries, approximate=True)
+                pipe.set(key, chunk[-1][0], ex=MARKER_TTL_S)
+                pipe.execute()
+                with self._cond:
+                    self._stats.replayed += len(chunk)
+        except _UNREACHABLE as e:
+            self._mark_down(e)
+            return False
+        except RedisError as e:
+            log.warning("record producer: replaying the spool of %s failed: %s", orphan.spool_id, e)
+            return True
+        orphan.remove()
+        if todo:
+            log.warning("record producer: replayed %d records a dead producer (%s) left in its spool "
+                        "(%d were in the stream already)", len(todo), orphan.spool_id, len(orphan.frames) - len(todo))
+        return True
 
     def _trim(self, now: float) -> None:
         """Trim to stream.retention_s, at most every TRIM_EVERY_S, never while Redis is down."""

@@ -3,7 +3,8 @@ N minutes while it trains and promotes, sampling every ~10 s what could grow wit
 
 - RSS of each process of the stack, summed by role (driver, replica, ingress, trainer,
   controller, serve, ray, redis);
-- disk of the state dir: registry versions, the audit log, the trainer's checkpoints, Redis's AOF;
+- disk of the state dir: registry versions, the audit log, the trainer's checkpoints, Redis's AOF,
+  the replicas' record spools, and the whole state dir;
 - Redis used_memory.
 
 A series is flat when the max of its last third is within its bound: the configured retention
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import tempfile
 import threading
@@ -77,12 +79,15 @@ def rss_by_role(root_pid: int) -> dict[str, float]:
 
 
 def dir_mb(path: Path) -> float:
+    # os.walk, not rglob: a directory removed while it is walked (registry gc, checkpoint
+    # pruning) is skipped, where rglob raised and ended the soak.
     total = 0
-    if path.exists():
-        for p in path.rglob("*"):
+    for root, _, files in os.walk(path):
+        for name in files:
             try:
-                if p.is_file() and not p.is_symlink():
-                    total += p.stat().st_size
+                p = os.path.join(root, name)
+                if not os.path.islink(p):
+                    total += os.stat(p).st_size
             except OSError:  # removed while walked (a pruned checkpoint)
                 continue
     return round(total / 2**20, 3)
@@ -92,7 +97,10 @@ def disk_mb(state_dir: Path, run_name: str) -> dict[str, float]:
     return {"registry_versions": dir_mb(state_dir / "registry" / "versions"),
             "registry_audit": dir_mb(state_dir / "registry" / "audit"),
             "checkpoints": dir_mb(state_dir / "train" / run_name / "checkpoints"),
-            "redis_aof": dir_mb(state_dir / "redis")}
+            "redis_aof": dir_mb(state_dir / "redis"),
+            # The replicas' record spools (infra/records/spool.py): emptied as their records are written.
+            "spool": dir_mb(state_dir / "spool"),
+            "state_dir": dir_mb(state_dir)}
 
 
 def largest_entry_mb(path: Path) -> float:
@@ -279,7 +287,6 @@ def run_soak(cfg: OSDConfig, *, minutes: float = 20.0, clients: int = 2, sample_
              warmup_s: float = 600.0) -> SoakResult:
     """Run the loop with mixed load for `minutes`, sampling every `sample_s`; print the table and
     the verdicts, write JSON to `json_path` if given."""
-    import os
 
     import redis
 
@@ -382,14 +389,14 @@ def _trainer_read(client: Any, stream: str) -> int | None:
 _ROLES = ("driver", "replica", "ingress", "trainer", "controller", "serve", "ray", "redis")
 
 
-HEADERS = ["t_s", *_ROLES, "ckpt", "reg", "audit", "aof", "redisMB", "xlen", "ok", "fail", "vers", "read", "dec",
+HEADERS = ["t_s", *_ROLES, "ckpt", "reg", "audit", "aof", "spool", "state", "redisMB", "xlen", "ok", "fail", "vers", "read", "dec",
            "stable"]
 
 
 def _row(s: Sample) -> list[Any]:
     d = s.disk_mb
     return [round(s.t_s), *(s.rss_mb.get(r) for r in _ROLES), d["checkpoints"], d["registry_versions"],
-            d["registry_audit"], d["redis_aof"], s.redis_used_mb, s.stream_len, s.requests_ok, s.requests_failed,
+            d["registry_audit"], d["redis_aof"], d["spool"], d["state_dir"], s.redis_used_mb, s.stream_len, s.requests_ok, s.requests_failed,
             s.versions, s.trainer_read, s.decisions, s.stable]
 
 

@@ -53,9 +53,11 @@ def _p50_us(samples: list[float]) -> float:
 
 
 def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top_k: int = 32,
-                     json_path: str | Path | None = None, *, samples: int = 200, seed: int = 0) -> dict[str, Any]:
+                     json_path: str | Path | None = None, *, samples: int = 200, seed: int = 0,
+                     spool: bool = False) -> dict[str, Any]:
     """Produce, consume and ack `records` records of tokens x top_k; print a table, return the figures
-    (and write them as JSON to json_path if given)."""
+    (and write them as JSON to json_path if given). spool: the producer spools each record on
+    disk in submit(), as a replica's does (infra/records/spool.py); submit's p50 is what a request pays."""
     from infra.records.schema import decode, encode, new_record_id
     from infra.records.streams import FIELD, QUEUE_SIZE, READ_COUNT, RecordConsumer, RecordProducer, connect
 
@@ -90,11 +92,15 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
         client.delete("osd:bench:xadd")
 
         consumer = RecordConsumer(server.url, scfg, name="bench")
-        producer = RecordProducer(server.url, scfg, queue_size=max(QUEUE_SIZE, records))
-        got = 0
+        producer = RecordProducer(server.url, scfg, queue_size=max(QUEUE_SIZE, records),
+                                  spool_dir=Path(tmp) / "spool" if spool else None)
+        got, submit = 0, []
         t0 = time.perf_counter()
         for i in range(records):
-            producer.submit(dataclasses.replace(pool[i % len(pool)], record_id=new_record_id()))
+            rec = dataclasses.replace(pool[i % len(pool)], record_id=new_record_id())
+            t1 = time.perf_counter()
+            producer.submit(rec)
+            submit.append(time.perf_counter() - t1)
         deadline = time.monotonic() + 300
         while got < records and time.monotonic() < deadline:
             batch = consumer.read(count=READ_COUNT)
@@ -116,6 +122,8 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
         "encode_us_p50": _p50_us(enc),
         "decode_us_p50": _p50_us(dec),
         "xadd_us_p50": _p50_us(xadd),
+        "spool": spool,
+        "submit_us_p50": _p50_us(submit),
         "dropped": pstats.dropped_total,
         "duplicates": cstats.duplicates,
         "elapsed_s": elapsed,
@@ -124,6 +132,7 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
             ("records/s (produce+consume+ack)", f"{result['records_per_s']:,.0f}"),
             ("MB/s", f"{result['mb_per_s']:,.1f}"), ("encode p50 (us)", f"{result['encode_us_p50']:,.1f}"),
             ("decode p50 (us)", f"{result['decode_us_p50']:,.1f}"), ("XADD p50 (us)", f"{result['xadd_us_p50']:,.1f}"),
+            (f"submit p50 (us){', spooled' if spool else ''}", f"{result['submit_us_p50']:,.1f}"),
             ("dropped", str(result["dropped"]))]
     print(f"stream bench: {tokens} tokens x top-{top_k}, loopback redis-server (AOF everysec)")
     for line in tabulate(rows, tablefmt="plain", disable_numparse=True, colalign=("left", "right")).splitlines():
@@ -145,9 +154,12 @@ def add_arguments(bs: argparse.ArgumentParser) -> None:
     bs.add_argument("--records", type=int, default=2000, metavar="N", help="records to produce and consume (default 2000)")
     bs.add_argument("--tokens", type=int, default=256, metavar="N", help="positions per record (default 256)")
     bs.add_argument("--top-k", type=int, default=32, metavar="K", help="target top-k per position (default 32)")
+    bs.add_argument("--spool", action="store_true",
+                    help="the producer spools each record on disk as a replica's does (infra/records/spool.py)")
     bs.add_argument("--json", metavar="PATH", default="reports/bench/stream.json", help="where to write JSON")
 
 
 def run(cfg: OSDConfig, args: argparse.Namespace) -> int:
-    run_stream_bench(cfg, records=args.records, tokens=args.tokens, top_k=args.top_k, json_path=args.json)
+    run_stream_bench(cfg, records=args.records, tokens=args.tokens, top_k=args.top_k, json_path=args.json,
+                     spool=args.spool)
     return 0

@@ -130,13 +130,9 @@ class CanaryController:
         self.decisions.append(entry)
         self.metrics.decision(version, action)
         _log(f"{action} {version}: {reason}")
-        if action in FINAL:  # a good moment to drop versions nobody will serve again
-            try:
-                removed = self.registry.gc(self.cfg.registry.keep_last)
-                if removed:
-                    _log(f"registry gc removed {', '.join(removed)}")
-            except (RegistryError, OSError) as e:
-                _log(f"registry gc failed: {e}")
+        # No gc here: the trainer, which adds the versions, is registry retention's one owner
+        # (train/trainer.py _publish). A decided version waits for the next publish to go, so
+        # the registry holds at most keep_last + the protected + one between publishes.
         return entry
 
     def _decided_in_audit(self) -> set[str]:

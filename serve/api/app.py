@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -81,7 +82,8 @@ class TargetReplica:
         self.target = loaded.model
         self.engine = SpecEngine(loaded.model, None, loaded.tokenizer, EngineOptions.from_config(cfg.serve, cfg.model))
         self.router = self._make_router(cfg, build_draft)
-        self.producer = RecordProducer(cfg.stream.redis_url, cfg.stream) if cfg.stream.redis_url else None
+        self.producer = (RecordProducer(cfg.stream.redis_url, cfg.stream, spool_dir=spool_dir(cfg))
+                         if cfg.stream.redis_url else None)
         self._warm_suffix(cfg)
         self.metrics = ServeMetrics()
         # A text this long cannot fit the context whatever it tokenizes to (no token decodes to
@@ -301,7 +303,7 @@ class TargetReplica:
     def _sync_record_metrics(self) -> None:
         if self.producer is not None:
             ps = self.producer.stats()
-            self.metrics.sync_records(self.draft_version, ps.written, dict(ps.dropped))
+            self.metrics.sync_records(self.draft_version, ps.written, dict(ps.dropped), ps.replayed)
 
     def _error(self, e: Exception, req: dict[str, Any], version: str) -> dict[str, Any]:
         """Any failure of a request -> {"error": {...}} for the ingress to answer; never raises."""
@@ -394,7 +396,7 @@ class TargetReplica:
             ps = self.producer.stats()
             out.update(records_submitted=ps.submitted, records_written=ps.written,
                        records_dropped=ps.dropped_total, dropped_by_reason=dict(ps.dropped), queued=ps.queued,
-                       redis_up=ps.redis_up)
+                       redis_up=ps.redis_up, records_replayed=ps.replayed)
         else:
             out.update(records_submitted=0, records_written=0, records_dropped=0, dropped_by_reason={})
         out["batch"] = self.engine.scheduler.log.totals()  # target forwards, their requests and rows
@@ -465,6 +467,14 @@ class TargetReplica:
         producer = getattr(self, "producer", None)
         if producer is not None:
             producer.close(timeout=2.0)
+
+
+def spool_dir(cfg: OSDConfig) -> Path | None:
+    """Where a replica's record producer spools (None: stream.spool is off). One dir per stream,
+    shared by the replicas of a node, so a restarted or a live one replays a killed one's."""
+    if not cfg.stream.spool:
+        return None
+    return Path(cfg.state_dir) / "spool" / cfg.stream.stream.replace("/", "_")
 
 
 def _processors(fields: dict[str, Any] | None) -> Any:

@@ -47,6 +47,9 @@ class ServeMetrics:
                                          tag_keys=tag)
         self.records_dropped = m.Counter("osd_records_dropped_total", "Training records dropped, by reason",
                                          tag_keys=("draft_version", "reason"))
+        self.records_replayed = m.Counter("osd_records_replayed_total",
+                                          "Training records a killed replica left in its spool, written by this one",
+                                          tag_keys=tag)
         # 1 for the version in each role now, 0 for one that left it (Grafana joins on it).
         self.draft_info = m.Gauge("osd_draft_info", "Draft version serving in each role (1 = now)",
                                   tag_keys=("draft_version", "role"))
@@ -71,6 +74,7 @@ class ServeMetrics:
         self._seen_steps = 0
         self._roles: dict[str, str | None] = {"stable": None, "canary": None}
         self._seen_written = 0
+        self._seen_replayed = 0
         self._seen_dropped: dict[str, int] = {}
         self.recent = RecentRequests()
         # (draft version, source) -> [drafting steps, draft tokens, accepted]: the replica's
@@ -140,9 +144,12 @@ class ServeMetrics:
                 self.draft_info.set(1, {"draft_version": version, "role": role})
             self._roles[role] = version
 
-    def sync_records(self, version: str, written: int, dropped: dict[str, int]) -> None:
+    def sync_records(self, version: str, written: int, dropped: dict[str, int], replayed: int = 0) -> None:
         """Fold the producer's running totals into the counters (it counts in its own thread)."""
         tags = {"draft_version": version}
+        if replayed > self._seen_replayed:
+            self.records_replayed.inc(replayed - self._seen_replayed, tags)
+            self._seen_replayed = replayed
         if written > self._seen_written:
             self.records_written.inc(written - self._seen_written, tags)
             self._seen_written = written

@@ -53,6 +53,7 @@ class Outcome:
     hang: bool = False
     tokens: int = 0
     version: str | None = None
+    record_id: str | None = None  # the id of the record the request produced (its last chunk's "osd")
 
     @property
     def ok(self) -> bool:
@@ -81,6 +82,7 @@ def stream_chat(url: str, text: str, max_tokens: int) -> Outcome:
                     out.error = str(event["error"].get("code") or event["error"].get("message"))
                     continue
                 out.version = event.get("draft_version", out.version) or out.version
+                out.record_id = (event.get("osd") or {}).get("record_id") or out.record_id
                 if event.get("choices") and event["choices"][0].get("delta", {}).get("content"):
                     out.tokens += 1
     except TimeoutError:

@@ -39,3 +39,19 @@ def test_versions_stay_within_retention_while_no_decision_is_taken(tmp_path, tin
     ids = [v.id for v in reg.list()]
     assert len(ids) <= kept, f"{len(ids)} versions kept, retention {kept}"
     assert "v1" in ids and ids[-1] == "t-v0020"  # stable kept, the newest candidate kept
+
+
+def test_the_controller_leaves_retention_to_the_trainer(tmp_path, draft_dir):
+    """One owner of registry gc: a decision by the rollout controller deletes nothing; the
+    trainer's next publish collects what the decision freed."""
+    from pipeline.rollout.controller import CanaryController
+
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "registry": {"keep_last": 1}})
+    reg = Registry.from_config(cfg)
+    for v in ("v1", "v2", "v3"):
+        reg.publish(draft_dir, v)
+    c = object.__new__(CanaryController)
+    c.cfg, c.registry, c.decisions = cfg, reg, []
+    c.metrics = SimpleNamespace(decision=lambda *a: None)
+    c._record("rollback", "v2", "worse than stable")
+    assert [v.id for v in reg.list()] == ["v1", "v2", "v3"]

@@ -350,8 +350,8 @@ class TrainerWorker:
             if reg.local:  # digests were computed while copying; no second hashing pass
                 path = str(reg.payload_dir(published))
                 shutil.rmtree(out_dir, ignore_errors=True)
-            # The controller collects on its decisions too, but exports can outpace them (a long
-            # canary, a controller that is down): whoever adds versions keeps them within retention.
+            # Retention's one owner: whoever adds versions keeps them within it (the controller
+            # does not collect; its decisions can lag exports: a long canary, a controller down).
             removed = reg.gc(self.cfg.registry.keep_last)
             if removed:
                 _log(0, f"registry gc removed {', '.join(removed)}")

@@ -98,7 +98,7 @@ What each role's Redis user may run: the same rules as infra/redis/acl.py ROLE_C
 (tests/test_helm.py holds the two equal).
 */}}
 {{- define "osd.redisAclCommands" -}}
-producer: "+ping +xadd +xtrim +xlen +xinfo|groups +bgrewriteaof"
+producer: "+ping +xadd +xtrim +xlen +xinfo|groups +bgrewriteaof +multi +exec +get +set"
 trainer: "+ping +xreadgroup +xread +xrange +xrevrange +xlen +xack +xautoclaim +xclaim +xpending +xgroup|create +xinfo +xadd +hset +hgetall"
 admin: "+ping +xrange +xrevrange +xlen +xinfo +xdel +xtrim +hgetall"
 {{- end -}}

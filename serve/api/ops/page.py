@@ -172,7 +172,8 @@ def _loop(lp: dict[str, Any]) -> str:
                  f"<th>drafting steps</th><th>acceptance</th><th>tokens/step</th></tr>{sources}</table></div>"
                  if sources else "")
     return (f"<h2>Loop health</h2><div class=cards><div class=card id=ops-records>Records written "
-            f"{lp['records_written']} &middot; dropped: {drops} <span class=muted>({lp['replicas']} replicas seen)"
+            f"{lp['records_written']} &middot; replayed from a killed replica's spool {lp.get('records_replayed', 0)}"
+            f" &middot; dropped: {drops} <span class=muted>({lp['replicas']} replicas seen)"
             f"</span><br>Stream length {_e(st['length'])} &middot; dead-lettered {_e(st['dead_lettered'])}"
             f"<br>Last candidate {cand_s}{suffix_s}<br><span id=ops-restarts>Restarts: {restarts}</span></div>"
             f"<div class=card><table id=ops-groups><tr><th class=l>group</th><th>lag</th><th>pending</th>"

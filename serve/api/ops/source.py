@@ -163,6 +163,8 @@ class OpsSource:
         last = versions[-1] if versions else None
         suffix = [r["suffix"] for r in replicas if r.get("suffix")]
         return {"records_written": sum(int(r.get("records_written", 0)) for r in replicas),
+                # Written from the spool a killed replica left (infra/records/spool.py): not lost.
+                "records_replayed": sum(int(r.get("records_replayed", 0)) for r in replicas),
                 "records_dropped": dropped,
                 # Starts beyond the first of each trainer rank and the rollout controller.
                 "restarts": {k: n - 1 for k, n in sorted(health.pop("starts").items())}, "replicas": len(replicas), "stream": health, "trainers": trainers,
