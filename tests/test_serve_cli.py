@@ -75,42 +75,30 @@ def assert_all_gone(procs, within_s: float = 60) -> None:
     assert not names, f"processes outlived osd serve: {names}"
 
 
-def test_osd_serve_cli_starts_and_stops_leaving_nothing(tmp_path):
-    """`osd serve` as a user runs it: prints the URL, answers, exits cleanly on SIGINT, and every
-    process it started (Ray, Serve's actors, its private Redis) is gone."""
-    proc, url, started = start_serve(tmp_path)
-    assert any(p.name() == "redis-server" for p in started)
-    try:
-        r = requests.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
-        assert r.status_code == 200 and r.json()["osd"]["draft_version"] == "none"
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    assert proc.returncode == 0
-    assert_all_gone(started)
-
-
 def test_kill_9_of_osd_serve_leaves_no_process(tmp_path):
     """Issue 18, defect 8: after kill -9 the private redis-server used to live on, unowned."""
     proc, url, started = start_serve(tmp_path)
     assert requests.get(url + "/healthz", timeout=30).status_code == 200
+    r = requests.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200 and r.json()["osd"]["draft_version"] == "none"  # serve.draft none
     proc.kill()
     proc.wait(timeout=30)
     assert_all_gone(started)
 
 
-def test_osd_serve_serves_the_suffix_draft_by_default_and_names_the_head(tmp_path, tiny):
-    """With no --draft and no serve.draft, `osd serve` serves the suffix draft (chosen by
-    measurement), and says how to serve the head `osd draft init --family head` published."""
+def test_osd_serve_starts_serves_the_suffix_draft_by_default_and_stops_leaving_nothing(tmp_path, tiny):
+    """`osd serve` as a user runs it: prints the URL, answers, exits cleanly on SIGINT, and every
+    process it started (Ray, Serve's actors, its private Redis) is gone. With no --draft and no
+    serve.draft it serves the suffix draft (chosen by measurement), and says how to serve the
+    head `osd draft init --family head` published. One start for both: each costs a Ray and a
+    Serve start."""
     from infra.drafts.head import build_head, save_head
     from infra.drafts.spec import DraftSpec
 
     head = save_head(build_head(tiny.model, DraftSpec(family="head")), tmp_path / "drafts" / "head-v1",
                      target_ref={"spec": "tiny-random"})
     proc, url, started = start_serve(tmp_path, OSD_SERVE__DRAFT=None)
+    assert any(p.name() == "redis-server" for p in started)
     try:
         assert any("serve.draft auto: suffix" in ln and f"the warm-started draft {head}" in ln
                    and "--draft head+suffix" in ln for ln in proc.startup_lines)
@@ -119,6 +107,7 @@ def test_osd_serve_serves_the_suffix_draft_by_default_and_names_the_head(tmp_pat
         assert r.json()["osd"]["draft_version"] == "suffix"
     finally:
         stop_serve(proc)
+    assert proc.returncode == 0
     assert_all_gone(started)
 
 
