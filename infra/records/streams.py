@@ -148,6 +148,17 @@ def _s(x: Any) -> Any:
     return x.decode() if isinstance(x, bytes) else x
 
 
+def _decoded(entries: list, field: bytes = FIELD) -> Iterator[tuple[bytes, Record]]:
+    """(entry id, record) of the entries whose payload decodes; the others are the consumers'
+    to dead-letter."""
+    for eid, fields in entries:
+        try:
+            rec = decode(fields[field])
+        except (KeyError, RecordError):
+            continue
+        yield eid, rec
+
+
 def scan_records(client: redis.Redis, key: str, *, field: bytes = FIELD, start: str = "-",
                  batch: int = 500) -> Iterator[tuple[bytes, Record]]:
     """(entry id, record) of every decodable entry of `key` from id `start` on, oldest first,
@@ -156,12 +167,7 @@ def scan_records(client: redis.Redis, key: str, *, field: bytes = FIELD, start: 
     keeps it under b"orig.rec")."""
     while True:
         entries = client.xrange(key, min=start, max="+", count=batch)
-        for eid, fields in entries:
-            try:
-                rec = decode(fields[field])
-            except (KeyError, RecordError):
-                continue
-            yield eid, rec
+        yield from _decoded(entries, field)
         if len(entries) < batch:
             return
         ms, seq = _s(entries[-1][0]).split("-")
@@ -183,11 +189,7 @@ def recent_records(client: redis.Redis, stream: str, max_tokens: int, *, batch: 
     end = "+"
     while tokens < max_tokens:
         entries = client.xrevrange(stream, max=end, min="-", count=batch)
-        for eid, fields in entries:
-            try:
-                rec = decode(fields[FIELD])
-            except (KeyError, RecordError):
-                continue
+        for _, rec in _decoded(entries):
             out.append(rec)
             tokens += len(rec.output_ids)
             if tokens >= max_tokens:
