@@ -132,7 +132,7 @@ class _Emitter:
                                       "accepted": 2}]
         sm.sync_suffix({"global_tokens": 10, "global_bytes": 300, "proposal_rate": 0.5})
         sm.error("v1", "internal")
-        sm.sync_records("v1", 2, {"queue_full": 1})
+        sm.sync_records("v1", 2, {"queue_full": 1}, replayed=1)
         sm.roles("v1", "v2")
         from serve.engine.scheduler import StepLog
 
