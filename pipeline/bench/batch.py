@@ -26,7 +26,7 @@ from tabulate import tabulate
 
 from infra.config import OSDConfig
 from infra.prompts import messages_ids, select_prompts
-from pipeline.argtypes import positive_int
+from pipeline.argtypes import positive_int, sizes
 
 HELP = "the engine at 1..N concurrent clients in one process (no HTTP): tok/s, sequences per forward"
 ERRORS = (ValueError,)
@@ -34,7 +34,8 @@ MODES = {"both": (True, False), "on": (True,), "off": (False,)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--clients", default="1,8,16", help="concurrency levels, comma-separated (default 1,8,16)")
+    p.add_argument("--clients", type=sizes, default="1,8,16", metavar="C,C,...",
+                   help="concurrency levels, comma-separated (default 1,8,16)")
     p.add_argument("--requests", type=positive_int, default=2, metavar="N", help="requests per client per level")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, metavar="M")
     p.add_argument("--speculation", choices=tuple(MODES), default="both")
@@ -47,16 +48,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts-file", metavar="F", help="JSONL with a prompt field instead of ShareGPT")
     p.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer ShareGPT prompts")
     p.add_argument("--json", metavar="PATH", default="reports/bench/batch.json", help="where to write JSON")
-
-
-def levels(spec: str) -> list[int]:
-    try:
-        out = [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--clients takes comma-separated integers, got {spec!r}") from None
-    if not out or min(out) < 1:
-        raise ValueError(f"--clients needs levels of at least 1 client, got {spec!r}")
-    return out
 
 
 async def _level(engine: Any, params: Any, draft: Any, ids: list[list[int]], clients: int,
@@ -127,15 +118,14 @@ def run(cfg: OSDConfig, args: argparse.Namespace) -> int:
     from serve.engine.core import EngineOptions, SpecEngine
     from serve.spec_decode.specs import build_draft
 
-    clients = levels(args.clients)
+    clients = list(args.clients)
     modes = MODES[args.speculation]
     mcfg = bench_model_config(cfg, args.device, args.target, args.dtype, None)
     loaded = load_target(mcfg.target, mcfg, progress=True)
     prompts = select_prompts(cfg.data, None, args.prompts_file,
                              max_prompt_chars=None if args.prompts_file else args.max_prompt_chars)
     ids = [messages_ids(loaded.tokenizer, p.chat()) for p in prompts]
-    graphs = {"auto": "auto", "on": "on", "off": "off"}[args.compile]
-    update = {"k": args.k, "cuda_graphs": graphs, "max_concurrency": max(clients), "max_queue": 4 * max(clients)}
+    update = {"k": args.k, "cuda_graphs": args.compile, "max_concurrency": max(clients), "max_queue": 4 * max(clients)}
     options = EngineOptions.from_config(cfg.serve.model_copy(update=update), mcfg)
 
     def draft() -> Any:

@@ -14,8 +14,8 @@ int4 and int8 kernels cost about as much per row at any row count, while oneDNN'
 GEMM reuses each weight across rows; the head likewise beyond WIDE_HEAD_ROWS rows.
 The native runner (serve/model/native_runner.py) takes the whole batch in one call of its
 own. On a GPU, the rows of every sequence with logits run in one pool forward of bucketed
-shapes (serve/model/pool_forward.py; the CUDA-graph runner replays it as a graph), prompt
-chunks one forward each. A target that is none of these (HFRunner) runs its sequences one
+shapes (serve/model/pool_forward.py; the CUDA-graph runner replays it as a graph), and the
+step's prompt chunks together in one eager forward (each attends alone). A target that is none of these (HFRunner) runs its sequences one
 forward each.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from serve.model.pool_forward import pool_forward, pool_rows
+from serve.model.pool_forward import pool_rows, run_rows
 from serve.model.runner import LlamaRunner, StaticKVCache, attention
 
 # Rows up to which a batched forward uses the step weights (module doc): past them the bfloat16
@@ -37,7 +37,7 @@ from serve.model.runner import LlamaRunner, StaticKVCache, attention
 WIDE_ROWS = 24
 WIDE_HEAD_ROWS = 8
 # A GPU step's sequences of up to this many rows ride in the pool forward (verify blocks and
-# decode rows); longer ones (prompt chunks) run alone.
+# decode rows); longer ones (prompt chunks) share one eager forward beside it.
 POOL_MAX_ROWS = 32
 
 
@@ -87,9 +87,8 @@ def pooled(r: LlamaRunner, items: list[Item], layers: tuple[int, ...] = ()) -> l
         sizes = [it.tokens.numel() for it in its]
         reserve(its, sizes)
         rows = pool_rows(pool, [it.tokens for it in its], [it.cache for it in its], r.device)
-        run = getattr(r, "forward_pool", None)
-        logits, feats = (run(pool, rows, layers) if run is not None else
-                         pool_forward(r, pool, *rows.inputs, rows.width, rows.span, layers))
+        run = getattr(r, "forward_pool", None)  # the CUDA-graph runner's graphs
+        logits, feats = run(pool, rows, layers) if run is not None else run_rows(r, pool, rows, layers)
         lo = 0
         for i, it, t in zip(ride, its, sizes):
             it.cache.length += t

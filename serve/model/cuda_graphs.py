@@ -13,7 +13,7 @@ milliseconds where compile costs minutes per shape, on every replica start. Noth
 needs a compiler; graphs keyed by (cache, T) say exactly what is captured.
 
 Batched steps (serve/model/batch_forward.py pooled): one graph per bucket of (rows, grid
-width, attended span) of the pool forward (serve/model/pool_forward.py), as vLLM captures a
+lines, grid width, attended span) of the pool forward (serve/model/pool_forward.py), as vLLM captures a
 graph per batch size; the rows are padded to the bucket. The rows' values, slots and
 positions are the graph's inputs; the pool is its cache.
 
@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from serve.model.pool_forward import PoolRows, pool_forward, pool_rows
+from serve.model.pool_forward import PoolRows, pool_forward, pool_rows, run_rows
 from serve.model.runner import KVPool, LlamaRunner, StaticKVCache
 
 # Forwards of more tokens than this (prefill) run eagerly: a graph per prompt length
@@ -137,7 +137,7 @@ class GraphLlamaRunner(LlamaRunner):
                      layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The pool forward (serve/model/pool_forward.py), a graph per bucket of its shapes."""
         if rows.tokens.shape[0] > MAX_GRAPH_ROWS:
-            return pool_forward(self, pool, *rows.inputs, rows.width, rows.span, layers)
+            return run_rows(self, pool, rows, layers)
         width, span = rows.width, rows.span
 
         def step(p: KVPool, *inputs: torch.Tensor):

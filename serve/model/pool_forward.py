@@ -87,6 +87,12 @@ def pool_rows(pool: KVPool, tokens: list[torch.Tensor], caches: list[Any], devic
                     n, bucket(max(sizes)), span)
 
 
+def run_rows(r: LlamaRunner, pool: KVPool, rows: PoolRows,
+             layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """pool_forward over PoolRows, eagerly."""
+    return pool_forward(r, pool, *rows.inputs, rows.width, rows.span, layers)
+
+
 def pool_forward(r: LlamaRunner, pool: KVPool, tokens: torch.Tensor, slot: torch.Tensor, pos: torch.Tensor,
                  line: torch.Tensor, col: torch.Tensor, line_slot: torch.Tensor, width: int, span: int,
                  layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:

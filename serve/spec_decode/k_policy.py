@@ -308,7 +308,6 @@ class KPolicy:
         return RequestK(self, draft_key, Acceptance(weight=0.0), shared, idle_limit=self.idle_limit.get(draft_key, 0),
                         min_draft=min_draft)
 
-
     def observe_forward(self, sequences: int, rows: int, seconds: float) -> None:
         if sequences == 1:  # a request alone: the profile's own entry
             self.costs.observe_verify(rows, seconds)

@@ -44,7 +44,7 @@ class HeadState:
 
 
 def head_state(seq: Any) -> HeadState:
-    return draft_state(seq, "head", HeadState)
+    return draft_state(seq, HeadRunner.family, HeadState)
 
 class HeadRunner(Draft):
     """A head draft: its runner (rows over target features) and the Draft protocol."""

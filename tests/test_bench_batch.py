@@ -1,0 +1,46 @@
+"""`osd bench batch` (pipeline/bench/batch.py): its levels over a tiny in-process engine, and the
+bad input it refuses before loading anything."""
+
+import pytest
+import torch
+
+from engine_options import small_options
+from infra.target import build_tiny_llama
+from pipeline.bench.batch import run_levels, table
+from pipeline.cli import build_parser
+from serve.engine.core import SpecEngine
+from serve.spec_decode.specs import build_draft
+
+pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.mark.parametrize("bad", ["0,8", "1,x", "-4"])
+def test_bad_levels_are_refused_by_the_parser(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["bench", "batch", "--clients", bad])
+    assert e.value.code == 2
+    assert "--clients" in capsys.readouterr().err
+
+
+def test_levels_run_their_clients_together_and_each_level_on_prompts_of_its_own():
+    target = build_tiny_llama(seed=3, num_layers=2, max_positions=128)
+    target.config.eos_token_id = None
+    eng = SpecEngine(target, build_draft("truncate:1", target),
+                     options=small_options(k=2, max_seq_len=128, max_concurrency=4, k_policy="fixed"))
+    gen = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 256, (6,), generator=gen).tolist() for _ in range(40)]
+    made = []
+
+    def draft():
+        made.append(eng.make_draft(build_draft("truncate:1", target)))
+        return made[-1]
+
+    rows = run_levels(eng, draft, ids, [1, 4], 2, 6, (True, False), log=lambda s: None)
+    assert [(r["clients"], r["speculation"], r["requests"]) for r in rows] == [
+        (1, True, 2), (1, False, 2), (4, True, 8), (4, False, 8)]
+    assert all(r["tokens"] == 6 * r["requests"] for r in rows)
+    assert rows[0]["seqs_per_forward"] == 1.0 and rows[2]["seqs_per_forward"] > 1.0  # 4 clients share forwards
+    assert len(made) == 4  # a fresh draft for each speculative run, its warm-up included
+    assert "vs 1 client(s)" in table(rows)
+    with pytest.raises(ValueError, match="40 prompts are too few: the levels need 48"):
+        run_levels(eng, draft, ids, [8], 2, 6, (True, False), log=lambda s: None)
