@@ -451,18 +451,22 @@ class StreamConfig(_Section):
 
 
 class GateConfig(_Section):
-    """The offline gate (train/gate/compare.py): each candidate and the current stable version are scored
-    on the newest `records` held-out records (the trainer keeps 200); it is published as
-    servable only if the paired interval's lower bound is above 0."""
+    """The offline gate (train/gate/compare.py): a candidate and the current stable version are scored
+    on the same held-out records; the candidate is servable only if the paired interval's lower
+    bound is above 0. "sequential" (train/gate/pending.py): the trainer holds each candidate back
+    and looks again at every new held-out record, publishing it as soon as the always-valid
+    interval says it is better. "bootstrap": every candidate is published at export, with a
+    one-look bootstrap interval on the newest `records` held-out records."""
 
     path: ClassVar[str] = "train.gate"
 
-    records: int = Field(100, ge=1)  # the newest held-out records a candidate and stable are scored on
-    # Fewer held-out records than this: the candidate is gated (no evidence it is better).
-    min_records: int = Field(20, ge=1)
-    # Two-sided paired bootstrap interval, and its resamples.
+    method: Literal["sequential", "bootstrap"] = "sequential"
+    records: int = Field(100, ge=1)  # the newest held-out records a candidate and stable are scored on first
+    # Fewer held-out records than this: no decision yet (sequential) or gated (bootstrap).
+    min_records: int = Field(10, ge=1)
+    # Two-sided: the always-valid interval's 1 - alpha, or the bootstrap's level.
     confidence: float = Field(0.95, gt=0, lt=1)
-    resamples: int = Field(2000, ge=100)
+    resamples: int = Field(2000, ge=100)  # the bootstrap's
 
 
 class TrainConfig(_Section):
@@ -630,6 +634,10 @@ class RolloutConfig(_Section):
     min_requests: int = Field(10, ge=2)  # per arm per step before deciding
     # Canary requests per step; still undecided then, the canary expires and stable stays.
     max_requests: int = Field(400, ge=2)
+    # After this many canary requests in a step without a rollback the canary advances (promoted at
+    # the last step), on the offline gate's evidence of a gain; 0: only served evidence of a gain
+    # promotes (pipeline/rollout/canary_rule.py).
+    guard_requests: int = Field(40, ge=0)
     # The controller reads records as its own consumer group, so trainers are unaffected.
     group: str = "rollout"
     poll_s: float = Field(1.0, gt=0)  # the controller's loop period

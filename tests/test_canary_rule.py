@@ -261,7 +261,8 @@ def _demo_rule() -> CanaryRule:
     from pipeline.stack.profiles import demo_config
 
     ro = demo_config(load_config(), Path("/nonexistent-demo-state")).rollout
-    return CanaryRule(alpha=ro.alpha, margin=ro.margin, min_requests=ro.min_requests, max_requests=ro.max_requests)
+    return CanaryRule(alpha=ro.alpha, margin=ro.margin, min_requests=ro.min_requests, max_requests=ro.max_requests,
+                      guard_requests=0)  # served evidence alone, as without the guard
 
 
 def test_the_demos_smaller_budget_still_keeps_equal_draft_promotions_at_5_percent():
@@ -274,3 +275,26 @@ def test_the_demos_smaller_budget_still_keeps_equal_draft_promotions_at_5_percen
     assert equal["promote"] <= 0.05
     better = simulate(0.1, runs=200, seed=22, rule=rule, base=0.25, look_every=2)
     assert better["promote"] > 0.7 and better["rollback"] < 0.02
+
+
+# -- the guard: the offline gate's evidence of a gain, and a short canary that looks for harm ------------------
+
+
+def test_with_a_guard_a_canary_without_harm_advances_then_is_promoted_after_the_budget():
+    rng = random.Random(31)
+    rule = CanaryRule(guard_requests=12, min_requests=6)
+    stable, canary = _arm(rng, 0.3, 12), _arm(rng, 0.3, 11)
+    assert decide(stable, canary, rule, final=True).action == "continue"  # 11 of 12
+    canary.add(_request(rng, 0.3))
+    d = decide(stable, canary, rule, final=True)
+    assert d.action == "promote" and "no harm in 12 canary requests" in d.reason and "offline gate" in d.reason
+    assert decide(stable, canary, rule, final=False).action == "advance"
+    assert decide(stable, canary, CanaryRule(min_requests=6), final=True).action == "continue"  # no guard
+
+
+def test_the_guard_still_rolls_back_a_much_worse_canary_within_its_budget():
+    rule = CanaryRule(guard_requests=40)
+    much_worse = simulate(-0.2, runs=100, seed=32, rule=rule)
+    assert much_worse["rollback"] >= 0.8, much_worse
+    equal = simulate(0.0, runs=100, seed=33, rule=rule)
+    assert equal["rollback"] <= 0.05  # no harm, no rollback: the gate's evidence stands

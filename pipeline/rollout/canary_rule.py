@@ -42,6 +42,13 @@ Decision, after at least `min_requests` in each arm:
   wholly above `min_gain`: evidence of improvement, not absence of harm;
 - at an earlier step: advance to the next weight when both intervals lie above -margin
   (widening exposure needs only evidence the canary is not worse; promotion comes later);
+- with `guard_requests` (the loop's default): once the canary has served that many requests
+  in the step without a rollback, it advances, or at the last step is promoted. The evidence
+  of improvement is then the offline gate's (train/gate/compare.py: paired, on held-out
+  records, always-valid), which the controller requires before any canary starts; the canary
+  guards what offline scoring cannot see (a served acceptance or accepted length far below
+  stable's) with a short budget, instead of waiting for served acceptance, which varies far
+  more between prompts than between drafts, to prove the gain a second time;
 - otherwise keep collecting; at `max_requests` canary requests in the step the canary
   expires: stable stays, because a point estimate is never evidence.
 """
@@ -99,6 +106,7 @@ class CanaryRule:
     min_gain: float = MIN_GAIN  # acceptance: promote only when surely better by more than this
     min_requests: int = 10  # per arm, before any decision
     max_requests: int = 400  # canary requests in one step; undecided then: expire
+    guard_requests: int = 0  # > 0: advance or promote after this many canary requests without a rollback
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,10 @@ def decide(stable: Arm, canary: Arm, rule: CanaryRule, k: int = 4, final: bool =
     if not final and all(c["lower"] > -mg for c, mg in margins.values()):
         return Decision("advance", f"canary not worse than stable by more than the margin on both metrics "
                                    f"({how}); wider share next", evidence)
+    if rule.guard_requests and canary.n >= rule.guard_requests:
+        why = (f"no harm in {canary.n} canary requests (no interval below -margin; {how}), on the offline "
+               f"gate's paired evidence of a gain")
+        return Decision("promote" if final else "advance", why + ("" if final else "; wider share next"), evidence)
     if canary.n >= rule.max_requests:
         return Decision("expire", f"undecided after {canary.n} canary requests "
                                   f"(acceptance interval [{acc['lower']:+.4f}, {acc['upper']:+.4f}]): "

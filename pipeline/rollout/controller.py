@@ -57,7 +57,7 @@ class CanaryController:
         self.cfg = cfg = cfg if isinstance(cfg, OSDConfig) else OSDConfig.model_validate(cfg)
         ro = cfg.rollout
         self.rule = CanaryRule(alpha=ro.alpha, margin=ro.margin, min_requests=ro.min_requests,
-                               max_requests=ro.max_requests)
+                               max_requests=ro.max_requests, guard_requests=ro.guard_requests)
         self.steps = list(ro.canary_steps)
         self.registry = registry or Registry.from_config(cfg)
         stream_cfg = cfg.stream.model_copy(update={"group": ro.group})

@@ -10,31 +10,31 @@ import pytest
 
 from infra.config import load_config
 from infra.registry import AUDIT_PROTECT, Registry
-from train.online.trainer import TrainerWorker
+from train.online.export import Exporter
 
 pytestmark = pytest.mark.pure
 
 
-def _trainer(cfg, tiny, draft_dir, run_dir):
-    """A TrainerWorker with only what _publish reads; its family saves a copy of draft_dir."""
-    w = object.__new__(TrainerWorker)
-    w.cfg, w.target, w.run_dir, w.world_size = cfg, tiny.model, run_dir, 1
-    w.held_out, w.parent_version, w.records_total, w.versions = [], "v1", 0, 0
-    w.fam = SimpleNamespace(name="layer", rebuild=lambda weights: None, alpha=lambda draft, held: None,
-                            save=lambda draft, out, **kw: shutil.copytree(draft_dir, out))
-    w._gate = lambda draft: {"passed": False, "reason": "not scored here"}
-    return w
+def _exporter(cfg, tiny, draft_dir, run_dir):
+    """The trainer's exporter, publishing every candidate (the bootstrap gate's way); its family
+    saves a copy of draft_dir."""
+    fam = SimpleNamespace(name="layer", rebuild=lambda weights: None, alpha=lambda draft, held: None,
+                          save=lambda draft, out, **kw: shutil.copytree(draft_dir, out))
+    e = Exporter(cfg, fam, tiny.model, run_dir, "v1")
+    e._bootstrap = lambda *a: {"passed": False, "reason": "not scored here"}
+    return e
 
 
 def test_versions_stay_within_retention_while_no_decision_is_taken(tmp_path, tiny, draft_dir):
-    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "registry": {"keep_last": 1}})
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "registry": {"keep_last": 1},
+                                             "train": {"gate": {"method": "bootstrap"}}})
     reg = Registry.from_config(cfg)
     reg.publish(draft_dir, "v1")
     reg.promote("v1")
-    w = _trainer(cfg, tiny, draft_dir, tmp_path / "train" / "t")
-    for _ in range(20):  # exports, and no controller deciding on any of them
-        w.versions += 1
-        w._publish({}, [0.5], 12)
+    e = _exporter(cfg, tiny, draft_dir, tmp_path / "train" / "t")
+    for i in range(1, 21):  # exports, and no controller deciding on any of them
+        e.export({}, [0.5], 12, version=f"t-v{i:04d}", held_out=[], trained_prompts=set(), records_total=12 * i,
+                 world_size=1)
     kept = cfg.registry.keep_last + 3 + AUDIT_PROTECT  # newest, aliased (stable, previous, canary), audited
     ids = [v.id for v in reg.list()]
     assert len(ids) <= kept, f"{len(ids)} versions kept, retention {kept}"

@@ -28,6 +28,11 @@ draws), so its bounds agree with numpy-v1's to within bootstrap noise, not exact
 Decision. The candidate passes only when the interval's lower bound is above `min_gain`
 (0 by default): evidence that it is better, not merely that it is not clearly worse. With
 fewer than `min_records` records there is no decision to make, and it fails.
+
+Two intervals. `gate` gives the bootstrap's, valid for one look at a fixed set of records.
+`sequential_gate` gives an always-valid one (the canary rule's mSPRT, over records), valid
+however often it is looked at as records arrive: the trainer's default (train.gate.method),
+which holds a candidate back and looks again at each new held-out record (train/gate/pending.py).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+
+from infra.common.canary_stats import RatioStats, cs_radius
 
 METHOD = "paired cluster bootstrap over records (percentile interval)"
 BOOTSTRAP = "numpy-v1"  # which generator a seed drives; stored with the evidence (see the module doc)
@@ -97,3 +104,60 @@ def gate(candidate_sums: Sequence[float], stable_sums: Sequence[float], position
                           f"per position lies above {min_gain:+.4f}"}
     return {**ev, "reason": f"no evidence it beats {stable_version}: {confidence:.0%} interval "
                             f"[{lo:+.4f}, {hi:+.4f}] per position reaches {min_gain:+.4f} or below"}
+
+
+# The sequential gate: the same paired statistic D, judged by an always-valid confidence
+# sequence instead of a one-look bootstrap, so the trainer may look again after every new
+# held-out record and let a candidate through as soon as the lower bound clears min_gain.
+SEQUENTIAL_METHOD = "paired always-valid confidence sequence over records (mSPRT, delta-method variance)"
+SEQ_TAU = 0.05  # the mixture scale: the per-position gain the test is most sensitive to
+SEQ_VAR_FLOOR = 1e-5  # per-record unit variance floor: a few identical records are not certainty
+
+
+def sequential_interval(diffs: Sequence[float], positions: Sequence[int], *, alpha: float = 0.05,
+                        tau: float = SEQ_TAU) -> tuple[float, float, float]:
+    """(D, lower, upper): the per-position paired difference and its two-sided always-valid
+    interval at error rate `alpha`, valid however many times it is looked at as records arrive.
+    Records are the clusters, as in the bootstrap; the variance of the ratio D is the delta
+    method's, and the radius is the normal-mixture SPRT's (infra/common/canary_stats.py)."""
+    if len(diffs) != len(positions) or len(diffs) == 0:
+        raise ValueError("need one (difference, positions) pair per record, and at least one record")
+    stats = RatioStats()
+    for d, n in zip(diffs, positions):
+        stats.add(float(d), float(n))
+    if stats.sy <= 0:
+        raise ValueError("the records have no positions")
+    r = cs_radius(stats.var(SEQ_VAR_FLOOR), tau, alpha)
+    return stats.ratio, stats.ratio - r, stats.ratio + r
+
+
+def sequential_gate(candidate_sums: Sequence[float], stable_sums: Sequence[float], positions: Sequence[int], *,
+                    stable_version: str | None, alpha: float = 0.05, min_records: int = 8,
+                    min_gain: float = 0.0, tau: float = SEQ_TAU) -> dict:
+    """The gate's evidence, as `gate` gives it, from the always-valid interval: `passed` when its
+    lower bound is above min_gain; `verdict` says which way it stands: "better", "worse" (the upper
+    bound is below min_gain: more records will not help), or "undecided" (keep looking)."""
+    ev: dict = {"stable": stable_version, "records": len(positions), "positions": int(sum(positions)),
+                "confidence": 1.0 - alpha, "alpha": alpha, "tau": tau, "min_gain": min_gain,
+                "method": SEQUENTIAL_METHOD, "passed": False, "verdict": "undecided"}
+    if stable_version is None:
+        return {**ev, "reason": "no stable version to compare with"}
+    if not (len(candidate_sums) == len(stable_sums) == len(positions)):
+        raise ValueError("candidate, stable and positions must have one entry per record")
+    diffs = [c - s for c, s in zip(candidate_sums, stable_sums)]
+    total = sum(positions)
+    if total > 0:
+        ev["candidate_alpha"] = sum(candidate_sums) / total
+        ev["stable_alpha"] = sum(stable_sums) / total
+    ev["per_record"] = [[round(d, 6), int(n)] for d, n in zip(diffs, positions)]
+    if len(positions) < min_records or total <= 0:
+        return {**ev, "reason": f"{len(positions)} held-out records, the gate needs {min_records}"}
+    d, lo, hi = sequential_interval(diffs, positions, alpha=alpha, tau=tau)
+    ev.update(diff=d, lower=lo, upper=hi)
+    span = f"always-valid {1 - alpha:.0%} interval [{lo:+.4f}, {hi:+.4f}] per position over {len(positions)} records"
+    if lo > min_gain:
+        return {**ev, "passed": True, "verdict": "better",
+                "reason": f"better than {stable_version}: {span} lies above {min_gain:+.4f}"}
+    if hi < min_gain:
+        return {**ev, "verdict": "worse", "reason": f"not better than {stable_version}: {span} lies below {min_gain:+.4f}"}
+    return {**ev, "reason": f"no evidence yet it beats {stable_version}: {span} reaches {min_gain:+.4f}"}

@@ -19,6 +19,7 @@ train/distill/head.py: per_record_acceptance_head).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,6 +27,10 @@ import torch
 
 from infra.config import TrainConfig
 from infra.drafts.spec import DraftSpec
+
+# Records whose target features a head trainer keeps: its replay buffer (256) and its held-out
+# records (200) are scored again and again, and the target's forward is most of each step.
+FEATURES_KEPT = 480
 
 NO_HEAD_INIT = ("the head family starts from a warm-started head: run `osd draft init --family head` "
                 "and pass it as the init draft")
@@ -92,6 +97,10 @@ class LayerFamily:
 
         return estimate_alpha(draft, records, self.tc.max_seq_len)
 
+    def score(self, draft: Any, records: list) -> list[tuple[float, int]]:
+        """The gate's per-record sums for `draft` (of either family) on `records`."""
+        return per_record(draft, self.target, records, self.tc.max_seq_len)
+
     def save(self, draft: Any, directory: Path, **kw: Any) -> Path:
         from infra.drafts.layer import save_draft
 
@@ -108,12 +117,34 @@ class HeadFamily:
         # Kept from the init head before DeepSpeed wraps it: every export is rebuilt on them.
         self.spec, self.d2t = head.spec, head.d2t.detach().cpu().clone()
         self.layers = tuple(head.feature_layers)
+        self._kept: OrderedDict[str, tuple] = OrderedDict()  # record id -> its features (FeatureSet fields)
+
+    def features(self, records: list) -> Any:
+        """The target's features of `records` as one FeatureSet, each record's computed once while
+        it stays among the FEATURES_KEPT most recently used: replay steps, the α estimate and the
+        gate read the same records many times."""
+        from train.distill.head import FeatureSet, records_features
+
+        todo = [r for r in records if r.record_id not in self._kept]
+        if todo:
+            fresh = records_features(self.target, todo, self.layers, self.tc.max_seq_len)
+            for i, r in enumerate(todo):
+                self._kept[r.record_id] = (fresh.ids[i], fresh.feats[i], fresh.final[i], fresh.argmax[i],
+                                           fresh.start[i])
+        fs = FeatureSet()
+        for r in records:
+            self._kept.move_to_end(r.record_id)
+            for name, value in zip(("ids", "feats", "final", "argmax", "start"), self._kept[r.record_id]):
+                getattr(fs, name).append(value)
+        while len(self._kept) > max(FEATURES_KEPT, len(records)):
+            self._kept.popitem(last=False)
+        return fs
 
     def batch(self, records: list) -> Any:
-        """All `records` as one HeadBatch, their features from a no-grad target forward."""
-        from train.distill.head import collate, records_features
+        """All `records` as one HeadBatch, their features from a no-grad target forward (kept)."""
+        from train.distill.head import collate
 
-        fs = records_features(self.target, records, self.layers, self.tc.max_seq_len)
+        fs = self.features(records)
         return collate(fs, range(len(fs)))
 
     def null_batch(self) -> Any:
@@ -133,9 +164,19 @@ class HeadFamily:
         return head_with_weights(self.target, self.spec, self.d2t, weights)
 
     def alpha(self, draft: Any, records: list) -> float | None:
-        from train.distill.head import estimate_alpha_head
+        from train.distill.head import evaluate
 
-        return estimate_alpha_head(draft, self.target, records, self.tc.max_seq_len)
+        return evaluate(draft, self.features(records))["alpha_est"] if records else None
+
+    def score(self, draft: Any, records: list) -> list[tuple[float, int]]:
+        """The gate's per-record sums for `draft` on `records`; a head on this family's feature
+        layers reads the kept features, any other draft is scored by its own family."""
+        if family_name(draft) == "head" and tuple(draft.feature_layers) == self.layers:
+            from train.distill.head import per_record_acceptance_head
+
+            return per_record_acceptance_head(draft, self.target, records, self.tc.max_seq_len,
+                                              features=self.features(records))
+        return per_record(draft, self.target, records, self.tc.max_seq_len)
 
     def save(self, draft: Any, directory: Path, **kw: Any) -> Path:
         from infra.drafts.head import save_head

@@ -68,12 +68,24 @@ class TrainerMetrics:
     def checkpoint(self, tag: str, export: dict[str, Any] | None) -> None:
         self.status.update(last_checkpoint=tag, last_checkpoint_time=time.time())
         if export:
-            self.status["exports"] += 1
-            self.status["last_export"] = {k: export.get(k) for k in ("version", "alpha_est", "loss",
-                                                                     "records_consumed")}
-            if self._m is not None:
-                self._m["exports"].inc(1, {"rank": str(self.rank)})
+            self.exported(export)
         self._publish()
+
+    def exported(self, export: dict[str, Any]) -> None:
+        """A candidate published to the registry (at its checkpoint, or later on its evidence)."""
+        self.status["exports"] += 1
+        self.status["last_export"] = {k: export.get(k) for k in ("version", "alpha_est", "loss", "records_consumed",
+                                                                 "seconds_to_evidence")}
+        if self._m is not None:
+            self._m["exports"].inc(1, {"rank": str(self.rank)})
+        self._publish()
+
+    def candidates(self, exporter: Any) -> None:
+        """The candidate waiting for evidence, and how many were dropped or replaced undecided."""
+        p = exporter.pending
+        self.status["pending"] = None if p is None else {"version": p.version, "records": len(p.scores),
+                                                         "looks": p.looks}
+        self.status.update({f"candidates_{k}": v for k, v in exporter.counts.items()})
 
     def _publish(self) -> None:
         self._last_publish = time.time()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ import torch
 from infra.config import OSDConfig
 from infra.common.faults import fault_point
 # pipeline/ (traffic/demo, bench/train) imports estimate_alpha and is_held_out from here.
-from train.gate.evaluator import estimate_alpha, gate_records, is_held_out  # noqa: F401
+from train.gate.evaluator import estimate_alpha, is_held_out  # noqa: F401
 
 # Prompts trained on, remembered so the gate skips held-out records that repeat one (bounded).
 TRAINED_PROMPTS_KEPT = 50_000
@@ -77,6 +76,7 @@ class TrainerWorker:
         self.consumer_name = consumer_name or f"trainer-{rank}"
         # Deliveries of held-out records: never trained on, acked with the next checkpoint.
         self._held_acks: list = []
+        self._held_new = False  # a held-out record arrived since the waiting candidate was last judged
         self.skipped_stale = 0  # records past train.max_lag_s, skipped (train/online/lag.py)
         torch.set_num_threads(1 if world_size > 1 else max(1, torch.get_num_threads()))
 
@@ -118,7 +118,6 @@ class TrainerWorker:
                                         self.cfg.stream.stream)
         self.held_out: list[Any] = []
         self.trained_prompts: dict[bytes, None] = {}  # insertion-ordered set, oldest dropped first
-        self._stable_cache: tuple[str, Any, dict[str, tuple[float, int]]] | None = None
         self.replay: list[Any] = []  # recently trained records (train.replay_steps); not persisted
         self._rng = random.Random(self.rank)
         resumed = self.engine.load_latest(self.ckpt_dir)
@@ -132,6 +131,9 @@ class TrainerWorker:
             resumed.pop("covered_ids", None)  # could be thousands of ids: not for stats or logs
         self.telemetry.started(resumed is not None)
         self.resumed = resumed
+        from train.online.export import Exporter
+
+        self.exporter = Exporter(self.cfg, self.fam, self.target, self.run_dir, self.parent_version)
         return resumed
 
     def _init_draft(self) -> torch.nn.Module:
@@ -175,6 +177,7 @@ class TrainerWorker:
         now = time.time()
         for d in got:
             if is_held_out(d.record.record_id, tc.held_out_every):
+                self._held_new = True
                 self.held_out.append(d.record)
                 del self.held_out[: -HELD_OUT_BUFFER]
                 self._held_acks.append(d)
@@ -236,6 +239,7 @@ class TrainerWorker:
                 del self.replay[: -REPLAY_BUFFER]
             if any_data:
                 self._replay_steps(loss_fn, stats, loss_acc)
+            self._look(stats)
             count = torch.tensor([float(n_local)])
             dist.all_reduce(count, op=dist.ReduceOp.SUM)
             self.records_total += int(count)
@@ -292,16 +296,32 @@ class TrainerWorker:
         covered = self._entry_ids(unacked + self._held_acks)
         tag, weights = self.engine.save(self.ckpt_dir, {"records_total": self.records_total,
                                                         "versions": self.versions,
-                                                        "parent_version": self.parent_version,
+                                                        "parent_version": self.exporter.parent_version,
                                                         "covered_ids": covered})
         fault_point("trainer.after_complete")
         acked = self.consumer.ack(unacked + self._held_acks)
         self._held_acks = []
         out: dict[str, Any] = {"acked": acked, "tag": tag}
         if self.rank == 0:
-            out["export"] = self._publish(weights, losses, n_records)
+            out["export"] = self.exporter.export(
+                weights, losses, n_records, version=f"{self.run_dir.name}-v{self.versions:04d}",
+                held_out=self.held_out, trained_prompts=set(self.trained_prompts),
+                records_total=self.records_total, world_size=self.world_size)
+            self.telemetry.candidates(self.exporter)
         self.telemetry.checkpoint(tag, out.get("export"))
         return out
+
+    def _look(self, stats: RunStats) -> None:
+        """Rank 0, when held-out records arrived: judge the candidate waiting for evidence again
+        (train/online/export.py); no collective, so the other ranks go on."""
+        if self.rank != 0 or not self._held_new or self.exporter.pending is None:
+            return
+        self._held_new = False
+        export = self.exporter.look(self.held_out, set(self.trained_prompts))
+        self.telemetry.candidates(self.exporter)
+        if export:
+            stats.exports.append(export)
+            self.telemetry.exported(export)
 
     def _entry_ids(self, deliveries: list) -> list[str]:
         """Collective: the stream ids every rank's checkpoint covers (rank 0 writes COMPLETE)."""
@@ -323,76 +343,6 @@ class TrainerWorker:
             _log(self.rank, f"{n} records the checkpoint already covers were still pending (killed before "
                             f"their ack): acked now, not trained again")
         return n
-
-    def _publish(self, weights: dict[str, torch.Tensor], losses: list[float], n_records: int) -> dict[str, Any]:
-        from infra.drafts.layer import target_ref_of
-
-        draft = self.fam.rebuild(weights)
-        alpha = self.fam.alpha(draft, self.held_out)
-        version = f"{self.run_dir.name}-v{self.versions:04d}"
-        metrics = {"loss": sum(losses) / len(losses) if losses else None, "alpha_est": alpha,
-                   "held_out_records": len(self.held_out), "gate": self._gate(draft)}
-        lineage = {"parent": self.parent_version, "records_consumed": self.records_total,
-                   "records_since_parent": n_records, "world_size": self.world_size,
-                   "zero_stage": self.cfg.train.zero_stage, "family": self.fam.name}
-        out_dir = self.run_dir / "candidates" / version
-        self.fam.save(draft, out_dir, target_ref=target_ref_of(self.cfg.model, self.target),
-                      lineage=lineage, metrics=metrics)
-        path = str(out_dir)
-        # Into the registry, where the rollout controller picks it up. A registry that cannot
-        # take it costs nothing: the checkpoint is COMPLETE and the candidate stays on disk.
-        from infra.registry import Registry, RegistryError
-
-        fault_point("trainer.before_publish")  # checkpointed and acked, the candidate saved, not published
-        try:
-            reg = Registry.from_config(self.cfg)
-            published = reg.publish(out_dir, version, lineage=lineage, metrics=metrics)
-            if reg.local:  # digests were computed while copying; no second hashing pass
-                path = str(reg.payload_dir(published))
-                shutil.rmtree(out_dir, ignore_errors=True)
-            # Retention's one owner: whoever adds versions keeps them within it (the controller
-            # does not collect; its decisions can lag exports: a long canary, a controller down).
-            removed = reg.gc(self.cfg.registry.keep_last)
-            if removed:
-                _log(0, f"registry gc removed {', '.join(removed)}")
-        except (RegistryError, OSError) as e:
-            _log(0, f"could not publish {version} to the registry ({e}); it stays at {out_dir}")
-        _log(0, f"published {version}: alpha_est {alpha}, loss {metrics['loss']}, {self.records_total} records; "
-                f"gate {'passed' if metrics['gate']['passed'] else 'failed'}: {metrics['gate']['reason']}")
-        self.parent_version = version
-        return {"version": version, "path": path, **metrics, **lineage}
-
-    def _gate(self, draft: torch.nn.Module) -> dict[str, Any]:
-        """Paired evidence that `draft` beats the *current* stable version (not its parent, which
-        may have been gated or rolled back) on the newest held-out records; see train/gate/compare.py.
-        The controller canaries only a candidate whose evidence passes against its stable.
-        Either may be a layer draft or a head: each is scored by its own family's function."""
-        from infra.registry import Registry, RegistryError
-        from train.online.family import per_record
-        from train.gate.compare import gate
-
-        tc = self.cfg.train
-        g = tc.gate
-        kw = dict(confidence=g.confidence, resamples=g.resamples, min_records=g.min_records, min_gain=0.0)
-        records = gate_records(self.held_out, g.records, set(self.trained_prompts))
-        try:
-            reg = Registry.from_config(self.cfg)
-            stable = (reg.alias("stable") or {}).get("version")
-            if stable is None:
-                return gate([], [], [], stable_version=None, **kw)
-            if self._stable_cache is None or self._stable_cache[0] != stable:
-                model, _ = reg.load_draft(stable, self.target)
-                self._stable_cache = (stable, model, {})  # stable's scores per record id, reused
-            _, model, scores = self._stable_cache
-            todo = [r for r in records if r.record_id not in scores]
-            scores.update(zip((r.record_id for r in todo), per_record(model, self.target, todo, tc.max_seq_len)))
-            base = [scores[r.record_id][0] for r in records]
-            cand = per_record(draft, self.target, records, tc.max_seq_len)
-            return gate([c for c, _ in cand], base, [n for _, n in cand], stable_version=stable, **kw)
-        except (RegistryError, OSError) as e:
-            # No evidence means gated: the candidate is still published, for a person to look at.
-            return {"passed": False, "stable": None, "records": len(records),
-                    "reason": f"could not score the stable version ({type(e).__name__}: {e})"}
 
     def close(self) -> None:
         self.consumer.close()
