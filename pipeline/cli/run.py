@@ -7,6 +7,7 @@ import os
 
 from infra.config import OSDConfig, load_config
 from infra.drafts.spec import DRAFT_FAMILIES
+from pipeline.argtypes import positive_int
 from pipeline.cli.common import MODEL_HELP, model_flag
 
 
@@ -30,7 +31,7 @@ def _cmd_demo(cfg: OSDConfig, args: argparse.Namespace) -> int:
     from pipeline.traffic.demo import run_demo
 
     run_demo(cfg, general_s=args.general_seconds, code_s=args.code_seconds, speed_prompts=args.speed_prompts,
-             max_tokens=args.max_tokens, out_dir=args.out, family=args.family)
+             max_tokens=args.max_tokens, concurrency=args.clients, out_dir=args.out, family=args.family)
     return 0
 
 
@@ -50,8 +51,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     up.set_defaults(func=_cmd_up)
 
     demo = sub.add_parser("demo", help="closed loop on ShareGPT traffic that shifts to code; writes reports/demo")
-    demo.add_argument("--general-seconds", type=float, default=180, help="general traffic first (default 180)")
-    demo.add_argument("--code-seconds", type=float, default=2100, help="then code traffic (default 2100)")
+    demo.add_argument("--general-seconds", type=float, default=120, help="general traffic first (default 120)")
+    demo.add_argument("--code-seconds", type=float, default=600, help="then code traffic (default 600)")
+    demo.add_argument("--clients", type=positive_int, default=8,
+                      help="concurrent clients sending the traffic, each one request at a time (default 8)")
     demo.add_argument("--speed-prompts", type=int, default=12, help="post-shift prompts for the AR comparison")
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--out", default="reports/demo", help="report directory (default reports/demo)")

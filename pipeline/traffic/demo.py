@@ -7,6 +7,8 @@
 3. Workload: held-out ShareGPT prompts of general domains, then code only (the shift).
 4. Same-server speed check on post-shift prompts: each prompt with speculation and without
    (`osd_speculate: false`), alternating which goes first; median of per-prompt ratios.
+   Then the frozen check: v1 made stable again for the same prompts (the suffix index as the
+   loop left it), so the final draft minus v1, per prompt, is what the loop's training brought.
 5. reports/demo/report.json, a PNG of per-request acceptance over time per version, and ops.html:
    the ops page (/ops) as it stood at the end of the run, static.
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 from tabulate import tabulate
 
 from infra.config import OSDConfig
@@ -92,13 +95,135 @@ def speed_check(url: str, prompts: list, max_tokens: int) -> dict[str, Any]:
         if got[True]["ok"] and got[False]["ok"] and got[True]["tokens"] and got[False]["tokens"]:
             sd = got[True]["tokens"] / got[True]["latency_s"]
             ar = got[False]["tokens"] / got[False]["latency_s"]
-            pairs.append({"sd_tok_s": sd, "ar_tok_s": ar, "ratio": sd / ar, "version": got[True]["version"],
-                          "tokens": got[True]["tokens"]})
+            pairs.append({"prompt": p.id, "sd_tok_s": sd, "ar_tok_s": ar, "ratio": sd / ar,
+                          "version": got[True]["version"], "tokens": got[True]["tokens"]})
     if not pairs:
         return {"pairs": [], "speedup_vs_ar": None}
     return {"pairs": pairs, "speedup_vs_ar": statistics.median(p["ratio"] for p in pairs),
             "sd_tok_s_median": statistics.median(p["sd_tok_s"] for p in pairs),
             "ar_tok_s_median": statistics.median(p["ar_tok_s"] for p in pairs)}
+
+
+def minutes_to_first_promotion(decisions: list[dict[str, Any]], shift: float) -> tuple[float | None, str | None]:
+    """(minutes from the shift to the first promotion after it, the version promoted); (None,
+    None) if none. A promotion before the shift adapted to general traffic, not to the shift."""
+    after = sorted((d for d in decisions if d["action"] == "promote" and d["time"] >= shift), key=lambda d: d["time"])
+    if not after:
+        return None, None
+    return (after[0]["time"] - shift) / 60, after[0]["version"]
+
+
+def bootstrap_median(values: list[float], *, resamples: int = 2000, seed: int = 0,
+                     level: float = 0.95) -> dict[str, Any] | None:
+    """The median of `values` with a percentile-bootstrap interval of it, reproducible by seed;
+    None for no values."""
+    x = np.asarray(values, dtype=float)
+    if x.size == 0:
+        return None
+    rng = np.random.default_rng(seed)
+    draws = np.median(x[rng.integers(0, x.size, size=(resamples, x.size))], axis=1)
+    tail = (1.0 - level) / 2
+    lower, upper = np.quantile(draws, [tail, 1.0 - tail])
+    return {"median": float(np.median(x)), "lower": float(lower), "upper": float(upper), "n": int(x.size),
+            "level": level, "resamples": resamples, "seed": seed}
+
+
+def loop_contribution(final: dict[str, Any], frozen: dict[str, Any]) -> dict[str, Any]:
+    """Per prompt, the speed-up with the final draft minus the speed-up with v1 on the same
+    server: what the loop's training added beyond the suffix index both share. Only prompts
+    that the final stable served in the one check and v1 in the other count (a live canary
+    takes its share of either)."""
+    if frozen.get("skipped"):
+        return {"skipped": frozen["skipped"], "per_prompt": []}
+    final_ratio = {p["prompt"]: p["ratio"] for p in final["pairs"] if p["version"] == frozen["final_version"]}
+    frozen_ratio = {p["prompt"]: p["ratio"] for p in frozen["pairs"] if p["version"] == frozen["version"]}
+    per_prompt = [{"prompt": k, "final": final_ratio[k], "frozen": frozen_ratio[k],
+                   "diff": final_ratio[k] - frozen_ratio[k]} for k in final_ratio if k in frozen_ratio]
+    served_by_other = (len(final["pairs"]) - len(final_ratio)) + (len(frozen["pairs"]) - len(frozen_ratio))
+    interval = bootstrap_median([d["diff"] for d in per_prompt])
+    return {"skipped": None if per_prompt else "no prompt measured with both drafts", **(interval or {}),
+            "served_by_another_version": served_by_other, "per_prompt": per_prompt}
+
+
+def frozen_skip_reason(start_stable: str | None, end_stable: str | None, start_kept: bool = True) -> str | None:
+    """Why the frozen check cannot run, or None when it can."""
+    if start_stable is None:
+        return "no stable version at the start of the run to go back to"
+    if end_stable == start_stable:
+        return f"stable is still {start_stable}: nothing was promoted, so the final draft is the frozen one"
+    if not start_kept:  # the trainer's registry gc keeps registry.keep_last versions besides the aliased ones
+        return f"{start_stable} is no longer in the registry (garbage-collected)"
+    return None
+
+
+def wait_until_served(url: str, version: str, *, timeout_s: float, poll_s: float) -> float | None:
+    """Seconds until a request is served by `version`, None if none is within timeout_s: the
+    replica re-reads the aliases on its own clock and loads the version before it swaps."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        r = post_chat(url, "Hello", 1, timeout=timeout_s, osd_record=False)
+        if r["ok"] and r["version"] == version:
+            return time.monotonic() - t0
+        time.sleep(poll_s)
+    return None
+
+
+def frozen_check(loop: Any, reg: Any, prompts: list, max_tokens: int, frozen: str | None, *,
+                 wait_s: float = 60.0) -> dict[str, Any]:
+    """The speed check again with v1 stable, then the loop's stable put back. The loop keeps
+    running: the check's requests leave no records, but a canary that is live still takes its
+    share, so the canary and any decision taken meanwhile are reported. A registry that refuses
+    the move costs this check only, never the report."""
+    from infra.registry import RegistryError
+
+    before = reg.aliases()
+    final = (before["stable"] or {}).get("version")
+    skipped = frozen_skip_reason(frozen, final, frozen is not None and reg.exists(frozen))
+    out: dict[str, Any] = {"version": frozen, "final_version": final, "skipped": skipped,
+                           "canary_during": (before["canary"] or {}).get("version"), "pairs": [],
+                           "speedup_vs_ar": None}
+    if out["skipped"]:
+        _log(f"frozen check skipped: {out['skipped']}")
+        return out
+    n_decisions = len(loop.controller_status()["decisions"])
+    try:
+        reg.set_stable(frozen, reason="osd demo: the frozen check measures v1 again; the loop's stable comes back after")
+    except RegistryError as e:
+        out["skipped"] = f"could not make {frozen} stable ({type(e).__name__}: {e})"
+        _log(f"frozen check skipped: {out['skipped']}")
+        return out
+    try:
+        waited = wait_until_served(loop.url, frozen, timeout_s=wait_s, poll_s=loop.cfg.serve.alias_poll_s / 2)
+        if waited is None:
+            out["skipped"] = f"the replica did not serve {frozen} within {wait_s:.0f} s of the alias move"
+        else:
+            _log(f"frozen check: {frozen} serves again after {waited:.1f} s; the same {len(prompts)} prompts")
+            out.update(speed_check(loop.url, prompts, max_tokens), waited_s=waited)
+    finally:
+        out.update(restore_stable(reg, frozen, final))
+    status = loop.controller_status()
+    out["canary_during"] = out["canary_during"] or (status["aliases"]["canary"] or {}).get("version")
+    out["decisions_during"] = [{k: d.get(k) for k in ("time", "action", "version", "reason")}
+                               for d in status["decisions"][n_decisions:]]
+    return out
+
+
+def restore_stable(reg: Any, frozen: str, final: str) -> dict[str, Any]:
+    """Stable back to the loop's draft, unless the controller moved it during the check (its
+    decision stands)."""
+    from infra.registry import RegistryError
+
+    try:
+        now = reg.alias("stable")["version"]
+        if now != frozen:
+            _log(f"frozen check: the controller moved stable to {now} meanwhile; left there")
+            return {"restored": False, "stable_after": now}
+        reg.set_stable(final, reason="osd demo: the frozen check is done; the loop's stable is back")
+    except RegistryError as e:  # the run's report still matters more than the alias it leaves
+        _log(f"frozen check: could not put {final} back as stable ({type(e).__name__}: {e}); "
+             f"`osd registry promote {final}` does")
+        return {"restored": False, "stable_after": None, "restore_error": f"{type(e).__name__}: {e}"}
+    return {"restored": True, "stable_after": final}
 
 
 def version_table(samples: list[dict], shift_time: float, registry: Any) -> list[dict[str, Any]]:
@@ -225,11 +350,13 @@ def save_ops_snapshot(summary: dict[str, Any] | None, url: str, out_dir: Path) -
     return out
 
 
-# 35 minutes of code traffic: on 2 cores the head's candidates reach the gate's 20 held-out
-# records about 10 minutes after the shift, and a first canary can spend its 80-request budget
-# (about 20 minutes) before a better one is tried; the 11-minute phase never promoted.
-def run_demo(cfg: OSDConfig, *, general_s: float = 180, code_s: float = 2100, speed_prompts: int = 12,
-             max_tokens: int = 64, concurrency: int = 2, out_dir: str | Path = "reports/demo",
+# Online means minutes (issue 42): the demo shows what the loop brings within 20 minutes of
+# set-up. Eight clients keep the replica busy at every step, so the trainer's records, the gate's
+# held-out records and a canary's request budget gather sooner than with two; ten minutes of code
+# traffic then leave room to train, gate, canary and promote a candidate, and two minutes of
+# general traffic show how v1 serves before the shift.
+def run_demo(cfg: OSDConfig, *, general_s: float = 120, code_s: float = 600, speed_prompts: int = 12,
+             max_tokens: int = 64, concurrency: int = 8, out_dir: str | Path = "reports/demo",
              family: str = "head") -> dict[str, Any]:
     from infra.registry import Registry
     from pipeline.stack.profiles import demo_config
@@ -325,17 +452,20 @@ class PhaseRun:
     controller: dict[str, Any]  # the rollout controller's status: decisions, aliases
     samples: list[dict[str, Any]]  # the controller's per-request samples
     records: list  # the run's records, from its private stream
+    start_stable: str | None = None  # the stable before phase 1: the warm start v1
+    frozen: dict[str, Any] | None = None  # frozen_check's result: the speed check with v1 stable again
 
 
 def run_phases(loop: Any, reg: Any, work: Workload, general: list, code: list, speed_set: list, *,
                general_s: float, code_s: float) -> PhaseRun:
-    """General traffic, the shift to code, then the speed check."""
+    """General traffic, the shift to code, then the speed check with the final draft and with v1."""
 
     def status() -> str:
         a = reg.aliases()
         c = a["canary"]
         return f"stable {a['stable']['version']}" + (f", canary {c['version']} at {c['weight']:.0%}" if c else "")
 
+    start_stable = reg.aliases()["stable"]["version"]
     t0 = time.time()
     _log("phase 1: general traffic")
     work.run("general", general, general_s, status)
@@ -345,7 +475,9 @@ def run_phases(loop: Any, reg: Any, work: Workload, general: list, code: list, s
     _log(f"speed check: {len(speed_set)} post-shift code prompts, speculative vs autoregressive, same server")
     speed = dict(speed_check(loop.url, speed_set, work.max_tokens), max_tokens=work.max_tokens)
     time.sleep(2 * loop.cfg.rollout.poll_s)
-    return PhaseRun(t0, shift, speed, loop.controller_status(), loop.samples(), stream_records(loop.cfg))
+    controller = loop.controller_status()  # the loop's outcome, before the frozen check moves stable
+    frozen = frozen_check(loop, reg, speed_set, work.max_tokens, start_stable)
+    return PhaseRun(t0, shift, speed, controller, loop.samples(), stream_records(loop.cfg), start_stable, frozen)
 
 
 def build_report(run: PhaseRun, results: list[dict[str, Any]], versions: list[dict[str, Any]],
@@ -355,6 +487,8 @@ def build_report(run: PhaseRun, results: list[dict[str, Any]], versions: list[di
     for v in versions:
         v["alpha_est_post_shift"] = by_id.get(v["version"])
     failed = [r for r in results if not r["ok"]]
+    minutes, first = minutes_to_first_promotion(decisions, run.shift)
+    frozen = run.frozen or {"skipped": "not run", "pairs": [], "speedup_vs_ar": None}
     return {
         "failed_requests": len(failed),
         "requests": len(results),
@@ -367,6 +501,14 @@ def build_report(run: PhaseRun, results: list[dict[str, Any]], versions: list[di
         "speedup_vs_ar": run.speed["speedup_vs_ar"],
         "paired_post_shift": paired,
         "speed_check": run.speed,
+        # time to adapt: from the shift to the first promotion after it
+        "minutes_to_first_promotion": minutes,
+        "first_promotion": first,
+        # the loop's own contribution: the same prompts with v1 stable again (the head frozen)
+        "start_stable": run.start_stable,
+        "speed_check_frozen": frozen,
+        "speedup_vs_ar_frozen": frozen["speedup_vs_ar"],
+        "loop_contribution": loop_contribution(run.speed, frozen),
         "decisions": [{k: d.get(k) for k in ("time", "action", "version", "reason", "weight")} for d in decisions],
         "final_aliases": run.controller["aliases"],
         "phases": {"general_s": general_s, "code_s": code_s, "shift_time": run.shift, "start_time": run.t0,
@@ -385,6 +527,35 @@ def gated_entry(d: dict[str, Any]) -> dict[str, Any]:
 
 def _num(x: float | None, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
+
+
+def _times(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def _print_loop_gain(r: dict[str, Any]) -> None:
+    """Time to adapt, and the final draft against v1 on the same prompts."""
+    m = r["minutes_to_first_promotion"]
+    print("time to adapt: " + ("no promotion after the shift" if m is None else
+                               f"{m:.1f} minutes from the shift to promoting {r['first_promotion']}"))
+    fz, lc = r["speed_check_frozen"], r["loop_contribution"]
+    if fz.get("skipped"):
+        print(f"frozen check (v1 stable again): skipped, {fz['skipped']}")
+        return
+    print(f"speed-up vs AR, final {fz['final_version']} vs frozen {fz['version']}: "
+          f"{_times(r['speedup_vs_ar'])} vs {_times(r['speedup_vs_ar_frozen'])}")
+    if lc.get("skipped"):
+        print(f"loop contribution: n/a ({lc['skipped']})")
+    else:
+        print(f"loop contribution (final minus frozen speed-up, median over {lc['n']} prompts): {lc['median']:+.3f}, "
+              f"{lc['level']:.0%} bootstrap interval [{lc['lower']:+.3f}, {lc['upper']:+.3f}]")
+    if fz.get("canary_during"):
+        print(f"  canary {fz['canary_during']} was live during the frozen check")
+    if lc.get("served_by_another_version"):
+        print(f"  {lc['served_by_another_version']} speed measurements served by a version other than the one "
+              f"checked were left out")
+    for d in fz.get("decisions_during") or []:
+        print(f"  during the frozen check the controller decided: {d['action']} {d['version']} ({d['reason']})")
 
 
 def _print(r: dict[str, Any], out_dir: Path) -> None:
@@ -411,7 +582,8 @@ def _print(r: dict[str, Any], out_dir: Path) -> None:
     print(f"\nrequests {r['requests']}, failed {r['failed_requests']}; promoted {r['promoted'] or '-'}; "
           f"rolled back {r['rolled_back'] or '-'}; expired {r.get('expired') or '-'}; "
           f"gated {[g['version'] for g in r.get('gated', [])] or '-'}")
-    print(f"post-shift speed-up vs AR (median of per-prompt ratios): {'n/a' if sp is None else f'{sp:.2f}x'}")
+    print(f"post-shift speed-up vs AR (median of per-prompt ratios): {_times(sp)}")
+    _print_loop_gain(r)
     print(f"same prompts elsewhere: osd bench engine --prompts-file {out_dir / 'speed_prompts.jsonl'} "
           f"--max-new-tokens {r['speed_check']['max_tokens']} --draft <a version's directory> [--device cuda]")
     ops = r.get("ops") or {}

@@ -1,0 +1,243 @@
+"""What the demo reports of the loop's gain: time to adapt, and the final draft against v1 frozen."""
+
+import pytest
+
+pytestmark = pytest.mark.pure
+
+
+def test_minutes_to_first_promotion_counts_from_the_shift_only():
+    from pipeline.traffic.demo import minutes_to_first_promotion
+
+    decisions = [{"time": 50.0, "action": "promote", "version": "v2"},  # before the shift: general traffic
+                 {"time": 130.0, "action": "start", "version": "v3"},
+                 {"time": 400.0, "action": "promote", "version": "v4"},
+                 {"time": 280.0, "action": "promote", "version": "v3"}]
+    assert minutes_to_first_promotion(decisions, shift=100.0) == (3.0, "v3")
+    assert minutes_to_first_promotion(decisions[:2], shift=100.0) == (None, None)
+    assert minutes_to_first_promotion([], shift=100.0) == (None, None)
+
+
+def test_the_bootstrap_median_is_reproducible_by_seed_and_holds_its_point():
+    from pipeline.traffic.demo import bootstrap_median
+
+    diffs = [0.12, -0.03, 0.08, 0.21, 0.05, 0.0, 0.15, 0.09, -0.01, 0.11, 0.07, 0.3]
+    a = bootstrap_median(diffs, seed=3)
+    assert a == bootstrap_median(diffs, seed=3)
+    assert a != bootstrap_median(diffs, seed=4)  # the draws differ with the seed
+    assert a["lower"] <= a["median"] <= a["upper"] and a["lower"] < a["upper"]
+    assert a["median"] == pytest.approx(0.085) and a["n"] == 12 and a["level"] == 0.95
+
+
+def test_equal_differences_give_a_zero_width_interval_and_none_give_none():
+    from pipeline.traffic.demo import bootstrap_median
+
+    assert bootstrap_median([0.2] * 7) == {"median": 0.2, "lower": 0.2, "upper": 0.2, "n": 7, "level": 0.95,
+                                           "resamples": 2000, "seed": 0}
+    assert bootstrap_median([]) is None
+
+
+def pair(prompt, ratio, version):
+    return {"prompt": prompt, "ratio": ratio, "version": version}
+
+
+def test_loop_contribution_pairs_prompts_served_by_the_versions_checked():
+    from pipeline.traffic.demo import loop_contribution
+
+    final = {"pairs": [pair("a", 1.5, "v3"), pair("b", 1.2, "v3"), pair("c", 1.4, "v4"), pair("d", 1.1, "v3")]}
+    frozen = {"version": "v1", "final_version": "v3", "skipped": None,
+              # "b" went to a canary; "d" failed in the frozen check, so it has no pair there
+              "pairs": [pair("a", 1.0, "v1"), pair("b", 1.3, "v4"), pair("c", 1.0, "v1")]}
+    lc = loop_contribution(final, frozen)
+    assert [(p["prompt"], p["diff"]) for p in lc["per_prompt"]] == [("a", 0.5)]
+    assert lc["served_by_another_version"] == 2 and lc["median"] == 0.5 and lc["skipped"] is None
+    none = loop_contribution(final, dict(frozen, pairs=[pair("b", 1.3, "v4")]))
+    assert none["skipped"] == "no prompt measured with both drafts" and "median" not in none
+    assert loop_contribution(final, {"skipped": "why"}) == {"skipped": "why", "per_prompt": []}
+
+
+def test_the_frozen_check_is_skipped_with_a_reason():
+    from pipeline.traffic.demo import frozen_skip_reason
+
+    assert frozen_skip_reason("v1", "demo-v0004") is None
+    assert "nothing was promoted" in frozen_skip_reason("v1", "v1")
+    assert "garbage-collected" in frozen_skip_reason("v1", "demo-v0004", start_kept=False)
+    assert "no stable version" in frozen_skip_reason(None, "demo-v0004")
+
+
+class FakeRegistry:
+    """The aliases and the alias writes frozen_check uses; `moved_to` plays a controller that
+    promotes during the check."""
+
+    def __init__(self, stable, canary=None, moved_to=None, refuse=()):
+        self.stable, self.canary, self.moved_to, self.refuse, self.writes = stable, canary, moved_to, refuse, []
+
+    def aliases(self):
+        return {"stable": {"version": self.stable}, "canary": self.canary}
+
+    def alias(self, name):
+        return self.aliases()[name]
+
+    def exists(self, version):
+        return True
+
+    def set_stable(self, version, reason=""):
+        from infra.registry import RegistryError
+
+        if version in self.refuse:
+            raise RegistryError(f"cannot move stable to {version}")
+        self.writes.append(version)
+        self.stable = self.moved_to or version
+
+
+class FakeLoop:
+    url = "http://demo"
+
+    def __init__(self, reg, decide_during=()):
+        self.reg, self.decisions, self.later = reg, [{"action": "promote", "version": "v3"}], list(decide_during)
+
+    @property
+    def cfg(self):
+        from infra.config import OSDConfig
+
+        return OSDConfig()
+
+    def controller_status(self):
+        out = {"aliases": self.reg.aliases(), "decisions": list(self.decisions)}
+        self.decisions += self.later
+        self.later = []
+        return out
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """The replica answers at once with whatever the fake registry names stable."""
+    import pipeline.traffic.demo as demo
+
+    calls = []
+
+    def speed(url, prompts, max_tokens):
+        calls.append(prompts)
+        return {"pairs": [pair("a", 1.0, "v1")], "speedup_vs_ar": 1.0}
+
+    monkeypatch.setattr(demo, "wait_until_served", lambda url, version, **kw: 0.5)
+    monkeypatch.setattr(demo, "speed_check", speed)
+    return calls
+
+
+def test_the_frozen_check_measures_v1_then_puts_the_loop_s_stable_back(served):
+    from pipeline.traffic.demo import frozen_check
+
+    reg = FakeRegistry("v3", canary={"version": "v4", "weight": 0.5})
+    loop = FakeLoop(reg, decide_during=[{"action": "gated", "version": "v5", "reason": "not vs v1"}])
+    out = frozen_check(loop, reg, ["p"], 8, "v1")
+    assert reg.writes == ["v1", "v3"] and reg.stable == "v3" and served == [["p"]]
+    assert out["restored"] and out["speedup_vs_ar"] == 1.0 and out["final_version"] == "v3"
+    assert out["canary_during"] == "v4"
+    assert [d["version"] for d in out["decisions_during"]] == ["v5"]
+
+
+def test_the_frozen_check_leaves_a_promotion_the_controller_made_meanwhile(served):
+    from pipeline.traffic.demo import frozen_check
+
+    reg = FakeRegistry("v3", moved_to="v4")
+    out = frozen_check(FakeLoop(reg), reg, ["p"], 8, "v1")
+    assert reg.writes == ["v1"] and reg.stable == "v4"
+    assert (out["restored"], out["stable_after"]) == (False, "v4")
+
+
+def test_a_registry_that_refuses_a_move_costs_the_frozen_check_only(served):
+    from pipeline.traffic.demo import frozen_check
+
+    reg = FakeRegistry("v3", refuse=("v1",))
+    out = frozen_check(FakeLoop(reg), reg, ["p"], 8, "v1")
+    assert reg.writes == [] and served == [] and out["skipped"].startswith("could not make v1 stable (RegistryError")
+    reg = FakeRegistry("v3", refuse=("v3",))  # v1 measured, but stable cannot go back
+    out = frozen_check(FakeLoop(reg), reg, ["p"], 8, "v1")
+    assert reg.writes == ["v1"] and served == [["p"]] and out["speedup_vs_ar"] == 1.0
+    assert out["restored"] is False and "cannot move stable to v3" in out["restore_error"]
+
+
+def test_the_frozen_check_moves_nothing_while_stable_is_still_v1(served):
+    from pipeline.traffic.demo import frozen_check
+
+    reg = FakeRegistry("v1")
+    out = frozen_check(FakeLoop(reg), reg, ["p"], 8, "v1")
+    assert reg.writes == [] and served == [] and "nothing was promoted" in out["skipped"]
+    assert out["speedup_vs_ar"] is None and out["pairs"] == []
+
+
+def test_report_carries_time_to_adapt_and_the_loop_s_contribution():
+    from pipeline.traffic.demo import PhaseRun, build_report
+
+    decisions = [{"time": 3.0, "action": "promote", "version": "v2", "reason": "ok"},
+                 {"time": 64.0, "action": "promote", "version": "v3", "reason": "ok"}]
+    speed = {"speedup_vs_ar": 1.4, "pairs": [pair("a", 1.4, "v3"), pair("b", 1.5, "v3")]}
+    frozen = {"version": "v1", "final_version": "v3", "skipped": None, "speedup_vs_ar": 1.1,
+              "pairs": [pair("a", 1.1, "v1"), pair("b", 1.2, "v1")]}
+    run = PhaseRun(t0=1.0, shift=4.0, speed=speed, samples=[], records=[], start_stable="v1", frozen=frozen,
+                   controller={"decisions": decisions, "aliases": {"stable": {"version": "v3"}}})
+    r = build_report(run, [], [], {"records": 0, "positions": 0, "versions": []}, general_s=1, code_s=1)
+    assert r["minutes_to_first_promotion"] == pytest.approx(1.0) and r["first_promotion"] == "v3"
+    assert r["speedup_vs_ar_frozen"] == 1.1 and r["speed_check_frozen"] is frozen and r["start_stable"] == "v1"
+    lc = r["loop_contribution"]
+    assert lc["median"] == pytest.approx(0.3) and lc["lower"] == pytest.approx(0.3) and lc["n"] == 2
+    assert r["promoted"] == ["v2", "v3"] and r["speedup_vs_ar"] == 1.4  # the old keys stay
+
+
+def test_the_summary_prints_time_to_adapt_and_the_contribution_with_its_interval(capsys):
+    from pipeline.traffic.demo import _print_loop_gain
+
+    r = {"minutes_to_first_promotion": 6.5, "first_promotion": "v3", "speedup_vs_ar": 1.4,
+         "speedup_vs_ar_frozen": 1.1,
+         "speed_check_frozen": {"skipped": None, "version": "v1", "final_version": "v3", "canary_during": "v4",
+                                "decisions_during": [{"action": "gated", "version": "v5", "reason": "not vs v1"}]},
+         "loop_contribution": {"skipped": None, "median": 0.3, "lower": 0.1, "upper": 0.4, "n": 11, "level": 0.95,
+                               "served_by_another_version": 1}}
+    _print_loop_gain(r)
+    out = capsys.readouterr().out
+    assert "6.5 minutes from the shift to promoting v3" in out
+    assert "final v3 vs frozen v1: 1.40x vs 1.10x" in out
+    assert "median over 11 prompts): +0.300, 95% bootstrap interval [+0.100, +0.400]" in out
+    assert "canary v4 was live" in out and "1 speed measurements" in out and "gated v5 (not vs v1)" in out
+    _print_loop_gain({"minutes_to_first_promotion": None, "speed_check_frozen": {"skipped": "stable is still v1"},
+                      "loop_contribution": {"skipped": "stable is still v1"}})
+    out = capsys.readouterr().out
+    assert "no promotion after the shift" in out and "skipped, stable is still v1" in out
+
+
+def test_a_report_without_a_frozen_check_says_so():
+    from pipeline.traffic.demo import PhaseRun, build_report
+
+    run = PhaseRun(t0=1.0, shift=4.0, speed={"speedup_vs_ar": None, "pairs": []}, samples=[], records=[],
+                   controller={"decisions": [], "aliases": {"stable": {"version": "v1"}}})
+    r = build_report(run, [], [], {"records": 0, "positions": 0, "versions": []}, general_s=1, code_s=1)
+    assert (r["minutes_to_first_promotion"], r["first_promotion"], r["speedup_vs_ar_frozen"]) == (None, None, None)
+    assert r["loop_contribution"] == {"skipped": "not run", "per_prompt": []}
+
+
+def test_osd_demo_defaults_fit_the_twenty_minute_run():
+    from pipeline.cli import build_parser
+
+    args = build_parser().parse_args(["demo"])
+    assert (args.clients, args.general_seconds, args.code_seconds) == (8, 120, 600)
+    assert build_parser().parse_args(["demo", "--clients", "3"]).clients == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--clients", "0"])
+
+
+def test_the_frozen_check_moves_a_real_registry_s_stable_and_back(draft_dir, tmp_path, served):
+    from infra.registry import Registry
+    from pipeline.traffic.demo import frozen_check
+
+    reg = Registry((tmp_path / "reg").as_uri(), cache_dir=tmp_path / "cache")
+    for name in ("v1", "v2", "v3"):
+        reg.publish(draft_dir, name)
+    reg.promote("v1", reason="warm start")
+    reg.promote("v3", reason="canary passed")
+    reg.set_canary("v2", 0.5)  # not decided by the controller, here
+    out = frozen_check(FakeLoop(reg), reg, ["p"], 8, "v1")
+    assert out["restored"] and out["canary_during"] == "v2" and served == [["p"]]
+    assert reg.alias("stable")["version"] == "v3" and reg.alias("canary")["version"] == "v2"
+    reg.promote("v2")
+    reg.gc(keep_last=1)  # v1 is neither aliased nor among the newest
+    assert "garbage-collected" in frozen_check(FakeLoop(reg), reg, ["p"], 8, "v1")["skipped"]
