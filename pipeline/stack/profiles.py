@@ -17,7 +17,8 @@ def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
     d["serve"].update(num_replicas=1, num_cpus_per_replica=1.0, max_concurrency=8,
                       forward_threads=d["serve"]["forward_threads"] or 1)
     d["stream"].update(redis_url="")
-    d["registry"].update(uri="")
+    # Every version of the run is kept: the report scores each, and the frozen check serves v1 again.
+    d["registry"].update(uri="", keep_last=1000)
     # Few records per candidate at demo traffic: replay them (as the warm start's epochs do) at a
     # fine-tuning learning rate, so a trained draft is refined rather than jolted.
     # A candidate every 24 records or minute: the sequential gate (train/gate/pending.py) holds

@@ -472,6 +472,9 @@ def run_phases(loop: Any, reg: Any, work: Workload, general: list, code: list, s
     shift = time.time()
     _log(f"phase 2: the traffic shifts to code ({status()})")
     work.run("code", code, code_s, status)
+    # What the loop learned by the end of traffic is what is measured: no candidate appears during
+    # the checks (their requests leave no records, so a canary in flight waits, undecided).
+    loop.stop_trainer()
     _log(f"speed check: {len(speed_set)} post-shift code prompts, speculative vs autoregressive, same server")
     speed = dict(speed_check(loop.url, speed_set, work.max_tokens), max_tokens=work.max_tokens)
     time.sleep(2 * loop.cfg.rollout.poll_s)
