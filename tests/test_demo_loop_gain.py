@@ -241,3 +241,15 @@ def test_the_frozen_check_moves_a_real_registry_s_stable_and_back(draft_dir, tmp
     reg.promote("v2")
     reg.gc(keep_last=1)  # v1 is neither aliased nor among the newest
     assert "garbage-collected" in frozen_check(FakeLoop(reg), reg, ["p"], 8, "v1")["skipped"]
+
+
+def test_trainer_lag_is_read_from_the_ops_summary_in_records_and_seconds_of_traffic():
+    from pipeline.traffic.demo import trainer_lag
+
+    summary = {"loop": {"stream": {"groups": [{"group": "rollout", "lag": 0, "pending": 0},
+                                              {"group": "trainers", "lag": 12, "pending": 3}]},
+                        "trainers": [{"component": "trainer-0", "skipped_stale": 5}]}}
+    lag = trainer_lag(summary, "trainers", requests=600, seconds=600)
+    assert lag == {"records": 12, "pending": 3, "requests_per_s": 1.0, "seconds_of_traffic": 12.0, "skipped_stale": 5}
+    assert trainer_lag(None, "trainers", 10, 60)["records"] is None  # no summary: said, not guessed
+    assert trainer_lag(summary, "trainers", 0, 60)["seconds_of_traffic"] is None

@@ -454,6 +454,7 @@ class PhaseRun:
     records: list  # the run's records, from its private stream
     start_stable: str | None = None  # the stable before phase 1: the warm start v1
     frozen: dict[str, Any] | None = None  # frozen_check's result: the speed check with v1 stable again
+    trainer_lag: dict[str, Any] | None = None  # trainer_lag() when traffic ended
 
 
 def run_phases(loop: Any, reg: Any, work: Workload, general: list, code: list, speed_set: list, *,
@@ -472,6 +473,9 @@ def run_phases(loop: Any, reg: Any, work: Workload, general: list, code: list, s
     shift = time.time()
     _log(f"phase 2: the traffic shifts to code ({status()})")
     work.run("code", code, code_s, status)
+    lag = trainer_lag(_summary(loop.url), loop.cfg.stream.group,
+                      sum(r["phase"] == "code" for r in work.results), code_s)
+    _log(f"traffic ended; the trainer's lag: {lag}")
     # What the loop learned by the end of traffic is what is measured: no candidate appears during
     # the checks (their requests leave no records, so a canary in flight waits, undecided).
     loop.stop_trainer()
@@ -480,7 +484,29 @@ def run_phases(loop: Any, reg: Any, work: Workload, general: list, code: list, s
     time.sleep(2 * loop.cfg.rollout.poll_s)
     controller = loop.controller_status()  # the loop's outcome, before the frozen check moves stable
     frozen = frozen_check(loop, reg, speed_set, work.max_tokens, start_stable)
-    return PhaseRun(t0, shift, speed, controller, loop.samples(), stream_records(loop.cfg), start_stable, frozen)
+    return PhaseRun(t0, shift, speed, controller, loop.samples(), stream_records(loop.cfg), start_stable, frozen,
+                    lag)
+
+
+def _summary(url: str) -> dict[str, Any] | None:
+    from serve.api.ops.page import fetch_summary
+
+    return fetch_summary(url)
+
+
+def trainer_lag(summary: dict[str, Any] | None, group: str, requests: int, seconds: float) -> dict[str, Any]:
+    """The trainers' consumer-group lag when traffic ended (records not yet delivered, and
+    delivered but unacked), in records and in seconds of the phase's traffic, with the records
+    the trainer skipped as stale (train.max_lag_s)."""
+    loop = (summary or {}).get("loop") or {}
+    found = [g for g in (loop.get("stream") or {}).get("groups", []) if g.get("group") == group]
+    if not found or found[0].get("lag") is None:
+        return {"records": None, "reason": "the ops summary had no lag for the trainers' group"}
+    rate = requests / seconds if seconds > 0 else 0.0
+    lag = int(found[0]["lag"])
+    skipped = sum(int((t or {}).get("skipped_stale") or 0) for t in loop.get("trainers") or [])
+    return {"records": lag, "pending": found[0].get("pending"), "requests_per_s": rate,
+            "seconds_of_traffic": lag / rate if rate else None, "skipped_stale": skipped}
 
 
 def build_report(run: PhaseRun, results: list[dict[str, Any]], versions: list[dict[str, Any]],
@@ -493,6 +519,7 @@ def build_report(run: PhaseRun, results: list[dict[str, Any]], versions: list[di
     minutes, first = minutes_to_first_promotion(decisions, run.shift)
     frozen = run.frozen or {"skipped": "not run", "pairs": [], "speedup_vs_ar": None}
     return {
+        "trainer_lag": run.trainer_lag,
         "failed_requests": len(failed),
         "requests": len(results),
         "promoted": [d["version"] for d in decisions if d["action"] == "promote"],
@@ -541,6 +568,11 @@ def _print_loop_gain(r: dict[str, Any]) -> None:
     m = r["minutes_to_first_promotion"]
     print("time to adapt: " + ("no promotion after the shift" if m is None else
                                f"{m:.1f} minutes from the shift to promoting {r['first_promotion']}"))
+    lag = r.get("trainer_lag") or {}
+    if lag.get("records") is not None:
+        secs = lag.get("seconds_of_traffic")
+        print(f"trainer lag when traffic ended: {lag['records']} records ({_num(secs, '.0f')} s of traffic), "
+              f"{lag['skipped_stale']} skipped as stale")
     fz, lc = r["speed_check_frozen"], r["loop_contribution"]
     if fz.get("skipped"):
         print(f"frozen check (v1 stable again): skipped, {fz['skipped']}")
