@@ -219,7 +219,10 @@ def test_a_group_started_from_a_head_trains_and_publishes_head_versions(ray_loca
     from infra.target import load_target
     from train.online.trainer import TrainerGroup
 
-    cfg = stream(zero_stage=stage, held_out_every=4, gate={"min_records": 1, "resamples": 200}, replay_steps=1)
+    # bootstrap: every candidate published at its checkpoint, with its evidence (the sequential
+    # gate, which publishes only candidates the held-out records favour, is tested on its own)
+    cfg = stream(zero_stage=stage, held_out_every=4, gate={"method": "bootstrap", "min_records": 1, "resamples": 200},
+                 replay_steps=1)
     target = load_target("tiny-random", progress=False).model
     counts = torch.bincount(torch.cat([torch.as_tensor(r.output_ids).long() for r in records]), minlength=259)
     init = save_head(build_head(target, DraftSpec(family="head", draft_vocab=200), top_tokens(counts, 200)),
