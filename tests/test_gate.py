@@ -174,17 +174,31 @@ def test_gate_records_are_the_newest_held_out_ones_whose_prompt_was_not_trained_
 # -- the trainer's export: evidence against the current stable, whatever the parent -----------------
 
 
-def _worker(tiny, tmp_path, held_out, parent):
-    """A TrainerWorker with only what its export-time gate reads (no Ray, no DeepSpeed, no stream)."""
-    from infra.config import load_config
-    from train.online.trainer import TrainerWorker
+class _Gated:
+    """The trainer's exporter (train/online/export.py) with only what its gate reads (no Ray, no
+    DeepSpeed, no stream): `gate(draft)` is the evidence a checkpoint's candidate gets."""
 
-    w = object.__new__(TrainerWorker)
-    w.cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
-                                               "train": {"gate": {"min_records": 10, "resamples": 300}}})
-    w.target, w.held_out, w.trained_prompts, w._stable_cache = tiny.model, held_out, {}, None
-    w.parent_version = parent
-    return w
+    def __init__(self, tiny, tmp_path, held_out, parent):
+        from types import SimpleNamespace
+
+        from infra.config import load_config
+        from train.online.export import Exporter
+        from train.online.family import per_record
+
+        self.cfg = load_config(environ={}, overrides={
+            "state_dir": str(tmp_path), "model": {"target": "tiny-random"},
+            "train": {"gate": {"method": "bootstrap", "min_records": 10, "resamples": 300}}})
+        msl = self.cfg.train.max_seq_len
+        fam = SimpleNamespace(score=lambda draft, recs: per_record(draft, tiny.model, recs, msl))
+        self.exporter, self.held_out = Exporter(self.cfg, fam, tiny.model, tmp_path / "run", parent), held_out
+
+    def gate(self, draft):
+        e = self.exporter
+        return e._bootstrap(draft, self.held_out, set(), e._stable_version())
+
+
+def _worker(tiny, tmp_path, held_out, parent):
+    return _Gated(tiny, tmp_path, held_out, parent)
 
 
 def _publish(reg, draft, tmp_path, version, **kw):
@@ -204,19 +218,19 @@ def test_a_candidate_of_a_gated_parent_is_gated_against_the_current_stable(tiny,
     reg.promote("v1")
     # the parent: far better than v1 on paper, but gated; its evidence must not carry over
     _publish(reg, drafts["good"], tmp_path, "t-v0001", metrics={"gate": {"stable": "v1", "passed": False}})
-    ev = w._gate(drafts["weak"])  # the child is no better than the current stable
+    ev = w.gate(drafts["weak"])  # the child is no better than the current stable
     assert ev["stable"] == "v1" and not ev["passed"] and ev["records"] == len(records)
-    ev = w._gate(drafts["good"])
+    ev = w.gate(drafts["good"])
     assert ev["stable"] == "v1" and ev["passed"]
     # a new stable: the next export is judged against it, not against v1 or the parent
     _publish(reg, drafts["good"], tmp_path, "v2")
     reg.promote("v2")
-    ev = w._gate(drafts["good"])
+    ev = w.gate(drafts["good"])
     assert ev["stable"] == "v2" and not ev["passed"]
 
 
 def test_no_stable_version_means_no_pass(tiny, tmp_path, drafts, records):
-    ev = _worker(tiny, tmp_path, records, parent=None)._gate(drafts["good"])
+    ev = _worker(tiny, tmp_path, records, parent=None).gate(drafts["good"])
     assert not ev["passed"] and "no stable version" in ev["reason"]
 
 
@@ -229,7 +243,7 @@ def test_an_unloadable_stable_means_no_pass(tiny, tmp_path, drafts, records):
     reg.promote("v1")
     payload = reg.payload_dir(reg.get("v1")) / "draft.safetensors"
     payload.write_bytes(payload.read_bytes()[:-4] + b"\0\0\0\0")  # corrupt: the digest check refuses it
-    ev = w._gate(drafts["good"])
+    ev = w.gate(drafts["good"])
     assert not ev["passed"] and "could not score the stable version" in ev["reason"]
 
 

@@ -75,17 +75,14 @@ def paired_interval(diffs: Sequence[float], positions: Sequence[int], *, confide
     return point, float(lo), float(hi)
 
 
-def gate(candidate_sums: Sequence[float], stable_sums: Sequence[float], positions: Sequence[int], *,
-         stable_version: str | None, confidence: float = 0.95, resamples: int = 2000, min_records: int = 20,
-         min_gain: float = 0.0, seed: int = 0) -> dict:
-    """The gate's evidence for one candidate, as stored in its manifest (`metrics.gate`):
-    the paired difference, its interval, `passed`, the reason, and the per-record pairs it
-    rests on ([candidate sum - stable sum, positions] per record)."""
+def _evidence(candidate_sums: Sequence[float], stable_sums: Sequence[float], positions: Sequence[int],
+              stable_version: str | None, min_records: int, settings: dict) -> tuple[dict, list[float]]:
+    """What both gates' evidence starts with, and the per-record differences; with a `reason`
+    already when there is nothing to decide (no stable version, too few records)."""
     ev: dict = {"stable": stable_version, "records": len(positions), "positions": int(sum(positions)),
-                "confidence": confidence, "resamples": resamples, "seed": seed, "min_gain": min_gain,
-                "method": METHOD, "bootstrap": BOOTSTRAP, "passed": False}
+                **settings, "passed": False}
     if stable_version is None:
-        return {**ev, "reason": "no stable version to compare with"}
+        return {**ev, "reason": "no stable version to compare with"}, []
     if not (len(candidate_sums) == len(stable_sums) == len(positions)):
         raise ValueError("candidate, stable and positions must have one entry per record")
     diffs = [c - s for c, s in zip(candidate_sums, stable_sums)]
@@ -95,7 +92,21 @@ def gate(candidate_sums: Sequence[float], stable_sums: Sequence[float], position
         ev["stable_alpha"] = sum(stable_sums) / total
     ev["per_record"] = [[round(d, 6), int(n)] for d, n in zip(diffs, positions)]
     if len(positions) < min_records or total <= 0:
-        return {**ev, "reason": f"{len(positions)} held-out records, the gate needs {min_records}"}
+        ev["reason"] = f"{len(positions)} held-out records, the gate needs {min_records}"
+    return ev, diffs
+
+
+def gate(candidate_sums: Sequence[float], stable_sums: Sequence[float], positions: Sequence[int], *,
+         stable_version: str | None, confidence: float = 0.95, resamples: int = 2000, min_records: int = 20,
+         min_gain: float = 0.0, seed: int = 0) -> dict:
+    """The gate's evidence for one candidate, as stored in its manifest (`metrics.gate`):
+    the paired difference, its interval, `passed`, the reason, and the per-record pairs it
+    rests on ([candidate sum - stable sum, positions] per record)."""
+    ev, diffs = _evidence(candidate_sums, stable_sums, positions, stable_version, min_records, {
+        "confidence": confidence, "resamples": resamples, "seed": seed, "min_gain": min_gain,
+        "method": METHOD, "bootstrap": BOOTSTRAP})
+    if "reason" in ev:
+        return ev
     d, lo, hi = paired_interval(diffs, positions, confidence=confidence, resamples=resamples, seed=seed)
     ev.update(diff=d, lower=lo, upper=hi)
     if lo > min_gain:
@@ -137,21 +148,11 @@ def sequential_gate(candidate_sums: Sequence[float], stable_sums: Sequence[float
     """The gate's evidence, as `gate` gives it, from the always-valid interval: `passed` when its
     lower bound is above min_gain; `verdict` says which way it stands: "better", "worse" (the upper
     bound is below min_gain: more records will not help), or "undecided" (keep looking)."""
-    ev: dict = {"stable": stable_version, "records": len(positions), "positions": int(sum(positions)),
-                "confidence": 1.0 - alpha, "alpha": alpha, "tau": tau, "min_gain": min_gain,
-                "method": SEQUENTIAL_METHOD, "passed": False, "verdict": "undecided"}
-    if stable_version is None:
-        return {**ev, "reason": "no stable version to compare with"}
-    if not (len(candidate_sums) == len(stable_sums) == len(positions)):
-        raise ValueError("candidate, stable and positions must have one entry per record")
-    diffs = [c - s for c, s in zip(candidate_sums, stable_sums)]
-    total = sum(positions)
-    if total > 0:
-        ev["candidate_alpha"] = sum(candidate_sums) / total
-        ev["stable_alpha"] = sum(stable_sums) / total
-    ev["per_record"] = [[round(d, 6), int(n)] for d, n in zip(diffs, positions)]
-    if len(positions) < min_records or total <= 0:
-        return {**ev, "reason": f"{len(positions)} held-out records, the gate needs {min_records}"}
+    ev, diffs = _evidence(candidate_sums, stable_sums, positions, stable_version, min_records, {
+        "confidence": 1.0 - alpha, "alpha": alpha, "tau": tau, "min_gain": min_gain,
+        "method": SEQUENTIAL_METHOD, "verdict": "undecided"})
+    if "reason" in ev:
+        return ev
     d, lo, hi = sequential_interval(diffs, positions, alpha=alpha, tau=tau)
     ev.update(diff=d, lower=lo, upper=hi)
     span = f"always-valid {1 - alpha:.0%} interval [{lo:+.4f}, {hi:+.4f}] per position over {len(positions)} records"
