@@ -76,6 +76,9 @@ def test_every_version_is_scored_on_the_same_held_out_post_shift_code_records(ti
     a = {v["version"]: v["alpha_est"] for v in out["versions"]}
     # v2 is the distribution the records hold: it matches all the mass of their top-k.
     assert a["v2"] > 0.85 and a["v1"] < a["v2"] - 0.1
+    # Capped: evenly spaced over the phase, the same records for every version.
+    capped = paired_alpha(cfg, recs, shift, tiny.model, reg, max_records=2)
+    assert capped["records"] == 2 and capped["positions"] == 20 and len(capped["versions"]) == 2
 
 
 @pure

@@ -66,3 +66,43 @@ def test_the_trainer_skips_records_past_the_bound_acks_them_with_the_checkpoint_
     assert {d.entry_id for d in buffer} == {d.entry_id for d in got if d not in stale} | {d.entry_id for d in kept}
     assert {d.entry_id for d in w._held_acks} == {d.entry_id for d in stale if d not in kept}  # acked, not trained
     assert w.skipped_stale == w.telemetry.status["skipped_stale"] == len(stale) - len(kept)
+
+
+def test_a_trainer_behind_reads_on_through_whole_reads_of_stale_records_in_one_fill(tmp_path, monkeypatch):
+    """A backlog of stale records is read past in one fill (up to FILL_BUDGET_S), not one read per
+    training step: the trainer's lag then stays near train.max_lag_s however far it fell behind."""
+    import time
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from infra.config import load_config
+    from infra.records.schema import Record
+    from infra.records.streams import Delivery
+    from train.online import trainer
+    from train.online.trainer import TrainerWorker
+
+    now = time.time()
+
+    def delivery(i, age):
+        rec = Record(request_id=f"r{i}", draft_version="v1", prompt_ids=np.array([3, i], np.int32),
+                     output_ids=np.full(4, 5, np.int32), topk_ids=np.zeros((4, 2), np.int32),
+                     topk_logprobs=np.zeros((4, 2), np.float16), accepted=np.zeros(4, bool),
+                     draft_tokens=np.full(4, -1, np.int32), draft_probs=np.zeros(4, np.float32),
+                     created_at=now - age)
+        return Delivery(f"{i}-0", rec)
+
+    monkeypatch.setattr(lag, "STALE_KEEP", 0.0)
+    monkeypatch.setattr(trainer, "READ_COUNT", 4)
+    reads = [[delivery(4 * r + i, 300.0) for i in range(4)] for r in range(5)]  # 5 full reads, all stale
+    reads.append([delivery(100, 1.0), delivery(101, 1.0)])  # then fresh ones
+    reads.append([delivery(200, 1.0)] * 4)  # never reached: the fresh read ends the fill
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
+                                             "train": {"max_lag_s": 60.0, "held_out_every": 1_000_000}})
+    w = TrainerWorker(cfg.model_dump(mode="json"), 0, 1, str(tmp_path / "run"))
+    w.consumer = SimpleNamespace(read=lambda count=None, block_ms=None: reads.pop(0))
+    w.telemetry = SimpleNamespace(status={})
+    w.held_out, w.trained_prompts = [], {}
+    buffer: list = []
+    assert w._fill(buffer, block_ms=0) == 22
+    assert [d.entry_id for d in buffer] == ["100-0", "101-0"] and w.skipped_stale == 20 and len(reads) == 1

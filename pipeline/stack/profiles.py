@@ -19,14 +19,15 @@ def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
     d["stream"].update(redis_url="")
     # Every version of the run is kept: the report scores each, and the frozen check serves v1 again.
     d["registry"].update(uri="", keep_last=1000)
-    # Few records per candidate at demo traffic: replay them (as the warm start's epochs do) at a
-    # fine-tuning learning rate, so a trained draft is refined rather than jolted.
+    # A fine-tuning learning rate, so a trained draft is refined rather than jolted. No replay
+    # steps: batched serving brings more fresh records than the trainer can step on, and a replay
+    # step costs as much as a fresh one.
     # A candidate every 24 records or minute: the sequential gate (train/gate/pending.py) holds
     # each back until the held-out records favour it, so frequent candidates cost no canary.
     # One record in 3 held out, so that evidence comes within minutes at demo traffic.
     # The trainer learns from the last half minute's traffic when it falls behind (train/online/lag.py).
     d["train"].update(num_workers=1, export_every_records=24, export_every_s=60, held_out_every=3,
-                      warm_epochs=cfg.train.warm_epochs, replay_steps=3, lr=3e-4, max_lag_s=30.0)
+                      warm_epochs=cfg.train.warm_epochs, replay_steps=0, lr=3e-4, max_lag_s=30.0)
     # A canary gets a few dozen requests here, not hundreds: promotion rests on the gate's paired
     # evidence, and the canary guards against harm for 20 requests (CanaryRule.guard_requests).
     # Where served acceptance alone decides (guard off), a two-sided alpha of 0.1 keeps an equal

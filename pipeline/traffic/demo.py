@@ -52,6 +52,11 @@ def post_chat(url: str, text: str, max_tokens: int, timeout: float = 300, **extr
             "version": fields["draft_version"], "mean_accepted_len": fields["mean_accepted_len"]}
 
 
+# Held-out post-shift records the paired estimate scores every version on, at most: enough to
+# separate versions a point apart (paired), few enough that the report does not wait long.
+PAIRED_RECORDS = 200
+
+
 class Workload:
     """Closed loop of `concurrency` clients over a prompt list, until a deadline."""
 
@@ -264,7 +269,8 @@ def stream_records(cfg: OSDConfig) -> list:
         return []
 
 
-def paired_alpha(cfg: OSDConfig, records: list, shift_time: float, target: Any, registry: Any) -> dict[str, Any]:
+def paired_alpha(cfg: OSDConfig, records: list, shift_time: float, target: Any, registry: Any,
+                 max_records: int = PAIRED_RECORDS) -> dict[str, Any]:
     """Every registry version, served or not, on the *same* post-shift code records: the ones the
     trainer held out, whose prompt it never trained on either, so no version saw them. Served α per version comes from different
     requests, and acceptance varies far more between prompts than between drafts; on identical
@@ -277,6 +283,9 @@ def paired_alpha(cfg: OSDConfig, records: list, shift_time: float, target: Any, 
     trained_prompts = {r.prompt_ids.tobytes() for r in records if not is_held_out(r.record_id, every)}
     held = [r for r in records if r.created_at >= shift_time and r.domain == "code"
             and is_held_out(r.record_id, every) and r.prompt_ids.tobytes() not in trained_prompts]
+    if len(held) > max_records:  # evenly over the phase: the estimate's cost is the target's forward over them
+        step = len(held) / max_records
+        held = [held[int(i * step)] for i in range(max_records)]
     out: dict[str, Any] = {"records": len(held), "positions": sum(r.n_positions for r in held), "versions": []}
     if not held:
         return out

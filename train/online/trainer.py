@@ -40,6 +40,9 @@ from train.gate.evaluator import estimate_alpha, is_held_out  # noqa: F401
 TRAINED_PROMPTS_KEPT = 50_000
 HELD_OUT_BUFFER = 200  # newest held-out records kept for the estimate and the gate
 REPLAY_BUFFER = 256  # the last trained records replay steps draw from (train.replay_steps)
+READ_COUNT = 64  # records per read with one rank
+FILL_BUDGET_S = 2.0  # the longest one fill reads on through records it cannot train on
+LOOK_EVERY_S = 5.0  # the waiting candidate is judged again at most this often (new held-out records batched)
 
 
 def _log(rank: int, msg: str) -> None:
@@ -77,6 +80,7 @@ class TrainerWorker:
         # Deliveries of held-out records: never trained on, acked with the next checkpoint.
         self._held_acks: list = []
         self._held_new = False  # a held-out record arrived since the waiting candidate was last judged
+        self._last_look = 0.0
         self.skipped_stale = 0  # records past train.max_lag_s, skipped (train/online/lag.py)
         torch.set_num_threads(1 if world_size > 1 else max(1, torch.get_num_threads()))
 
@@ -165,16 +169,29 @@ class TrainerWorker:
 
     def _fill(self, buffer: list, block_ms: int) -> int:
         """Read new deliveries; held-out ones go to the α buffer, and records past the lag bound
-        (train/online/lag.py) are skipped; both are acked at the next checkpoint."""
-        from train.online.lag import train_on
-
-        tc = self.cfg.train
+        (train/online/lag.py) are skipped; both are acked at the next checkpoint. While whole reads
+        bring nothing to train on (a backlog of stale records), read on, for up to FILL_BUDGET_S:
+        a trainer that fell behind catches up in one fill instead of one read per step."""
         # Never longer than stream.block_ms, which the config keeps below the socket timeout:
         # a longer BLOCK would make every idle read a timeout error.
         block_ms = min(block_ms, self.cfg.stream.block_ms)
         # Small reads when there are several ranks, so one rank does not take every record.
-        got = self.consumer.read(count=4 if self.world_size > 1 else None, block_ms=block_ms)
-        now = time.time()
+        count = 4 if self.world_size > 1 else READ_COUNT
+        deadline, total = time.monotonic() + FILL_BUDGET_S, 0
+        while True:
+            got = self.consumer.read(count=count, block_ms=block_ms)
+            total += len(got)
+            if self._sort(got, buffer) or len(got) < count or time.monotonic() >= deadline:
+                return total
+            block_ms = 0
+
+    def _sort(self, got: list, buffer: list) -> int:
+        """Each delivery to the held-out records, the skipped or the buffer; returns how many
+        went to the buffer."""
+        from train.online.lag import train_on
+
+        tc = self.cfg.train
+        now, n = time.time(), 0
         for d in got:
             if is_held_out(d.record.record_id, tc.held_out_every):
                 self._held_new = True
@@ -187,10 +204,11 @@ class TrainerWorker:
                 self.telemetry.status["skipped_stale"] = self.skipped_stale
             else:
                 buffer.append(d)
+                n += 1
                 self.trained_prompts[d.record.prompt_ids.tobytes()] = None
                 if len(self.trained_prompts) > TRAINED_PROMPTS_KEPT:
                     del self.trained_prompts[next(iter(self.trained_prompts))]
-        return len(got)
+        return n
 
     def run(self, max_records: int | None = None, max_seconds: float | None = None,
             idle_stop_s: float | None = None) -> RunStats:
@@ -314,9 +332,10 @@ class TrainerWorker:
     def _look(self, stats: RunStats) -> None:
         """Rank 0, when held-out records arrived: judge the candidate waiting for evidence again
         (train/online/export.py); no collective, so the other ranks go on."""
-        if self.rank != 0 or not self._held_new or self.exporter.pending is None:
+        if (self.rank != 0 or not self._held_new or self.exporter.pending is None
+                or time.monotonic() - self._last_look < LOOK_EVERY_S):
             return
-        self._held_new = False
+        self._held_new, self._last_look = False, time.monotonic()
         export = self.exporter.look(self.held_out, set(self.trained_prompts))
         self.telemetry.candidates(self.exporter)
         if export:
