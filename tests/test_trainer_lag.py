@@ -95,8 +95,8 @@ def test_a_trainer_behind_reads_on_through_whole_reads_of_stale_records_in_one_f
     monkeypatch.setattr(lag, "STALE_KEEP", 0.0)
     monkeypatch.setattr(trainer, "READ_COUNT", 4)
     reads = [[delivery(4 * r + i, 300.0) for i in range(4)] for r in range(5)]  # 5 full reads, all stale
-    reads.append([delivery(100, 1.0), delivery(101, 1.0)])  # then fresh ones
-    reads.append([delivery(200, 1.0)] * 4)  # never reached: the fresh read ends the fill
+    reads.append([delivery(100, 1.0), delivery(101, 1.0), delivery(102, 1.0), delivery(103, 1.0)])  # caught up
+    reads.append([delivery(200, 1.0)] * 4)  # never reached: a read without stale records ends the fill
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
                                              "train": {"max_lag_s": 60.0, "held_out_every": 1_000_000}})
     w = TrainerWorker(cfg.model_dump(mode="json"), 0, 1, str(tmp_path / "run"))
@@ -104,5 +104,10 @@ def test_a_trainer_behind_reads_on_through_whole_reads_of_stale_records_in_one_f
     w.telemetry = SimpleNamespace(status={})
     w.held_out, w.trained_prompts = [], {}
     buffer: list = []
-    assert w._fill(buffer, block_ms=0) == 22
-    assert [d.entry_id for d in buffer] == ["100-0", "101-0"] and w.skipped_stale == 20 and len(reads) == 1
+    assert w._fill(buffer, block_ms=0) == 24
+    assert [d.entry_id for d in buffer] == ["100-0", "101-0", "102-0", "103-0"] and w.skipped_stale == 20
+    assert len(reads) == 1
+    # The stale share kept for training does not stop the reading on: it is still a backlog.
+    monkeypatch.setattr(lag, "STALE_KEEP", 1.0)
+    reads[:] = [[delivery(300 + i, 300.0) for i in range(4)], [delivery(400, 1.0)]]
+    assert w._fill(buffer, block_ms=0) == 5 and not reads

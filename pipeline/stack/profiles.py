@@ -19,15 +19,19 @@ def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
     d["stream"].update(redis_url="")
     # Every version of the run is kept: the report scores each, and the frozen check serves v1 again.
     d["registry"].update(uri="", keep_last=1000)
-    # A fine-tuning learning rate, so a trained draft is refined rather than jolted. No replay
-    # steps: batched serving brings more fresh records than the trainer can step on, and a replay
-    # step costs as much as a fresh one.
-    # A candidate every 24 records or minute: the sequential gate (train/gate/pending.py) holds
-    # each back until the held-out records favour it, so frequent candidates cost no canary.
-    # One record in 3 held out, so that evidence comes within minutes at demo traffic.
+    # Records replayed (as the warm start's epochs do) at a fine-tuning learning rate, so a trained
+    # draft is refined rather than jolted: without replay, a candidate's single pass over a few
+    # dozen records left it no better than v1 (docs: "The demo"). A replay step reads the kept
+    # features, so it costs the head's step, not the target's forward.
+    # A candidate every 32 records or 90 s: the sequential gate (train/gate/pending.py) holds
+    # each back until the held-out records favour it, so frequent candidates cost no canary; each
+    # is scored on the newest 40 held-out records, then on every one that arrives.
+    # One record in 8 held out: at the demo's batched traffic that is a few records a minute for the
+    # gate, and scoring them (a head over the full vocabulary) does not starve the training.
     # The trainer learns from the last half minute's traffic when it falls behind (train/online/lag.py).
-    d["train"].update(num_workers=1, export_every_records=24, export_every_s=60, held_out_every=3,
-                      warm_epochs=cfg.train.warm_epochs, replay_steps=0, lr=3e-4, max_lag_s=30.0)
+    d["train"].update(num_workers=1, export_every_records=32, export_every_s=90, held_out_every=8,
+                      warm_epochs=cfg.train.warm_epochs, replay_steps=3, lr=3e-4, max_lag_s=30.0)
+    d["train"]["gate"].update(records=40)
     # A canary gets a few dozen requests here, not hundreds: promotion rests on the gate's paired
     # evidence, and the canary guards against harm for 20 requests (CanaryRule.guard_requests).
     # Where served acceptance alone decides (guard off), a two-sided alpha of 0.1 keeps an equal

@@ -29,6 +29,12 @@ from train.gate.evaluator import gate_records
 from train.gate.pending import Pending
 
 
+# The α estimate in a candidate's manifest is taken on the newest held-out records only: on a
+# head it runs the unrolled head over the full vocabulary at every position, and over the
+# trainer's 200 kept records that cost more than the training it reports on.
+ALPHA_RECORDS = 50
+
+
 def _log(msg: str) -> None:
     print(f"[osd train rank 0] {msg}", flush=True)
 
@@ -53,7 +59,8 @@ class Exporter:
         """A checkpoint's candidate: published now (its export info returned), or held back (None)."""
         draft = self.fam.rebuild(weights)
         metrics = {"loss": sum(losses) / len(losses) if losses else None,
-                   "alpha_est": self.fam.alpha(draft, held_out), "held_out_records": len(held_out)}
+                   "alpha_est": self.fam.alpha(draft, held_out[-ALPHA_RECORDS:]),
+                   "alpha_est_records": len(held_out[-ALPHA_RECORDS:]), "held_out_records": len(held_out)}
         lineage = {"parent": self.parent_version, "records_consumed": records_total,
                    "records_since_parent": n_records, "world_size": world_size,
                    "zero_stage": self.cfg.train.zero_stage, "family": self.fam.name}

@@ -170,8 +170,8 @@ class TrainerWorker:
     def _fill(self, buffer: list, block_ms: int) -> int:
         """Read new deliveries; held-out ones go to the α buffer, and records past the lag bound
         (train/online/lag.py) are skipped; both are acked at the next checkpoint. While whole reads
-        bring nothing to train on (a backlog of stale records), read on, for up to FILL_BUDGET_S:
-        a trainer that fell behind catches up in one fill instead of one read per step."""
+        are behind (they held stale records), read on, for up to FILL_BUDGET_S: a trainer that
+        fell behind catches up in one fill instead of one read per step."""
         # Never longer than stream.block_ms, which the config keeps below the socket timeout:
         # a longer BLOCK would make every idle read a timeout error.
         block_ms = min(block_ms, self.cfg.stream.block_ms)
@@ -181,17 +181,17 @@ class TrainerWorker:
         while True:
             got = self.consumer.read(count=count, block_ms=block_ms)
             total += len(got)
-            if self._sort(got, buffer) or len(got) < count or time.monotonic() >= deadline:
+            if not self._sort(got, buffer) or len(got) < count or time.monotonic() >= deadline:
                 return total
             block_ms = 0
 
     def _sort(self, got: list, buffer: list) -> int:
-        """Each delivery to the held-out records, the skipped or the buffer; returns how many
-        went to the buffer."""
-        from train.online.lag import train_on
+        """Each delivery to the held-out records, the skipped or the buffer; returns how many were
+        stale (skipped, or kept as the stale share)."""
+        from train.online.lag import is_stale, train_on
 
         tc = self.cfg.train
-        now, n = time.time(), 0
+        now, stale = time.time(), 0
         for d in got:
             if is_held_out(d.record.record_id, tc.held_out_every):
                 self._held_new = True
@@ -202,13 +202,14 @@ class TrainerWorker:
                 self._held_acks.append(d)
                 self.skipped_stale += 1
                 self.telemetry.status["skipped_stale"] = self.skipped_stale
+                stale += 1
             else:
                 buffer.append(d)
-                n += 1
+                stale += is_stale(d.record.created_at, now, tc.max_lag_s)
                 self.trained_prompts[d.record.prompt_ids.tobytes()] = None
                 if len(self.trained_prompts) > TRAINED_PROMPTS_KEPT:
                     del self.trained_prompts[next(iter(self.trained_prompts))]
-        return n
+        return stale
 
     def run(self, max_records: int | None = None, max_seconds: float | None = None,
             idle_stop_s: float | None = None) -> RunStats:
