@@ -111,3 +111,45 @@ def test_a_trainer_behind_reads_on_through_whole_reads_of_stale_records_in_one_f
     monkeypatch.setattr(lag, "STALE_KEEP", 1.0)
     reads[:] = [[delivery(300 + i, 300.0) for i in range(4)], [delivery(400, 1.0)]]
     assert w._fill(buffer, block_ms=0) == 5 and not reads
+
+
+def test_records_that_went_stale_in_the_buffer_and_those_beyond_its_bound_are_shed(tmp_path, monkeypatch):
+    import time
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from infra.config import load_config
+    from infra.records.schema import Record
+    from infra.records.streams import Delivery
+    from train.online import trainer
+    from train.online.trainer import TrainerWorker
+
+    now = time.time()
+
+    def delivery(i, age):
+        rec = Record(request_id=f"r{i}", draft_version="v1", prompt_ids=np.array([3, i], np.int32),
+                     output_ids=np.full(8, 5, np.int32), topk_ids=np.zeros((8, 2), np.int32),
+                     topk_logprobs=np.zeros((8, 2), np.float16), accepted=np.zeros(8, bool),
+                     draft_tokens=np.full(8, -1, np.int32), draft_probs=np.zeros(8, np.float32),
+                     created_at=now - age)
+        return Delivery(f"{i}-0", rec)
+
+    monkeypatch.setattr(lag, "STALE_KEEP", 0.0)
+    monkeypatch.setattr(trainer, "BUFFER_BATCHES", 2)
+    cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
+                                             "train": {"max_lag_s": 60.0, "token_budget": 30}})
+    w = TrainerWorker(cfg.model_dump(mode="json"), 0, 1, str(tmp_path / "run"))
+    w.telemetry = SimpleNamespace(status={})
+    buffer = [delivery(0, 90.0)] + [delivery(i, 1.0) for i in range(1, 10)]  # 10 tokens each
+    w._shed(buffer)
+    # the stale one goes, then the oldest beyond 2 budgets (60 tokens): the newest 6 stay, in order
+    assert [d.entry_id for d in buffer] == [f"{i}-0" for i in range(4, 10)]
+    assert w.skipped_stale == 4 and len(w._held_acks) == 4 and w.telemetry.status["skipped_stale"] == 4
+    w._shed(buffer)
+    assert w.skipped_stale == 4  # nothing more to shed
+    # Without a lag bound nothing is shed, however full the buffer.
+    w.cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
+                                               "train": {"max_lag_s": 0.0, "token_budget": 10}})
+    w._shed(buffer)
+    assert len(buffer) == 6 and w.skipped_stale == 4

@@ -42,6 +42,7 @@ HELD_OUT_BUFFER = 200  # newest held-out records kept for the estimate and the g
 REPLAY_BUFFER = 256  # the last trained records replay steps draw from (train.replay_steps)
 READ_COUNT = 64  # records per read with one rank
 FILL_BUDGET_S = 2.0  # the longest one fill reads on through records it cannot train on
+BUFFER_BATCHES = 4  # the most a buffer holds, in token budgets; older records beyond are skipped
 LOOK_EVERY_S = 5.0  # the waiting candidate is judged again at most this often (new held-out records batched)
 
 
@@ -185,6 +186,34 @@ class TrainerWorker:
                 return total
             block_ms = 0
 
+    def _shed(self, buffer: list) -> None:
+        """Drop from the buffer what went stale while it waited (but the kept stale share), then the
+        oldest beyond BUFFER_BATCHES batches: skipped, counted, acked with the next checkpoint. Only
+        with a lag bound (train.max_lag_s > 0): without one every record is trained on."""
+        from train.distill.batching import record_tokens
+        from train.online.lag import train_on
+
+        tc = self.cfg.train
+        if tc.max_lag_s <= 0:
+            return
+        now = time.time()
+        fresh = [d for d in buffer if train_on(d.record.record_id, d.record.created_at, now, tc.max_lag_s)]
+        room, kept = BUFFER_BATCHES * tc.token_budget, []
+        for d in reversed(fresh):  # newest first
+            room -= record_tokens(d.record, tc.max_seq_len)
+            if room < 0 and kept:
+                break
+            kept.append(d)
+        kept.reverse()
+        if len(kept) == len(buffer):
+            return
+        ids = {d.entry_id for d in kept}
+        dropped = [d for d in buffer if d.entry_id not in ids]
+        self._held_acks += dropped
+        self.skipped_stale += len(dropped)
+        self.telemetry.status["skipped_stale"] = self.skipped_stale
+        buffer[:] = kept
+
     def _sort(self, got: list, buffer: list) -> int:
         """Each delivery to the held-out records, the skipped or the buffer; returns how many were
         stale (skipped, or kept as the stale share)."""
@@ -234,9 +263,12 @@ class TrainerWorker:
             if time.monotonic() - last_keep_alive >= keep_alive_every:
                 self.consumer.keep_alive()
                 last_keep_alive = time.monotonic()
-            if sum(record_tokens(d.record, tc.max_seq_len) for d in buffer) < tc.token_budget:
-                if self._fill(buffer, block_ms=100 if buffer else 500):
-                    last_data = time.monotonic()
+            # Read every step, waiting only when short of a batch: a trainer slower than the traffic
+            # must still skip what went stale, or its buffer, and then its lag, grows without bound.
+            short = sum(record_tokens(d.record, tc.max_seq_len) for d in buffer) < tc.token_budget
+            if self._fill(buffer, block_ms=(100 if buffer else 500) if short else 0):
+                last_data = time.monotonic()
+            self._shed(buffer)
             take = take_budget(buffer, tc.token_budget, tc.max_seq_len, key=lambda d: d.record)
             now = time.monotonic()
             done_local = (max_seconds is not None and now - t_start >= max_seconds) or (
