@@ -400,6 +400,7 @@ class TargetReplica:
         else:
             out.update(records_submitted=0, records_written=0, records_dropped=0, dropped_by_reason={})
         out["batch"] = self.engine.scheduler.log.totals()  # target forwards, their requests and rows
+        out["time"] = time.time()  # when these counters were read: the ingress keeps each replica's last
         out["by_source"] = self.metrics.source_table()  # drafting steps by who proposed
         suffix = suffix_of(self.router.routing.stable_runner)
         if suffix is not None:  # the suffix index: its size and how often it proposes

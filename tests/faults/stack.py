@@ -181,10 +181,21 @@ def accounting(url: str, client: Any, stream: str) -> Accounting:
                       groups=group_info(client, stream))
 
 
-def settled_accounting(url: str, client: Any, stream: str, timeout: float = 60.0) -> Accounting:
-    """The counters once every submitted record is written or dropped (the load has stopped)."""
-    return wait_for(lambda: (a := accounting(url, client, stream)).submitted == a.written + a.dropped_total and a,
-                    timeout, "every submitted record to be written or dropped")
+def settled_accounting(url: str, client: Any, stream: str, timeout: float = 60.0, replicas: int = 1) -> Accounting:
+    """The counters once every submitted record is written or dropped (the load has stopped), read
+    after `replicas` replicas have reported since this call began: /osd/stats reaches the replicas
+    through a few load-balanced calls and keeps each one's last counters, so one replica's could
+    otherwise be minutes old."""
+    since = time.time()
+
+    def settled() -> Accounting | None:
+        if sum(r.get("time", 0) >= since for r in replica_stats(url)) < replicas:
+            return None
+        a = accounting(url, client, stream)
+        return a if a.submitted == a.written + a.dropped_total else None
+
+    return wait_for(settled, timeout, f"every submitted record to be written or dropped, and {replicas} replicas' "
+                                      f"counters read since")
 
 
 def actor_pid(handle: Any) -> int:

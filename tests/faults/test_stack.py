@@ -77,7 +77,7 @@ def _starts(up) -> dict[str, int]:
 
 
 def _snapshot(up) -> Accounting:
-    return settled_accounting(up.url, _client(up), up.cfg.stream.stream)
+    return settled_accounting(up.url, _client(up), up.cfg.stream.stream, replicas=up.cfg.serve.num_replicas)
 
 
 def _check(up, before: Accounting, outcomes, aliases: AliasWatch, allowed_drops=frozenset()) -> Accounting:
