@@ -9,6 +9,21 @@ from train.online import lag
 from train.online.lag import is_stale, keep_stale, train_on
 
 
+def _delivery(i: int, created_at: float, n: int = 4):
+    """A delivery of record r<i> with `n` output tokens (a prompt of 2), created at `created_at`."""
+    import numpy as np
+
+    from infra.records.schema import Record
+    from infra.records.streams import Delivery
+
+    rec = Record(request_id=f"r{i}", draft_version="v1", prompt_ids=np.array([3, i], np.int32),
+                 output_ids=np.full(n, 5, np.int32), topk_ids=np.zeros((n, 2), np.int32),
+                 topk_logprobs=np.zeros((n, 2), np.float16), accepted=np.zeros(n, bool),
+                 draft_tokens=np.full(n, -1, np.int32), draft_probs=np.zeros(n, np.float32),
+                 created_at=created_at)
+    return Delivery(f"{i}-0", rec)
+
+
 @pytest.mark.pure
 def test_only_records_older_than_the_bound_are_stale_and_a_zero_bound_keeps_all():
     assert not is_stale(100.0, 130.0, 30.0) and is_stale(100.0, 130.5, 30.0)
@@ -33,22 +48,13 @@ def test_the_trainer_skips_records_past_the_bound_acks_them_with_the_checkpoint_
     import time
     from types import SimpleNamespace
 
-    import numpy as np
-
     from infra.config import load_config
-    from infra.records.schema import Record
-    from infra.records.streams import Delivery
     from train.online.trainer import TrainerWorker
 
     now = time.time()
 
     def delivery(i, age):
-        rec = Record(request_id=f"r{i}", draft_version="v1", prompt_ids=np.array([3, i], np.int32),
-                     output_ids=np.full(4, 5, np.int32), topk_ids=np.zeros((4, 2), np.int32),
-                     topk_logprobs=np.zeros((4, 2), np.float16), accepted=np.zeros(4, bool),
-                     draft_tokens=np.full(4, -1, np.int32), draft_probs=np.zeros(4, np.float32),
-                     created_at=now - age)
-        return Delivery(f"{i}-0", rec)
+        return _delivery(i, now - age)
 
     got = [delivery(i, 300.0 if i % 2 else 1.0) for i in range(40)]
     cfg = load_config(environ={}, overrides={"state_dir": str(tmp_path), "model": {"target": "tiny-random"},
@@ -74,23 +80,14 @@ def test_a_trainer_behind_reads_on_through_whole_reads_of_stale_records_in_one_f
     import time
     from types import SimpleNamespace
 
-    import numpy as np
-
     from infra.config import load_config
-    from infra.records.schema import Record
-    from infra.records.streams import Delivery
     from train.online import trainer
     from train.online.trainer import TrainerWorker
 
     now = time.time()
 
     def delivery(i, age):
-        rec = Record(request_id=f"r{i}", draft_version="v1", prompt_ids=np.array([3, i], np.int32),
-                     output_ids=np.full(4, 5, np.int32), topk_ids=np.zeros((4, 2), np.int32),
-                     topk_logprobs=np.zeros((4, 2), np.float16), accepted=np.zeros(4, bool),
-                     draft_tokens=np.full(4, -1, np.int32), draft_probs=np.zeros(4, np.float32),
-                     created_at=now - age)
-        return Delivery(f"{i}-0", rec)
+        return _delivery(i, now - age)
 
     monkeypatch.setattr(lag, "STALE_KEEP", 0.0)
     monkeypatch.setattr(trainer, "READ_COUNT", 4)
@@ -117,23 +114,14 @@ def test_records_that_went_stale_in_the_buffer_and_those_beyond_its_bound_are_sh
     import time
     from types import SimpleNamespace
 
-    import numpy as np
-
     from infra.config import load_config
-    from infra.records.schema import Record
-    from infra.records.streams import Delivery
     from train.online import trainer
     from train.online.trainer import TrainerWorker
 
     now = time.time()
 
     def delivery(i, age):
-        rec = Record(request_id=f"r{i}", draft_version="v1", prompt_ids=np.array([3, i], np.int32),
-                     output_ids=np.full(8, 5, np.int32), topk_ids=np.zeros((8, 2), np.int32),
-                     topk_logprobs=np.zeros((8, 2), np.float16), accepted=np.zeros(8, bool),
-                     draft_tokens=np.full(8, -1, np.int32), draft_probs=np.zeros(8, np.float32),
-                     created_at=now - age)
-        return Delivery(f"{i}-0", rec)
+        return _delivery(i, now - age, 8)
 
     monkeypatch.setattr(lag, "STALE_KEEP", 0.0)
     monkeypatch.setattr(trainer, "BUFFER_BATCHES", 2)

@@ -13,6 +13,7 @@ paired sums to the gate; the trainer stores the evidence in the candidate's mani
 from __future__ import annotations
 
 import hashlib
+from typing import Container
 
 import torch
 
@@ -57,7 +58,7 @@ def per_record_acceptance(draft: torch.nn.Module, records: list, max_seq_len: in
     return out
 
 
-def gate_records(held_out: list, n: int, trained_prompts: set[bytes] | frozenset = frozenset()) -> list:
+def gate_records(held_out: list, n: int, trained_prompts: Container[bytes] = frozenset()) -> list:
     """The newest `n` held-out records whose prompt was not trained on in another record (a
     repeated prompt is not unseen): after a domain shift the gate measures the new domain."""
     fresh = [r for r in held_out if r.prompt_ids.tobytes() not in trained_prompts]

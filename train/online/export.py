@@ -18,7 +18,7 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Container
 
 import torch
 
@@ -55,7 +55,8 @@ class Exporter:
         return self.cfg.train.gate.method == "sequential"
 
     def export(self, weights: dict[str, torch.Tensor], losses: list[float], n_records: int, *, version: str,
-               held_out: list, trained_prompts: set, records_total: int, world_size: int) -> dict[str, Any] | None:
+               held_out: list, trained_prompts: Container[bytes], records_total: int,
+               world_size: int) -> dict[str, Any] | None:
         """A checkpoint's candidate: published now (its export info returned), or held back (None)."""
         draft = self.fam.rebuild(weights)
         metrics = {"loss": sum(losses) / len(losses) if losses else None,
@@ -74,7 +75,7 @@ class Exporter:
         self.pending = Pending(version, (draft, metrics, lineage), time.time())
         return self.look(held_out, trained_prompts)
 
-    def look(self, held_out: list, trained_prompts: set) -> dict[str, Any] | None:
+    def look(self, held_out: list, trained_prompts: Container[bytes]) -> dict[str, Any] | None:
         """Score the waiting candidate on the held-out records it has not seen and judge it again."""
         p = self.pending
         if p is None:
@@ -137,7 +138,8 @@ class Exporter:
             scores.update(zip((r.record_id for r in todo), self.fam.score(model, todo)))
         return scores
 
-    def _bootstrap(self, draft: Any, held_out: list, trained_prompts: set, stable: str | None) -> dict[str, Any]:
+    def _bootstrap(self, draft: Any, held_out: list, trained_prompts: Container[bytes],
+                   stable: str | None) -> dict[str, Any]:
         """The one-look bootstrap evidence against `stable` on the newest held-out records."""
         from train.gate.compare import gate
 

@@ -68,8 +68,9 @@ class TrainerMetrics:
     def checkpoint(self, tag: str, export: dict[str, Any] | None) -> None:
         self.status.update(last_checkpoint=tag, last_checkpoint_time=time.time())
         if export:
-            self.exported(export)
-        self._publish()
+            self.exported(export)  # publishes the status, this checkpoint's fields with it
+        else:
+            self._publish()
 
     def exported(self, export: dict[str, Any]) -> None:
         """A candidate published to the registry (at its checkpoint, or later on its evidence)."""

@@ -33,6 +33,7 @@ import torch
 
 from infra.config import OSDConfig
 from infra.common.faults import fault_point
+from infra.records.streams import READ_COUNT  # records per read with one rank
 # pipeline/ (traffic/demo, bench/train) imports estimate_alpha and is_held_out from here.
 from train.gate.evaluator import estimate_alpha, is_held_out  # noqa: F401
 
@@ -40,7 +41,6 @@ from train.gate.evaluator import estimate_alpha, is_held_out  # noqa: F401
 TRAINED_PROMPTS_KEPT = 50_000
 HELD_OUT_BUFFER = 200  # newest held-out records kept for the estimate and the gate
 REPLAY_BUFFER = 256  # the last trained records replay steps draw from (train.replay_steps)
-READ_COUNT = 64  # records per read with one rank
 FILL_BUDGET_S = 2.0  # the longest one fill reads on through records it cannot train on
 BUFFER_BATCHES = 4  # the most a buffer holds, in token budgets; older records beyond are skipped
 LOOK_EVERY_S = 5.0  # the waiting candidate is judged again at most this often (new held-out records batched)
@@ -356,7 +356,7 @@ class TrainerWorker:
         if self.rank == 0:
             out["export"] = self.exporter.export(
                 weights, losses, n_records, version=f"{self.run_dir.name}-v{self.versions:04d}",
-                held_out=self.held_out, trained_prompts=set(self.trained_prompts),
+                held_out=self.held_out, trained_prompts=self.trained_prompts,
                 records_total=self.records_total, world_size=self.world_size)
             self.telemetry.candidates(self.exporter)
         self.telemetry.checkpoint(tag, out.get("export"))
@@ -369,7 +369,7 @@ class TrainerWorker:
                 or time.monotonic() - self._last_look < LOOK_EVERY_S):
             return
         self._held_new, self._last_look = False, time.monotonic()
-        export = self.exporter.look(self.held_out, set(self.trained_prompts))
+        export = self.exporter.look(self.held_out, self.trained_prompts)
         self.telemetry.candidates(self.exporter)
         if export:
             stats.exports.append(export)
