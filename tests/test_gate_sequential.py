@@ -162,3 +162,13 @@ def test_without_a_stable_version_the_exporter_publishes_at_once(monkeypatch):
     e, published = _exporter(monkeypatch, stable=None)
     out = _export(e, "t-v0001", 0.0, [])
     assert out["version"] == "t-v0001" and published[0][1]["gate"]["stable"] is None and e.pending is None
+
+
+def test_a_bad_gate_method_or_guard_is_refused_by_name():
+    from infra.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"train\.gate\.method: Input should be 'sequential' or 'bootstrap'"):
+        load_config(environ={}, overrides={"train": {"gate": {"method": "fast"}}})
+    with pytest.raises(ConfigError, match=r"rollout\.guard_requests: Input should be greater than or equal to 0"):
+        load_config(environ={}, overrides={"rollout": {"guard_requests": -1}})
+    assert load_config(environ={}).train.gate.method == "sequential"
