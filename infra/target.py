@@ -162,10 +162,13 @@ def prepare_gguf(
     that directory. The file is checked first (infra/formats/gguf_file.py), so one that cannot be
     served leaves nothing in the cache."""
     gguf = gguf.expanduser()
-    info = gguf_info(gguf)
+    if not gguf.is_file():
+        gguf_info(gguf)  # says why
     gguf_sha = sha256_file(gguf)  # the cache key
     label = name or re.sub(r"[^A-Za-z0-9._-]+", "-", gguf.stem)[:64]
     out = cache_root / f"{label}-{gguf_sha[:16]}"
+    # A cache hit is a file with these very bytes that passed the check and converted, so the
+    # check (seconds: infra/formats/gguf_file.py) runs only before a conversion.
     if out.exists() and not force:
         if (out / MANIFEST).is_file():
             if progress:
@@ -175,6 +178,7 @@ def prepare_gguf(
             f"{out} exists without {MANIFEST} (an interrupted conversion?); "
             f"run `osd models prepare --force` to rebuild it"
         )
+    info = gguf_info(gguf)
     cache_root.mkdir(parents=True, exist_ok=True)
     # Build in a sibling temp dir and rename at the end, so a crash never leaves a
     # directory that looks complete.

@@ -218,3 +218,41 @@ def test_rope_scaling_comes_back_from_the_file(rope, tmp_path):
     plain = build_tiny("llama", seed=11, **shape)
     plain.load_state_dict(ref.state_dict())
     assert (_logits(plain, IDS) - _logits(ref, IDS)).abs().max() > 1e-3  # the scaling matters here
+
+
+def _count_reads(monkeypatch) -> list[int]:
+    reads = [0]
+    real = gguf.GGUFReader
+
+    def counted(*a, **kw):
+        reads[0] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    return reads
+
+
+def test_a_files_info_is_read_once_per_version_of_the_file(tmp_path, monkeypatch):
+    import os
+
+    from infra.formats.gguf_file import read_gguf_info
+
+    path = tmp_path / "m.gguf"
+    write_gguf(build_tiny("llama", seed=8, **SHAPE), path, "Q8_0")
+    reads = _count_reads(monkeypatch)
+    read_gguf_info(path), read_gguf_info(path)
+    assert reads[0] == 2  # just written: a rewrite in the same clock tick could keep its mtime
+    os.utime(path, ns=(10**18, 10**18))
+    first = read_gguf_info(path)
+    assert read_gguf_info(path) == first and reads[0] == 3
+    write_gguf(build_tiny("qwen3", seed=9, **SHAPE, head_dim=32), path, "F16", "qwen3")
+    os.utime(path, ns=(10**18 + 1, 10**18 + 1))
+    assert read_gguf_info(path).architecture == "qwen3" and reads[0] == 4  # a new version is read
+
+
+def test_a_cache_hit_does_not_read_the_file_again(tmp_path, monkeypatch):
+    write_gguf(build_tiny("llama", seed=10, **SHAPE), tmp_path / "m.gguf", "Q8_0")
+    cfg = ModelConfig(cache_dir=tmp_path / "cache")
+    first = identify_target(str(tmp_path / "m.gguf"), cfg)  # converts: reads it
+    reads = _count_reads(monkeypatch)
+    assert identify_target(str(tmp_path / "m.gguf"), cfg) == first and reads[0] == 0

@@ -15,6 +15,8 @@ Weight formats, and what serving keeps of each (model.quant auto, on the CPU):
 
 from __future__ import annotations
 
+import functools
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,8 @@ GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 FOUR_BIT_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+# A file modified this recently is read again at every call (read_gguf_info).
+RACY_S = 2.0
 # Decoder linear weights, by llama.cpp's tensor names (the ones int4 applies to).
 _LINEAR = ("attn_q.", "attn_k.", "attn_v.", "attn_output.", "ffn_gate.", "ffn_up.", "ffn_down.")
 
@@ -54,10 +58,24 @@ class GgufInfo:
 
 
 def read_gguf_info(path: Path) -> GgufInfo:
-    import gguf
-
+    """The file's GgufInfo, read once per process for each version of the file: the reader walks
+    every metadata array (the tokenizer's 49k strings in SmolLM2's) in Python, seconds a call,
+    and every publish identifies its target. A version is the file's path, inode, size and
+    mtime; a file changed in the last RACY_S is read every time, since a rewrite within one
+    clock tick can keep its mtime (git's "racily clean" rule)."""
     if not path.is_file():
         raise GgufError(f"{path}: no such file")
+    st = path.stat()
+    if time.time_ns() - st.st_mtime_ns < RACY_S * 1e9:
+        return _read_gguf_info.__wrapped__(str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    return _read_gguf_info(str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_gguf_info(file: str, inode: int, size: int, mtime_ns: int) -> GgufInfo:
+    import gguf
+
+    path = Path(file)
     try:
         reader = gguf.GGUFReader(path)
     except ValueError as e:
