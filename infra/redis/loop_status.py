@@ -8,7 +8,8 @@ per component, each a small JSON object stamped with the time it was written:
 
 Beside it, how often each component started (HINCRBY <stream>:starts trainer-0 1): a count
 above 1 is a restart, which the ops page shows (a trainer or controller that keeps dying
-and coming back looks healthy otherwise).
+and coming back looks healthy otherwise), with the time of its latest start
+(<stream>:started_at), so the page can say which fault the loop recovered from last.
 """
 
 from __future__ import annotations
@@ -41,10 +42,31 @@ def starts_key(stream: str) -> str:
     return f"{stream}:starts"
 
 
+def started_at_key(stream: str) -> str:
+    return f"{stream}:started_at"
+
+
 def count_start(client: Any, stream: str, component: str) -> int:
-    """One more start of `component`; returns its starts so far."""
-    return int(client.hincrby(starts_key(stream), component, 1))
+    """One more start of `component`, stamped with the time; returns its starts so far."""
+    pipe = client.pipeline(transaction=True)
+    pipe.hincrby(starts_key(stream), component, 1)
+    pipe.hset(started_at_key(stream), component, repr(time.time()))
+    return int(pipe.execute()[0])
+
+
+def _str(k: Any) -> str:
+    return k.decode() if isinstance(k, bytes) else k
 
 
 def read_starts(client: Any, stream: str) -> dict[str, int]:
-    return {(k.decode() if isinstance(k, bytes) else k): int(v) for k, v in client.hgetall(starts_key(stream)).items()}
+    return {_str(k): int(v) for k, v in client.hgetall(starts_key(stream)).items()}
+
+
+def last_recovery(starts: dict[str, int], client: Any, stream: str) -> dict[str, Any] | None:
+    """The latest restart (a start beyond a component's first): {"component", "time"}, or None."""
+    stamps = {_str(k): float(v) for k, v in client.hgetall(started_at_key(stream)).items()}
+    restarted = [(t, c) for c, t in stamps.items() if starts.get(c, 0) > 1]
+    if not restarted:
+        return None
+    t, c = max(restarted)
+    return {"component": c, "time": t}

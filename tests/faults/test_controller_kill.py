@@ -1,6 +1,8 @@
 """The rollout controller SIGKILLed right after it moves an alias, then started again: a
 rolled-back version is never canaried again, and the aliases always name loadable versions."""
 
+import time
+
 import pytest
 
 from infra.registry import Registry
@@ -59,7 +61,11 @@ def _restarts(cfg):
     from serve.api.ops.source import OpsSource
 
     summary = OpsSource(cfg, client=redis.Redis.from_url(cfg.stream.redis_url)).summary([])
-    assert "id=ops-restarts>Restarts: " in ops_page.page(summary, live=False)
+    html = ops_page.page(summary, live=False)
+    assert "id=ops-restarts>Restarts: " in html
+    rec = summary["loop"]["last_recovery"]  # the page says which part came back last, and when
+    assert rec["component"] == "controller" and time.time() - 120 < rec["time"] <= time.time()
+    assert "last back: controller at " in html
     return summary["loop"]["restarts"]
 
 
@@ -86,3 +92,17 @@ def test_kill_after_each_decision_s_alias_move(tmp_path, redis_url, draft_dir, a
     assert (got["canary"] or {}).get("version") == canary, f"after {action}: v2 canaried again"
     if action in ("rollback", "expire"):
         assert "v2" in restarted.decided
+
+
+def test_a_first_start_is_not_a_recovery_and_the_latest_restart_is(redis_url):
+    import redis
+
+    from infra.redis.loop_status import count_start, last_recovery, read_starts
+
+    client, stream = redis.Redis.from_url(redis_url), "t:recovery"
+    count_start(client, stream, "controller"), count_start(client, stream, "trainer-0")
+    assert last_recovery(read_starts(client, stream), client, stream) is None
+    count_start(client, stream, "trainer-0")
+    time.sleep(0.01)
+    count_start(client, stream, "controller")
+    assert last_recovery(read_starts(client, stream), client, stream)["component"] == "controller"

@@ -154,6 +154,9 @@ def _charts(s: dict[str, Any]) -> str:
 def _loop(lp: dict[str, Any]) -> str:
     drops = ", ".join(f"{_e(k)} {v}" for k, v in sorted(lp["records_dropped"].items())) or "none"
     restarts = ", ".join(f"{_e(k)} {v}" for k, v in lp.get("restarts", {}).items()) or "none"
+    rec = lp.get("last_recovery")
+    if rec:
+        restarts += f" &middot; last back: {_e(rec['component'])} at {_t(rec['time'])}"
     st = lp["stream"]
     groups = "".join(f"<tr><td class=l>{_e(g['group'])}</td><td>{_e(g['lag'])}</td><td>{_e(g['pending'])}</td>"
                      f"<td>{_e(g['consumers'])}</td></tr>" for g in st["groups"])

@@ -156,7 +156,7 @@ class OpsSource:
             for reason, n in (r.get("dropped_by_reason") or {}).items():
                 dropped[reason] = dropped.get(reason, 0) + int(n)
         health = _guarded(self.stream_health, {"length": None, "dead_lettered": None, "groups": [], "status": {},
-                                               "starts": {}}, problems)
+                                               "starts": {}, "last_recovery": None}, problems)
         trainers = sorted((dict(v, component=k) for k, v in health.pop("status").items()
                            if k.startswith("trainer-")), key=lambda t: t["component"])
         versions = self.registry.list()
@@ -167,7 +167,8 @@ class OpsSource:
                 "records_replayed": sum(int(r.get("records_replayed", 0)) for r in replicas),
                 "records_dropped": dropped,
                 # Starts beyond the first of each trainer rank and the rollout controller.
-                "restarts": {k: n - 1 for k, n in sorted(health.pop("starts").items())}, "replicas": len(replicas), "stream": health, "trainers": trainers,
+                "restarts": {k: n - 1 for k, n in sorted(health.pop("starts").items())},
+                "last_recovery": health.pop("last_recovery", None), "replicas": len(replicas), "stream": health, "trainers": trainers,
                 # The suffix draft's replica indexes (none unless it serves): size and hit rate.
                 "suffix": suffix and {"tokens": sum(x["global_tokens"] for x in suffix),
                                       "bytes": sum(x["global_bytes"] for x in suffix),
@@ -189,14 +190,16 @@ class OpsSource:
 
 def stream_health(client: Any, name: str) -> dict[str, Any]:
     """Length, dead letters, each group's lag (Redis 7's XINFO GROUPS) and the loop's status hash."""
-    from infra.redis.loop_status import read_all, read_starts
+    from infra.redis.loop_status import last_recovery, read_all, read_starts
     from infra.records.streams import dead_letter_stream, group_info
 
     groups = [{"group": g, "lag": _int(i.get("lag")), "pending": _int(i.get("pending")),
                "consumers": _int(i.get("consumers")), "last_delivered": i.get("last-delivered-id")}
               for g, i in sorted(group_info(client, name).items())]
+    starts = read_starts(client, name)
     return {"length": client.xlen(name), "dead_lettered": client.xlen(dead_letter_stream(name)),
-            "groups": groups, "status": read_all(client, name), "starts": read_starts(client, name)}
+            "groups": groups, "status": read_all(client, name), "starts": starts,
+            "last_recovery": last_recovery(starts, client, name)}
 
 
 def _current_weight(aliases: dict[str, Any]) -> tuple[float, float]:
