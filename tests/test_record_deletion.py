@@ -111,3 +111,19 @@ def test_osd_records_delete(redis_url, tmp_path, monkeypatch, capsys):
     assert ("acme", "bob") not in _owners(client)
     cfg = OSDConfig.model_validate({"state_dir": str(tmp_path)})
     assert Registry.from_config(cfg).audit_log()[-1]["match"] == {"tenant": "acme", "user": "bob"}
+
+
+def test_the_trainer_role_counts_starts_and_reads_the_loops_health(redis_url):
+    """The trainer ranks and the ops page connect as the trainer: each start is counted and
+    stamped, and the ops page reads the counts, the stamps and the stream's health, under its ACL."""
+    from infra.redis.loop_status import count_start
+    from serve.api.ops.source import stream_health
+
+    with _acl_users(redis_url) as users:
+        cfg = StreamConfig(stream=STREAM, users=users, block_ms=100, socket_timeout_s=1.0, connect_timeout_s=0.5)
+        trainer = connect(redis_url, cfg, role="trainer")
+        assert count_start(trainer, STREAM, "trainer-0") == 1 and count_start(trainer, STREAM, "trainer-0") == 2
+        health = stream_health(trainer, STREAM)
+        assert health["starts"] == {"trainer-0": 2} and health["last_recovery"]["component"] == "trainer-0"
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            trainer.hincrby("other-key", "x", 1)

@@ -99,7 +99,7 @@ What each role's Redis user may run: the same rules as infra/redis/acl.py ROLE_C
 */}}
 {{- define "osd.redisAclCommands" -}}
 producer: "+ping +xadd +xtrim +xlen +xinfo|groups +bgrewriteaof +multi +exec +get +set"
-trainer: "+ping +xreadgroup +xread +xrange +xrevrange +xlen +xack +xautoclaim +xclaim +xpending +xgroup|create +xinfo +xadd +hset +hgetall"
+trainer: "+ping +xreadgroup +xread +xrange +xrevrange +xlen +xack +xautoclaim +xclaim +xpending +xgroup|create +xinfo +xadd +hset +hincrby +hgetall"
 admin: "+ping +xrange +xrevrange +xlen +xinfo +xdel +xtrim +hgetall"
 {{- end -}}
 
