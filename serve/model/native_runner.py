@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from serve.model.native_build import load
 from serve.model.native_formats import pack_q4, pack_q8
+from serve.model.native_threads import measure_step, small_forward_rows
 from serve.model.batch_forward import Item, reserve
 from serve.model.runner import LlamaRunner, StaticKVCache, _cached, _tensor_key, exact_scales
 
@@ -56,11 +57,6 @@ class OsdBatch(ctypes.Structure):
 
 
 _threads: int | None = None
-# Forwards of at most this many rows run on one thread: a step that small is bound by reading
-# the weights, which one core nearly saturates, and the other core serves the HTTP ingress
-# meanwhile, which raised one client's output and left many clients' within noise
-# (`osd bench load`; docs/benchmarks.md).
-SMALL_FORWARD_ROWS = 4
 
 
 def forward_threads() -> int:
@@ -94,7 +90,7 @@ def native_supported(model: Any) -> str | None:
 class NativeLlamaRunner(LlamaRunner):
     def __init__(self, model: Any, max_seq_len: int | None = None, quant: str = "int4",
                  wide_upcast: bool | None = None, lib: ctypes.CDLL | None = None,
-                 small_rows: int = SMALL_FORWARD_ROWS):
+                 small_rows: int | None = None):
         if quant != "int4":
             raise ValueError("the native forward serves int4 targets (model.quant int4)")
         why = native_supported(model)
@@ -105,7 +101,9 @@ class NativeLlamaRunner(LlamaRunner):
         self.lib = lib if lib is not None else load()
         super().__init__(model, max_seq_len, quant, wide_upcast)
         self.threads = forward_threads()
-        self.small_rows = small_rows  # forwards of at most this many rows run on one thread
+        # Forwards of at most this many rows run on one thread; None: measured once the weights
+        # are packed (serve/model/native_threads.py).
+        self.small_rows = small_rows
         inner, cfg = model.model, model.config
         self._keep: list[Any] = []  # everything the C structs point into
 
@@ -160,6 +158,9 @@ class NativeLlamaRunner(LlamaRunner):
                                cfg.intermediate_size, self._vocab_rows, self.max_seq_len, cfg.vocab_size, float(self.eps),
                                float(self.head_dim ** -0.5), ctypes.addressof(layers), embed.data_ptr(),
                                f32(self.norm).data_ptr(), head.data_ptr(), cos32.data_ptr(), sin32.data_ptr())
+        if self.small_rows is None:
+            self.small_rows = small_forward_rows((self.weight_bytes, self.threads, id(self.lib)), self.weight_bytes,
+                                                 self.threads, measure_step(self))
 
     def _run(self, tokens: torch.Tensor, cache: StaticKVCache, layers: tuple[int, ...],
              logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -167,10 +168,15 @@ class NativeLlamaRunner(LlamaRunner):
             return super()._run(tokens, cache, layers, logits)
         return self.forward_rows([Item(tokens, cache, logits)], layers)[0]
 
-    @torch.inference_mode()
     def forward_rows(self, items: list[Item], layers: tuple[int, ...] = ()) -> list[tuple]:
         """Every item's rows in one native forward: per item (logits [T, V] float32 or None,
         features of `layers` [T, len(layers) * D] in the model's dtype, or None)."""
+        n = sum(it.tokens.shape[0] for it in items)
+        return self.forward_rows_on(items, layers, 1 if n <= self.small_rows else self.threads)
+
+    @torch.inference_mode()
+    def forward_rows_on(self, items: list[Item], layers: tuple[int, ...] = (), threads: int = 1) -> list[tuple]:
+        """forward_rows on `threads` threads."""
         sizes = [it.tokens.shape[0] for it in items]
         reserve(items, sizes)
         n = sum(sizes)
@@ -194,8 +200,7 @@ class NativeLlamaRunner(LlamaRunner):
         feats = torch.empty(n, len(layers) * self.hidden[0], dtype=torch.bfloat16) if layers else None
         batch = OsdBatch(n, tokens.data_ptr(), pos.data_ptr(), seq.data_ptr(), ctypes.addressof(seqs), rows.numel(),
                          rows.data_ptr(), out.data_ptr(), len(layers), feat_layers.data_ptr(),
-                         feats.data_ptr() if feats is not None else None,
-                         1 if n <= self.small_rows else self.threads)
+                         feats.data_ptr() if feats is not None else None, threads)
         err = self.lib.osd_forward(ctypes.byref(self._model), ctypes.byref(batch))
         if err:
             raise ValueError(f"native forward refused its input: {ERRORS.get(err, err)}")

@@ -88,12 +88,14 @@ inline void quantize_row(const float* x, int k, int8_t* q, float* d, float* s) {
   }
 }
 
-// Block b of the next weight tile into the cache (null: nothing to fetch).
+// Block b of the next weight tile into L2 (null: nothing to fetch). Asked one tile ahead
+// (6-15 KB), it keeps a core's stream of weights in flight where the hardware prefetcher alone
+// does not, as on Intel server cores (docs/benchmarks.md, "Prefetching the weights").
 template <int Bytes>
 inline void prefetch_block(const uint8_t* next, int b) {
   if (!next) return;
   const char* p = reinterpret_cast<const char*>(next) + static_cast<int64_t>(b) * Bytes;
-  for (int off = 0; off < Bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  for (int off = 0; off < Bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T1);
 }
 
 // One column's float accumulation of one block, shared by the scalar path and the tails.
@@ -390,10 +392,9 @@ inline void gemm_tiles(const uint8_t* w, int k, const Act& a, int m, float* y, i
     const uint8_t* wt = w + t * tile_bytes;
     for (int r0 = 0; r0 < m; r0 += kRowTile) {
       const int rows = m - r0 < kRowTile ? m - r0 : kRowTile;
-      // With several row tiles, the last one asks for the next weight tile, so that the next
-      // first pass finds it in cache instead of waiting on memory with the multipliers idle.
-      // One row tile streams its weights once, as the hardware prefetcher expects.
-      const uint8_t* next = m > kRowTile && r0 + kRowTile >= m && t + 1 < t1 ? wt + tile_bytes : nullptr;
+      // The last row tile asks for the next weight tile, so that the next first pass finds it
+      // in cache instead of waiting on memory with the multipliers idle.
+      const uint8_t* next = r0 + kRowTile >= m && t + 1 < t1 ? wt + tile_bytes : nullptr;
       tile_rows<kRowTile, Q4>(wt, blocks, a, r0, rows, y + t * kTile, ldy, add, next);
     }
   }
