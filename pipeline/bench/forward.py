@@ -215,6 +215,8 @@ def run_forward_bench(*, device: str = "cpu", variants: Sequence[str] = ("float3
               "vs_t1": {name: {str(t): v / r[tokens[0]] for t, v in r.items()} for name, r in rows.items()},
               "compile_s": {name: r.compile_s for name, r in runners.items() if isinstance(r, InductorRunner)},
               "weights_gb_s": streamed, "copy_gb_s": copy_bandwidth() if streamed else None,
+              "native_tuning": {name: {"prefetch": r.tuning.prefetch, "one_row_ms": r.tuning.ms}
+                                for name, r in runners.items() if getattr(r, "tuning", None)},
               "threads": torch.get_num_threads(), "torch": torch.__version__,
               "machine": platform.processor() or platform.machine()}
     print_forward_table(result, rows, tokens, log)
@@ -236,6 +238,11 @@ def print_forward_table(result: dict[str, Any], rows: dict[str, dict[int, float]
     for name, gbs in result["weights_gb_s"].items():
         log(f"{name}: its T={tokens[0]} forward streams its packed weights at {gbs:.1f} GB/s; this machine "
             f"copies {result['copy_gb_s']:.1f} GB/s (a 256 MiB tensor copy, read + write)")
+    for name, t in result["native_tuning"].items():
+        if t["one_row_ms"]:
+            log(f"{name}: measured at load, one-row step (ms): "
+                + ", ".join(f"{way} {ms:.2f}" for way, ms in t["one_row_ms"].items())
+                + f"; it {'prefetches' if t['prefetch'] else 'does not prefetch'}")
     for name, sec in result["compile_s"].items():
         log(f"{name}: compiling took {sec:.0f} s over {len(tokens)} token counts")
     base = rows.get("float32")

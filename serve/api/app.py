@@ -402,6 +402,10 @@ class TargetReplica:
         out["batch"] = self.engine.scheduler.log.totals()  # target forwards, their requests and rows
         out["time"] = time.time()  # when these counters were read: the ingress keeps each replica's last
         out["by_source"] = self.metrics.source_table()  # drafting steps by who proposed
+        tuning = getattr(self.engine.target, "tuning", None)
+        if tuning is not None:  # the native forward's ways, as measured at load (native_tuning.py)
+            out["native"] = {"small_rows": self.engine.target.small_rows, "prefetch": tuning.prefetch,
+                             "one_row_ms": tuning.ms}
         suffix = suffix_of(self.router.routing.stable_runner)
         if suffix is not None:  # the suffix index: its size and how often it proposes
             out["suffix"] = suffix.stats()

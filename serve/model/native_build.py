@@ -101,6 +101,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.osd_isa.restype = ctypes.c_int
     lib.osd_forward.restype = ctypes.c_int32
     lib.osd_forward.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+    lib.osd_set_prefetch.restype = None
+    lib.osd_set_prefetch.argtypes = (ctypes.c_int32,)
     lib.osd_gemm.restype = None
     lib.osd_gemm.argtypes = (ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
                              ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32)

@@ -242,6 +242,9 @@ extern "C" {
 
 int osd_isa(void) { return osd::kIsa; }
 
+// Whether GEMMs of one row tile prefetch the next weight tile (process-wide; on by default).
+void osd_set_prefetch(int32_t on) { osd::prefetch_small().store(on != 0); }
+
 // Quantize x [M, K] and multiply by a packed weight [N, K]: y [M, N] (tests and benches).
 void osd_gemm(const uint8_t* w, int32_t q4, int32_t n, int32_t k, const float* x, int32_t m, float* y,
               int32_t threads) {

@@ -15,6 +15,7 @@
 // the instruction set: AVX-512, AVX2 and the scalar code give identical bits.
 #pragma once
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -90,7 +91,13 @@ inline void quantize_row(const float* x, int k, int8_t* q, float* d, float* s) {
 
 // Block b of the next weight tile into L2 (null: nothing to fetch). Asked one tile ahead
 // (6-15 KB), it keeps a core's stream of weights in flight where the hardware prefetcher alone
-// does not, as on Intel server cores (docs/benchmarks.md, "Prefetching the weights").
+// does not, as on Intel's server cores; calls of one row tile (up to 8 rows on AVX-512) ask
+// only while prefetch_small() holds, which a runner measures at load (native_tuning.py).
+inline std::atomic<bool>& prefetch_small() {
+  static std::atomic<bool> on{true};
+  return on;
+}
+
 template <int Bytes>
 inline void prefetch_block(const uint8_t* next, int b) {
   if (!next) return;
@@ -388,13 +395,14 @@ template <bool Q4>
 inline void gemm_tiles(const uint8_t* w, int k, const Act& a, int m, float* y, int ldy, bool add, int t0, int t1) {
   const int blocks = k / kBlock;
   const int64_t tile_bytes = static_cast<int64_t>(blocks) * (Q4 ? kQ4Bytes : kQ8Bytes);
+  const bool pf = m > kRowTile || prefetch_small().load(std::memory_order_relaxed);
   for (int t = t0; t < t1; ++t) {
     const uint8_t* wt = w + t * tile_bytes;
     for (int r0 = 0; r0 < m; r0 += kRowTile) {
       const int rows = m - r0 < kRowTile ? m - r0 : kRowTile;
       // The last row tile asks for the next weight tile, so that the next first pass finds it
       // in cache instead of waiting on memory with the multipliers idle.
-      const uint8_t* next = r0 + kRowTile >= m && t + 1 < t1 ? wt + tile_bytes : nullptr;
+      const uint8_t* next = pf && r0 + kRowTile >= m && t + 1 < t1 ? wt + tile_bytes : nullptr;
       tile_rows<kRowTile, Q4>(wt, blocks, a, r0, rows, y + t * kTile, ldy, add, next);
     }
   }

@@ -1,0 +1,103 @@
+"""How a native runner runs small forwards on this machine, decided by measuring it at load.
+
+A forward of a few rows is bound by reading the weights, and two machines this project runs on
+stream them differently:
+- **Threads.** Where one core streams the weights nearly as fast as all of them (AMD's Zen 4
+  here), a small step runs on one thread and leaves the other cores to the HTTP ingress, which
+  raised one client's output. Where one core streams far less (Intel's server cores, whose
+  bandwidth per core is bound by the misses each keeps in flight), that halves the step's speed.
+- **Prefetch.** Asking for the next weight tile ahead of the hardware prefetcher made Intel's
+  one-row step faster and was no better on the Zen 4 (serve/model/native/gemm.h).
+So a runner times its one-row step each way once, at load, and keeps what was faster;
+docs/benchmarks.md has both machines' figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+# Rows up to which a forward may run on one thread.
+SMALL_FORWARD_ROWS = 4
+# One thread is kept for small forwards while its one-row step is at most this much slower than
+# with every thread: the freed core is worth that to the ingress, not more.
+ONE_THREAD_SLACK = 1.15
+# Packed weights below this size are not measured: their step is call overhead, not bandwidth
+# (the tests' tiny models), and they keep the defaults.
+MEASURE_MIN_BYTES = 16 << 20
+REPEATS = 5
+# Idle before measuring, so that thread pools still spinning after loading (torch's OpenMP) are
+# not charged to the step.
+SETTLE_S = 0.05
+
+
+@dataclass(frozen=True)
+class Tuning:
+    small_rows: int = SMALL_FORWARD_ROWS  # forwards of at most this many rows run on one thread
+    prefetch: bool = True  # GEMMs of one row tile prefetch the next weight tile
+    ms: dict[str, float] = field(default_factory=dict)  # the one-row step's medians, per way
+
+
+Step = Callable[[int, bool], None]  # a one-row forward on n threads, prefetching or not
+
+_decided: dict[tuple, Tuning] = {}
+
+
+def tune(key: tuple, weight_bytes: int, threads: int, step: Step) -> Tuning:
+    """The ways of running a one-row step (`step(threads, prefetch)`): prefetch where it is no
+    slower on all threads; one thread for small forwards where it is within ONE_THREAD_SLACK of
+    all of them. Medians of REPEATS, interleaved, after one warm step each; once per `key`."""
+    if weight_bytes < MEASURE_MIN_BYTES:
+        return Tuning()
+    if key in _decided:
+        return _decided[key]
+    ways = {(threads, True): [], (threads, False): []}
+    if threads > 1:
+        ways.update({(1, True): [], (1, False): []})
+    time.sleep(SETTLE_S)
+    for n, pf in ways:
+        step(n, pf)
+    for _ in range(REPEATS):
+        for (n, pf), ts in ways.items():
+            t0 = time.perf_counter()
+            step(n, pf)
+            ts.append(time.perf_counter() - t0)
+    med = {way: statistics.median(ts) for way, ts in ways.items()}
+    prefetch = med[(threads, True)] <= med[(threads, False)]
+    small = SMALL_FORWARD_ROWS
+    if threads > 1 and med[(1, prefetch)] > ONE_THREAD_SLACK * med[(threads, prefetch)]:
+        small = 0
+    out = Tuning(small, prefetch, {f"{n} thread{'s' * (n > 1)}{'' if pf else ', no prefetch'}": 1e3 * t
+                                   for (n, pf), t in med.items()})
+    rule = f"forwards of up to {small} rows on one thread" if small else f"every forward on {threads} threads"
+    log.info("native forward: one-row step %s ms: %s, %s", ", ".join(f"{k} {v:.2f}" for k, v in out.ms.items()),
+             rule, "prefetching" if prefetch else "no prefetch")
+    _decided[key] = out
+    return out
+
+
+def decided() -> dict[tuple, Tuning]:
+    """What this process measured so far (benches report it)."""
+    return dict(_decided)
+
+
+def measure_step(runner: Any) -> Step:
+    """A one-row forward of `runner` on n threads, over a cache of its own."""
+    import torch
+
+    from serve.model.batch_forward import Item
+
+    cache = runner.new_cache()
+    token = torch.zeros(1, dtype=torch.long)
+
+    def step(n: int, prefetch: bool) -> None:
+        runner.lib.osd_set_prefetch(int(prefetch))
+        cache.length = 0
+        runner.forward_rows_on([Item(token, cache)], threads=n)
+
+    return step

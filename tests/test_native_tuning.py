@@ -1,0 +1,137 @@
+"""How a native runner runs small forwards (serve/model/native_tuning.py): measured once per
+runner kind; one thread kept only where it is nearly as fast as all of them, prefetching only
+where it is no slower. The step is a fake that advances a fake clock, so the rule is tested,
+not this machine."""
+
+import pytest
+
+from serve.model import native_build, native_tuning
+from serve.model.native_tuning import MEASURE_MIN_BYTES, SMALL_FORWARD_ROWS, Tuning, tune
+
+pytestmark = [pytest.mark.pure]
+
+BIG = MEASURE_MIN_BYTES
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+        self.slept = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def sleep(self, s):
+        self.slept += s
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = FakeClock()
+    monkeypatch.setattr(native_tuning, "time", c)
+    monkeypatch.setattr(native_tuning, "_decided", {})
+    return c
+
+
+def stepper(clock, ms):
+    """ms[(threads, prefetch)]: what each way of stepping costs."""
+    calls = []
+
+    def step(n, pf):
+        calls.append((n, pf))
+        clock.now += ms[(n, pf)] / 1e3
+
+    return step, calls
+
+
+def test_one_thread_is_kept_where_one_core_streams_nearly_as_fast(clock):
+    step, calls = stepper(clock, {(1, True): 3.5, (1, False): 3.4, (2, True): 3.1, (2, False): 3.2})
+    t = tune(("a",), BIG, 2, step)
+    assert t.small_rows == SMALL_FORWARD_ROWS and t.prefetch
+    assert all(calls.count(way) == 1 + native_tuning.REPEATS for way in set(calls)) and len(set(calls)) == 4
+    assert clock.slept >= native_tuning.SETTLE_S
+    want = {"2 threads": 3.1, "2 threads, no prefetch": 3.2, "1 thread": 3.5, "1 thread, no prefetch": 3.4}
+    assert t.ms == pytest.approx(want)
+
+
+def test_every_thread_serves_small_forwards_where_one_core_streams_far_less(clock):
+    step, _ = stepper(clock, {(1, True): 11.6, (1, False): 14.1, (2, True): 5.8, (2, False): 7.6})
+    assert tune(("b",), BIG, 2, step) == Tuning(0, True, tune(("b",), BIG, 2, step).ms)
+
+
+def test_prefetch_is_dropped_where_it_is_slower_and_one_thread_judged_without_it(clock):
+    # Prefetching slows the 2-thread step; without it one thread is within the slack.
+    step, _ = stepper(clock, {(1, True): 9.0, (1, False): 3.4, (2, True): 3.5, (2, False): 3.1})
+    t = tune(("c",), BIG, 2, step)
+    assert not t.prefetch and t.small_rows == SMALL_FORWARD_ROWS
+
+
+def test_the_rule_is_measured_once_per_key(clock):
+    step, calls = stepper(clock, {(1, True): 11.6, (1, False): 11.0, (4, True): 5.8, (4, False): 6.0})
+    first = tune(("d",), BIG, 4, step)
+    n = len(calls)
+    assert tune(("d",), BIG, 4, step) == first and len(calls) == n
+    assert native_tuning.decided() == {("d",): first}
+
+
+def test_one_thread_measures_only_the_prefetch(clock):
+    step, calls = stepper(clock, {(1, True): 6.0, (1, False): 5.0})
+    t = tune(("e",), BIG, 1, step)
+    assert set(calls) == {(1, True), (1, False)} and not t.prefetch and t.small_rows == SMALL_FORWARD_ROWS
+
+
+def test_tiny_weights_are_not_measured(clock):
+    step, calls = stepper(clock, {})
+    assert tune(("f",), BIG - 1, 2, step) == Tuning()
+    assert calls == []
+
+
+def test_the_step_of_a_real_runner_is_a_one_row_forward_on_n_threads():
+    class Lib:
+        def __init__(self):
+            self.prefetch = []
+
+        def osd_set_prefetch(self, on):
+            self.prefetch.append(on)
+
+    class Runner:
+        lib = Lib()
+
+        def __init__(self):
+            self.seen = []
+
+        def new_cache(self):
+            return type("Cache", (), {"length": 7})()
+
+        def forward_rows_on(self, items, threads):
+            (it,) = items
+            self.seen.append((tuple(it.tokens.shape), it.cache.length, threads))
+
+    r = Runner()
+    step = native_tuning.measure_step(r)
+    step(2, True)
+    step(1, False)
+    assert r.seen == [((1,), 0, 2), ((1,), 0, 1)] and r.lib.prefetch == [1, 0]
+
+
+@pytest.mark.skipif(not native_build.supported(), reason="this CPU runs no native variant")
+def test_a_runner_measures_at_load_and_prefetching_never_changes_a_bit(monkeypatch):
+    import torch
+
+    from infra.target import build_tiny_llama
+    from serve.model.native_runner import NativeLlamaRunner
+
+    monkeypatch.setattr(native_tuning, "MEASURE_MIN_BYTES", 0)
+    monkeypatch.setattr(native_tuning, "_decided", {})
+    model = build_tiny_llama(seed=0, num_layers=2, max_positions=64, dtype="bfloat16", vocab_size=304,
+                             hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
+    r = NativeLlamaRunner(model, 64)
+    assert len(r.tuning.ms) == (4 if r.threads > 1 else 2) and r.small_rows == r.tuning.small_rows
+    tokens = torch.arange(1, 12)
+    out = {}
+    for pf in (0, 1):
+        r.lib.osd_set_prefetch(pf)
+        cache = r.new_cache()
+        out[pf] = (r.forward(tokens[:9], cache), r.forward(tokens[9:], cache))
+    r.lib.osd_set_prefetch(int(r.tuning.prefetch))
+    assert all(torch.equal(a, b) for a, b in zip(out[0], out[1]))
