@@ -15,7 +15,6 @@ docs/benchmarks.md has both machines' figures.
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,7 +29,7 @@ ONE_THREAD_SLACK = 1.15
 # Packed weights below this size are not measured: their step is call overhead, not bandwidth
 # (the tests' tiny models), and they keep the defaults.
 MEASURE_MIN_BYTES = 16 << 20
-REPEATS = 5
+REPEATS = 7
 # Idle before measuring, so that thread pools still spinning after loading (torch's OpenMP) are
 # not charged to the step.
 SETTLE_S = 0.05
@@ -40,7 +39,7 @@ SETTLE_S = 0.05
 class Tuning:
     small_rows: int = SMALL_FORWARD_ROWS  # forwards of at most this many rows run on one thread
     prefetch: bool = True  # GEMMs of one row tile prefetch the next weight tile
-    ms: dict[str, float] = field(default_factory=dict)  # the one-row step's medians, per way
+    ms: dict[str, float] = field(default_factory=dict)  # the one-row step's fastest, per way
 
 
 Step = Callable[[int, bool], None]  # a one-row forward on n threads, prefetching or not
@@ -51,7 +50,9 @@ _decided: dict[tuple, Tuning] = {}
 def tune(key: tuple, weight_bytes: int, threads: int, step: Step) -> Tuning:
     """The ways of running a one-row step (`step(threads, prefetch)`): prefetch where it is no
     slower on all threads; one thread for small forwards where it is within ONE_THREAD_SLACK of
-    all of them. Medians of REPEATS, interleaved, after one warm step each; once per `key`."""
+    all of them. Each way's fastest of REPEATS, interleaved, after one warm step each (a replica
+    measures while the rest of the stack starts beside it, whose work only ever adds time); once
+    per `key`."""
     if weight_bytes < MEASURE_MIN_BYTES:
         return Tuning()
     if key in _decided:
@@ -67,7 +68,7 @@ def tune(key: tuple, weight_bytes: int, threads: int, step: Step) -> Tuning:
             t0 = time.perf_counter()
             step(n, pf)
             ts.append(time.perf_counter() - t0)
-    med = {way: statistics.median(ts) for way, ts in ways.items()}
+    med = {way: min(ts) for way, ts in ways.items()}
     prefetch = med[(threads, True)] <= med[(threads, False)]
     small = SMALL_FORWARD_ROWS
     if threads > 1 and med[(1, prefetch)] > ONE_THREAD_SLACK * med[(threads, prefetch)]:
