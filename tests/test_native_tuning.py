@@ -135,3 +135,18 @@ def test_a_runner_measures_at_load_and_prefetching_never_changes_a_bit(monkeypat
         out[pf] = (r.forward(tokens[:9], cache), r.forward(tokens[9:], cache))
     r.lib.osd_set_prefetch(int(r.tuning.prefetch))
     assert all(torch.equal(a, b) for a, b in zip(out[0], out[1]))
+
+
+def test_an_older_library_without_the_prefetch_switch_still_loads(tmp_path):
+    import shutil
+    import subprocess
+
+    if shutil.which("g++") is None:
+        pytest.skip("no compiler")
+    src = tmp_path / "old.cpp"
+    src.write_text('extern "C" { int osd_isa(void) { return 0; } int osd_forward(void*, void*) { return 0; }\n'
+                   'void osd_gemm(void*, int, int, int, void*, int, void*, int) {} }\n')
+    so = tmp_path / "libold.so"
+    subprocess.run(["g++", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
+    lib = native_build.load_file(so)
+    assert lib.osd_set_prefetch(1) is None and lib.osd_isa() == 0

@@ -101,8 +101,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.osd_isa.restype = ctypes.c_int
     lib.osd_forward.restype = ctypes.c_int32
     lib.osd_forward.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
-    lib.osd_set_prefetch.restype = None
-    lib.osd_set_prefetch.argtypes = (ctypes.c_int32,)
+    try:
+        lib.osd_set_prefetch.restype = None
+        lib.osd_set_prefetch.argtypes = (ctypes.c_int32,)
+    except AttributeError:  # an older build (osd bench forward --native-lib): it always prefetches as built
+        lib.osd_set_prefetch = lambda on: None
     lib.osd_gemm.restype = None
     lib.osd_gemm.argtypes = (ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
                              ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32)
