@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from serve.model.native_build import load
 from serve.model.native_formats import pack_q4, pack_q8
-from serve.model.native_tuning import Tuning, measure_step, tune
+from serve.model.native_tuning import measure_step, tune
 from serve.model.batch_forward import Item, reserve
 from serve.model.runner import LlamaRunner, StaticKVCache, _cached, _tensor_key, exact_scales
 
@@ -90,7 +90,7 @@ def native_supported(model: Any) -> str | None:
 class NativeLlamaRunner(LlamaRunner):
     def __init__(self, model: Any, max_seq_len: int | None = None, quant: str = "int4",
                  wide_upcast: bool | None = None, lib: ctypes.CDLL | None = None,
-                 small_rows: int | None = None, tuned: bool = True):
+                 small_rows: int | None = None):
         if quant != "int4":
             raise ValueError("the native forward serves int4 targets (model.quant int4)")
         why = native_supported(model)
@@ -102,8 +102,7 @@ class NativeLlamaRunner(LlamaRunner):
         super().__init__(model, max_seq_len, quant, wide_upcast)
         self.threads = forward_threads()
         # Forwards of at most this many rows run on one thread; None: as measured once the
-        # weights are packed (serve/model/native_tuning.py, with whether to prefetch; `tuned`
-        # False keeps the defaults).
+        # weights are packed (serve/model/native_tuning.py, with whether to prefetch).
         self.small_rows = small_rows
         inner, cfg = model.model, model.config
         self._keep: list[Any] = []  # everything the C structs point into
@@ -160,7 +159,7 @@ class NativeLlamaRunner(LlamaRunner):
                                float(self.head_dim ** -0.5), ctypes.addressof(layers), embed.data_ptr(),
                                f32(self.norm).data_ptr(), head.data_ptr(), cos32.data_ptr(), sin32.data_ptr())
         key = (self.weight_bytes, self.threads, id(self.lib))
-        self.tuning = tune(key, self.weight_bytes, self.threads, measure_step(self)) if tuned else Tuning()
+        self.tuning = tune(key, self.weight_bytes, self.threads, measure_step(self))
         if self.tuning.ms:  # measured here: the library's setting is process-wide, defaults stay
             self.lib.osd_set_prefetch(int(self.tuning.prefetch))
         if self.small_rows is None:

@@ -68,23 +68,18 @@ def tune(key: tuple, weight_bytes: int, threads: int, step: Step) -> Tuning:
             t0 = time.perf_counter()
             step(n, pf)
             ts.append(time.perf_counter() - t0)
-    med = {way: min(ts) for way, ts in ways.items()}
-    prefetch = med[(threads, True)] <= med[(threads, False)]
+    fastest = {way: min(ts) for way, ts in ways.items()}
+    prefetch = fastest[(threads, True)] <= fastest[(threads, False)]
     small = SMALL_FORWARD_ROWS
-    if threads > 1 and med[(1, prefetch)] > ONE_THREAD_SLACK * med[(threads, prefetch)]:
+    if threads > 1 and fastest[(1, prefetch)] > ONE_THREAD_SLACK * fastest[(threads, prefetch)]:
         small = 0
     out = Tuning(small, prefetch, {f"{n} thread{'s' * (n > 1)}{'' if pf else ', no prefetch'}": 1e3 * t
-                                   for (n, pf), t in med.items()})
+                                   for (n, pf), t in fastest.items()})
     rule = f"forwards of up to {small} rows on one thread" if small else f"every forward on {threads} threads"
     log.info("native forward: one-row step %s ms: %s, %s", ", ".join(f"{k} {v:.2f}" for k, v in out.ms.items()),
              rule, "prefetching" if prefetch else "no prefetch")
     _decided[key] = out
     return out
-
-
-def decided() -> dict[tuple, Tuning]:
-    """What this process measured so far (benches report it)."""
-    return dict(_decided)
 
 
 def measure_step(runner: Any) -> Step:
