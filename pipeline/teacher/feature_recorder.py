@@ -45,13 +45,8 @@ class FeatureRecorder(Draft):
 
     def __init__(self, model: Any, layers: tuple[int, ...]):
         cfg = model.config
-        last = cfg.num_hidden_layers - 1
-        if not layers or not all(0 <= i <= last for i in layers):
-            raise ValueError(f"feature layers {layers} are not layers of a {last + 1}-layer target")
         self.layers = tuple(layers)
-        self.feature_layers = tuple(sorted(set(layers) | {last}))
-        self._cols = [self.feature_layers.index(i) for i in self.layers]
-        self._last = self.feature_layers.index(last)
+        self.feature_layers = with_last(self.layers, cfg.num_hidden_layers)
         self.norm = model.model.norm.weight
         self.eps = cfg.rms_norm_eps
         self.lm_head = model.lm_head.weight
@@ -124,17 +119,32 @@ class FeatureRecorder(Draft):
 
     # -- helpers ----------------------------------------------------------------------
 
-    @torch.no_grad()  # the norm's weight is a parameter; the features are inference tensors
     def _split(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the head's layers' columns [T, nf*h], final hidden [T, h]) of the recorded layers'
-        features [T, nl*h], in the engine's dtype (final: LlamaRunner's rms_norm before its head)."""
-        h = feats.shape[-1] // len(self.feature_layers)
-        head = torch.cat([feats[:, i * h:(i + 1) * h] for i in self._cols], dim=-1)
-        last = feats[:, self._last * h:(self._last + 1) * h]
-        return head, F.rms_norm(last, (h,), self.norm, self.eps)
+        return split_final(feats, self.feature_layers, self.layers, self.norm, self.eps)
 
     @torch.no_grad()
     def _argmax(self, final: torch.Tensor) -> torch.Tensor:
         """[T] the target's greedy token after each prompt row, through the model's LM head."""
         return torch.cat([F.linear(final[s:s + ARGMAX_ROWS], self.lm_head).argmax(-1)
                           for s in range(0, final.shape[0], ARGMAX_ROWS)])
+
+
+def with_last(layers: tuple[int, ...], n_layers: int) -> tuple[int, ...]:
+    """The layers to ask a runner for: `layers` and the target's last (whose output, normed, is
+    `final`), sorted; ValueError where `layers` are not layers of an `n_layers`-layer target."""
+    last = n_layers - 1
+    if not layers or not all(0 <= i <= last for i in layers):
+        raise ValueError(f"feature layers {layers} are not layers of a {n_layers}-layer target")
+    return tuple(sorted(set(layers) | {last}))
+
+
+@torch.no_grad()  # the norm's weight is a parameter; the features are inference tensors
+def split_final(feats: torch.Tensor, asked: tuple[int, ...], layers: tuple[int, ...], norm: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the columns of `layers` [T, nf*h], final hidden [T, h]) of a runner's features [T, na*h]
+    of the layers `asked` (with_last), in the runner's dtype (final: LlamaRunner's rms_norm of the
+    last layer's output before its head)."""
+    h = feats.shape[-1] // len(asked)
+    head = torch.cat([feats[:, asked.index(i) * h:(asked.index(i) + 1) * h] for i in layers], dim=-1)
+    # asked is sorted, so the target's last layer, the highest, is the last block of columns
+    return head, F.rms_norm(feats[:, -h:], (h,), norm, eps)
