@@ -8,7 +8,9 @@ a draft again, how a draft is scored and how it is saved:
   loss compares the draft's logits with the records' stored target top-k (train/distill/objective.py).
 - `head` (infra/drafts/head.py): records carry no hidden states, so each step recomputes the
   target's features over prompt + output (one no-grad target forward) and trains the unrolled
-  loss over the head's draft vocabulary (train/distill/head.py). The draft vocabulary (d2t)
+  loss over the head's draft vocabulary (train/distill/head.py). The forward is the served
+  target's where the trainer was handed one (train/online/served.py: the int4 target's bits, as
+  serving feeds the head), else the float32 training copy's. The draft vocabulary (d2t)
   comes from the warm start, so a head trainer starts from a warm-started head, never fresh.
 
 The family is the loaded init draft's (`osd_family`). The gate may compare drafts of two
@@ -21,12 +23,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from infra.config import TrainConfig
 from infra.drafts.spec import DraftSpec
+
+if TYPE_CHECKING:
+    from train.online.served import ServedForward
 
 # Records whose target features a head trainer keeps: its replay buffer (256) and its held-out
 # records (200) are scored again and again, and the target's forward is most of each step.
@@ -41,23 +46,39 @@ def family_name(draft: Any) -> str:
 
 
 def per_record(draft: Any, target: Any, records: list, max_seq_len: int,
-               feature_cache: dict | None = None) -> list[tuple[float, int]]:
+               feature_cache: dict | None = None, forward: ServedForward | None = None) -> list[tuple[float, int]]:
     """(summed expected acceptance, positions) per record for a draft of either family.
     `feature_cache`: a dict kept across calls on the same records, so the target's features
-    for a head are computed once per set of feature layers, not once per head."""
+    for a head are computed once per set of feature layers, not once per head.
+    `forward`: a head's features from the served target (train/online/served.py), not `target`."""
     if family_name(draft) == "head":
-        from train.distill.head import per_record_acceptance_head, records_features
+        from train.distill.head import per_record_acceptance_head
 
         feats = None
-        if feature_cache is not None:
-            key = tuple(draft.feature_layers)
-            if key not in feature_cache:
-                feature_cache[key] = records_features(target, records, draft.feature_layers, max_seq_len)
+        key = tuple(draft.feature_layers)
+        if feature_cache is not None and key in feature_cache:
             feats = feature_cache[key]
+        elif feature_cache is not None or forward is not None:
+            feats = head_features(target, forward, records, key, max_seq_len)
+            if feature_cache is not None:
+                feature_cache[key] = feats
         return per_record_acceptance_head(draft, target, records, max_seq_len, features=feats)
     from train.gate.evaluator import per_record_acceptance
 
     return per_record_acceptance(draft, records, max_seq_len)
+
+
+def head_features(target: Any, forward: ServedForward | None, records: list, layers: tuple[int, ...],
+                  max_seq_len: int) -> Any:
+    """The FeatureSet of `records` at `layers`: from the served forward where there is one, else
+    from the float32 `target`."""
+    from train.distill.head import records_features
+
+    if forward is None:
+        return records_features(target, records, layers, max_seq_len)
+    from train.online.served import served_features
+
+    return served_features(forward, records, layers, max_seq_len, target.lm_head.weight.device)
 
 
 class LayerFamily:
@@ -112,8 +133,9 @@ class HeadFamily:
 
     name = "head"
 
-    def __init__(self, target: Any, tc: TrainConfig, head: Any):
+    def __init__(self, target: Any, tc: TrainConfig, head: Any, forward: ServedForward | None = None):
         self.target, self.tc = target, tc
+        self.forward = forward  # the served target's features (train/online/served.py); None: the float32 copy's
         # Kept from the init head before DeepSpeed wraps it: every export is rebuilt on them.
         self.spec, self.d2t = head.spec, head.d2t.detach().cpu().clone()
         self.layers = tuple(head.feature_layers)
@@ -123,11 +145,11 @@ class HeadFamily:
         """The target's features of `records` as one FeatureSet, each record's computed once while
         it stays among the FEATURES_KEPT most recently used: replay steps, the α estimate and the
         gate read the same records many times."""
-        from train.distill.head import FeatureSet, records_features
+        from train.distill.head import FeatureSet
 
         todo = [r for r in records if r.record_id not in self._kept]
         if todo:
-            fresh = records_features(self.target, todo, self.layers, self.tc.max_seq_len)
+            fresh = head_features(self.target, self.forward, todo, self.layers, self.tc.max_seq_len)
             for i, r in enumerate(todo):
                 self._kept[r.record_id] = (fresh.ids[i], fresh.feats[i], fresh.final[i], fresh.argmax[i],
                                            fresh.start[i])
@@ -176,7 +198,7 @@ class HeadFamily:
 
             return per_record_acceptance_head(draft, self.target, records, self.tc.max_seq_len,
                                               features=self.features(records))
-        return per_record(draft, self.target, records, self.tc.max_seq_len)
+        return per_record(draft, self.target, records, self.tc.max_seq_len, forward=self.forward)
 
     def save(self, draft: Any, directory: Path, **kw: Any) -> Path:
         from infra.drafts.head import save_head
@@ -184,8 +206,10 @@ class HeadFamily:
         return save_head(draft, directory, **kw)
 
 
-def family_for(draft: Any, target: Any, tc: TrainConfig, spec: DraftSpec) -> LayerFamily | HeadFamily:
-    """The family of the draft a trainer starts from (`spec`: what layer exports are rebuilt to)."""
+def family_for(draft: Any, target: Any, tc: TrainConfig, spec: DraftSpec,
+               forward: ServedForward | None = None) -> LayerFamily | HeadFamily:
+    """The family of the draft a trainer starts from (`spec`: what layer exports are rebuilt to;
+    `forward`: a head's features from the served target)."""
     if family_name(draft) == "head":
-        return HeadFamily(target, tc, draft)
+        return HeadFamily(target, tc, draft, forward)
     return LayerFamily(target, tc, spec, draft)

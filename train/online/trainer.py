@@ -34,6 +34,7 @@ import torch
 from infra.config import OSDConfig
 from infra.common.faults import fault_point
 from infra.records.streams import READ_COUNT  # records per read with one rank
+from train.online.served import ServedFactory
 # pipeline/ (traffic/demo, bench/train) imports estimate_alpha and is_held_out from here.
 from train.gate.evaluator import estimate_alpha, is_held_out  # noqa: F401
 
@@ -70,13 +71,15 @@ class TrainerWorker:
     """One rank: a consumer in the group, a DistillEngine, and (rank 0) the exporter."""
 
     def __init__(self, cfg_dict: dict[str, Any], rank: int, world_size: int, run_dir: str,
-                 init_draft: str | None = None, consumer_name: str | None = None, family: str | None = None):
+                 init_draft: str | None = None, consumer_name: str | None = None, family: str | None = None,
+                 served: ServedFactory | None = None):
         self.cfg = OSDConfig.model_validate(cfg_dict)
         self.rank, self.world_size = rank, world_size
         self.run_dir = Path(run_dir)
         self.init_draft = init_draft
         # The family to train ("layer" or "head"); None: the init draft's (layer without one).
         self.family = family
+        self.served = served  # builds a head's served-format forward (train/online/served.py)
         self.consumer_name = consumer_name or f"trainer-{rank}"
         # Deliveries of held-out records: never trained on, acked with the next checkpoint.
         self._held_acks: list = []
@@ -104,7 +107,7 @@ class TrainerWorker:
         draft = self._init_draft()
         # Before the rendezvous: a draft of the wrong family, or a setting it cannot train with,
         # fails every rank here, not in a collective.
-        self.fam = family_for(draft, self.target, tc, self.spec_info)
+        self.fam = family_for(draft, self.target, tc, self.spec_info, self._served_forward(draft))
         if self.family and self.family != self.fam.name:
             raise ValueError(f"asked to train a {self.family} draft; the init draft {self.init_draft} "
                              f"is a {self.fam.name} draft")
@@ -161,6 +164,21 @@ class TrainerWorker:
             draft = build_draft(self.target, self.spec_info)
             self.parent_version = None
         return draft
+
+    def _served_forward(self, draft: Any) -> Any:
+        """A head's features from the served target where it can be built (train/online/served.py),
+        else None: the float32 copy's. Says which, and why, in one line."""
+        from train.online.family import family_name
+
+        if family_name(draft) != "head":
+            return None
+        if self.served is None:
+            _log(self.rank, "head features from the float32 training copy: this trainer was given no "
+                            "served forward (train/online/served.py)")
+            return None
+        forward, why = self.served(self.cfg)
+        _log(self.rank, why)
+        return forward
 
     @property
     def ckpt_dir(self) -> Path:
@@ -404,14 +422,14 @@ class TrainerGroup:
     """N TrainerWorker actors in one placement group; rank 0 starts first for the rendezvous."""
 
     def __init__(self, cfg: OSDConfig, run_dir: str | os.PathLike, init_draft: str | None = None,
-                 num_workers: int | None = None, family: str | None = None):
+                 num_workers: int | None = None, family: str | None = None, served: ServedFactory | None = None):
         from ray.util.placement_group import placement_group
 
         self.n = num_workers or cfg.train.num_workers
         self.pg = placement_group([{"CPU": 1, **cfg.train.resources}] * self.n, strategy="PACK")
         self.workers: list = []
         try:
-            self._start(cfg, run_dir, init_draft, family)
+            self._start(cfg, run_dir, init_draft, family, served)
         except BaseException:
             # A start that fails (Redis away during setup) must give its CPUs back, or every
             # restart after it waits for a placement group that can never be placed.
@@ -419,7 +437,7 @@ class TrainerGroup:
             raise
 
     def _start(self, cfg: OSDConfig, run_dir: str | os.PathLike, init_draft: str | None,
-               family: str | None) -> None:
+               family: str | None, served: ServedFactory | None) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy as strategy
 
         ray.get(self.pg.ready(), timeout=120)
@@ -434,7 +452,7 @@ class TrainerGroup:
                 name=f"osd-trainer-{group_id}-rank{rank}",  # findable for ops (and the kill test)
                 scheduling_strategy=strategy(placement_group=self.pg, placement_group_bundle_index=rank),
                 runtime_env=env, max_restarts=0,
-            ).remote(cfg_dict, rank, self.n, str(run_dir), init_draft, family=family)
+            ).remote(cfg_dict, rank, self.n, str(run_dir), init_draft, family=family, served=served)
 
         self.workers = [start(0)]
         addr, port = ray.get(self.workers[0].address.remote(), timeout=120)
@@ -471,8 +489,8 @@ _RETRYABLE = (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exc
 
 
 def run_with_restarts(cfg: OSDConfig, run_dir: str | os.PathLike, *, restarts: int | None = None,
-                      init_draft: str | None = None, family: str | None = None, sleep: Any = time.sleep,
-                      clock: Any = time.monotonic, **run_kw) -> list[RunStats]:
+                      init_draft: str | None = None, family: str | None = None, served: ServedFactory | None = None,
+                      sleep: Any = time.sleep, clock: Any = time.monotonic, **run_kw) -> list[RunStats]:
     """Run a group; if it fails to start or a worker dies, tear it down and start a new one that
     resumes from the newest COMPLETE checkpoint (its unacked records are reclaimed from the
     stream), after a doubling back-off, for up to train.retry_for_s after the first failure in
@@ -485,7 +503,7 @@ def run_with_restarts(cfg: OSDConfig, run_dir: str | os.PathLike, *, restarts: i
     while True:
         started = clock()
         try:
-            return _run_group(cfg, run_dir, init_draft, family, run_kw)
+            return _run_group(cfg, run_dir, init_draft, family, served, run_kw)
         except _RETRYABLE as e:
             cause = getattr(e, "cause", None)
             if isinstance(cause, ValueError):  # a setting or draft the workers refuse: the same next time
@@ -504,8 +522,9 @@ def run_with_restarts(cfg: OSDConfig, run_dir: str | os.PathLike, *, restarts: i
 
 
 def _run_group(cfg: OSDConfig, run_dir: str | os.PathLike, init_draft: str | None, family: str | None,
-               run_kw: dict[str, Any]) -> list[RunStats]:
-    group = TrainerGroup(cfg, run_dir, init_draft=init_draft, family=family)  # shuts itself down if it fails
+               served: ServedFactory | None, run_kw: dict[str, Any]) -> list[RunStats]:
+    # A group that fails to start shuts itself down.
+    group = TrainerGroup(cfg, run_dir, init_draft=init_draft, family=family, served=served)
     try:
         return group.run(**run_kw)
     finally:
