@@ -217,6 +217,7 @@ def test_a_group_started_from_a_head_trains_and_publishes_head_versions(ray_loca
     from infra.drafts.layer import build_draft, load_draft, save_draft
     from infra.registry import Registry
     from infra.target import load_target
+    from pipeline.teacher.served_forward import served_forward
     from train.online.trainer import TrainerGroup
 
     # bootstrap: every candidate published at its checkpoint, with its evidence (the sequential
@@ -233,7 +234,8 @@ def test_a_group_started_from_a_head_trains_and_publishes_head_versions(ray_loca
     reg.publish(tmp_path / "layer", "layer-v1")
     reg.promote("layer-v1")
     produce(cfg, records)
-    group = TrainerGroup(cfg, tmp_path / "run", init_draft=str(init))
+    # The factory reaches the actors (a float32 target: it answers with the float32 copy's features).
+    group = TrainerGroup(cfg, tmp_path / "run", init_draft=str(init), served=served_forward)
     try:
         stats = group.run(idle_stop_s=3, timeout=300)
     finally:

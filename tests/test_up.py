@@ -68,7 +68,7 @@ def test_closed_loop_keeps_restarting_its_trainer_group(tmp_path, monkeypatch):
     class FakeGroup:
         n = 1
 
-        def __init__(self, cfg, run_dir, init_draft=None):
+        def __init__(self, cfg, run_dir, init_draft=None, served=None):
             made.append(init_draft)
             if len(made) <= 2:
                 raise ConnectionError("Redis went away during setup")

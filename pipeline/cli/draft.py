@@ -84,6 +84,7 @@ def _cmd_train(cfg: OSDConfig, args: argparse.Namespace) -> int:
     import ray
 
     from infra.redis.server import resolve_redis_url
+    from pipeline.teacher.served_forward import served_forward
     from train.online.family import NO_HEAD_INIT
     from train.online.trainer import run_with_restarts, save_stats
 
@@ -96,7 +97,7 @@ def _cmd_train(cfg: OSDConfig, args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir or Path(cfg.state_dir) / "train" / "run")
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True,
              ignore_reinit_error=True)
-    stats = run_with_restarts(cfg, run_dir, init_draft=args.init_draft, family=args.family,
+    stats = run_with_restarts(cfg, run_dir, init_draft=args.init_draft, family=args.family, served=served_forward,
                               max_records=args.max_records,
                               max_seconds=args.max_seconds, idle_stop_s=args.idle_stop)
     save_stats(stats, run_dir / "stats.json")

@@ -193,11 +193,12 @@ class LoopSupervisor:
 
     def _train_once(self) -> None:
         from pipeline.stack.up import failure_reason
+        from pipeline.teacher.served_forward import served_forward
         from train.online.trainer import TrainerGroup
 
         run_dir = Path(self.cfg.state_dir) / "train" / self.args.run_name
         try:
-            self._group = TrainerGroup(self.cfg, run_dir, init_draft=f"registry:{self.stable}")
+            self._group = TrainerGroup(self.cfg, run_dir, init_draft=f"registry:{self.stable}", served=served_forward)
             self._group.run()
         except Exception as e:
             self.trainer_error = failure_reason(e)

@@ -137,6 +137,7 @@ class ClosedLoop:
         return self
 
     def _start_trainer(self, stable: str) -> None:
+        from pipeline.teacher.served_forward import served_forward
         from train.online.trainer import TrainerGroup
 
         run_dir = Path(self.cfg.state_dir) / "train" / self.run_name
@@ -147,7 +148,8 @@ class ClosedLoop:
             # group's last COMPLETE checkpoint anyway.
             start = self._current_stable() or stable
             try:
-                self._trainer_group = TrainerGroup(self.cfg, run_dir, init_draft=f"registry:{start}")
+                self._trainer_group = TrainerGroup(self.cfg, run_dir, init_draft=f"registry:{start}",
+                                                   served=served_forward)
                 _log(f"trainer: {self._trainer_group.n} worker(s), ZeRO-{self.cfg.train.zero_stage}, "
                      f"from {start}; a candidate every {self.cfg.train.export_every_records} records "
                      f"or {self.cfg.train.export_every_s:.0f} s")

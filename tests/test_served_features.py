@@ -1,0 +1,239 @@
+"""The online head trainer's features in the served weight format (train/online/served.py,
+pipeline/teacher/served_forward.py): for an int4 target on the native forward, the features it
+trains, estimates α and gates on are, bit for bit, those the serving engine fed the head; the
+float32 training copy's are not; the float32 path stays where serving is not int4 or its
+runner cannot be built."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from infra.config import OSDConfig
+from infra.drafts.head import build_head
+from infra.drafts.spec import DraftSpec
+from infra.records.schema import Record
+from infra.target import LoadedModel, load_target, tiny_tokenizer
+from pipeline.teacher.engine import EngineTeacher
+from pipeline.teacher.served_forward import served_forward
+from serve.engine.core import SpecEngine
+from serve.engine.sequence import GenerationParams
+from serve.model import native_build
+from serve.spec_decode.head.draft import HeadRunner
+from engine_options import small_options
+from train.distill.head import per_record_acceptance_head
+from train.online.family import HeadFamily, per_record
+from train.online.served import served_features
+
+pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not native_build.supported(), reason="this CPU runs no native variant")]
+
+LAYERS = (0, 1)  # of tiny-random's two layers
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [40, 41], [100, 3, 100, 3, 100, 7]]
+NEW, K = 24, 8
+
+
+def _cfg(**model) -> OSDConfig:
+    return OSDConfig.model_validate({"model": {"target": "tiny-random", **model}})
+
+
+INT4 = dict(quant="int4", dtype="bfloat16", cpu_kernels="native")
+
+
+@pytest.fixture(scope="module")
+def served():
+    forward, why = served_forward(_cfg(**INT4))
+    assert forward is not None, why
+    return forward
+
+
+@pytest.fixture(scope="module")
+def f32():
+    """The target as a trainer loads it: the same weights in float32, unquantized."""
+    return load_target("tiny-random", _cfg(**INT4).model.for_training(), progress=False).model
+
+
+def _head(model):
+    return build_head(model, DraftSpec(family="head", feature_layers=LAYERS, draft_vocab=200))
+
+
+def _record(prompt, result, i) -> Record:
+    c = result.capture
+    return Record(request_id=f"r{i}", draft_version="x", prompt_ids=np.asarray(prompt, np.int32),
+                  output_ids=np.asarray(result.output_ids, np.int32), topk_ids=c.topk_ids,
+                  topk_logprobs=c.topk_logprobs, accepted=c.accepted, draft_tokens=c.draft_tokens,
+                  draft_probs=c.draft_probs)
+
+
+@pytest.fixture(scope="module")
+def serving(served):
+    """Greedy requests served by the int4 target with a speculating head (verify blocks of
+    several rows beside one-row decodes and prompt chunks): their records, and the feature rows
+    the engine handed the head while it generated each."""
+    fed: list[torch.Tensor] = []
+    mp = pytest.MonkeyPatch()
+    prefilled, commit = HeadRunner.prefilled, HeadRunner.commit
+
+    def on_prefill(self, seq, feats):
+        fed.append(feats.clone())
+        prefilled(self, seq, feats)
+
+    def on_commit(self, seq, base, n, drafted, feats):
+        fed.append(feats.clone())
+        commit(self, seq, base, n, drafted, feats)
+
+    mp.setattr(HeadRunner, "prefilled", on_prefill)
+    mp.setattr(HeadRunner, "commit", on_commit)
+    eng = SpecEngine(served.model, _head(served.model),
+                     options=small_options(k=3, k_policy="fixed", max_seq_len=128, quant="int4", cpu_kernels="native",
+                                           capture_top_k=K, prefill_chunk=4))
+    records, rows = [], []
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            fed.clear()
+            r = eng.generate(prompt, GenerationParams(max_new_tokens=NEW))
+            assert r.stats.num_draft_tokens > 0  # verify blocks of several rows were served
+            records.append(_record(prompt, r, i))
+            rows.append(torch.cat(fed)[:len(prompt) + len(r.output_ids) - 1])  # rows past the last token: none
+    finally:
+        mp.undo()
+    return records, rows
+
+
+def test_the_head_trainer_features_are_those_the_engine_fed_the_head(served, f32, serving):
+    records, fed = serving
+    fam = HeadFamily(f32, _train(), _head(f32), served)
+    fs = fam.features(records)
+    for rec, rows, ids, feats, argmax in zip(records, fed, fs.ids, fs.feats, fs.argmax):
+        tokens = rec.prompt_ids.tolist() + rec.output_ids.tolist()
+        assert ids.tolist() == tokens[:-1]
+        assert torch.equal(feats, rows)
+        assert argmax[len(rec.prompt_ids) - 1:].tolist() == rec.output_ids.tolist()  # greedy: what it emitted
+
+
+def test_the_float32_copy_computes_other_features_than_were_served(served, f32, serving):
+    """What the trainer did before: the same records through the float32 copy."""
+    records, fed = serving
+    fs = HeadFamily(f32, _train(), _head(f32)).features(records)
+    assert not any(torch.equal(feats[:-1], rows) for feats, rows in zip(fs.feats, fed))
+
+
+def test_served_rows_equal_the_serving_capture_and_a_one_row_decode(served):
+    """Against the teacher's serve-time capture (pipeline/teacher/feature_recorder.py) and a
+    decode of the served runner one token at a time: features, final hidden and argmax."""
+    loaded = LoadedModel(served.model, tiny_tokenizer(), "tiny-random", None, 0.0)
+    cfg = OSDConfig.model_validate({"model": {"target": "tiny-random", **INT4}, "serve": {"prefill_chunk": 4},
+                                    "train": {"warm_batch_size": 2}})
+    captured = EngineTeacher(cfg, loaded).capture(PROMPTS, NEW, K, None, LAYERS)
+    r = served.runner
+    h = served.model.config.hidden_size
+    for prompt, ((out, _, _), cap) in zip(PROMPTS, captured):
+        tokens = prompt + out.tolist()
+        mine = served([tokens], LAYERS)[0]
+        assert torch.equal(mine.ids, cap.ids) and torch.equal(mine.feats, cap.feats)
+        assert torch.equal(mine.final, cap.final)
+        assert torch.equal(mine.argmax[len(prompt) - 1:], cap.argmax[len(prompt) - 1:])
+        cache = r.new_cache()
+        for t, tok in enumerate(tokens[:-1]):
+            logits, f = r.forward_features(torch.tensor([tok]), cache, LAYERS)
+            assert torch.equal(mine.feats[t], f[0])
+            final = F.rms_norm(f[0, -h:], (h,), served.model.model.norm.weight, served.model.config.rms_norm_eps)
+            assert torch.equal(mine.final[t], final) and int(mine.argmax[t]) == int(logits.argmax())
+
+
+def test_a_one_token_sequence_has_no_row(served):
+    rows = served([[5]], LAYERS)[0]
+    h = served.model.config.hidden_size
+    assert rows.ids.numel() == 0 and rows.feats.shape == (0, len(LAYERS) * h) and rows.final.shape == (0, h)
+
+
+def _train(**kw):
+    from infra.config import load_config
+
+    return load_config(environ={}, overrides={"train": kw}).train
+
+
+class _Counting:
+    def __init__(self, forward):
+        self.forward, self.sequences = forward, 0
+
+    def __call__(self, seqs, layers):
+        self.sequences += len(seqs)
+        return self.forward(seqs, layers)
+
+
+def test_each_record_is_run_once_while_kept_and_the_gate_scores_served_features(served, f32, serving):
+    records, _ = serving
+    counting = _Counting(served)
+    head = _head(f32)
+    fam = HeadFamily(f32, _train(), head, counting)
+    fam.batch(records)
+    fam.alpha(head, records)
+    got = fam.score(head, records)
+    assert counting.sequences == len(records)  # FEATURES_KEPT: the α estimate and the gate reuse them
+    want = per_record_acceptance_head(head, f32, records, fam.tc.max_seq_len,
+                                      features=served_features(served, records, LAYERS, fam.tc.max_seq_len))
+    assert got == want
+    other = build_head(f32, DraftSpec(family="head", feature_layers=(1,), draft_vocab=200))
+    assert fam.score(other, records) == per_record(other, f32, records, fam.tc.max_seq_len, forward=served)
+    assert counting.sequences == 2 * len(records)  # a head of other layers: through the served forward too
+
+
+def test_rows_of_other_tokens_are_refused(served, serving):
+    records, _ = serving
+
+    def shifted(seqs, layers):
+        return served([s[1:] for s in seqs], layers)
+
+    with pytest.raises(ValueError, match="not those of the records' tokens"):
+        served_features(shifted, records, LAYERS, 1024)
+
+
+@pytest.mark.parametrize("model, why", [(dict(quant="none", dtype="float32"), "served in float32, unquantized"),
+                                        (dict(quant="none", dtype="bfloat16"), "served in bfloat16, unquantized")])
+def test_a_target_served_unquantized_keeps_the_float32_copy(model, why):
+    forward, line = served_forward(_cfg(**model))
+    assert forward is None and "float32 training copy" in line and why in line
+
+
+def test_a_native_runner_that_cannot_load_falls_back_and_says_why(monkeypatch):
+    def unavailable():
+        raise native_build.NativeUnavailable("no compiler here")
+
+    monkeypatch.setattr(native_build, "load", unavailable)
+    monkeypatch.setattr("serve.model.native_runner.load", unavailable)
+    forward, line = served_forward(_cfg(**INT4))
+    assert forward is None and "cannot be built" in line and "no compiler here" in line
+    forward, line = served_forward(_cfg(**{**INT4, "cpu_kernels": "auto"}))  # auto: PyTorch's int4 kernels serve
+    assert forward is not None and forward.kernels == "PyTorch's int4 kernels" and "PyTorch's int4" in line
+
+
+def test_pytorch_int4_kernels_give_a_one_row_decode_s_features(served):
+    """The torch runner's blocks of ROW_EXACT_MAX_T rows compute each row as its decode does."""
+    forward, _ = served_forward(_cfg(**{**INT4, "cpu_kernels": "torch"}))
+    tokens = list(range(3, 43))  # several blocks
+    rows = forward([tokens], LAYERS)[0]
+    cache = forward.runner.new_cache()
+    for t, tok in enumerate(tokens[:-1]):
+        logits, f = forward.runner.forward_features(torch.tensor([tok]), cache, LAYERS)
+        assert torch.equal(rows.feats[t], f[0]) and int(rows.argmax[t]) == int(logits.argmax())
+    assert not torch.equal(rows.feats, served([tokens], LAYERS)[0].feats)  # not the native forward's bits
+
+
+def test_a_trainer_given_no_served_forward_or_training_a_layer_draft_uses_the_float32_copy(tmp_path, capsys, f32):
+    from infra.drafts.layer import build_draft
+    from train.online.trainer import TrainerWorker
+
+    asked = []
+
+    def factory(cfg):
+        asked.append(cfg)
+        return "a forward", "the line"
+
+    cfg = _cfg(**INT4).model_dump(mode="json")
+    assert TrainerWorker(cfg, 0, 1, str(tmp_path))._served_forward(_head(f32)) is None
+    assert "given no served forward" in capsys.readouterr().out
+    layer = build_draft(f32, DraftSpec(num_layers=1))
+    assert TrainerWorker(cfg, 0, 1, str(tmp_path), served=factory)._served_forward(layer) is None and not asked
+    assert TrainerWorker(cfg, 0, 1, str(tmp_path), served=factory)._served_forward(_head(f32)) == "a forward"
+    assert "the line" in capsys.readouterr().out and len(asked) == 1
