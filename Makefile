@@ -38,16 +38,19 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 # The import contract first (seconds): every import points down the layers (pyproject.toml).
-# Then the docs, so a broken link fails here as a failing test would.
+# Then the docs, so a broken link fails here as a failing test would. The tests run on every
+# core (pytest-xdist); tests/conftest.py says how they are grouped. PYTEST_WORKERS=0: in one process.
+PYTEST_WORKERS ?= auto
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup)
 test: setup
 	$(VENV)/bin/lint-imports
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest $(XDIST)
 
 # Everything except the tests that load the real SmolLM2 weights.
 test-fast: setup
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest $(XDIST) -m "not slow"
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,4 +1,44 @@
+import os
+
 import pytest
+
+# `make test` runs the suite on every core with pytest-xdist (`-n auto --dist loadgroup`).
+# - The tests that start a local Ray cluster are two groups, each run by one worker in order, so
+#   at most two clusters run at once: the whole-loop tests (Ray and DeepSpeed), and the rest.
+# - Those groups are the longest, and mostly wait on their services, so they start first.
+# - Every other test runs with the rest of its module, so a module's fixtures are built once.
+# - One worker more than the cores: about half the suite's time is spent waiting on services.
+RAY_GROUPS = ("ray-loop", "ray-serve")
+
+
+def xdist_group_of(item) -> str:
+    if item.get_closest_marker("ray"):
+        return RAY_GROUPS[0] if item.get_closest_marker("deepspeed") else RAY_GROUPS[1]
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_itemcollected(item):
+    """Each test's xdist group, as it is collected (before xdist reads the groups)."""
+    item.add_marker(pytest.mark.xdist_group(xdist_group_of(item)))
+
+
+def pytest_xdist_auto_num_workers(config):
+    return len(os.sched_getaffinity(0)) + 1
+
+
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class RayFirst(LoadGroupScheduling):
+        def _assign_work_unit(self, node):
+            for group in reversed(RAY_GROUPS):
+                if group in self.workqueue:
+                    self.workqueue.move_to_end(group, last=False)
+            super()._assign_work_unit(node)
+
+    return RayFirst(config, log)
 
 
 @pytest.fixture(scope="session")

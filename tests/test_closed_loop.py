@@ -2,10 +2,17 @@
 serve -> records -> trainer (gate at export) -> registry -> controller -> a decision on the
 trained candidate; then an injected better draft, with gate evidence against the current
 stable, is promoted, and an injected random-weights draft is gated: it never reaches a user.
-Stopping the loop is checked on its own too."""
+Stopping the loop is checked on its own too.
 
+The ops page is checked on the same loop (one loop start less in the suite): once the first
+decision is taken, its summary shows the trainer's status (from its telemetry), both consumer
+groups with their lag, the candidate and the controller's decision, and the page is
+screenshotted in that state."""
+
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +20,7 @@ import torch
 from infra.config import load_config
 from infra.registry import Registry
 
+SCREENSHOT = Path(__file__).resolve().parent.parent / "reports" / "ops" / "ops-loop.png"
 
 
 def _gate_evidence(cfg, reg, tiny, draft):
@@ -33,13 +41,55 @@ def _gate_evidence(cfg, reg, tiny, draft):
 
 def _wait(cond, timeout, what):
     deadline = time.monotonic() + timeout
-    while not cond():
+    while not (got := cond()):
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.5)
+    return got
+
+
+def _check_the_page(loop, cfg):
+    """The ops page follows the loop: the trainer, the stream's groups, the candidate and the
+    controller's decision (tests the summary, then the page in a real browser)."""
+    from serve.api.ops.page import fetch_summary
+
+    def decided():
+        s = fetch_summary(loop.url)
+        return s if s and s["header"]["last_decision"] and s["loop"]["trainers"] else None
+
+    s = _wait(decided, 60, "a trainer export and a rollout decision on the page")
+    (t,) = s["loop"]["trainers"]
+    # The first export follows 12 trained records, but the page's count is the trainer's last
+    # step report, which can trail an export by that step's records (seen: 10).
+    assert t["step"] >= 1 and t["loss"] is not None and t["records"] >= 9 and t["exports"] >= 1
+    assert t["last_checkpoint"] and t["last_export"]["version"].startswith("t-v")
+    groups = {g["group"]: g for g in s["loop"]["stream"]["groups"]}
+    assert {cfg.stream.group, cfg.rollout.group} <= set(groups)
+    assert all(g["lag"] is not None and g["lag"] >= 0 for g in groups.values())
+    assert s["loop"]["last_candidate"]["version"].startswith("t-v")
+    assert s["versions"][0]["version"] == s["header"]["stable"]  # v1, or a candidate already promoted
+    assert any(r["requests"] > 0 and r["acceptance"] is not None for r in s["versions"])
+    assert s["header"]["last_decision"]["version"].startswith("t-v")
+    _screenshot(loop.url)
+
+
+def _screenshot(url):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium"), headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(url + "/ops")  # no key on this stack: the page opens directly
+            page.wait_for_selector("#ops-trainers")
+            assert page.locator("#ops-trainers tr").count() >= 2  # header + the trainer
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SCREENSHOT), full_page=True)
+        finally:
+            browser.close()
 
 
 @pytest.mark.ray
 @pytest.mark.redis
+@pytest.mark.deepspeed
 def test_closed_loop_promotes_a_trained_candidate_and_rolls_back_a_bad_one(tiny, tmp_path):
     from pipeline.traffic.demo import post_chat
     from infra.redis.server import free_port
@@ -80,6 +130,7 @@ def test_closed_loop_promotes_a_trained_candidate_and_rolls_back_a_bad_one(tiny,
 
         _wait(lambda: final(), 240, "a rollout decision on a trained candidate")
         trained = final()[0]
+        _check_the_page(loop, cfg)
         assert trained["version"].startswith("t-v") and trained["evidence"], trained
         cand = reg.get(trained["version"])
         assert cand.lineage["records_consumed"] >= 12, cand.lineage
