@@ -54,11 +54,9 @@ def per_record(draft: Any, target: Any, records: list, max_seq_len: int,
     if family_name(draft) == "head":
         from train.distill.head import per_record_acceptance_head
 
-        feats = None
         key = tuple(draft.feature_layers)
-        if feature_cache is not None and key in feature_cache:
-            feats = feature_cache[key]
-        elif feature_cache is not None or forward is not None:
+        feats = feature_cache.get(key) if feature_cache is not None else None
+        if feats is None:
             feats = head_features(target, forward, records, key, max_seq_len)
             if feature_cache is not None:
                 feature_cache[key] = feats
