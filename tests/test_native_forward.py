@@ -104,6 +104,88 @@ def test_gemm_rows_do_not_depend_on_their_neighbours_and_variants_agree_bitwise(
     assert all(torch.equal(first, o) for o in outs.values())
 
 
+def amx_lib():
+    """The AVX-512 build where this CPU and kernel run AMX tiles, else None."""
+    if "avx512" not in VARIANTS:
+        return None
+    lib = native_build.load_variant("avx512")
+    return lib if lib.osd_set_amx(0) else None
+
+
+needs_amx = pytest.mark.skipif(amx_lib() is None, reason="no AMX-INT8 here (or the kernel refuses it)")
+
+
+@needs_amx
+@pytest.mark.parametrize("q4", [True, False])
+def test_amx_tiles_give_the_vnni_kernels_bits_at_every_row_count(q4):
+    """AMX from one row: full 16-row tiles and partial ones (reading past the last row into the
+    activations' slack) against the VNNI kernels and against each row alone."""
+    lib = amx_lib()
+    n, k = 48, 160
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(7))
+    packed = pack_q4(w) if q4 else pack_q8(w)
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(8)) * 3
+    try:
+        for m in (1, 3, 9, 15, 16, 17, 32, 37):
+            lib.osd_set_amx(0)
+            vnni = gemm(lib, packed, q4, n, k, x[:m].contiguous())
+            lib.osd_set_amx(1)
+            tiles = gemm(lib, packed, q4, n, k, x[:m].contiguous())
+            assert torch.equal(vnni, tiles), m
+        alone = torch.cat([gemm(lib, packed, q4, n, k, x[i:i + 1].contiguous()) for i in range(37)])
+        assert torch.equal(alone, tiles)
+    finally:
+        lib.osd_set_amx(0)
+
+
+@needs_amx
+def test_a_forward_on_amx_tiles_equals_the_vnni_forward_and_its_decodes():
+    lib = amx_lib()
+    model = tiny()
+    r = NativeLlamaRunner(model, 160, lib=lib)
+    tokens = torch.randint(0, 304, (60,), generator=torch.Generator().manual_seed(9))
+    try:
+        for t in (5, 9, 16, 33):
+            out = {}
+            for amx in (0, 9):
+                lib.osd_set_amx(amx)
+                out[amx] = logits(r, tokens[:11 + t], 11)
+            assert torch.equal(out[0], out[9]), t
+        lib.osd_set_amx(9)
+        cache = r.new_cache()
+        r.forward(tokens[:11], cache)
+        decodes = torch.cat([r.forward(tokens[i:i + 1], cache) for i in range(11, 44)])
+        assert torch.equal(decodes, out[9])
+    finally:
+        lib.osd_set_amx(0)
+
+
+@needs_amx
+def test_amx_tiles_survive_torchs_own_amx_kernels_on_the_same_thread():
+    """oneDNN's bfloat16 matmuls (AMX on such a CPU) load their own tile configuration and release
+    the tiles; a GEMM after one must load ours again, not die of an illegal instruction. In a
+    subprocess, so that such a death fails this test instead of the run."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from serve.model import native_build
+from serve.model.native_formats import pack_q4
+lib = native_build.load_variant("avx512")
+lib.osd_set_amx(1)
+torch.set_num_threads(1)
+w, x, y = pack_q4(torch.randn(96, 160)), torch.randn(20, 160), torch.empty(20, 96)
+a, b = torch.randn(64, 576, dtype=torch.bfloat16), torch.randn(576, 1536, dtype=torch.bfloat16)
+for _ in range(20):
+    lib.osd_gemm(w.data_ptr(), 1, 96, 160, x.data_ptr(), 20, y.data_ptr(), 2)
+    a @ b
+print("done")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "done" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
 def test_pack_q4_keeps_the_codes_and_scales_in_their_places():
     """One weight of known code per column and block, read back from the packed bytes."""
     n, k = 16, 64

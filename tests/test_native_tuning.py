@@ -81,6 +81,71 @@ def test_one_thread_measures_only_the_prefetch(clock):
     assert set(calls) == {(1, True), (1, False)} and not t.prefetch and t.small_rows == SMALL_FORWARD_ROWS
 
 
+def wide_stepper(clock, ms):
+    """ms[amx rows]: what a probe forward costs with AMX from that many rows (0: off)."""
+    calls = []
+
+    def wide(n):
+        calls.append(n)
+        clock.now += ms[n] / 1e3
+
+    return wide, calls
+
+
+@pytest.mark.parametrize("amx_ms, kept", [(11.4, native_tuning.AMX_MIN_ROWS), (13.5, 0)])
+def test_amx_tiles_are_kept_only_where_the_probe_forward_is_faster(clock, amx_ms, kept):
+    step, _ = stepper(clock, {(1, True): 11.6, (1, False): 14.1, (2, True): 5.8, (2, False): 7.6})
+    wide, calls = wide_stepper(clock, {native_tuning.AMX_MIN_ROWS: amx_ms, 0: 12.8})
+    t = tune(("amx", amx_ms), BIG, 2, step, wide)
+    assert t.amx_rows == kept
+    assert sorted(set(calls)) == [0, native_tuning.AMX_MIN_ROWS]
+    assert all(calls.count(n) == 1 + native_tuning.REPEATS for n in set(calls))
+    rows = native_tuning.AMX_PROBE_ROWS
+    assert t.ms[f"{rows} rows, AMX"] == pytest.approx(amx_ms) and t.ms[f"{rows} rows, no AMX"] == pytest.approx(12.8)
+
+
+def test_without_a_probe_amx_stays_off(clock):
+    step, _ = stepper(clock, {(1, True): 11.6, (1, False): 14.1, (2, True): 5.8, (2, False): 7.6})
+    t = tune(("no-amx",), BIG, 2, step)
+    assert t.amx_rows == 0 and not any("AMX" in k for k in t.ms)
+
+
+def test_osd_native_amx_off_rules_the_tiles_out(monkeypatch):
+    monkeypatch.setenv("OSD_NATIVE_AMX", "off")
+    assert not native_tuning.amx_allowed()
+    monkeypatch.setenv("OSD_NATIVE_AMX", "auto")
+    assert native_tuning.amx_allowed()
+
+
+def test_the_probe_of_a_real_runner_is_a_wide_forward_with_amx_from_n_rows():
+    class Lib:
+        def __init__(self):
+            self.amx = []
+
+        def osd_set_amx(self, n):
+            self.amx.append(n)
+
+    class Runner:
+        lib = Lib()
+
+        def __init__(self):
+            self.seen = []
+
+        def new_cache(self):
+            return type("Cache", (), {"length": 7})()
+
+        def forward_rows_on(self, items, threads):
+            (it,) = items
+            self.seen.append((tuple(it.tokens.shape), it.cache.length, threads))
+
+    r = Runner()
+    wide = native_tuning.measure_wide(r, 2)
+    wide(9)
+    wide(0)
+    rows = native_tuning.AMX_PROBE_ROWS
+    assert r.seen == [((rows,), 0, 2), ((rows,), 0, 2)] and r.lib.amx == [9, 0]
+
+
 def test_tiny_weights_are_not_measured(clock):
     step, calls = stepper(clock, {})
     assert tune(("f",), BIG - 1, 2, step) == Tuning()
@@ -127,7 +192,9 @@ def test_a_runner_measures_at_load_and_prefetching_never_changes_a_bit(monkeypat
     model = build_tiny_llama(seed=0, num_layers=2, max_positions=64, dtype="bfloat16", vocab_size=304,
                              hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=256)
     r = NativeLlamaRunner(model, 64)
-    assert len(r.tuning.ms) == (4 if r.threads > 1 else 2) and r.small_rows == r.tuning.small_rows
+    probed = 2 if r.lib.osd_set_amx(0) and native_tuning.amx_allowed() else 0
+    r.lib.osd_set_amx(r.tuning.amx_rows)
+    assert len(r.tuning.ms) == (4 if r.threads > 1 else 2) + probed and r.small_rows == r.tuning.small_rows
     tokens = torch.arange(1, 12)
     out = {}
     for pf in (0, 1):

@@ -29,7 +29,7 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, hidden_size=576, num_layers=30, num_heads
 # its many-row weights as serving keeps them on this CPU: float32 where bfloat16 GEMMs are
 # not native, infra/common/cpu.py), "int4-bf16wide" (int4, its many-row weights bfloat16 on any CPU),
 # and "int4-native" (the native forward, serve/model/native_runner.py, over the same weights).
-VARIANTS = ("float32", "bfloat16", "float16", "int4", "int4-bf16wide", "int4-native")
+VARIANTS = ("float32", "bfloat16", "float16", "int4", "int4-bf16wide", "int4-native", "int4-native-noamx")
 
 
 # A pause before each runner's turn, so that it starts on idle cores: the runner before it
@@ -84,6 +84,21 @@ def _model(variant: str, device: str, max_seq_len: int, real: Any, cache: dict[s
             cache[dtype] = build_tiny_llama(seed=0, max_positions=max_seq_len, dtype=dtype, **SMOLLM2_SHAPE)
         cache[dtype] = cache[dtype].to(device).eval()
     return cache[dtype]
+
+
+class AmxPinned:
+    """A native runner whose forwards use AMX tiles from `rows` rows (0: never), whatever another
+    runner set before it: the library's setting is process-wide."""
+
+    def __init__(self, runner: Any, rows: int):
+        self.runner, self.rows = runner, rows
+
+    def forward(self, tokens: Any, cache: Any) -> Any:
+        self.runner.lib.osd_set_amx(self.rows)
+        return self.runner.forward(tokens, cache)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
 
 
 class InductorRunner:
@@ -143,12 +158,13 @@ def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_to
     for v in variants:
         model = _model(v, device, max_seq_len, real, models)
         int4 = v.startswith("int4")
-        if v == "int4-native":
+        if v.startswith("int4-native"):
             from serve.model.native_runner import NativeLlamaRunner
 
             # A forward alone takes every thread at any row count, as llama-bench -t does;
             # serving keeps small ones on one thread, the other core being the ingress's.
-            runners[v] = NativeLlamaRunner(model, max_seq_len, small_rows=0)
+            native = NativeLlamaRunner(model, max_seq_len, small_rows=0)
+            runners[v] = AmxPinned(native, 0 if v == "int4-native-noamx" else native.tuning.amx_rows)
             continue
         runners[v] = LlamaRunner(model, max_seq_len, quant="int4" if int4 else "none",
                                  wide_upcast=False if v == "int4-bf16wide" else None)
@@ -163,8 +179,9 @@ def build_runners(variants: Sequence[str], device: str, max_seq_len: int, max_to
         from serve.model.native_build import load_file
         from serve.model.native_runner import NativeLlamaRunner
 
-        runners[f"int4-native@{Path(path).parent.name}"] = NativeLlamaRunner(
-            _model("int4-native", device, max_seq_len, real, models), max_seq_len, small_rows=0, lib=load_file(path))
+        native = NativeLlamaRunner(_model("int4-native", device, max_seq_len, real, models), max_seq_len,
+                                   small_rows=0, lib=load_file(path))
+        runners[f"int4-native@{Path(path).parent.name}"] = AmxPinned(native, native.tuning.amx_rows)
     if vs_llamacpp:
         if device != "cpu" or real is None:
             raise ValueError("--vs-llamacpp times llama.cpp on the target's GGUF: it needs --real on the CPU")
@@ -215,7 +232,7 @@ def run_forward_bench(*, device: str = "cpu", variants: Sequence[str] = ("float3
               "vs_t1": {name: {str(t): v / r[tokens[0]] for t, v in r.items()} for name, r in rows.items()},
               "compile_s": {name: r.compile_s for name, r in runners.items() if isinstance(r, InductorRunner)},
               "weights_gb_s": streamed, "copy_gb_s": copy_bandwidth() if streamed else None,
-              "native_tuning": {name: {"prefetch": r.tuning.prefetch, "one_row_ms": r.tuning.ms}
+              "native_tuning": {name: {"prefetch": r.tuning.prefetch, "amx_rows": getattr(r, "rows", 0), "one_row_ms": r.tuning.ms}
                                 for name, r in runners.items() if getattr(r, "tuning", None)},
               "threads": torch.get_num_threads(), "torch": torch.__version__,
               "machine": platform.processor() or platform.machine()}
@@ -240,9 +257,10 @@ def print_forward_table(result: dict[str, Any], rows: dict[str, dict[int, float]
             f"copies {result['copy_gb_s']:.1f} GB/s (a 256 MiB tensor copy, read + write)")
     for name, t in result["native_tuning"].items():
         if t["one_row_ms"]:
-            log(f"{name}: measured at load, one-row step (ms): "
+            log(f"{name}: measured at load (ms): "
                 + ", ".join(f"{way} {ms:.2f}" for way, ms in t["one_row_ms"].items())
-                + f"; it {'prefetches' if t['prefetch'] else 'does not prefetch'}")
+                + f"; it {'prefetches' if t['prefetch'] else 'does not prefetch'}"
+                + (f", AMX tiles from {t['amx_rows']} rows" if t["amx_rows"] else ", no AMX tiles"))
     for name, sec in result["compile_s"].items():
         log(f"{name}: compiling took {sec:.0f} s over {len(tokens)} token counts")
     base = rows.get("float32")
@@ -255,7 +273,7 @@ def print_forward_table(result: dict[str, Any], rows: dict[str, dict[int, float]
 
 HELP = "one target forward of T tokens by weight format, interleaved in one run (eager; on CUDA also graphs)"
 ERRORS = (ValueError,)
-VARIANT_CHOICES = ("float32", "bfloat16", "float16", "int4", "int4-bf16wide", "int4-native")
+VARIANT_CHOICES = VARIANTS
 
 
 def add_arguments(bf: argparse.ArgumentParser) -> None:
@@ -263,7 +281,8 @@ def add_arguments(bf: argparse.ArgumentParser) -> None:
     bf.add_argument("--variants", nargs="+", choices=VARIANT_CHOICES, metavar="V",
                     help="float32, bfloat16, float16, int4 (int4 weights, bfloat16 activations; CPU; many-row "
                          "weights float32 where this CPU emulates bfloat16), int4-bf16wide (many-row weights "
-                         "bfloat16 anyway) and/or int4-native (the native kernels, serve/model/); default: float32 "
+                         "bfloat16 anyway), int4-native (the native kernels, serve/model/; AMX tiles where "
+                         "measured at load to pay) and/or int4-native-noamx (the same without AMX); default: float32 "
                          "bfloat16 int4 int4-native on CPU, bfloat16 on CUDA")
     bf.add_argument("--inductor", action="store_true", help="also time each variant through torch.compile "
                     "(Inductor; a compile per token count, about a minute each on 2 cores)")

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).parent / "native"
-SOURCES = ("forward.cpp", "attention.h", "gemm.h", "ops.h", "pool.h")
+SOURCES = ("forward.cpp", "amx.h", "attention.h", "gemm.h", "ops.h", "pool.h")
 COMMON_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-pthread",
                 # Elementwise float math stays exactly as written, so every variant rounds alike.
                 "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
@@ -106,6 +106,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.osd_set_prefetch.argtypes = (ctypes.c_int32,)
     except AttributeError:  # an older build (osd bench forward --native-lib): it always prefetches as built
         lib.osd_set_prefetch = lambda on: None
+    try:
+        lib.osd_set_amx.restype = ctypes.c_int32
+        lib.osd_set_amx.argtypes = (ctypes.c_int32,)
+    except AttributeError:  # an older build: no AMX path
+        lib.osd_set_amx = lambda rows: 0
     lib.osd_gemm.restype = None
     lib.osd_gemm.argtypes = (ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
                              ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32)

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from serve.model.native_build import load
 from serve.model.native_formats import pack_q4, pack_q8
-from serve.model.native_tuning import measure_step, tune
+from serve.model.native_tuning import amx_allowed, measure_step, measure_wide, tune
 from serve.model.batch_forward import Item, reserve
 from serve.model.runner import LlamaRunner, StaticKVCache, _cached, _tensor_key, exact_scales
 
@@ -159,9 +159,11 @@ class NativeLlamaRunner(LlamaRunner):
                                float(self.head_dim ** -0.5), ctypes.addressof(layers), embed.data_ptr(),
                                f32(self.norm).data_ptr(), head.data_ptr(), cos32.data_ptr(), sin32.data_ptr())
         key = (self.weight_bytes, self.threads, id(self.lib))
-        self.tuning = tune(key, self.weight_bytes, self.threads, measure_step(self))
-        if self.tuning.ms:  # measured here: the library's setting is process-wide, defaults stay
+        wide = measure_wide(self, self.threads) if amx_allowed() and self.lib.osd_set_amx(0) else None
+        self.tuning = tune(key, self.weight_bytes, self.threads, measure_step(self), wide)
+        if self.tuning.ms:  # measured here: the library's settings are process-wide, defaults stay
             self.lib.osd_set_prefetch(int(self.tuning.prefetch))
+            self.lib.osd_set_amx(self.tuning.amx_rows)
         if self.small_rows is None:
             self.small_rows = self.tuning.small_rows
 

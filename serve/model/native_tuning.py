@@ -8,6 +8,10 @@ stream them differently:
   bandwidth per core is bound by the misses each keeps in flight), that halves the step's speed.
 - **Prefetch.** Asking for the next weight tile ahead of the hardware prefetcher made Intel's
   one-row step faster and was no better on the Zen 4 (serve/model/native/gemm.h).
+- **AMX tiles.** On a CPU with AMX-INT8 (Intel's Sapphire Rapids and later), GEMMs of
+  AMX_MIN_ROWS rows or more can take their integer dots from tile multiplies
+  (serve/model/native/amx.h), with the same bits; whether that pays is timed on a forward of
+  AMX_PROBE_ROWS rows.
 So a runner times its one-row step each way once, at load, and keeps what was faster;
 docs/benchmarks.md has both machines' figures.
 """
@@ -15,6 +19,7 @@ docs/benchmarks.md has both machines' figures.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,6 +35,10 @@ ONE_THREAD_SLACK = 1.15
 # (the tests' tiny models), and they keep the defaults.
 MEASURE_MIN_BYTES = 16 << 20
 REPEATS = 7
+# Rows from which the GEMMs use AMX tiles where that pays: below them a tile's fixed cost is
+# more than the VNNI kernels' per-row work (docs/benchmarks.md, "AMX tiles").
+AMX_MIN_ROWS = 9
+AMX_PROBE_ROWS = 16
 # Idle before measuring, so that thread pools still spinning after loading (torch's OpenMP) are
 # not charged to the step.
 SETTLE_S = 0.05
@@ -39,15 +48,30 @@ SETTLE_S = 0.05
 class Tuning:
     small_rows: int = SMALL_FORWARD_ROWS  # forwards of at most this many rows run on one thread
     prefetch: bool = True  # GEMMs of one row tile prefetch the next weight tile
-    ms: dict[str, float] = field(default_factory=dict)  # the one-row step's fastest, per way
+    amx_rows: int = 0  # GEMMs of at least this many rows use AMX tiles (0: never)
+    ms: dict[str, float] = field(default_factory=dict)  # each way's fastest forward
 
 
 Step = Callable[[int, bool], None]  # a one-row forward on n threads, prefetching or not
+Wide = Callable[[int], None]  # an AMX_PROBE_ROWS-row forward on every thread, AMX from n rows (0: off)
 
 _decided: dict[tuple, Tuning] = {}
 
 
-def tune(key: tuple, weight_bytes: int, threads: int, step: Step) -> Tuning:
+def _fastest(ways: dict[Any, Callable[[], None]]) -> dict[Any, float]:
+    """Each way's fastest of REPEATS, interleaved, after one warm call each."""
+    times: dict[Any, list[float]] = {way: [] for way in ways}
+    for run in ways.values():
+        run()
+    for _ in range(REPEATS):
+        for way, run in ways.items():
+            t0 = time.perf_counter()
+            run()
+            times[way].append(time.perf_counter() - t0)
+    return {way: min(ts) for way, ts in times.items()}
+
+
+def tune(key: tuple, weight_bytes: int, threads: int, step: Step, wide: Wide | None = None) -> Tuning:
     """The ways of running a one-row step (`step(threads, prefetch)`): prefetch where it is no
     slower on all threads; one thread for small forwards where it is within ONE_THREAD_SLACK of
     all of them. Each way's fastest of REPEATS, interleaved, after one warm step each (a replica
@@ -57,29 +81,32 @@ def tune(key: tuple, weight_bytes: int, threads: int, step: Step) -> Tuning:
         return Tuning()
     if key in _decided:
         return _decided[key]
-    ways = {(threads, True): [], (threads, False): []}
-    if threads > 1:
-        ways.update({(1, True): [], (1, False): []})
+    ways = [(threads, True), (threads, False)] + ([(1, True), (1, False)] if threads > 1 else [])
     time.sleep(SETTLE_S)
-    for n, pf in ways:
-        step(n, pf)
-    for _ in range(REPEATS):
-        for (n, pf), ts in ways.items():
-            t0 = time.perf_counter()
-            step(n, pf)
-            ts.append(time.perf_counter() - t0)
-    fastest = {way: min(ts) for way, ts in ways.items()}
+    fastest = _fastest({(n, pf): (lambda n=n, pf=pf: step(n, pf)) for n, pf in ways})
     prefetch = fastest[(threads, True)] <= fastest[(threads, False)]
     small = SMALL_FORWARD_ROWS
     if threads > 1 and fastest[(1, prefetch)] > ONE_THREAD_SLACK * fastest[(threads, prefetch)]:
         small = 0
-    out = Tuning(small, prefetch, {f"{n} thread{'s' * (n > 1)}{'' if pf else ', no prefetch'}": 1e3 * t
-                                   for (n, pf), t in fastest.items()})
+    ms = {f"{n} thread{'s' * (n > 1)}{'' if pf else ', no prefetch'}": 1e3 * t for (n, pf), t in fastest.items()}
+    amx = 0
+    if wide is not None:
+        step(threads, prefetch)  # the library keeps the last setting: the chosen one
+        probe = _fastest({AMX_MIN_ROWS: lambda: wide(AMX_MIN_ROWS), 0: lambda: wide(0)})
+        amx = AMX_MIN_ROWS if probe[AMX_MIN_ROWS] < probe[0] else 0
+        ms.update({f"{AMX_PROBE_ROWS} rows, AMX": 1e3 * probe[AMX_MIN_ROWS], f"{AMX_PROBE_ROWS} rows, no AMX": 1e3 * probe[0]})
+    out = Tuning(small, prefetch, amx, ms)
     rule = f"forwards of up to {small} rows on one thread" if small else f"every forward on {threads} threads"
-    log.info("native forward: one-row step %s ms: %s, %s", ", ".join(f"{k} {v:.2f}" for k, v in out.ms.items()),
-             rule, "prefetching" if prefetch else "no prefetch")
+    log.info("native forward: %s ms: %s, %s%s", ", ".join(f"{k} {v:.2f}" for k, v in out.ms.items()),
+             rule, "prefetching" if prefetch else "no prefetch",
+             f", AMX from {amx} rows" if amx else (", no AMX" if wide is not None else ""))
     _decided[key] = out
     return out
+
+
+def amx_allowed() -> bool:
+    """OSD_NATIVE_AMX=off keeps the GEMMs off AMX tiles (to time or rule them out)."""
+    return os.environ.get("OSD_NATIVE_AMX", "auto") != "off"
 
 
 def measure_step(runner: Any) -> Step:
@@ -97,3 +124,20 @@ def measure_step(runner: Any) -> Step:
         runner.forward_rows_on([Item(token, cache)], threads=n)
 
     return step
+
+
+def measure_wide(runner: Any, threads: int) -> Wide:
+    """An AMX_PROBE_ROWS-row forward of `runner` on `threads`, AMX tiles from n rows."""
+    import torch
+
+    from serve.model.batch_forward import Item
+
+    cache = runner.new_cache()
+    tokens = torch.zeros(AMX_PROBE_ROWS, dtype=torch.long)
+
+    def wide(n: int) -> None:
+        runner.lib.osd_set_amx(n)
+        cache.length = 0
+        runner.forward_rows_on([Item(tokens, cache)], threads=threads)
+
+    return wide

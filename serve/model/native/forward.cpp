@@ -71,7 +71,7 @@ struct Quantized {  // activations of M rows, quantized for the next GEMM
   std::vector<int8_t> q;
   std::vector<float> d, s;
   void resize(int m, int k) {
-    q.resize(static_cast<size_t>(m) * k);
+    q.resize(static_cast<size_t>(m + kRowSlack) * k);  // an AMX tile reads 16 rows from any row
     d.resize(static_cast<size_t>(m) * k / kBlock);
     s.resize(static_cast<size_t>(m) * k / kBlock);
   }
@@ -94,6 +94,13 @@ Work& work() {
 std::mutex& forward_lock() {
   static std::mutex* m = new std::mutex();
   return *m;
+}
+
+// A library call begins: tile configurations are loaded again (amx.h amx_epoch).
+void new_call() {
+#ifdef OSD_AMX
+  amx_epoch().fetch_add(1, std::memory_order_relaxed);
+#endif
 }
 
 template <class F>
@@ -245,10 +252,23 @@ int osd_isa(void) { return osd::kIsa; }
 // Whether GEMMs of one row tile prefetch the next weight tile (process-wide; on by default).
 void osd_set_prefetch(int32_t on) { osd::prefetch_small().store(on != 0); }
 
+// AMX row tiles for calls of at least `rows` rows (0: never); returns whether AMX runs here.
+int32_t osd_set_amx(int32_t rows) {
+#ifdef OSD_AMX
+  const bool ok = osd::amx_supported();
+  osd::amx_min_rows().store(ok && rows > 0 ? rows : 0);
+  return ok ? 1 : 0;
+#else
+  (void)rows;
+  return 0;
+#endif
+}
+
 // Quantize x [M, K] and multiply by a packed weight [N, K]: y [M, N] (tests and benches).
 void osd_gemm(const uint8_t* w, int32_t q4, int32_t n, int32_t k, const float* x, int32_t m, float* y,
               int32_t threads) {
   std::lock_guard<std::mutex> hold(osd::forward_lock());
+  osd::new_call();
   osd::Quantized qa;
   osd::quantize_rows(x, m, k, k, qa, 1);
   if (q4) osd::gemm<true>(w, n, k, qa.act(k), m, y, n, false, threads);
@@ -260,6 +280,7 @@ int32_t osd_forward(const OsdModel* md, const OsdBatch* bt) {
   using namespace osd;
   if (const int err = check(*md, *bt)) return err;
   std::lock_guard<std::mutex> hold(forward_lock());
+  new_call();
   Pool::Hot hot;
   Work& wk = work();
   const int m = bt->n_rows, d = md->hidden, threads = std::max(bt->n_threads, 1);

@@ -12,7 +12,8 @@
 //
 // Every path computes each block's integer dot exactly and then the same float operations in
 // the same order, so a row's result does not depend on the other rows in the call, nor on
-// the instruction set: AVX-512, AVX2 and the scalar code give identical bits.
+// the instruction set: AVX-512, AVX2 and the scalar code give identical bits, and so do the
+// AMX tiles (amx.h) that the AVX-512 build uses for calls of amx_min_rows() rows or more.
 #pragma once
 
 #include <atomic>
@@ -30,9 +31,10 @@ constexpr int kBlock = 32;
 constexpr int kTile = 16;
 constexpr int kQ4Bytes = 320;
 constexpr int kQ8Bytes = 576;
+constexpr int kRowSlack = 15;  // rows readable past an activation's last (amx.h)
 
 struct Act {  // M quantized rows of K inputs
-  const int8_t* q;  // [M, K]
+  const int8_t* q;  // [M + kRowSlack, K]
   const float* d;   // [M, K / 32]
   const float* s;   // [M, K / 32]
   int k;
@@ -254,6 +256,10 @@ inline void q8_tile(const uint8_t* w, int blocks, const Act& a, int r0, float* y
   for (int r = 0; r < R; ++r) store16(y + static_cast<int64_t>(r0 + r) * ldy, acc[r], add);
 }
 
+}  // namespace osd
+#include "amx.h"
+namespace osd {
+
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kIsa = 1;
 constexpr int kRowTile = 4;
@@ -396,14 +402,28 @@ inline void gemm_tiles(const uint8_t* w, int k, const Act& a, int m, float* y, i
   const int blocks = k / kBlock;
   const int64_t tile_bytes = static_cast<int64_t>(blocks) * (Q4 ? kQ4Bytes : kQ8Bytes);
   const bool pf = m > kRowTile || prefetch_small().load(std::memory_order_relaxed);
+#ifdef OSD_AMX
+  const int amx_from = amx_min_rows().load(std::memory_order_relaxed);
+  const bool amx = amx_from > 0 && m >= amx_from;
+  if (amx) amx_configure();
+#endif
   for (int t = t0; t < t1; ++t) {
     const uint8_t* wt = w + t * tile_bytes;
+    // The last row tile asks for the next weight tile, so that the next first pass finds it
+    // in cache instead of waiting on memory with the multipliers idle.
+    const uint8_t* ahead = pf && t + 1 < t1 ? wt + tile_bytes : nullptr;
+#ifdef OSD_AMX
+    if (amx) {
+      for (int r0 = 0; r0 < m; r0 += kAmxRows) {
+        const int rows = m - r0 < kAmxRows ? m - r0 : kAmxRows;
+        amx_rows<kAmxRows, Q4>(wt, blocks, a, r0, rows, y + t * kTile, ldy, add, r0 + kAmxRows >= m ? ahead : nullptr);
+      }
+      continue;
+    }
+#endif
     for (int r0 = 0; r0 < m; r0 += kRowTile) {
       const int rows = m - r0 < kRowTile ? m - r0 : kRowTile;
-      // The last row tile asks for the next weight tile, so that the next first pass finds it
-      // in cache instead of waiting on memory with the multipliers idle.
-      const uint8_t* next = pf && r0 + kRowTile >= m && t + 1 < t1 ? wt + tile_bytes : nullptr;
-      tile_rows<kRowTile, Q4>(wt, blocks, a, r0, rows, y + t * kTile, ldy, add, next);
+      tile_rows<kRowTile, Q4>(wt, blocks, a, r0, rows, y + t * kTile, ldy, add, r0 + kRowTile >= m ? ahead : nullptr);
     }
   }
 }
