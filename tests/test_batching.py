@@ -338,3 +338,19 @@ def test_a_steps_capture_topk_is_computed_once_and_equals_each_requests_own():
     assert _capture_topk(batch[:3][::2], logits[:3][::2]) == [None, None]
     other = [SimpleNamespace(capture=SimpleNamespace(top_k=3))] + batch[1:]
     assert _capture_topk(other, logits) == [None] * 4
+
+
+def test_prompt_rows_in_a_step_do_not_make_draft_rows_look_cheap():
+    """A step with a 128-row prompt chunk beside 16 decoding sequences: counted as nothing,
+    the chunk's cost dilutes the step's rate and a draft at acceptance 0.5 looks worth its
+    rows; valued as the tokens their compute stands for, the step drafts as it would without
+    the chunk or less."""
+    v = _profile(0.6, n=256)
+    alphas, caps, draft_s = [0.5] * 16, [4] * 16, [0.0002] * 16
+    base = 16 + 128
+    blind = sum(plan_batch(v, base, alphas, caps, draft_s, 0.0))
+    valued = sum(plan_batch(v, base, alphas, caps, draft_s, 0.0, prompt_rows=128))
+    alone = sum(plan_batch(v, 16, alphas, caps, draft_s, 0.0))
+    assert blind > 0 and valued <= alone < blind
+    # A free draft worth nearly a whole row still rides beside the chunk.
+    assert sum(plan_batch(v, base, [0.99] * 16, caps, [0.0] * 16, 0.0, prompt_rows=128)) > 0

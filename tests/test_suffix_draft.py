@@ -294,3 +294,64 @@ def test_a_replica_with_the_suffix_draft_starts_from_the_streams_records(redis_u
         assert rep.router.routing.stable_runner.proposer.global_index.n_tokens == 0
     finally:
         rep.__del__()
+
+
+class _Seq:
+    """Just what SuffixDraft reads of a request."""
+
+    def __init__(self, tokens):
+        from types import SimpleNamespace
+
+        self.tokens = list(tokens)
+        self.device = torch.device("cpu")
+        self.draft_state = {}
+        self.step_source = "suffix"
+        self.params = SimpleNamespace(origin=SimpleNamespace(pool=None), capture=False)
+
+
+def _lookups(draft, seq, steps, seqs):
+    """Which of `steps` steps looked the index up, for a request in a step of `seqs` requests."""
+    from serve.spec_decode.protocol import StepContext
+
+    ctx = StepContext(0.0, 4, lambda s: 8, None, rows=seqs, seqs=seqs)
+    asked = []
+    for step in range(steps):
+        before = draft.asked
+        got = draft.propose([seq], [0], ctx)[0]
+        asked.append(draft.asked > before)
+        draft.commit(seq, len(seq.tokens), 0, got.tokens.numel(), None)  # nothing accepted
+        seq.tokens.append(1000 + step)  # text the index has never seen: no match ahead
+    return [i for i, a in enumerate(asked) if a]
+
+
+def test_a_request_in_a_batch_backs_off_lookups_that_find_nothing_and_alone_never_does():
+    draft = SuffixDraft(2048)
+    alone = _Seq(range(40))
+    assert _lookups(draft, alone, 12, seqs=1) == list(range(12))
+    crowded = _Seq(range(40))
+    # Waits of 1, 3, 7, then 15 steps between lookups, capped by the 15 other requests.
+    assert _lookups(draft, crowded, 64, seqs=16) == [0, 2, 6, 14, 30, 46, 62]
+    capped = _Seq(range(40))
+    assert _lookups(draft, capped, 20, seqs=4) == [0, 2, 6, 10, 14, 18]
+
+
+def test_an_accepted_chain_brings_the_lookups_back_to_every_step():
+    from serve.spec_decode.protocol import StepContext
+
+    draft = SuffixDraft(2048)
+    motif = [5, 6, 7, 8, 9, 10, 11, 12]
+    seq = _Seq(motif * 3 + [99, 98])
+    ctx = StepContext(0.0, 4, lambda s: 8, None, rows=8, seqs=8)
+    st_misses = lambda: seq.draft_state["suffix"].misses  # noqa: E731
+    draft.propose([seq], [0], ctx)
+    seq.draft_state["suffix"].misses = 3  # as after three empty lookups
+    seq.tokens += motif[:2]  # the motif again: the request's own index has its continuation
+    for _ in range(8):  # wait out the back-off (7 steps) to the next lookup
+        got = draft.propose([seq], [0], ctx)[0]
+        if got.tokens.numel():
+            break
+    assert got.tokens.numel() > 0
+    draft.commit(seq, len(seq.tokens), 1, got.tokens.numel(), None)
+    assert st_misses() == 0
+    seq.tokens += got.tokens[:1].tolist() + [motif[3]]
+    assert draft.propose([seq], [0], ctx)[0].tokens.numel() > 0  # looked up at once

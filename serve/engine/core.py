@@ -419,7 +419,7 @@ class SpecEngine:
         limits = [self._limit(s) for s in seqs]
         if not any(s.length is not None for s in seqs):
             return [0] * len(seqs)
-        return self.lengths().plan([s.length for s in seqs], limits, len(seqs) + prefill_rows)
+        return self.lengths().plan([s.length for s in seqs], limits, len(seqs) + prefill_rows, prefill_rows)
 
     def observe_forward(self, sequences: int, rows: int, seconds: float) -> None:
         """A batched step's target forward, for the policy's costs (once it exists)."""

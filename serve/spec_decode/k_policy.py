@@ -90,14 +90,18 @@ def chain_cut(verify_s: Sequence[float], step_s: float, base_rows: int, others: 
 
 
 def plan_batch(verify_s: Sequence[float], base_rows: int, alphas: Sequence[float], limits: Sequence[int],
-               draft_s: Sequence[float], step_s: float) -> list[int]:
+               draft_s: Sequence[float], step_s: float, prompt_rows: int = 0) -> list[int]:
     """Draft lengths for the sequences of one batched step: the allocation with the most
     expected tokens per second over the whole batch,
 
-        sum_i E(alpha_i, k_i) / (C(base_rows + sum_i k_i) + sum_i k_i * draft_s[i] + step_s),
+        (P + sum_i E(alpha_i, k_i)) / (C(base_rows + sum_i k_i) + sum_i k_i * draft_s[i] + step_s),
 
-    where C is the forward's cost by its row count (verify_s[r - 1], read as rows_cost does)
-    and base_rows the rows the step runs anyway (one per decoding sequence, prompt chunks).
+    where C is the forward's cost by its row count (verify_s[r - 1], read as rows_cost does),
+    base_rows the rows the step runs anyway (one per decoding sequence, prompt chunks) and P
+    the step's prompt rows, each worth the token a decode row would have made of the same
+    compute. Counted as nothing, a step's prompt rows made every draft row look cheap (the
+    step's rate was low anyway), so a loaded replica drafted deep beside each prompt chunk,
+    slowing the prompts behind it for tokens that cost more rows than they saved.
     Draft position j of sequence i adds alpha_i^j expected tokens, so the best allocation with
     a given number of draft tokens takes the positions of largest alpha_i^j; the rule tries
     every such prefix, including none (plain decoding at the same load), and keeps the best.
@@ -106,7 +110,7 @@ def plan_batch(verify_s: Sequence[float], base_rows: int, alphas: Sequence[float
     ks = [0] * len(alphas)
     gains = sorted(((alphas[i] ** j, i) for i in range(len(alphas)) for j in range(1, limits[i] + 1)
                     if alphas[i] > 0), key=lambda g: -g[0])
-    tokens = float(len(alphas))
+    tokens = float(len(alphas) + prompt_rows)
     extra = 0.0
     best_rate = tokens / (rows_cost(verify_s, max(base_rows, 1)) + step_s)
     best_n = 0
@@ -215,10 +219,12 @@ class LengthPolicy(Protocol):
     def start(self, draft_key: object, min_draft: int = 0) -> RequestLength:
         """A new request's state, drafting with the draft `draft_key` names."""
 
-    def plan(self, requests: Sequence[RequestLength | None], limits: Sequence[int], base_rows: int) -> list[int]:
+    def plan(self, requests: Sequence[RequestLength | None], limits: Sequence[int], base_rows: int,
+             prompt_rows: int = 0) -> list[int]:
         """Every request's draft length for one step, each at most its limit (budget and
         context). None: a request without a draft, which decodes (0). base_rows: the
-        step's rows besides drafts (a row a request, prompt chunks)."""
+        step's rows besides drafts (a row a request, prompt chunks), of which prompt_rows
+        are prompt chunks'."""
 
     def observe_forward(self, sequences: int, rows: int, seconds: float) -> None:
         """A target forward's measured cost."""
@@ -263,7 +269,8 @@ class FixedLength:
     def start(self, draft_key: object, min_draft: int = 0) -> RequestLength:
         return FixedRequest(self.k_max, min_draft)
 
-    def plan(self, requests: Sequence[RequestLength | None], limits: Sequence[int], base_rows: int) -> list[int]:
+    def plan(self, requests: Sequence[RequestLength | None], limits: Sequence[int], base_rows: int,
+             prompt_rows: int = 0) -> list[int]:
         return [with_min_draft(r, min(r.k, lim), lim, self.k_max) if r is not None else 0  # type: ignore[attr-defined]
                 for r, lim in zip(requests, limits)]
 
@@ -289,7 +296,8 @@ class KPolicy:
         self.by_draft: dict[object, Acceptance] = {}
         self.idle_limit: dict[object, int] = {}  # per draft: the probe back-off, carried across requests
 
-    def plan(self, requests: Sequence["RequestK | None"], limits: Sequence[int], base_rows: int) -> list[int]:
+    def plan(self, requests: Sequence["RequestK | None"], limits: Sequence[int], base_rows: int,
+             prompt_rows: int = 0) -> list[int]:
         """Draft lengths for one step: a request alone by its own rule (RequestK.choose), a
         batch by plan_batch; then each request's probe rule (RequestK.settle) and minimum."""
         if len(requests) == 1 and base_rows == 1 and requests[0] is not None:
@@ -299,7 +307,7 @@ class KPolicy:
         draft_s = [c.draft_cost(r.draft_key) if r is not None else 0.0 for r in requests]
         caps = [min(self.k_max, lim) if r is not None else 0 for r, lim in zip(requests, limits)]
         profile = c.verify_s if len(requests) == 1 else c.batch_profile()
-        ks = plan_batch(profile, base_rows, alphas, caps, draft_s, c.step_s * len(requests))
+        ks = plan_batch(profile, base_rows, alphas, caps, draft_s, c.step_s * len(requests), prompt_rows)
         return [with_min_draft(r, r.settle(k, lim), lim, self.k_max) if r is not None else 0
                 for r, k, lim in zip(requests, ks, limits)]
 
