@@ -117,28 +117,36 @@ def test_osd_native_amx_off_rules_the_tiles_out(monkeypatch):
     assert native_tuning.amx_allowed()
 
 
+class FakeLib:
+    """Records each setting a measurement makes."""
+
+    def __init__(self):
+        self.prefetch, self.amx = [], []
+
+    def osd_set_prefetch(self, on):
+        self.prefetch.append(on)
+
+    def osd_set_amx(self, n):
+        self.amx.append(n)
+
+
+class FakeRunner:
+    """Records each forward a measurement runs: (its tokens' shape, the cache's start, threads)."""
+
+    def __init__(self):
+        self.lib = FakeLib()
+        self.seen = []
+
+    def new_cache(self):
+        return type("Cache", (), {"length": 7})()
+
+    def forward_rows_on(self, items, threads):
+        (it,) = items
+        self.seen.append((tuple(it.tokens.shape), it.cache.length, threads))
+
+
 def test_the_probe_of_a_real_runner_is_a_wide_forward_with_amx_from_n_rows():
-    class Lib:
-        def __init__(self):
-            self.amx = []
-
-        def osd_set_amx(self, n):
-            self.amx.append(n)
-
-    class Runner:
-        lib = Lib()
-
-        def __init__(self):
-            self.seen = []
-
-        def new_cache(self):
-            return type("Cache", (), {"length": 7})()
-
-        def forward_rows_on(self, items, threads):
-            (it,) = items
-            self.seen.append((tuple(it.tokens.shape), it.cache.length, threads))
-
-    r = Runner()
+    r = FakeRunner()
     wide = native_tuning.measure_wide(r, 2)
     wide(9)
     wide(0)
@@ -153,27 +161,7 @@ def test_tiny_weights_are_not_measured(clock):
 
 
 def test_the_step_of_a_real_runner_is_a_one_row_forward_on_n_threads():
-    class Lib:
-        def __init__(self):
-            self.prefetch = []
-
-        def osd_set_prefetch(self, on):
-            self.prefetch.append(on)
-
-    class Runner:
-        lib = Lib()
-
-        def __init__(self):
-            self.seen = []
-
-        def new_cache(self):
-            return type("Cache", (), {"length": 7})()
-
-        def forward_rows_on(self, items, threads):
-            (it,) = items
-            self.seen.append((tuple(it.tokens.shape), it.cache.length, threads))
-
-    r = Runner()
+    r = FakeRunner()
     step = native_tuning.measure_step(r)
     step(2, True)
     step(1, False)
