@@ -405,7 +405,7 @@ class TargetReplica:
         tuning = getattr(self.engine.target, "tuning", None)
         if tuning is not None:  # the native forward's ways, as measured at load (native_tuning.py)
             out["native"] = {"small_rows": self.engine.target.small_rows, "prefetch": tuning.prefetch,
-                             "one_row_ms": tuning.ms}
+                             "amx_rows": tuning.amx_rows, "one_row_ms": tuning.ms}
         suffix = suffix_of(self.router.routing.stable_runner)
         if suffix is not None:  # the suffix index: its size and how often it proposes
             out["suffix"] = suffix.stats()
