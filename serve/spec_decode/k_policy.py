@@ -99,9 +99,8 @@ def plan_batch(verify_s: Sequence[float], base_rows: int, alphas: Sequence[float
     where C is the forward's cost by its row count (verify_s[r - 1], read as rows_cost does),
     base_rows the rows the step runs anyway (one per decoding sequence, prompt chunks) and P
     the step's prompt rows, each worth the token a decode row would have made of the same
-    compute. Counted as nothing, a step's prompt rows made every draft row look cheap (the
-    step's rate was low anyway), so a loaded replica drafted deep beside each prompt chunk,
-    slowing the prompts behind it for tokens that cost more rows than they saved.
+    compute. Counted as nothing, a step's prompt rows made any draft row look cheap, since
+    the step's rate was low anyway (tests/test_batching.py has the case).
     Draft position j of sequence i adds alpha_i^j expected tokens, so the best allocation with
     a given number of draft tokens takes the positions of largest alpha_i^j; the rule tries
     every such prefix, including none (plain decoding at the same load), and keeps the best.
