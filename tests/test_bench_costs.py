@@ -27,6 +27,22 @@ def test_forward_bench_times_every_variant_and_token_count(tmp_path):
         assert r["vs_t1"][name]["1"] == 1.0
 
 
+def test_forward_bench_times_cells_back_to_back_on_request(tmp_path, monkeypatch):
+    from pipeline.bench import forward
+
+    model = build_tiny_llama(seed=0, hidden_size=64, intermediate_size=128, max_positions=128)
+    bursts = []
+    real_cell = forward._cell
+    monkeypatch.setattr(forward, "_cell", lambda *a: bursts.append(a[-1]) or real_cell(*a))
+    r = run_forward_bench(variants=("float32",), tokens=(1, 3), context=16, repeats=2, max_seq_len=128,
+                          real=model, burst=4, log=lambda s: None)
+    assert r["burst"] == 4 and all(v > 0 for v in r["ms"]["float32"].values())
+    assert bursts == [1] * 6 + [4] * 4  # 3 warm-up rounds of one forward, then the timed rounds
+    with pytest.raises(ValueError, match="burst"):
+        run_forward_bench(variants=("float32",), tokens=(1,), context=16, repeats=1, max_seq_len=128,
+                          real=model, burst=0, log=lambda s: None)
+
+
 def test_forward_bench_refuses_unknown_or_misplaced_variants():
     with pytest.raises(ValueError, match="unknown variant"):
         build_runners(["int3"], "cpu", 64, 3)

@@ -56,6 +56,17 @@ def _timer(device: torch.device) -> Callable[[Callable[[], Any]], float]:
     return once
 
 
+def _cell(once: Callable[[Callable[[], Any]], float], forward: Callable[[], Any], reset: Callable[[], None],
+          burst: int) -> float:
+    """One cell's time in ms: the median of `burst` timed forwards back to back, each over the
+    same cache (reset after each)."""
+    times = []
+    for _ in range(burst):
+        times.append(once(forward))
+        reset()
+    return statistics.median(times)
+
+
 def copy_bandwidth(mib: int = 256, repeats: int = 5) -> float:
     """GB/s moved by copying a tensor far larger than the caches (bytes read plus written), best of `repeats`."""
     import torch
@@ -196,9 +207,14 @@ def run_forward_bench(*, device: str = "cpu", variants: Sequence[str] = ("float3
                       tokens: tuple[int, ...] = (1, 2, 3, 5, 9, 17, 33), context: int = 256,
                       max_seq_len: int = 2048, repeats: int = 30, real: Any = None, inductor: bool = False,
                       vs_llamacpp: bool = False, native_libs: Sequence[str] = (), json_path: str | None = None,
-                      log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
+                      burst: int = 1, log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
     """Times every (runner, T) in one run, interleaved per repeat; `real`: the target model to
-    time instead of a random one of its shape."""
+    time instead of a random one of its shape. A cell is one forward after a pause and an
+    untimed one (burst 1), or the median of `burst` forwards back to back, as a busy replica
+    runs them: on some machines a lone forward after a pause runs far slower than its steady
+    state (docs/benchmarks.md, "AMX tiles")."""
+    if burst < 1:
+        raise ValueError(f"burst must be at least 1, got {burst}")
     import torch
 
     dev = torch.device(device)
@@ -219,14 +235,14 @@ def run_forward_bench(*, device: str = "cpu", variants: Sequence[str] = ("float3
                 time.sleep(SETTLE_S)
                 runner.forward(blocks[t], cache)
                 cache.truncate(context)
-                ms = once(lambda: runner.forward(blocks[t], cache))
-                cache.truncate(context)
+                ms = _cell(once, lambda: runner.forward(blocks[t], cache), lambda: cache.truncate(context),
+                           burst if rep >= 3 else 1)
                 if rep >= 3:
                     times[name][t].append(ms)
     rows = {name: {t: statistics.median(v) for t, v in r.items()} for name, r in times.items()}
     streamed = {name: r.weight_bytes / rows[name][tokens[0]] / 1e6 for name, r in runners.items()
                 if getattr(r, "weight_bytes", None) and device == "cpu"}
-    result = {"device": device, "variants": list(variants), "context": context, "repeats": repeats,
+    result = {"device": device, "variants": list(variants), "context": context, "repeats": repeats, "burst": burst,
               "weights": "real" if real is not None else "random (SmolLM2-135M shape)",
               "ms": {name: {str(t): v for t, v in r.items()} for name, r in rows.items()},
               "vs_t1": {name: {str(t): v / r[tokens[0]] for t, v in r.items()} for name, r in rows.items()},
@@ -246,8 +262,10 @@ def run_forward_bench(*, device: str = "cpu", variants: Sequence[str] = ("float3
 
 def print_forward_table(result: dict[str, Any], rows: dict[str, dict[int, float]], tokens: Sequence[int],
                         log: Callable[[str], None]) -> None:
+    cell = (f"each the median of {result['burst']} back to back" if result.get("burst", 1) > 1
+            else "each one forward after a pause")
     log(f"== osd bench forward: {result['weights']}, {result['device']}, context {result['context']}, "
-        f"median of {result['repeats']}, {result['threads']} threads; ms per forward (x: vs T=1)")
+        f"median of {result['repeats']} ({cell}), {result['threads']} threads; ms per forward (x: vs T=1)")
     table = [[t] + [f"{r[t]:.2f} ms {r[t] / r[tokens[0]]:5.2f}x" for r in rows.values()] for t in tokens]
     for line in tabulate(table, headers=["T", *rows], disable_numparse=True,
                          colalign=("right",) * (len(rows) + 1)).splitlines():
@@ -296,6 +314,9 @@ def add_arguments(bf: argparse.ArgumentParser) -> None:
     bf.add_argument("--tokens", default="1,2,3,5,9,17,33", help="comma-separated token counts T")
     bf.add_argument("--context", type=int, default=256, help="tokens already in the cache")
     bf.add_argument("--repeats", type=int, default=30)
+    bf.add_argument("--burst", type=int, default=1, metavar="N",
+                    help="time N forwards back to back per cell and take their median, as a busy replica runs "
+                         "them (default 1: one forward after a pause)")
     bf.add_argument("--json", metavar="PATH", default="reports/bench/forward.json")
 
 
@@ -315,5 +336,5 @@ def run(cfg: Any, args: argparse.Namespace) -> int:
         real = load_target(cfg.model.target, cfg.model.for_training(), progress=True).model
     run_forward_bench(device=args.device, variants=variants, tokens=tokens, context=args.context,
                       repeats=args.repeats, real=real, inductor=args.inductor, vs_llamacpp=args.vs_llamacpp,
-                      native_libs=args.native_lib, json_path=args.json)
+                      native_libs=args.native_lib, json_path=args.json, burst=args.burst)
     return 0
