@@ -93,27 +93,19 @@ inline void q4_unpack(const uint8_t* blk, uint8_t* out) {
   }
 }
 
-// The VNNI kernels' float pass for one block of 16 rows, from the stored integer dots.
+// The VNNI kernels' float pass (gemm.h q4_block, q8_block) for one block of R rows, from the
+// stored integer dots.
 template <bool Q4, int R>
 inline void amx_scale(const int32_t* dots, const uint8_t* blk, const Act& a, int r0, int b, __m512* acc) {
   const int kb = a.k / kBlock;
   const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + (Q4 ? 256 : 512))));
-  if constexpr (Q4) {
-    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)));
+  const __m512 mw = Q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 288)))
+                       : _mm512_setzero_ps();
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const int64_t ab = static_cast<int64_t>(r0 + r) * kb + b;
-      const __m512 prod = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[ab]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots + 16 * r)), prod, acc[r]);
-      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[ab]), acc[r]);
-    }
-  } else {
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const int64_t ab = static_cast<int64_t>(r0 + r) * kb + b;
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(dots + 16 * r)),
-                               _mm512_mul_ps(dw, _mm512_set1_ps(a.d[ab])), acc[r]);
-    }
+  for (int r = 0; r < R; ++r) {
+    const int64_t ab = static_cast<int64_t>(r0 + r) * kb + b;
+    const __m512i d = _mm512_load_si512(dots + 16 * r);
+    acc[r] = Q4 ? q4_block(acc[r], d, dw, mw, a.d[ab], a.s[ab]) : q8_block(acc[r], d, dw, a.d[ab]);
   }
 }
 

@@ -177,6 +177,18 @@ inline void store16(float* out, __m512 acc, bool add) {
   _mm512_storeu_ps(out, acc);
 }
 
+// One row's float pass over one block's exact integer dots (16 columns): the VNNI kernels and
+// the AMX tiles (amx.h) both call these, so either path gives a row the same bits.
+inline __m512 q4_block(__m512 acc, __m512i dots, __m512 dw, __m512 mw, float da, float sa) {
+  const __m512 prod = _mm512_mul_ps(dw, _mm512_set1_ps(da));
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), prod, acc);
+  return _mm512_fmadd_ps(mw, _mm512_set1_ps(sa), acc);
+}
+
+inline __m512 q8_block(__m512 acc, __m512i dots, __m512 dw, float da) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(dw, _mm512_set1_ps(da)), acc);
+}
+
 // Rows innermost: R independent dpbusd chains, and each block's codes unpacked once for R rows.
 template <int R>
 inline void q4_tile(const uint8_t* w, int blocks, const Act& a, int r0, float* y, int ldy, bool add,
@@ -209,9 +221,7 @@ inline void q4_tile(const uint8_t* w, int blocks, const Act& a, int r0, float* y
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int64_t ab = static_cast<int64_t>(r0 + r) * kb + b;
-      const __m512 prod = _mm512_mul_ps(dw, _mm512_set1_ps(a.d[ab]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[r]), prod, acc[r]);
-      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a.s[ab]), acc[r]);
+      acc[r] = q4_block(acc[r], is[r], dw, mw, a.d[ab], a.s[ab]);
     }
   }
 #pragma GCC unroll 16
@@ -248,8 +258,7 @@ inline void q8_tile(const uint8_t* w, int blocks, const Act& a, int r0, float* y
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const int64_t ab = static_cast<int64_t>(r0 + r) * kb + b;
-      const __m512i exact = _mm512_sub_epi32(is[r], corr);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_mul_ps(dw, _mm512_set1_ps(a.d[ab])), acc[r]);
+      acc[r] = q8_block(acc[r], _mm512_sub_epi32(is[r], corr), dw, a.d[ab]);
     }
   }
 #pragma GCC unroll 16
