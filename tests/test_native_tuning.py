@@ -85,7 +85,8 @@ def wide_stepper(clock, ms):
     """ms[amx rows]: what a probe forward costs with AMX from that many rows (0: off)."""
     calls = []
 
-    def wide(n):
+    def wide(n, prefetch):
+        assert prefetch  # the probe runs with the prefetch setting just chosen
         calls.append(n)
         clock.now += ms[n] / 1e3
 
@@ -148,10 +149,10 @@ class FakeRunner:
 def test_the_probe_of_a_real_runner_is_a_wide_forward_with_amx_from_n_rows():
     r = FakeRunner()
     wide = native_tuning.measure_wide(r, 2)
-    wide(9)
-    wide(0)
+    wide(9, True)
+    wide(0, False)
     rows = native_tuning.AMX_PROBE_ROWS
-    assert r.seen == [((rows,), 0, 2), ((rows,), 0, 2)] and r.lib.amx == [9, 0]
+    assert r.seen == [((rows,), 0, 2), ((rows,), 0, 2)] and r.lib.amx == [9, 0] and r.lib.prefetch == [1, 0]
 
 
 def test_tiny_weights_are_not_measured(clock):

@@ -53,7 +53,8 @@ class Tuning:
 
 
 Step = Callable[[int, bool], None]  # a one-row forward on n threads, prefetching or not
-Wide = Callable[[int], None]  # an AMX_PROBE_ROWS-row forward on every thread, AMX from n rows (0: off)
+# An AMX_PROBE_ROWS-row forward on every thread, AMX from n rows (0: off), prefetching or not.
+Wide = Callable[[int, bool], None]
 
 _decided: dict[tuple, Tuning] = {}
 
@@ -91,8 +92,7 @@ def tune(key: tuple, weight_bytes: int, threads: int, step: Step, wide: Wide | N
     ms = {f"{n} thread{'s' * (n > 1)}{'' if pf else ', no prefetch'}": 1e3 * t for (n, pf), t in fastest.items()}
     amx = 0
     if wide is not None:
-        step(threads, prefetch)  # the library keeps the last setting: the chosen one
-        probe = _fastest({AMX_MIN_ROWS: lambda: wide(AMX_MIN_ROWS), 0: lambda: wide(0)})
+        probe = _fastest({AMX_MIN_ROWS: lambda: wide(AMX_MIN_ROWS, prefetch), 0: lambda: wide(0, prefetch)})
         amx = AMX_MIN_ROWS if probe[AMX_MIN_ROWS] < probe[0] else 0
         ms.update({f"{AMX_PROBE_ROWS} rows, AMX": 1e3 * probe[AMX_MIN_ROWS], f"{AMX_PROBE_ROWS} rows, no AMX": 1e3 * probe[0]})
     out = Tuning(small, prefetch, amx, ms)
@@ -109,35 +109,40 @@ def amx_allowed() -> bool:
     return os.environ.get("OSD_NATIVE_AMX", "auto") != "off"
 
 
-def measure_step(runner: Any) -> Step:
-    """A one-row forward of `runner` on n threads, over a cache of its own."""
+def _forward_from_start(runner: Any, rows: int) -> Callable[[int], None]:
+    """A forward of `rows` rows of `runner` from position 0 on n threads, over a cache of its own."""
     import torch
 
     from serve.model.batch_forward import Item
 
     cache = runner.new_cache()
-    token = torch.zeros(1, dtype=torch.long)
+    tokens = torch.zeros(rows, dtype=torch.long)
+
+    def run(threads: int) -> None:
+        cache.length = 0
+        runner.forward_rows_on([Item(tokens, cache)], threads=threads)
+
+    return run
+
+
+def measure_step(runner: Any) -> Step:
+    """A one-row forward of `runner` on n threads, prefetching or not."""
+    run = _forward_from_start(runner, 1)
 
     def step(n: int, prefetch: bool) -> None:
         runner.lib.osd_set_prefetch(int(prefetch))
-        cache.length = 0
-        runner.forward_rows_on([Item(token, cache)], threads=n)
+        run(n)
 
     return step
 
 
 def measure_wide(runner: Any, threads: int) -> Wide:
-    """An AMX_PROBE_ROWS-row forward of `runner` on `threads`, AMX tiles from n rows."""
-    import torch
+    """An AMX_PROBE_ROWS-row forward of `runner` on `threads`, AMX tiles from n rows, prefetching or not."""
+    run = _forward_from_start(runner, AMX_PROBE_ROWS)
 
-    from serve.model.batch_forward import Item
-
-    cache = runner.new_cache()
-    tokens = torch.zeros(AMX_PROBE_ROWS, dtype=torch.long)
-
-    def wide(n: int) -> None:
+    def wide(n: int, prefetch: bool) -> None:
+        runner.lib.osd_set_prefetch(int(prefetch))
         runner.lib.osd_set_amx(n)
-        cache.length = 0
-        runner.forward_rows_on([Item(tokens, cache)], threads=threads)
+        run(threads)
 
     return wide
