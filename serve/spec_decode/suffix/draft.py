@@ -72,7 +72,8 @@ class SuffixState:
     def due(self, others: int) -> bool:
         """Whether this step looks up (MAX_WAIT's back-off); counts the step."""
         self.waited += 1
-        if self.waited <= min((1 << min(self.misses, 4)) - 1, others, MAX_WAIT):
+        # misses past MAX_WAIT's bit length already give the longest wait (and keep the shift small)
+        if self.waited <= min((1 << min(self.misses, MAX_WAIT.bit_length())) - 1, others, MAX_WAIT):
             return False
         self.waited = 0
         return True
