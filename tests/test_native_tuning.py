@@ -116,6 +116,9 @@ def test_osd_native_amx_off_rules_the_tiles_out(monkeypatch):
     assert not native_tuning.amx_allowed()
     monkeypatch.setenv("OSD_NATIVE_AMX", "auto")
     assert native_tuning.amx_allowed()
+    monkeypatch.setenv("OSD_NATIVE_AMX", "no")
+    with pytest.raises(ValueError, match="OSD_NATIVE_AMX must be auto or off, got 'no'"):
+        native_tuning.amx_allowed()
 
 
 class FakeLib:

@@ -105,8 +105,12 @@ def tune(key: tuple, weight_bytes: int, threads: int, step: Step, wide: Wide | N
 
 
 def amx_allowed() -> bool:
-    """OSD_NATIVE_AMX=off keeps the GEMMs off AMX tiles (to time or rule them out)."""
-    return os.environ.get("OSD_NATIVE_AMX", "auto") != "off"
+    """OSD_NATIVE_AMX=off keeps the GEMMs off AMX tiles (to time or rule them out); auto, the
+    default, measures whether they pay. Any other value is refused, not read as auto."""
+    value = os.environ.get("OSD_NATIVE_AMX", "auto").strip().lower() or "auto"
+    if value not in ("auto", "off"):
+        raise ValueError(f"OSD_NATIVE_AMX must be auto or off, got {value!r}")
+    return value == "auto"
 
 
 def _forward_from_start(runner: Any, rows: int) -> Callable[[int], None]:
