@@ -12,7 +12,7 @@ from infra.target import build_tiny_llama
 from serve.model.batch_forward import Item, forward_batch
 from serve.spec_decode.specs import build_draft
 from serve.engine.core import GenerationParams, SpecEngine
-from engine_options import small_options
+from engine_options import small_options, stream_all
 from serve.spec_decode.k_policy import plan_batch
 from serve.model.runner import LlamaRunner
 from serve.sampling.verify import SamplingParams
@@ -109,7 +109,7 @@ def test_capture_records_of_batched_requests_equal_solo_ones(target):
     reqs = [r for r in _requests() if r[2] == "own"]
     params = [GenerationParams(max_new_tokens=n) for _, n, _, _ in reqs]
     alone = [eng.generate(p, gp) for (p, *_), gp in zip(reqs, params)]
-    together = _many(eng, [r[0] for r in reqs], params)
+    together = stream_all(eng, [r[0] for r in reqs], params)
     for a, b in zip(alone, together):
         assert a.output_ids == b.output_ids
         ca, cb = a.capture, b.capture
@@ -117,19 +117,6 @@ def test_capture_records_of_batched_requests_equal_solo_ones(target):
         assert abs(ca.topk_logprobs.astype("float32") - cb.topk_logprobs.astype("float32")).max() <= 2e-3
         assert (ca.accepted == cb.accepted).all() and (ca.draft_tokens == cb.draft_tokens).all()
         assert len(ca) == len(a.output_ids)
-
-
-def _many(eng, prompts, params):
-    async def one(p, gp):
-        s = eng.stream(p, gp)
-        async for _ in s:
-            pass
-        return s.result
-
-    async def run():
-        return await asyncio.gather(*[one(p, gp) for p, gp in zip(prompts, params)])
-
-    return asyncio.run(run())
 
 
 V8 = dict(vocab=8, layers=2, max_positions=32)
@@ -169,7 +156,7 @@ def _gen_each(eng, prompts, params):
     """Requests with their own parameters, 4 at a time in one batch."""
     out = []
     for lo in range(0, len(prompts), 4):
-        out += _many(eng, prompts[lo:lo + 4], params[lo:lo + 4])
+        out += stream_all(eng, prompts[lo:lo + 4], params[lo:lo + 4])
     return out
 
 
@@ -310,7 +297,7 @@ def test_head_drafts_of_a_batch_draft_together_and_stay_exact(monkeypatch):
     real = head_runner.HeadRunner.rows_batch
     monkeypatch.setattr(head_runner.HeadRunner, "rows_batch",
                         lambda self, gs, nexts, caches: (widths.append(len(gs)), real(self, gs, nexts, caches))[1])
-    together = _many(eng, prompts, [gp] * 3)
+    together = stream_all(eng, prompts, [gp] * 3)
     assert [r.output_ids for r in together] == alone
     assert max(widths) == 3 and sum(r.stats.num_draft_tokens for r in together) > 0
     with torch.no_grad():
@@ -323,7 +310,7 @@ def test_a_steps_capture_topk_is_computed_once_and_equals_each_requests_own():
     from types import SimpleNamespace
 
     from infra.records.tokens import topk_logprobs
-    from serve.engine.scheduler import _capture_topk
+    from serve.engine.step import _capture_topk
 
     g = torch.Generator().manual_seed(0)
     logits = [torch.randn(t, 300, generator=g) for t in (1, 4, 1, 2)]

@@ -156,8 +156,8 @@ def test_sampled_suffix_trees_follow_the_target(spec, monkeypatch):
 
 # ---------------------------------------------------------------- no family branch
 
-DRIVERS = ["serve/engine/core.py", "serve/engine/scheduler.py", "serve/engine/stages.py", "serve/spec_decode/trees/stages.py",
-           "serve/spec_decode/gpu_stages.py", "serve/model/batch_forward.py"]
+DRIVERS = ["serve/engine/core.py", "serve/engine/scheduler.py", "serve/engine/step.py", "serve/engine/stages.py",
+           "serve/spec_decode/trees/stages.py", "serve/model/batch_forward.py"]
 FAMILY_MODULES = {"serve.spec_decode.head.draft", "serve.spec_decode.layer", "serve.spec_decode.suffix.draft"}
 FAMILY_NAMES = {"HeadRunner", "LayerDraft", "SuffixDraft", "HybridDraft", "WithSuffix", "is_head",
                 "suffix_of", "propose_heads", "commit_head", "prefill_head"}

@@ -113,8 +113,8 @@ def test_health_reports_a_stalled_request(target):
     """A step that hangs, on the thread that drives it; health is asked from another."""
     eng = engine(target, max_concurrency=1)
     gate = threading.Event()
-    real_step = eng.scheduler.step
-    eng.scheduler.step = lambda seqs: (gate.wait(10), real_step(seqs))[1]  # the driving thread hangs in a step
+    schedule = eng.scheduler.schedule
+    eng.scheduler.schedule = lambda: (schedule(), gate.wait(10))[0]  # the driving thread hangs in a step
     out = []
     driver = threading.Thread(target=lambda: out.append(eng.generate([1, 2, 3], GenerationParams(max_new_tokens=4))))
     driver.start()

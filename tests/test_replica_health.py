@@ -40,8 +40,8 @@ def test_stalled_request_fails_health(replica):
     """A step that hangs on the event loop driving it; health is asked from another thread
     (in Serve, the controller's health call then times out on that loop, with the same end)."""
     gate = threading.Event()
-    step = replica.engine.scheduler.step
-    replica.engine.scheduler.step = lambda seqs: (gate.wait(10), step(seqs))[1]
+    schedule = replica.engine.scheduler.schedule
+    replica.engine.scheduler.schedule = lambda: (schedule(), gate.wait(10))[0]  # the step it plans hangs
     out = []
     driver = threading.Thread(target=lambda: out.append(asyncio.run(replica.generate(_req(1)))))
     driver.start()

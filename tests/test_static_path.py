@@ -1,5 +1,6 @@
 """The GPU path's pieces, run on CPU: the fixed-shape forward (serve/model/runner.py
-forward_static) and the device-resident stages (serve/spec_decode/gpu_stages.py). CUDA graphs
+forward_static) and the engine's step as a GPU takes it (the pool forward, one host read of
+the greedy requests' tokens a step: serve/engine/step.py), for a request alone. CUDA graphs
 themselves only replay on a GPU: those tests are marked `cuda` and skipped without one.
 """
 
@@ -80,7 +81,7 @@ def test_head_static_rows_equal_the_eager_rows():
 
 
 def _device_path(engine: SpecEngine) -> SpecEngine:
-    engine.gpu = True  # the device-resident stages; on CPU they run the same tensor code
+    engine.gpu = True  # the GPU's step; on CPU it runs the same tensor code
     return engine
 
 

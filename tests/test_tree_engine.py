@@ -9,8 +9,8 @@ from chi2 import chi2_pvalue
 from infra.target import build_tiny_llama
 from serve.spec_decode.specs import build_draft
 from serve.engine.core import EngineError, GenerationParams, SpecEngine
-from engine_options import small_options
-from serve.spec_decode.trees.stages import TreeShape, tree_step
+from engine_options import small_options, stream_all
+from serve.spec_decode.trees.stages import TreeShape, tree_verify
 from serve.sampling.verify import SamplingParams, warp_probs
 
 pytestmark = [pytest.mark.pure, pytest.mark.usefixtures("one_thread")]
@@ -119,11 +119,11 @@ def _exact_first_two(target, prompt, sp):
 def test_sampled_tree_output_follows_the_targets_distribution(kind, tree, sampling, monkeypatch):
     """The first two tokens of a sampled tree decode, over many seeds, against p(t1) p(t2 | t1)
     (chi-square). max_new_tokens 3 makes the first step a depth-2 tree that covers both."""
-    import serve.engine.core
+    import serve.engine.step
     import serve.spec_decode.trees.dynamic
 
     steps, tries = [], []  # tries: per visited node, how many siblings were tried, and whether one was taken
-    monkeypatch.setattr(serve.engine.core, "tree_step", lambda *a: steps.append(1) or tree_step(*a))
+    monkeypatch.setattr(serve.engine.step, "tree_verify", lambda *a: steps.append(1) or tree_verify(*a))
     real_try = serve.spec_decode.trees.dynamic._try_siblings
 
     def counted_try(children, *a):
@@ -217,3 +217,67 @@ def test_a_width_one_head_tree_is_the_head_chain():
     tree = engine(target, head, "4,3,1", k=3).generate(prompt, GenerationParams(max_new_tokens=24))
     assert tree.output_ids == chain.output_ids
     assert (tree.stats.num_steps, tree.stats.num_emitted_tokens) == (chain.stats.num_steps, chain.stats.num_emitted_tokens)
+
+
+# ---------------------------------------------------------------- trees in the batch
+
+def _tree_items_per_forward(monkeypatch):
+    """How many draft trees each target forward of the engine's step carried."""
+    import serve.engine.step
+
+    seen, real = [], serve.engine.step.forward_batch
+    monkeypatch.setattr(serve.engine.step, "forward_batch",
+                        lambda r, items, *a, **kw: seen.append(sum(it.visible is not None for it in items))
+                        or real(r, items, *a, **kw))
+    return seen
+
+
+@pytest.mark.parametrize("path", ["cpu", "device"])
+@pytest.mark.parametrize("family", ["layer", "head"])
+def test_trees_ride_in_the_batch_and_each_request_gets_its_own_output(family, path, monkeypatch):
+    """Several tree requests, a chain request (its processors rule a tree out), mixed prompt
+    lengths and budgets, decoding together: several trees in one target forward beside the
+    chain's rows and the prompt chunks, and each request's output is the one it gets alone
+    (and the target's greedy decode). device: the GPU's step run on the CPU."""
+    from infra.drafts.head import build_head
+    from infra.drafts.spec import DraftSpec
+    from serve.sampling.processors import ProcessorParams
+
+    target = tiny(**SMALL)
+    draft = (build_head(target, DraftSpec(family="head", feature_layers=(0, 1, 2)), torch.tensor([0, 2, 3, 5, 6, 8, 9]))
+             if family == "head" else build_draft("truncate:2", target))
+    eng = SpecEngine(target, draft, options=small_options(k=4, max_seq_len=96, max_concurrency=4, tree="8,3,2",
+                                                          prefill_chunk=8))
+    eng.gpu = path == "device"
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4], [2, 7], [5, 5, 6]]
+    params = [GenerationParams(max_new_tokens=n) for n in (30, 18, 25)]
+    params.append(GenerationParams(max_new_tokens=20, processors=ProcessorParams(logit_bias=((3, -1.0),))))
+    alone = [eng.generate(p, gp).output_ids for p, gp in zip(prompts, params)]
+    trees = _tree_items_per_forward(monkeypatch)
+    got = stream_all(eng, prompts, params)
+    assert [r.output_ids for r in got] == alone
+    assert [r.output_ids for r in got[:3]] == [ar(target, p, gp.max_new_tokens) for p, gp in zip(prompts[:3], params)]
+    assert max(trees) >= 2  # trees shared forwards
+    assert max(n for _, n, _ in eng.scheduler.log.steps) >= 3
+    assert eng.slots.free == 4
+
+
+def test_sampled_trees_decoding_together_follow_the_targets_distribution():
+    """The first two sampled tokens of tree requests run four at a time, over many seeds,
+    against p(t1) p(t2 | t1) (chi-square); the same seeds in another grouping reproduce them."""
+    target = tiny(seed=5, layers=2, **V8)
+    eng = SpecEngine(target, _v8_draft("normal", target),
+                     options=small_options(k=2, max_seq_len=96, max_concurrency=4, tree="6,2,2"))
+    prompt = [1, 2, 3]
+    sampling = SamplingParams(temperature=1.0)
+    params = [GenerationParams(max_new_tokens=3, sampling=SamplingParams(1.0, seed=i), capture=False)
+              for i in range(N_SAMPLES)]
+    outs = []
+    for lo in range(0, N_SAMPLES, 4):
+        outs += [r.output_ids for r in stream_all(eng, [prompt] * 4, params[lo:lo + 4])]
+    counts = torch.zeros(8, 8, dtype=torch.long)
+    for o in outs:
+        counts[o[0], o[1]] += 1
+    assert chi2_pvalue(counts, _exact_first_two(target, prompt, sampling)) > 1e-3
+    again = [r.output_ids for lo in (1, 4) for r in stream_all(eng, [prompt] * 3, params[lo:lo + 3])]
+    assert again == outs[1:4] + outs[4:7]

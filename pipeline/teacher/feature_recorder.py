@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from serve.spec_decode.protocol import Draft, Proposal, StepContext, no_proposal, own_as_tensor
+from serve.spec_decode.protocol import Draft, Proposal, StepContext, no_proposal
 from train.teacher.features import FeatureRows
 
 ARGMAX_ROWS = 256  # prompt rows per LM-head product: [256, V] logits at a time, not [P, V]
@@ -71,9 +71,6 @@ class FeatureRecorder(Draft):
 
     def propose(self, seqs: list[Any], ks: list[int], ctx: StepContext) -> list[Proposal]:
         return [no_proposal(seq.device, self.family) for seq in seqs]
-
-    def propose_device(self, seq: Any, k: int, ctx: StepContext) -> Proposal:
-        return own_as_tensor(no_proposal(seq.device, self.family))
 
     def commit(self, seq: Any, base: int, n: int, drafted: int, feats: torch.Tensor | None) -> None:
         if feats is None:

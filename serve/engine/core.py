@@ -7,8 +7,10 @@ One step is a chain of named stages, each a module-level function that can be ti
     (chunks)    draft:     target:  pure      accept tokens, roll both KV caches back,
                 k tokens   k+1 rows rule      record the target's top-k
 
-Requests run together: each step's score stage is one target forward over every active
-request's rows (serve/engine/scheduler.py, serve/model/batch_forward.py); the other stages run per request.
+Requests run together: the scheduler plans each step (serve/engine/scheduler.py), and the
+step (serve/engine/step.py) runs one target forward over every active request's rows, chains
+and draft trees alike, on any device (serve/model/batch_forward.py); the other stages run
+per request.
 
 Autoregressive decoding is the same loop with no draft (k = 0), so the baseline and the
 speculative path share every line that is not speculation.
@@ -39,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
+import threading
 import time
 from dataclasses import dataclass, fields
 from typing import Any, AsyncIterator, Iterator, Sequence
@@ -52,8 +55,7 @@ from serve.engine.admission import SlotPool
 from serve.model.batch_forward import Item, forward_batch
 from serve.engine.capture import Capture, CaptureBuffer
 from serve.engine.detokenize import StopScanner
-from serve.spec_decode import gpu_stages
-from serve.spec_decode.protocol import Draft, Proposal, StepContext, no_proposal
+from serve.spec_decode.protocol import Draft, StepContext
 from serve.engine.errors import EngineError, RequestError  # noqa: F401 (re-exported)
 from serve.spec_decode.k_policy import LengthPolicy, length_policy, profile_forward
 from serve.sampling.processors import LogitsProcessor
@@ -65,8 +67,9 @@ from serve.spec_decode.factory import as_draft, draft_runner
 from serve.model.cuda_graphs import GraphLlamaRunner, StagingRing
 from serve.engine.scheduler import DONE, Scheduler
 from serve.engine.sequence import GenerationParams, Seq, Slot, SpecStats  # noqa: F401 (re-exported)
-from serve.engine.stages import _event, _settle_stamps, begin_prefill, commit, end_prefill, score, verify
-from serve.spec_decode.trees.stages import TreeShape, tree_step
+from serve.engine.stages import begin_prefill, end_prefill
+from serve.engine.step import run_step
+from serve.spec_decode.trees.stages import TreeShape
 
 
 DEFAULT: Any = object()  # "the engine's own draft" for the per-request draft= argument
@@ -181,7 +184,7 @@ class SpecEngine:
         self.tokenizer = tokenizer
         self.target = self._runner(target_model, self.options.quant)
         self.draft = self._draft_runner(draft_model) if draft_model is not None else None
-        # The CUDA path (serve/spec_decode/gpu_stages.py): device-resident stages, one host read per step.
+        # On a GPU: the pool forward's bucketed shapes and graphs, host copies through a staging ring.
         self.gpu = self.target.device.type == "cuda"
         self.ring = StagingRing(self.target.device) if self.gpu else None
         self.tree = TreeShape.parse(self.options.tree) if self.options.tree else None
@@ -205,9 +208,11 @@ class SpecEngine:
                 slot.draft_cache(self.draft)  # preallocate, as before hot swap existed
             slots.append(slot)
         self.slots: SlotPool[Slot] = SlotPool(slots, self.options.max_queue, self.options.queue_timeout_s)
-        # Steps run on the threads that wait for them (serve/engine/scheduler.py).
+        # Steps run on the threads that wait for them (run_once).
         chunk = self.options.prefill_chunk if not self.gpu else max(self.options.prefill_chunk, GPU_PREFILL_ROWS)
-        self.scheduler = Scheduler(self, chunk)
+        self.scheduler = Scheduler(self.slots, chunk)
+        self._stepping = threading.Lock()  # one round at a time, whoever drives it
+        self._drivers: dict[int, asyncio.Task] = {}  # event loop id -> its driver task
         # The draft-length policy (serve.k_policy), made at the first speculative request (the
         # cost rule profiles the target then).
         self._lengths: LengthPolicy | None = None
@@ -312,7 +317,7 @@ class SpecEngine:
         return seq
 
     def _submit(self, prompt: list[int], params: GenerationParams, slot: Slot, draft: Any, deliver) -> Seq:
-        """Hand a request to the scheduler (the caller then drives it: serve/engine/scheduler.py); its
+        """Hand a request to the scheduler (the caller then drives it: run_once); its
         slot is the scheduler's until it finishes, fails or is cancelled (Seq.cancelled), when
         the scheduler returns it."""
         try:
@@ -376,7 +381,7 @@ class SpecEngine:
 
     @contextlib.contextmanager
     def step_threads(self) -> Iterator[None]:
-        """Around a step (serve/engine/scheduler.py run_once): torch at one thread while the target is
+        """Around a step (run_once): torch at one thread while the target is
         the native forward, which runs on threads of its own. torch's OpenMP workers spin on
         the same cores after each of the step's small torch ops and stall it (several times the
         forward's own time; docs/benchmarks.md); outside steps torch keeps its count,
@@ -391,17 +396,7 @@ class SpecEngine:
         finally:
             torch.set_num_threads(n)
 
-    # -- the batched step's hooks (serve/engine/scheduler.py) ---------------------------------
-
-    def batchable(self, seq: Seq, decoding: int) -> bool:
-        """Whether the request's next step rides in the step's batched forward, beside the other
-        `decoding` requests (itself included). A tree steps alone. On a GPU, a Llama target's
-        chains batch (serve/model/pool_forward.py) while two or more requests decode; a request
-        decoding alone takes the device-resident stages (one host read a step), as does any
-        request over a target without the pool forward."""
-        if self._use_tree(seq, seq.params.max_new_tokens - len(seq.out)):
-            return False
-        return not self.gpu or (decoding > 1 and isinstance(self.target, LlamaRunner))
+    # -- what the step asks of the engine (serve/engine/step.py) ------------------------------
 
     def begin_step(self) -> None:
         """Before a step's host-to-device copies: the staging ring's slots are free again, since
@@ -433,110 +428,64 @@ class SpecEngine:
         return StepContext(self.options.draft_confidence, self.options.k, self._limit, cut,
                            len(seqs) + sum(ks), len(seqs))
 
-    def propose_all(self, seqs: list[Seq], ks: list[int]) -> list[tuple[Proposal, float]]:
-        """The propose stage of a batched step: the requests of each draft propose together
-        (a head drafts them in one forward per draft position); the call's time is shared out
-        by the tokens each request got. Per request (its proposal, seconds)."""
-        ctx = self.step_context(seqs, ks)
-        out: list[tuple[Proposal, float]] = [(no_proposal(self.device), 0.0)] * len(seqs)
-        groups: dict[int, list[int]] = {}
-        for i, seq in enumerate(seqs):
-            if seq.draft is not None:
-                groups.setdefault(id(seq.draft), []).append(i)
-        for members in groups.values():
-            t0 = time.perf_counter()
-            got = seqs[members[0]].draft.propose([seqs[i] for i in members], [ks[i] for i in members], ctx)
-            took = time.perf_counter() - t0
-            sizes = [p.tokens.numel() for p in got]
-            total = sum(sizes)
-            for i, p, size in zip(members, got, sizes):
-                seqs[i].step_source = p.source
-                out[i] = (p, took * size / total if total else took / len(members))
-        return out
-
-    def after_step(self, seq: Seq, drafted: int, accepted: int, rows: int, draft_s: float, score_s: float,
-                   verify_s: float) -> None:
-        """A batched step's bookkeeping for one request: stage clocks, and what the draft-length
-        rule learns (the forward's cost is observed once per step, by the scheduler)."""
-        clock = seq.stats.stage_s
-        clock["propose"] += draft_s
-        clock["score"] += score_s
-        clock["verify"] += verify_s
-        by_t = seq.stats.score_by_tokens.setdefault(rows, [0, 0.0])
-        by_t[0] += 1
-        by_t[1] += score_s
-        seq.stats.count_source(seq.step_source, drafted, accepted)
-        if seq.length is not None:
-            learn = seq.draft.teaches_k(seq.step_source)
-            seq.length.observe_costs(drafted, draft_s, verify_s, learn)
-            if learn:
-                seq.length.observe(drafted, accepted)
-
-    def _step(self, seq: Seq) -> list[int]:
-        """One step of a request alone: a tree, or the CUDA path's device-resident stages (the
-        CPU's chains step in the batch: serve/engine/scheduler.py)."""
-        if self._use_tree(seq, seq.params.max_new_tokens - len(seq.out)):
-            return self._stages_tree(seq)
-        k = self.plan([seq])[0]
-        n, k_drafted, emitted = self._stages_gpu(seq, k)
-        if seq.length is not None:
-            seq.length.observe(k_drafted, n)
-        return emitted
-
-    def _use_tree(self, seq: Seq, remaining: int) -> bool:
+    def use_tree(self, seq: Seq) -> bool:
         """Trees while the whole tree fits the context and its deepest path fits the token
         budget; chains otherwise (and for a runner without masked blocks)."""
         t = self.tree
+        remaining = seq.params.max_new_tokens - len(seq.out)
         # Processors make each tree node's distribution depend on its own path: such requests
         # verify chains (serve/engine/stages.py), which process every row by its prefix.
         return (t is not None and seq.draft is not None and seq.proc is None
                 and seq.draft.can_tree(seq)
                 and remaining > t.depth and len(seq.tokens) - 1 + t.total <= self.max_seq_len)
 
-    def _stages_tree(self, seq: Seq) -> list[int]:
-        if self.ring is not None:
-            self.ring.reset()
-        stamps = [_event()]
-        ctx = self.step_context([seq], [self.tree.total - 1])
-        drafts, rows, n, nxt = tree_step(self.target, seq, self.tree, ctx, lambda: stamps.append(_event()))
-        own = [float("nan")] * len(drafts)  # a tree has no single proposal probability per position
-        emitted = commit(seq, drafts, own, rows, n, nxt)
-        stamps.append(_event())
-        seq.stamps.append(stamps)
-        return emitted
+    # -- the loop: schedule -> step -> update ------------------------------------------
 
-    def _stages_gpu(self, seq: Seq, k: int) -> tuple[int, int, list[int]]:
-        """The same stages on the device: no host sync but the one read in verify. Stage
-        times come from CUDA events (read when the request ends), so work queued by one
-        stage and run later is still charged to it."""
-        if self.ring is not None:
-            self.ring.reset()  # the previous step's read has landed every earlier copy
-        stamps = [_event()]
-        if seq.draft is not None:
-            p = seq.draft.propose_device(seq, k, self.step_context([seq], [k]))
-            seq.step_source = p.source
-        else:
-            p = no_proposal(self.device)._replace(own=None)
-        drafts, q, own = p.tokens, p.q, p.own
-        stamps.append(_event())
-        logits = score(self.target, seq, drafts)
-        stamps.append(_event())
-        if p.point_mass:  # host-side proposals: the host's verify (one read either way)
-            (n, nxt), draft_ids = verify(seq, drafts, q, logits, True), drafts.tolist()
-        else:
-            n, nxt, draft_ids = gpu_stages.verify(seq, drafts, q, logits)
-        stamps.append(_event())
-        own_h = own.tolist() if own is not None and seq.capture is not None else [float("nan")] * len(draft_ids)
-        emitted = commit(seq, draft_ids, own_h, logits, n, nxt)
-        stamps.append(_event())
-        seq.stamps.append(stamps)
-        return n, len(draft_ids), emitted
+    def run_once(self) -> bool:
+        """One round: the scheduler's plan, the step (serve/engine/step.py), the scheduler told
+        what it took. False when there was nothing to run.
+
+        Rounds run one at a time on the threads that wait for them: a blocking caller
+        (generate) steps in its own thread until its request is done; streams step on their
+        event loop, in a driver task that yields to the loop between rounds. Why not a thread
+        of its own: libgomp gives every thread that starts parallel regions its own worker
+        team, and spins a team's workers only while the process has no more OpenMP threads
+        than cores. A second team (a stepping thread beside the thread that loaded the model)
+        makes every parallel op wait on a sleeping worker, so a decode forward on a second
+        thread ran far slower (docs/benchmarks.md). Ray Serve constructs a replica and runs
+        its async methods on one thread, its user-code event loop, so stepping on the loop
+        keeps the process at one team. A round blocks that loop for one forward; the replica
+        serves nothing but its engine's requests."""
+        with self._stepping:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return False
+            try:
+                with self.step_threads():
+                    took = run_step(self, plan)
+            except Exception as e:  # a failed forward fails the requests it carried, not the engine
+                self.scheduler.fail(e)
+                return True
+            self.scheduler.update(plan, took)
+            return True
+
+    def ensure_driver(self) -> None:
+        """A task on the running event loop that steps while there is work."""
+        loop = asyncio.get_running_loop()
+        task = self._drivers.get(id(loop))
+        if task is None or task.done():
+            # Finished drivers go (each asyncio.run is a new loop): the map holds live loops only.
+            self._drivers = {k: t for k, t in self._drivers.items() if not t.done()}
+            self._drivers[id(loop)] = loop.create_task(self._drive())
+
+    async def _drive(self) -> None:
+        while self.run_once():
+            await asyncio.sleep(0)  # deliver tokens, admit requests, serve cancellations
 
     def _result(self, seq: Seq) -> GenerationResult:
         end = time.perf_counter()
         prefill_s = (seq.t_decode or end) - seq.t_submit
         decode_s = end - seq.t_decode if seq.t_decode else 0.0
-        _settle_stamps(seq)
         capture = None
         if seq.capture is not None:
             n = len(seq.out)
@@ -569,7 +518,7 @@ class SpecEngine:
                 return box.get_nowait()
             except queue.Empty:
                 pass
-            if not self.scheduler.run_once():
+            if not self.run_once():
                 try:
                     return box.get(timeout=0.05)
                 except queue.Empty:
@@ -673,7 +622,7 @@ class RequestStream:
 
         seq = self._seq = eng._submit(self.prompt, self.params, slot, self.draft, post)
         ended = False
-        eng.scheduler.ensure_driver()
+        eng.ensure_driver()
         try:
             pending: Any = None
             while True:

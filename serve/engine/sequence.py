@@ -148,7 +148,6 @@ class Seq:
                  ring: StagingRing | None = None):
         self.tokens = list(prompt)
         self.ring = ring  # CUDA path: host ints reach the device without a sync
-        self.stamps: list[list[Any]] = []  # CUDA path: each step's stage events, read at the end
         self.n_prompt = len(prompt)
         self.params = params
         self.slot = slot

@@ -2,22 +2,19 @@
 
     prefill -> propose -> score -> verify -> commit
 
-Functions over a `Seq`, the target's runner and the request's draft, which they reach only
-through the Draft protocol (serve/spec_decode/protocol.py; the propose stage is the draft's own): the
-scheduler composes them per step, alone (trees, the CUDA path) or with the score stage
-batched across sequences.
+Functions over a `Seq` and the request's draft, which they reach only through the Draft
+protocol (serve/spec_decode/protocol.py; the propose stage is the draft's own): the step
+(serve/engine/step.py) composes them, with the score stage one target forward for every
+request of the step.
 """
 
 from __future__ import annotations
-
-import time
-from typing import Any
 
 import torch
 
 from serve.engine.detokenize import StopScanner
 from serve.sampling.processors import token_logprobs
-from serve.engine.sequence import STAGES, Seq
+from serve.engine.sequence import Seq
 from serve.sampling.verify import verify_greedy, verify_positional, verify_sampling, warp_probs
 
 
@@ -50,15 +47,6 @@ def end_prefill(seq: Seq) -> None:
     feats, seq.prefill_feats = seq.prefill_feats, []
     if seq.draft is not None:
         seq.draft.prefilled(seq, (feats[0] if len(feats) == 1 else torch.cat(feats)) if feats else None)
-
-
-def score(target: Any, seq: Seq, drafts: torch.Tensor) -> torch.Tensor:
-    """One target forward over [last committed token, drafts...] -> logits [len(drafts)+1, V]."""
-    inp = torch.cat([seq.pending(seq.slot.target), drafts])
-    if seq.draft is not None and seq.draft.feature_layers:
-        logits, seq.step_feats = target.forward_features(inp, seq.slot.target, seq.draft.feature_layers)
-        return logits
-    return target.forward(inp, seq.slot.target)
 
 
 def verify(seq: Seq, drafts: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor,
@@ -127,30 +115,6 @@ def commit(seq: Seq, drafts: list[int], own: list[float], logits: torch.Tensor, 
     if seq.stops is not None:
         _apply_stop_strings(seq, seq.stops, emitted)
     return emitted
-
-
-def _event() -> Any:
-    """A stage boundary: a recorded CUDA event, or the clock where there is no GPU (tests run
-    the device-path stages on CPU)."""
-    if not torch.cuda.is_available():
-        return time.perf_counter()
-    e = torch.cuda.Event(enable_timing=True)
-    e.record()
-    return e
-
-
-def _settle_stamps(seq: Seq) -> None:
-    """Add the CUDA path's stage times (events recorded per step) to the stats."""
-    if not seq.stamps:
-        return
-    last = seq.stamps[-1][-1]
-    if not isinstance(last, float):
-        last.synchronize()
-    clock = seq.stats.stage_s
-    for stamps in seq.stamps:
-        for name, a, b in zip(STAGES, stamps, stamps[1:]):
-            clock[name] += b - a if isinstance(a, float) else a.elapsed_time(b) / 1e3
-    seq.stamps.clear()
 
 
 def _apply_stop_strings(seq: Seq, stops: StopScanner, emitted: list[int]) -> None:

@@ -6,7 +6,8 @@ step instead of once per sequence. Attention stays per sequence, over its own ca
 - sequences of one row whose caches lie in one KVPool attend together: one bmm over a view
   of the adjacent pool slots, positions past each sequence's length masked;
 - the others (verify blocks, prompt chunks, caches outside a pool) attend alone, exactly as
-  a solo forward of their rows does (runner.attention).
+  a solo forward of their rows does (runner.attention); a draft tree's nodes attend under
+  their ancestor mask, rotated to their depths (Item.pos, Item.visible).
 
 Weights by rows: up to WIDE_ROWS rows the runner's step weights (int4 for an int4 target),
 beyond that its prompt weights (the model's own bfloat16, fused), because the weight-only
@@ -46,6 +47,10 @@ class Item:
     tokens: torch.Tensor  # [T] new tokens, appended to `cache`
     cache: Any
     logits: bool = True  # False: a prompt chunk (KV and features only)
+    # A block that is not a chain (a draft tree's nodes): row i still goes to cache slot
+    # length+i, but is rotated to position pos[i] and attends where visible[i] [max_len] marks.
+    pos: torch.Tensor | None = None
+    visible: torch.Tensor | None = None
 
 
 Output = tuple["torch.Tensor | None", "torch.Tensor | None"]  # (logits [T, V] fp32, features [T, F])
@@ -68,6 +73,13 @@ def forward_batch(runner: Any, items: list[Item], layers: tuple[int, ...] = (), 
 
 
 def _solo(runner: Any, it: Item, layers: tuple[int, ...]) -> Output:
+    if it.visible is not None:  # the runner's masked forward (a CUDA graph per size on a GPU)
+        t = it.tokens.shape[0]
+        reserve([it], [t])
+        start = torch.arange(it.cache.length, it.cache.length + 1, device=it.tokens.device)
+        out = runner.forward_masked(it.tokens, start, it.pos, it.visible, it.cache, layers)
+        it.cache.length += t
+        return out
     if not it.logits:
         return None, runner.prefill(it.tokens, it.cache, layers)
     if layers:
@@ -80,7 +92,8 @@ def pooled(r: LlamaRunner, items: list[Item], layers: tuple[int, ...] = ()) -> l
     in one pool forward (through the runner's graphs where it has them), the rest alone."""
     pool = next((it.cache.pool for it in items if it.cache.pool is not None), None)
     ride = [i for i, it in enumerate(items)
-            if it.logits and pool is not None and it.cache.pool is pool and it.tokens.numel() <= POOL_MAX_ROWS]
+            if it.logits and it.visible is None and pool is not None and it.cache.pool is pool
+            and it.tokens.numel() <= POOL_MAX_ROWS]
     out: list[Output] = [(None, None)] * len(items)
     if len(ride) > 1:
         its = [items[i] for i in ride]
@@ -107,7 +120,8 @@ def pooled(r: LlamaRunner, items: list[Item], layers: tuple[int, ...] = ()) -> l
 
 def _batched(r: LlamaRunner, items: list[Item], layers: tuple[int, ...]) -> list[Output]:
     # One-row items in a shared pool first (they attend together), the rest after, each alone.
-    pooled = [i for i, it in enumerate(items) if it.tokens.shape[0] == 1 and it.cache.pool is not None]
+    pooled = [i for i, it in enumerate(items)
+              if it.tokens.shape[0] == 1 and it.cache.pool is not None and it.visible is None]
     pools = {id(items[i].cache.pool) for i in pooled}
     if len(pools) > 1:
         pooled = [i for i in pooled if id(items[i].cache.pool) == id(items[pooled[0]].cache.pool)]
@@ -123,7 +137,7 @@ def _batched(r: LlamaRunner, items: list[Item], layers: tuple[int, ...]) -> list
     reserve(its, sizes)
     n = sum(sizes)
     tokens = torch.cat([it.tokens for it in its])
-    pos = torch.cat([r.arange[s:s + t] for s, t in zip(starts, sizes)])
+    pos = torch.cat([r.arange[s:s + t] if it.pos is None else it.pos for it, s, t in zip(its, starts, sizes)])
     offsets = _offsets(sizes)
     attend = _attend(r, its, sizes, offsets, starts, len(pooled), pos)
     blocks = r.prefill_blocks if n > WIDE_ROWS else r.blocks
@@ -170,7 +184,8 @@ def _attend(r: LlamaRunner, its: list[Item], sizes: list[int], offsets: list[int
     returns the attention outputs [N, H*hd] in row order."""
     gqa = r.n_kv != r.n_heads
     caches: list[StaticKVCache] = [it.cache for it in its]
-    masks = [None if t == 1 else r.causal[s:s + t, :s + t] for s, t in zip(starts, sizes)]
+    masks = [it.visible[:, :s + t] if it.visible is not None else None if t == 1 else r.causal[s:s + t, :s + t]
+             for it, s, t in zip(its, starts, sizes)]
     pooled = caches[:n_pooled]
     if pooled:
         pool = pooled[0].pool

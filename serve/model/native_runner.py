@@ -182,6 +182,8 @@ class NativeLlamaRunner(LlamaRunner):
     @torch.inference_mode()
     def forward_rows_on(self, items: list[Item], layers: tuple[int, ...] = (), threads: int = 1) -> list[tuple]:
         """forward_rows on `threads` threads."""
+        if any(it.visible is not None for it in items):
+            raise ValueError("the native forward runs chains and prompt chunks, not draft trees' masked blocks")
         sizes = [it.tokens.shape[0] for it in items]
         reserve(items, sizes)
         n = sum(sizes)

@@ -231,7 +231,9 @@ def _rowwise_pv(probs: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> tor
     over the block's full length, masked zeros included, now and then rounds a row otherwise
     than the decode's bmm over that row's prefix (3 of 16 real 5-row verify blocks differed at
     some layer on 2 Zen 3 cores), so there each row takes a decode's exact shapes: [KV, G, L_j]."""
-    lengths = mask.sum(-1).tolist()
+    # Up to each row's last visible column: its prefix for a chain, its deepest ancestor for a
+    # draft tree's node (the masked columns before it hold zeros of the softmax).
+    lengths = (mask.shape[-1] - mask.flip(-1).int().argmax(-1)).tolist()
     return torch.stack([torch.bmm(probs[:, :, j, :n], v[:, :n]) for j, n in enumerate(lengths)])
 
 

@@ -12,8 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from serve.spec_decode.protocol import Draft, Proposal, StepContext, no_proposal, own_as_tensor
-from serve.spec_decode.gpu_stages import choose, so_far
+from serve.spec_decode.protocol import Draft, Proposal, StepContext, no_proposal
 from serve.spec_decode.trees.dynamic import DraftTree
 from serve.spec_decode.trees.stages import NodeRows, TreeShape, grow_tree, tree_log_q
 from serve.sampling.verify import warp_probs
@@ -72,24 +71,6 @@ class LayerDraft(Draft):
             inp = torch.tensor([tok], dtype=torch.long, device=seq.device)
         drafts = torch.tensor(tokens, dtype=torch.long, device=seq.device)
         return Proposal(drafts, torch.stack(qs) if qs else None, own, self.family)
-
-    def propose_device(self, seq: Any, k: int, ctx: StepContext) -> Proposal:
-        """k tokens with no host read (serve/spec_decode/gpu_stages.py): no confidence stop."""
-        if k <= 0:
-            return own_as_tensor(no_proposal(seq.device, self.family))
-        params = seq.params.sampling
-        cache = seq.dcache
-        inp = seq.pending(cache)
-        toks, owns, qs = [], [], []
-        for _ in range(k):
-            logits = seq.draft_logits(self.runner.forward(inp, cache)[-1], so_far(seq, toks))
-            j, p, probs = choose(logits, params, seq.gen)
-            toks.append(j)
-            owns.append(p)
-            if probs is not None:
-                qs.append(probs)
-            inp = j
-        return Proposal(torch.cat(toks), torch.stack(qs) if qs else None, torch.cat(owns), self.family)
 
     def can_tree(self, seq: Any) -> bool:
         return hasattr(self.runner, "forward_masked")

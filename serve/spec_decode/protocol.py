@@ -3,7 +3,6 @@
     begin (the slot's caches emptied: serve/engine/stages.py begin_prefill)
     -> prefilled(seq, feats)        the target's prompt is in; a draft reading target features gets them
     -> propose(seqs, ks, ctx)       a chain per request, for a batched step
-       propose_device(seq, k, ctx)  one request's chain on the CUDA path (no host sync where it can)
        propose_tree(seq, shape, ctx) a tree for a tree step (where can_tree)
     -> commit(seq, base, n, drafted, feats)  after verification: keep the draft's state at the committed prefix
     -> release(seq)                 the request left
@@ -38,11 +37,6 @@ class Proposal(NamedTuple):
 
 def no_proposal(device: torch.device, source: str = "", point_mass: bool = False) -> Proposal:
     return Proposal(torch.empty(0, dtype=torch.long, device=device), None, [], source, point_mass)
-
-
-def own_as_tensor(p: Proposal) -> Proposal:
-    """A host proposal as the device stages take it: `own` a float32 tensor."""
-    return p._replace(own=torch.tensor(p.own, dtype=torch.float32))
 
 
 def draft_state(seq: Any, family: str, make: Callable[[], T]) -> T:
@@ -107,10 +101,6 @@ class Draft:
         """A chain for each request, of up to its planned k tokens (a draft that sizes its own
         chains may go up to ctx.max_k within ctx.limit)."""
         raise NotImplementedError
-
-    def propose_device(self, seq: Any, k: int, ctx: StepContext) -> Proposal:
-        """One request's chain for the CUDA path; by default the host chain, own as a tensor."""
-        return own_as_tensor(self.propose([seq], [k], ctx)[0])
 
     def can_tree(self, seq: Any) -> bool:
         """Whether this request's next step can verify a tree from this draft."""

@@ -20,8 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from serve.spec_decode.protocol import Draft, Proposal, StepContext, draft_state, no_proposal, own_as_tensor
-from serve.spec_decode.gpu_stages import choose, so_far
+from serve.spec_decode.protocol import Draft, Proposal, StepContext, draft_state
 from serve.spec_decode.head.lean import LeanHead
 from serve.model.runner import StaticKVCache
 from serve.spec_decode.trees.dynamic import DraftTree
@@ -169,28 +168,6 @@ class HeadRunner(Draft):
 
     def propose(self, seqs: list[Any], ks: list[int], ctx: StepContext) -> list[Proposal]:
         return [Proposal(t, q, own, self.family) for t, q, own in propose_heads(self, seqs, ks, ctx.confidence)]
-
-    def propose_device(self, seq: Any, k: int, ctx: StepContext) -> Proposal:
-        """k tokens with no host read (serve/spec_decode/gpu_stages.py)."""
-        params = seq.params.sampling
-        cache = seq.dcache
-        start = cache.length
-        if k <= 0 or len(seq.tokens) - 1 <= start:  # a one-token prompt: no target features yet
-            return own_as_tensor(no_proposal(seq.device, self.family))
-        st = head_state(seq)
-        g = self.fuse(st.feats[start - st.feat_start:])
-        nxt = seq.to_device(seq.tokens[start + 1:])
-        d2t = self.head.d2t
-        toks, owns, qs = [], [], []
-        for _ in range(k):
-            logits, g = self.rows(g, nxt, cache)
-            j, p, probs = choose(seq.draft_logits(logits, so_far(seq, toks), d2t), params, seq.gen)
-            nxt = d2t[j]
-            toks.append(nxt)
-            owns.append(p)
-            if probs is not None:
-                qs.append(torch.zeros(self.vocab_size, dtype=probs.dtype, device=probs.device).index_copy_(0, d2t, probs))
-        return Proposal(torch.cat(toks), torch.stack(qs) if qs else None, torch.cat(owns), self.family)
 
     def can_tree(self, seq: Any) -> bool:
         """Target features of at least one row are needed (a one-token prompt has none)."""

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from infra.config import SuffixConfig
-from serve.spec_decode.protocol import Draft, Proposal, StepContext, draft_state, no_proposal, own_as_tensor
+from serve.spec_decode.protocol import Draft, Proposal, StepContext, draft_state, no_proposal
 from serve.spec_decode.k_policy import chain_expected, expected_tokens
 from serve.spec_decode.suffix.calibration import Calibration
 from serve.spec_decode.suffix.index import SuffixProposer
@@ -245,12 +245,6 @@ class HybridDraft(Draft):
             for i, got in zip(rest, self.head.propose([seqs[i] for i in rest], [ks[i] for i in rest], ctx)):
                 out[i] = got
         return out
-
-    def propose_device(self, seq: Any, k: int, ctx: StepContext) -> Proposal:
-        got = self._suffix_first(seq, k, ctx)
-        if got is None:
-            return self.head.propose_device(seq, k, ctx)
-        return own_as_tensor(got)
 
     def _suffix_first(self, seq: Any, k: int, ctx: StepContext) -> Proposal | None:
         got = self.suffix.propose([seq], [k], ctx)[0]

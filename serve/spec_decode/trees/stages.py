@@ -1,8 +1,9 @@
 """One speculative step with a draft tree (EAGLE-2 style), greedy or sampled.
 
-    expand (draft, one block forward per depth) -> score (target, one forward over the whole
-    tree under an ancestor mask) -> verify (walk the target's argmax down the tree, or
-    rejection-sample down it) -> commit (compact the accepted path's K/V rows into the prefix)
+    expand (draft, one block forward per depth: tree_block) -> score (the tree's nodes are one
+    item of the step's target forward, beside the other requests' rows, under an ancestor
+    mask: serve/engine/step.py) -> verify (tree_verify: walk the target's argmax down the
+    tree, or rejection-sample down it) -> commit (compact the accepted path's K/V rows into the prefix)
 
 Slots and positions. With `base` committed tokens the target cache holds base-1 of them and
 the root of the tree is the last committed token: tree node i goes to target slot base-1+i
@@ -32,6 +33,7 @@ q and the target's p are warped by the request's temperature, top-k and top-p, a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -79,21 +81,33 @@ def grow_tree(seq: Any, step: Callable, shape: TreeShape) -> DraftTree:
     return expand_tree(step, root, shape.depth, shape.top_k, shape.total, gen)
 
 
-def tree_step(target: Any, seq: Any, shape: TreeShape, ctx: Any,
-              mark: Callable[[], None] = lambda: None) -> tuple[list[int], torch.Tensor, int, int]:
-    """The draft's tree, scored and verified; the target cache compacted. Returns (the draft's
-    tokens for commit: the accepted path plus the best child at the first rejected position,
-    the target's logits at the committed positions [n+1, V], n accepted, the next token); the
-    committed positions' features, where the draft reads them, wait in seq.step_feats for
-    commit. `mark()` is called after each of expand, score and verify."""
-    draft, cache = seq.draft, seq.slot.target
+@dataclass
+class TreeBlock:
+    """A request's tree as one item of the step's target forward: its nodes' tokens, written at
+    cache slots base-1+i, rotated to positions `pos`, each attending where `visible` marks
+    (the prefix and its ancestors)."""
+    tree: DraftTree
+    base: int
+    pos: torch.Tensor  # [N]
+    visible: torch.Tensor  # [N, max_len] bool
+
+
+def tree_block(seq: Any, shape: TreeShape, ctx: Any) -> TreeBlock:
+    """The draft's tree for this step, with the target's mask and positions for scoring it."""
     base = len(seq.tokens)
-    tree = draft.propose_tree(seq, shape, ctx)
-    mark()
-    mask, pos, _ = tree_attention(tree, base - 1, cache.max_len)
-    start = torch.arange(cache.max_len, device=seq.device)[base - 1: base]
-    logits, feats = target.forward_masked(tree.tokens, start, pos, mask, cache, draft.feature_layers)
-    mark()
+    tree = seq.draft.propose_tree(seq, shape, ctx)
+    mask, pos, _ = tree_attention(tree, base - 1, seq.slot.target.max_len)
+    return TreeBlock(tree, base, pos, mask)
+
+
+def tree_verify(seq: Any, block: TreeBlock, logits: torch.Tensor,
+                feats: torch.Tensor | None) -> tuple[list[int], torch.Tensor, int, int]:
+    """The scored tree verified and the target cache compacted to the accepted path. Returns
+    (the draft's tokens for commit: the accepted path plus the best child at the first
+    rejected position, the target's logits at the committed positions [n+1, V], n accepted,
+    the next token); the committed positions' features, where the draft reads them, wait in
+    seq.step_feats for commit."""
+    tree, base, cache = block.tree, block.base, seq.slot.target
     params = seq.params.sampling
     if params.greedy:
         path, nxt = verify_tree_greedy(tree, torch.argmax(logits, dim=-1))
@@ -101,7 +115,6 @@ def tree_step(target: Any, seq: Any, shape: TreeShape, ctx: Any,
         path, nxt = verify_tree_positional(tree, warp_probs(logits, params), seq.seed, base)
     else:
         path, nxt = verify_tree_sampling(tree, warp_probs(logits, params), seq.gen)
-    mark()
     rows = torch.tensor([0] + path, device=seq.device)
     src, dst = compaction_indices(base - 1, path, seq.device)
     compact_kv_(cache.k, cache.v, src, dst)
