@@ -69,3 +69,37 @@ def test_the_long_prompt_probe_measures_the_streams_gaps_around_a_prefill(app):
                           streams=2, prompt_words=40, max_tokens=16, timeout_s=60)
     assert r["long_status"] == 200 and r["long_ttft_ms"] > 0 and set(r["stream_statuses"]) == {"200"}
     assert r["gap_before_p50_ms"] > 0
+
+
+def test_a_request_count_sends_each_mode_the_same_requests(monkeypatch):
+    """--requests N: every client sends exactly N requests, and both modes send the same
+    prompts, however fast each answers (a fake server: the faster mode would walk further
+    down the prompts in a fixed time)."""
+    import threading
+    import time
+
+    import pipeline.bench.load as load
+
+    sent, mu = [], threading.Lock()
+
+    def fake_send(session, url, headers, body, timeout_s):
+        msg = json.loads(body)
+        if msg["osd_speculate"]:
+            time.sleep(0.001)  # one mode answers faster than the other
+        with mu:
+            sent.append((msg["osd_speculate"], msg["messages"][0]["content"]))
+        return load.Outcome(200, 0.01, completion_tokens=4, ttft_s=0.005)
+
+    monkeypatch.setattr(load, "send_chat", fake_send)
+    monkeypatch.setattr(load, "preflight", lambda url, headers: None)
+    monkeypatch.setattr(load, "server_forwards", lambda url, headers: None)
+    prompts = [f"prompt {i}" for i in range(50)]
+    res = run_load_bench("http://fake", levels=(3,), requests=5, prompts=prompts, speculation="both")
+    assert [(r["requests"], r["ok"]) for r in res["levels"]] == [(15, 15), (15, 15)]
+    assert res["requests_per_client"] == 5 and res["seconds_per_level"] is None
+    warm = len(load.MODES["both"])
+    on = sorted(p for s, p in sent[warm:] if s)
+    off = sorted(p for s, p in sent[warm:] if not s)
+    assert on == off and len(on) == 15
+    with pytest.raises(LoadBenchError, match="requests"):
+        run_load_bench("http://fake", levels=(1,), requests=0)

@@ -1,7 +1,9 @@
 """`osd bench load`: closed-loop streaming load on a running server at rising concurrency.
 
 For each concurrency level C, C client threads each stream chat completions back to back for
-a fixed number of seconds; with `--speculation both` (the default) each level runs twice,
+a fixed number of seconds, or (`--requests N`) each through its own fixed list of N prompts,
+so that the modes compared serve exactly the same requests (with a fixed time, the faster
+mode walks further down the list, into prompts the slower one never sends); with `--speculation both` (the default) each level runs twice,
 speculation on and off (the request's `osd_speculate`), one after the other, so the two are
 compared at the same load in one run. Per level it reports what a capacity plan needs:
 answered requests, output tokens/s, time to first token and inter-token latency (p50/p99;
@@ -159,11 +161,12 @@ def summarize(concurrency: int, outcomes: list[Outcome], elapsed_s: float, specu
 
 
 def _client(url: str, headers: dict[str, str], prompts: Sequence[str], max_tokens: int, speculate: bool,
-            timeout_s: float, deadline: float, worker: int, out: list[Outcome]) -> None:
-    """One closed-loop client: send, read the stream to its end, send again, until the deadline."""
+            timeout_s: float, deadline: float, worker: int, out: list[Outcome], count: int | None = None) -> None:
+    """One closed-loop client: send, read the stream to its end, send again, until the deadline
+    (or, given a count, until it has sent that many)."""
     i = 0
     with httpx.Client() as session:
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline if count is None else i < count:
             # Each client walks the prompts from its own offset, so concurrent requests differ.
             text = prompts[(worker * 7919 + i) % len(prompts)]
             body = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
@@ -188,20 +191,23 @@ def server_forwards(url: str, headers: dict[str, str]) -> int | None:
 
 def run_level(url: str, headers: dict[str, str], concurrency: int, seconds: float, max_tokens: int,
               timeout_s: float, prompts: Sequence[str] = ("Say something short about load testing.",),
-              speculate: bool = True) -> dict[str, Any]:
-    """C clients for `seconds`; returns the level's summary. Bounded by seconds + timeout."""
+              speculate: bool = True, requests: int | None = None) -> dict[str, Any]:
+    """C clients for `seconds`, or each for `requests` requests; returns the level's summary.
+    Bounded by seconds (or the requests' timeouts) + a timeout."""
     per_client: list[list[Outcome]] = [[] for _ in range(concurrency)]
     before = server_forwards(url, headers)
     t0 = time.monotonic()
-    deadline = t0 + seconds
+    per_request_s = CONNECT_TIMEOUT_S + timeout_s + 5.0
+    deadline = t0 + (seconds if requests is None else requests * per_request_s)
     threads = [threading.Thread(target=_client, args=(url, headers, prompts, max_tokens, speculate, timeout_s,
-                                                      deadline, w, per_client[w]), daemon=True, name=f"load-{w}")
+                                                      deadline, w, per_client[w], requests),
+                                daemon=True, name=f"load-{w}")
                for w in range(concurrency)]
     for t in threads:
         t.start()
     # The last request starts before the deadline and ends within connect + read timeouts; past
     # that a client is stuck somewhere httpx does not time out, and is left behind (daemon).
-    join_by = deadline + CONNECT_TIMEOUT_S + timeout_s + 5.0
+    join_by = deadline + per_request_s
     for t in threads:
         t.join(max(0.0, join_by - time.monotonic()))
     elapsed = time.monotonic() - t0
@@ -351,12 +357,14 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
                    seconds: float = 20.0, max_tokens: int = 64, timeout_s: float = 60.0,
                    speculation: str = "both", prompts: Sequence[str] | None = None,
                    json_path: str | Path | None = None, png_path: str | Path | None = None,
-                   long_prompt: bool = False) -> dict[str, Any]:
+                   long_prompt: bool = False, requests: int | None = None) -> dict[str, Any]:
     """Run every level (with speculation on, off or both, interleaved per level) in order,
     then with `long_prompt` the long-prompt probe; print a table, return (and optionally
     write as JSON and a PNG) the figures. Raises LoadBenchError if nothing answers at `url`."""
     if not levels or min(levels) < 1 or seconds <= 0 or max_tokens < 1 or timeout_s <= 0:
         raise LoadBenchError("levels must be >= 1, and seconds, max_tokens and timeout positive")
+    if requests is not None and requests < 1:
+        raise LoadBenchError(f"requests per client must be >= 1, got {requests}")
     if speculation not in MODES:
         raise LoadBenchError(f"speculation must be one of {', '.join(MODES)}, got {speculation!r}")
     prompts = list(prompts or ["Say something short about load testing."])
@@ -371,18 +379,20 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
             send_chat(s, url, headers, json.dumps({"messages": [{"role": "user", "content": prompts[0]}],
                                                    "max_tokens": max_tokens, "stream": True,
                                                    "osd_speculate": spec}).encode(), timeout_s)
+    per_level = f"{seconds:g} s per level" if requests is None else f"{requests} requests per client and level"
     print(f"load bench: {url}{CHAT_PATH}, streaming, max_tokens {max_tokens}, {len(prompts)} prompts, "
-          f"{seconds:g} s per level, speculation {speculation}, client timeout {timeout_s:g} s", flush=True)
+          f"{per_level}, speculation {speculation}, client timeout {timeout_s:g} s", flush=True)
     rows = []
     for i, c in enumerate(levels):  # a line as each level ends: a long run shows progress
         modes = MODES[speculation] if i % 2 == 0 else MODES[speculation][::-1]  # alternate which goes first
         for spec in modes:
-            rows.append(run_level(url, headers, c, seconds, max_tokens, timeout_s, prompts, spec))
+            rows.append(run_level(url, headers, c, seconds, max_tokens, timeout_s, prompts, spec, requests))
             r = rows[-1]
             print(f"level {c} speculation {'on' if spec else 'off'}: {r['ok']} ok, "
                   f"{r['completion_tok_per_s']:.1f} tok/s, {r['rejected']} refused", flush=True)
     print(format_table(rows), flush=True)
-    result = {"url": url, "path": CHAT_PATH, "max_tokens": max_tokens, "seconds_per_level": seconds,
+    result = {"url": url, "path": CHAT_PATH, "max_tokens": max_tokens,
+              "seconds_per_level": seconds if requests is None else None, "requests_per_client": requests,
               "timeout_s": timeout_s, "prompts": len(prompts), "levels": rows}
     result["ratios"] = ratios(rows)
     if long_prompt:
@@ -412,6 +422,8 @@ def add_arguments(bl: argparse.ArgumentParser) -> None:
     bl.add_argument("--api-key", help="Bearer key (default $OSD_API_KEY)")
     bl.add_argument("--levels", default="1,2,4,8,16", metavar="C,C,...", help="concurrency levels (default 1,2,4,8,16)")
     bl.add_argument("--seconds", type=float, default=20, metavar="S", help="seconds per level and mode (default 20)")
+    bl.add_argument("--requests", type=int, metavar="N",
+                    help="instead of --seconds: each client sends N requests, the same ones in each mode")
     bl.add_argument("--max-tokens", type=int, default=64, metavar="M", help="max_tokens per request (default 64)")
     bl.add_argument("--speculation", choices=("both", "on", "off"), default="both",
                     help="run each level with speculation on and off (default), or one of them")
@@ -435,5 +447,5 @@ def run(cfg: Any, args: argparse.Namespace) -> int:
     png = args.png or str(Path(args.out).with_suffix(".png"))
     run_load_bench(url, api_key=args.api_key, levels=levels, seconds=args.seconds, max_tokens=args.max_tokens,
                    timeout_s=args.timeout, speculation=args.speculation, prompts=prompts, json_path=args.out,
-                   png_path=png, long_prompt=args.long_prompt)
+                   png_path=png, long_prompt=args.long_prompt, requests=args.requests)
     return 0
