@@ -74,7 +74,8 @@ def test_the_long_prompt_probe_measures_the_streams_gaps_around_a_prefill(app):
 def test_a_request_count_sends_each_mode_the_same_requests(monkeypatch):
     """--requests N: every client sends exactly N requests, and both modes send the same
     prompts, however fast each answers (a fake server: the faster mode would walk further
-    down the prompts in a fixed time)."""
+    down the prompts in a fixed time); speculation goes first, and each level's prompts are
+    new (the server's suffix index learns from what it served)."""
     import threading
     import time
 
@@ -94,12 +95,16 @@ def test_a_request_count_sends_each_mode_the_same_requests(monkeypatch):
     monkeypatch.setattr(load, "preflight", lambda url, headers: None)
     monkeypatch.setattr(load, "server_forwards", lambda url, headers: None)
     prompts = [f"prompt {i}" for i in range(50)]
-    res = run_load_bench("http://fake", levels=(3,), requests=5, prompts=prompts, speculation="both")
-    assert [(r["requests"], r["ok"]) for r in res["levels"]] == [(15, 15), (15, 15)]
+    res = run_load_bench("http://fake", levels=(3, 2), requests=5, prompts=prompts, speculation="both")
+    assert [(r["concurrency"], r["speculation"], r["requests"], r["ok"]) for r in res["levels"]] == [
+        (3, True, 15, 15), (3, False, 15, 15), (2, True, 10, 10), (2, False, 10, 10)]
     assert res["requests_per_client"] == 5 and res["seconds_per_level"] is None
-    warm = len(load.MODES["both"])
-    on = sorted(p for s, p in sent[warm:] if s)
-    off = sorted(p for s, p in sent[warm:] if not s)
-    assert on == off and len(on) == 15
+    sent = sent[len(load.MODES["both"]):]  # after the warm-up
+    by_level = [sent[:30], sent[30:]]
+    for part, n in zip(by_level, (15, 10)):
+        on = sorted(p for s, p in part if s)
+        assert on == sorted(p for s, p in part if not s) and len(on) == n
+        assert all(s for s, _ in part[:n])  # speculation on first
+    assert not {p for _, p in by_level[0]} & {p for _, p in by_level[1]}
     with pytest.raises(LoadBenchError, match="requests"):
         run_load_bench("http://fake", levels=(1,), requests=0)

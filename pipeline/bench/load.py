@@ -161,14 +161,16 @@ def summarize(concurrency: int, outcomes: list[Outcome], elapsed_s: float, specu
 
 
 def _client(url: str, headers: dict[str, str], prompts: Sequence[str], max_tokens: int, speculate: bool,
-            timeout_s: float, deadline: float, worker: int, out: list[Outcome], count: int | None = None) -> None:
+            timeout_s: float, deadline: float, worker: int, out: list[Outcome], count: int | None = None,
+            start: int = 0) -> None:
     """One closed-loop client: send, read the stream to its end, send again, until the deadline
-    (or, given a count, until it has sent that many)."""
+    (or, given a count, until it has sent that many: prompts start + worker * count onwards)."""
     i = 0
     with httpx.Client() as session:
         while time.monotonic() < deadline if count is None else i < count:
             # Each client walks the prompts from its own offset, so concurrent requests differ.
-            text = prompts[(worker * 7919 + i) % len(prompts)]
+            at = worker * 7919 + i if count is None else start + worker * count + i
+            text = prompts[at % len(prompts)]
             body = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
                                "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
                                "osd_speculate": speculate}).encode()
@@ -191,16 +193,16 @@ def server_forwards(url: str, headers: dict[str, str]) -> int | None:
 
 def run_level(url: str, headers: dict[str, str], concurrency: int, seconds: float, max_tokens: int,
               timeout_s: float, prompts: Sequence[str] = ("Say something short about load testing.",),
-              speculate: bool = True, requests: int | None = None) -> dict[str, Any]:
-    """C clients for `seconds`, or each for `requests` requests; returns the level's summary.
-    Bounded by seconds (or the requests' timeouts) + a timeout."""
+              speculate: bool = True, requests: int | None = None, start: int = 0) -> dict[str, Any]:
+    """C clients for `seconds`, or each for `requests` requests (prompts start onwards);
+    returns the level's summary. Bounded by seconds (or the requests' timeouts) + a timeout."""
     per_client: list[list[Outcome]] = [[] for _ in range(concurrency)]
     before = server_forwards(url, headers)
     t0 = time.monotonic()
     per_request_s = CONNECT_TIMEOUT_S + timeout_s + 5.0
     deadline = t0 + (seconds if requests is None else requests * per_request_s)
     threads = [threading.Thread(target=_client, args=(url, headers, prompts, max_tokens, speculate, timeout_s,
-                                                      deadline, w, per_client[w], requests),
+                                                      deadline, w, per_client[w], requests, start),
                                 daemon=True, name=f"load-{w}")
                for w in range(concurrency)]
     for t in threads:
@@ -382,14 +384,19 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
     per_level = f"{seconds:g} s per level" if requests is None else f"{requests} requests per client and level"
     print(f"load bench: {url}{CHAT_PATH}, streaming, max_tokens {max_tokens}, {len(prompts)} prompts, "
           f"{per_level}, speculation {speculation}, client timeout {timeout_s:g} s", flush=True)
-    rows = []
+    rows, start = [], 0
+    if requests is not None and sum(levels) * requests > len(prompts):
+        print(f"note: {sum(levels) * requests} requests a mode over {len(prompts)} prompts: some repeat", flush=True)
     for i, c in enumerate(levels):  # a line as each level ends: a long run shows progress
-        modes = MODES[speculation] if i % 2 == 0 else MODES[speculation][::-1]  # alternate which goes first
-        for spec in modes:
-            rows.append(run_level(url, headers, c, seconds, max_tokens, timeout_s, prompts, spec, requests))
+        # With a request count, speculation goes first: the server's drafts learn from every
+        # request it serves (the suffix index), so the other order would hand them its prompts.
+        alternate = requests is None and i % 2 == 1
+        for spec in MODES[speculation][::-1] if alternate else MODES[speculation]:
+            rows.append(run_level(url, headers, c, seconds, max_tokens, timeout_s, prompts, spec, requests, start))
             r = rows[-1]
             print(f"level {c} speculation {'on' if spec else 'off'}: {r['ok']} ok, "
                   f"{r['completion_tok_per_s']:.1f} tok/s, {r['rejected']} refused", flush=True)
+        start += c * (requests or 0)  # the next level's requests are new to the server
     print(format_table(rows), flush=True)
     result = {"url": url, "path": CHAT_PATH, "max_tokens": max_tokens,
               "seconds_per_level": seconds if requests is None else None, "requests_per_client": requests,
