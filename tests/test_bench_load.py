@@ -71,11 +71,12 @@ def test_the_long_prompt_probe_measures_the_streams_gaps_around_a_prefill(app):
     assert r["gap_before_p50_ms"] > 0
 
 
-def test_a_request_count_sends_each_mode_the_same_requests(monkeypatch):
+def test_a_request_count_sends_each_mode_the_same_requests_after_an_untimed_warm_up(monkeypatch):
     """--requests N: every client sends exactly N requests, and both modes send the same
     prompts, however fast each answers (a fake server: the faster mode would walk further
-    down the prompts in a fixed time); speculation goes first, and each level's prompts are
-    new (the server's suffix index learns from what it served)."""
+    down the prompts in a fixed time); each level's prompts are new. Before the levels: one
+    request per mode on a prompt no level sends, then the largest level's client count of the
+    longest prompts at once, without speculation."""
     import threading
     import time
 
@@ -94,17 +95,18 @@ def test_a_request_count_sends_each_mode_the_same_requests(monkeypatch):
     monkeypatch.setattr(load, "send_chat", fake_send)
     monkeypatch.setattr(load, "preflight", lambda url, headers: None)
     monkeypatch.setattr(load, "server_forwards", lambda url, headers: None)
-    prompts = [f"prompt {i}" for i in range(50)]
+    prompts = [f"prompt {i}" + "x" * (i % 7) for i in range(50)]
     res = run_load_bench("http://fake", levels=(3, 2), requests=5, prompts=prompts, speculation="both")
     assert [(r["concurrency"], r["speculation"], r["requests"], r["ok"]) for r in res["levels"]] == [
-        (3, True, 15, 15), (3, False, 15, 15), (2, True, 10, 10), (2, False, 10, 10)]
+        (3, True, 15, 15), (3, False, 15, 15), (2, False, 10, 10), (2, True, 10, 10)]
     assert res["requests_per_client"] == 5 and res["seconds_per_level"] is None
-    sent = sent[len(load.MODES["both"]):]  # after the warm-up
+    warm, sent = sent[:5], sent[5:]
+    assert warm[:2] == [(True, load.WARM_PROMPT), (False, load.WARM_PROMPT)] and load.WARM_PROMPT not in prompts
+    assert not any(s for s, _ in warm[2:]) and all(len(p) == len(max(prompts, key=len)) for _, p in warm[2:])
     by_level = [sent[:30], sent[30:]]
     for part, n in zip(by_level, (15, 10)):
         on = sorted(p for s, p in part if s)
         assert on == sorted(p for s, p in part if not s) and len(on) == n
-        assert all(s for s, _ in part[:n])  # speculation on first
     assert not {p for _, p in by_level[0]} & {p for _, p in by_level[1]}
     with pytest.raises(LoadBenchError, match="requests"):
         run_load_bench("http://fake", levels=(1,), requests=0)

@@ -355,6 +355,27 @@ def load_prompts(source: str, limit: int = 512) -> list[str]:
     return texts
 
 
+WARM_PROMPT = "Say something short about load testing."
+
+
+def warm_up(url: str, headers: dict[str, str], prompts: Sequence[str], clients: int, max_tokens: int,
+            timeout_s: float, modes: Sequence[bool]) -> None:
+    """Untimed: one request in each mode (one-off costs, such as the cost rule's profile at the
+    first speculative request), on a prompt the levels never send; then `clients` requests at
+    once without speculation over the longest prompts, so the server's KV pool has grown to
+    the longest context the levels reach before any level is timed (a growth allocates the
+    whole pool again: seconds, once, on a fresh server, charged to whichever mode met it first).
+    Requests without speculation teach the server's drafts nothing (the suffix index learns
+    only from requests it drafted for), so the levels' prompts stay first-time for them."""
+    with httpx.Client() as s:
+        for spec in modes:
+            send_chat(s, url, headers, json.dumps({"messages": [{"role": "user", "content": WARM_PROMPT}],
+                                                   "max_tokens": max_tokens, "stream": True,
+                                                   "osd_speculate": spec}).encode(), timeout_s)
+    longest = sorted(prompts, key=len, reverse=True)[:clients]
+    run_level(url, headers, len(longest), 1.0, max_tokens, timeout_s, longest, False, requests=1)
+
+
 def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int] = (1, 2, 4, 8, 16),
                    seconds: float = 20.0, max_tokens: int = 64, timeout_s: float = 60.0,
                    speculation: str = "both", prompts: Sequence[str] | None = None,
@@ -376,11 +397,7 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     preflight(url, headers)
-    with httpx.Client() as s:  # warm-up, not counted: the first requests pay one-off costs
-        for spec in MODES[speculation]:
-            send_chat(s, url, headers, json.dumps({"messages": [{"role": "user", "content": prompts[0]}],
-                                                   "max_tokens": max_tokens, "stream": True,
-                                                   "osd_speculate": spec}).encode(), timeout_s)
+    warm_up(url, headers, prompts, max(levels), max_tokens, timeout_s, MODES[speculation])
     per_level = f"{seconds:g} s per level" if requests is None else f"{requests} requests per client and level"
     print(f"load bench: {url}{CHAT_PATH}, streaming, max_tokens {max_tokens}, {len(prompts)} prompts, "
           f"{per_level}, speculation {speculation}, client timeout {timeout_s:g} s", flush=True)
@@ -388,10 +405,7 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
     if requests is not None and sum(levels) * requests > len(prompts):
         print(f"note: {sum(levels) * requests} requests a mode over {len(prompts)} prompts: some repeat", flush=True)
     for i, c in enumerate(levels):  # a line as each level ends: a long run shows progress
-        # With a request count, speculation goes first: the server's drafts learn from every
-        # request it serves (the suffix index), so the other order would hand them its prompts.
-        alternate = requests is None and i % 2 == 1
-        for spec in MODES[speculation][::-1] if alternate else MODES[speculation]:
+        for spec in MODES[speculation] if i % 2 == 0 else MODES[speculation][::-1]:  # alternate which goes first
             rows.append(run_level(url, headers, c, seconds, max_tokens, timeout_s, prompts, spec, requests, start))
             r = rows[-1]
             print(f"level {c} speculation {'on' if spec else 'off'}: {r['ok']} ok, "
