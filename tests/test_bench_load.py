@@ -75,8 +75,8 @@ def test_a_request_count_sends_each_mode_the_same_requests_after_an_untimed_warm
     """--requests N: every client sends exactly N requests, and both modes send the same
     prompts, however fast each answers (a fake server: the faster mode would walk further
     down the prompts in a fixed time); each level's prompts are new. Before the levels: one
-    request per mode on a prompt no level sends, then the largest level's client count of the
-    longest prompts at once, without speculation."""
+    request per mode on a prompt no level sends, then the longest prompt the server accepts,
+    without speculation (the fake server refuses the longest one)."""
     import threading
     import time
 
@@ -88,21 +88,26 @@ def test_a_request_count_sends_each_mode_the_same_requests_after_an_untimed_warm
         msg = json.loads(body)
         if msg["osd_speculate"]:
             time.sleep(0.001)  # one mode answers faster than the other
+        text = msg["messages"][0]["content"]
         with mu:
-            sent.append((msg["osd_speculate"], msg["messages"][0]["content"]))
+            sent.append((msg["osd_speculate"], text))
+        if text == longest:
+            return load.Outcome(400, 0.001)  # past the server's context
         return load.Outcome(200, 0.01, completion_tokens=4, ttft_s=0.005)
 
     monkeypatch.setattr(load, "send_chat", fake_send)
     monkeypatch.setattr(load, "preflight", lambda url, headers: None)
     monkeypatch.setattr(load, "server_forwards", lambda url, headers: None)
     prompts = [f"prompt {i}" + "x" * (i % 7) for i in range(50)]
+    longest = prompts[40] = "a prompt too long for the server's context"
+    next_longest = max((p for p in prompts if p != longest), key=len)
     res = run_load_bench("http://fake", levels=(3, 2), requests=5, prompts=prompts, speculation="both")
     assert [(r["concurrency"], r["speculation"], r["requests"], r["ok"]) for r in res["levels"]] == [
         (3, True, 15, 15), (3, False, 15, 15), (2, False, 10, 10), (2, True, 10, 10)]
     assert res["requests_per_client"] == 5 and res["seconds_per_level"] is None
-    warm, sent = sent[:5], sent[5:]
-    assert warm[:2] == [(True, load.WARM_PROMPT), (False, load.WARM_PROMPT)] and load.WARM_PROMPT not in prompts
-    assert not any(s for s, _ in warm[2:]) and all(len(p) == len(max(prompts, key=len)) for _, p in warm[2:])
+    warm, sent = sent[:4], sent[4:]
+    assert warm == [(True, load.WARM_PROMPT), (False, load.WARM_PROMPT), (False, longest), (False, next_longest)]
+    assert load.WARM_PROMPT not in prompts
     by_level = [sent[:30], sent[30:]]
     for part, n in zip(by_level, (15, 10)):
         on = sorted(p for s, p in part if s)

@@ -356,24 +356,30 @@ def load_prompts(source: str, limit: int = 512) -> list[str]:
 
 
 WARM_PROMPT = "Say something short about load testing."
+WARM_TRIES = 32  # the longest prompts tried, longest first, for one the server accepts
 
 
-def warm_up(url: str, headers: dict[str, str], prompts: Sequence[str], clients: int, max_tokens: int,
+def warm_up(url: str, headers: dict[str, str], prompts: Sequence[str], max_tokens: int,
             timeout_s: float, modes: Sequence[bool]) -> None:
     """Untimed: one request in each mode (one-off costs, such as the cost rule's profile at the
-    first speculative request), on a prompt the levels never send; then `clients` requests at
-    once without speculation over the longest prompts, so the server's KV pool has grown to
-    the longest context the levels reach before any level is timed (a growth allocates the
-    whole pool again: seconds, once, on a fresh server, charged to whichever mode met it first).
-    Requests without speculation teach the server's drafts nothing (the suffix index learns
-    only from requests it drafted for), so the levels' prompts stay first-time for them."""
+    first speculative request), on a prompt the levels never send; then, without speculation,
+    the longest prompt the server accepts (longer ones exceed its context and are refused at
+    once), so its KV pool has grown to the longest context the levels reach before any level
+    is timed (a growth allocates the whole pool again: about a second, on a fresh server,
+    charged to whichever mode met it first). Requests without speculation teach the server's
+    drafts nothing (the suffix index learns only from requests it drafted for), so the
+    levels' prompts stay first-time for them."""
+    def send(session: httpx.Client, text: str, spec: bool) -> Outcome:
+        return send_chat(session, url, headers, json.dumps({
+            "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": True,
+            "osd_speculate": spec}).encode(), timeout_s)
+
     with httpx.Client() as s:
         for spec in modes:
-            send_chat(s, url, headers, json.dumps({"messages": [{"role": "user", "content": WARM_PROMPT}],
-                                                   "max_tokens": max_tokens, "stream": True,
-                                                   "osd_speculate": spec}).encode(), timeout_s)
-    longest = sorted(prompts, key=len, reverse=True)[:clients]
-    run_level(url, headers, len(longest), 1.0, max_tokens, timeout_s, longest, False, requests=1)
+            send(s, WARM_PROMPT, spec)
+        for text in sorted(prompts, key=len, reverse=True)[:WARM_TRIES]:
+            if send(s, text, False).status == 200:
+                break
 
 
 def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int] = (1, 2, 4, 8, 16),
@@ -397,7 +403,7 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     preflight(url, headers)
-    warm_up(url, headers, prompts, max(levels), max_tokens, timeout_s, MODES[speculation])
+    warm_up(url, headers, prompts, max_tokens, timeout_s, MODES[speculation])
     per_level = f"{seconds:g} s per level" if requests is None else f"{requests} requests per client and level"
     print(f"load bench: {url}{CHAT_PATH}, streaming, max_tokens {max_tokens}, {len(prompts)} prompts, "
           f"{per_level}, speculation {speculation}, client timeout {timeout_s:g} s", flush=True)
