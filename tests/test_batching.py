@@ -56,7 +56,7 @@ def test_greedy_outputs_in_a_batch_equal_each_request_alone(target, path):
     """Mixed prompt lengths (one prefilled in 7 chunks, one of a single token), mixed drafts
     (the engine's, another, none), staggered arrivals: requests join and leave mid-batch; one
     more is cancelled half-way, and its slot comes back. device: the GPU's path run on the CPU
-    (the pool forward, and the device-resident stages for a request decoding alone); cuda: on
+    (the pool forward, and its one host read a step, alone or in a batch); cuda: on
     a GPU, with CUDA graphs."""
     if path == "cuda":
         target = tiny().to("cuda")

@@ -112,7 +112,7 @@ def test_device_stages_and_head_drafts_apply_the_processors(target):
     for draft in (build_draft("truncate:2", target), head):
         assert engine(target, draft).generate(PROMPTS[0], gp).output_ids == want
         dev = engine(target, draft)
-        dev.gpu = True  # the device-resident stages; on CPU they run the same tensor code
+        dev.gpu = True  # the GPU's step; on CPU it runs the same tensor code
         assert dev.generate(PROMPTS[0], gp).output_ids == want
 
 

@@ -159,7 +159,7 @@ def test_the_device_stages_serve_the_suffix_draft_as_the_cpu_batch_does(target):
     """The CUDA path's loop (run here on CPU): the same tokens, drafts and records."""
     prompts = _prompts()
     cpu, dev = _engine(target), _engine(target)
-    dev.gpu = True  # the device-resident stages; on CPU they run the same tensor code
+    dev.gpu = True  # the GPU's step; on CPU it runs the same tensor code
     for p in prompts + prompts:  # the second round drafts from the replica's index
         for params in (GenerationParams(max_new_tokens=24),
                        GenerationParams(max_new_tokens=24, sampling=SamplingParams(0.8, seed=7))):

@@ -32,7 +32,6 @@ from serve.spec_decode.protocol import Proposal, no_proposal
 from serve.spec_decode.trees.stages import TreeBlock, tree_block, tree_verify
 
 
-
 class SpecEngine(Protocol):
     """What the step reads of the engine (serve/engine/core.py SpecEngine)."""
     target: Any
@@ -52,8 +51,9 @@ def run_step(eng: SpecEngine, plan: StepPlan) -> StepTook:
     target forward, then each request's verify and commit."""
     t_step = time.perf_counter()
     eng.begin_step()
-    trees = [s for s in plan.decode if eng.use_tree(s)]
-    chains = [s for s in plan.decode if not any(s is t for t in trees)]
+    as_tree = [eng.use_tree(s) for s in plan.decode]
+    trees = [s for s, t in zip(plan.decode, as_tree) if t]
+    chains = [s for s, t in zip(plan.decode, as_tree) if not t]
     ks = eng.plan(chains, sum(t.numel() for _, t in plan.chunks))
     props = propose_all(eng, chains, ks)
     blocks = [_propose_tree(eng, s) for s in trees]
