@@ -281,3 +281,38 @@ def test_sampled_trees_decoding_together_follow_the_targets_distribution():
     assert chi2_pvalue(counts, _exact_first_two(target, prompt, sampling)) > 1e-3
     again = [r.output_ids for lo in (1, 4) for r in stream_all(eng, [prompt] * 3, params[lo:lo + 3])]
     assert again == outs[1:4] + outs[4:7]
+
+
+def test_a_tree_request_cancelled_mid_batch_leaves_the_others_their_outputs(monkeypatch):
+    """Two tree requests decode together; one is dropped by its consumer after a few steps. The
+    other's output is still its own, and the dropped one's slot comes back."""
+    import asyncio
+
+    target = tiny(**SMALL)
+    eng = SpecEngine(target, build_draft("truncate:2", target),
+                     options=small_options(k=4, max_seq_len=96, max_concurrency=2, tree="8,3,2"))
+    keep, drop = [1, 2, 3, 4, 5, 6, 7], [5, 5, 6, 2]
+    want = eng.generate(keep, GenerationParams(max_new_tokens=40)).output_ids
+    trees = _tree_items_per_forward(monkeypatch)
+
+    async def kept():
+        s = eng.stream(keep, GenerationParams(max_new_tokens=40))
+        async for _ in s:
+            pass
+        return s.result.output_ids
+
+    async def dropped():
+        got = []
+        async for toks in eng.stream(drop, GenerationParams(max_new_tokens=60)):
+            got += toks
+            if len(got) >= 6:
+                break
+        return got
+
+    async def run():
+        return await asyncio.gather(kept(), dropped())
+
+    out, partial = asyncio.run(run())
+    assert out == want and len(partial) >= 6
+    assert max(trees) == 2  # they shared forwards before the drop
+    assert eng.slots.free == 2
