@@ -3,9 +3,10 @@
 For each concurrency level C, C client threads each stream chat completions back to back for
 a fixed number of seconds, or (`--requests N`) each through its own fixed list of N prompts,
 so that the modes compared serve exactly the same requests (with a fixed time, the faster
-mode walks further down the list, into prompts the slower one never sends); with `--speculation both` (the default) each level runs twice,
-speculation on and off (the request's `osd_speculate`), one after the other, so the two are
-compared at the same load in one run. Per level it reports what a capacity plan needs:
+mode walks further down the list, into prompts the slower one never sends); with
+`--speculation both` (the default) each level runs twice, speculation on and off (the
+request's `osd_speculate`), one after the other, so the two are compared at the same load
+in one run. Per level it reports what a capacity plan needs:
 answered requests, output tokens/s, time to first token and inter-token latency (p50/p99;
 ITL is the gap between streamed chunks, one per step), end-to-end latency, tokens
 per target forward (from the server's /osd/stats: output tokens over target forwards, which
@@ -64,6 +65,8 @@ class Outcome:
     itl_s: list[float] = field(default_factory=list)
     chunk_at: list[float] = field(default_factory=list)  # perf_counter of each chunk after the first
 
+
+FIXED_PROMPT = "Say something short about load testing."  # `--prompts fixed`
 
 def _timeout(read_s: float) -> httpx.Timeout:
     """Connect within CONNECT_TIMEOUT_S; then each read (a streamed chunk) within read_s."""
@@ -192,7 +195,7 @@ def server_forwards(url: str, headers: dict[str, str]) -> int | None:
 
 
 def run_level(url: str, headers: dict[str, str], concurrency: int, seconds: float, max_tokens: int,
-              timeout_s: float, prompts: Sequence[str] = ("Say something short about load testing.",),
+              timeout_s: float, prompts: Sequence[str] = (FIXED_PROMPT,),
               speculate: bool = True, requests: int | None = None, start: int = 0) -> dict[str, Any]:
     """C clients for `seconds`, or each for `requests` requests (prompts start onwards);
     returns the level's summary. Bounded by seconds (or the requests' timeouts) + a timeout."""
@@ -355,7 +358,7 @@ def load_prompts(source: str, limit: int = 512) -> list[str]:
     return texts
 
 
-WARM_PROMPT = "Say something short about load testing."
+WARM_PROMPT = "Warm-up: answer with one word."  # never one of the levels' prompts, FIXED_PROMPT included
 WARM_TRIES = 32  # the longest prompts tried, longest first, for one the server accepts
 
 
@@ -396,7 +399,7 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
         raise LoadBenchError(f"requests per client must be >= 1, got {requests}")
     if speculation not in MODES:
         raise LoadBenchError(f"speculation must be one of {', '.join(MODES)}, got {speculation!r}")
-    prompts = list(prompts or ["Say something short about load testing."])
+    prompts = list(prompts or [FIXED_PROMPT])
     url = url.rstrip("/")
     api_key = api_key if api_key is not None else (os.environ.get("OSD_API_KEY") or None)
     headers = {"Content-Type": "application/json"}
