@@ -30,7 +30,7 @@ T = TypeVar("T")
 class Proposal(NamedTuple):
     tokens: torch.Tensor  # [n] long, on the engine's device
     q: torch.Tensor | None  # [n, V]: what each token was drawn from; None under greedy or for a point mass
-    own: Any  # the draft's probability of each token: list[float] (host stages) or an [n] tensor (device)
+    own: list[float]  # the draft's probability of each token
     source: str  # who proposed: "layer", "head", "suffix"
     point_mass: bool = False  # chosen, not drawn (module doc)
 

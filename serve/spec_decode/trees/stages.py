@@ -84,10 +84,9 @@ def grow_tree(seq: Any, step: Callable, shape: TreeShape) -> DraftTree:
 @dataclass
 class TreeBlock:
     """A request's tree as one item of the step's target forward: its nodes' tokens, written at
-    cache slots base-1+i, rotated to positions `pos`, each attending where `visible` marks
-    (the prefix and its ancestors)."""
+    cache slots base-1+i (base: the request's committed tokens), rotated to positions `pos`,
+    each attending where `visible` marks (the prefix and its ancestors)."""
     tree: DraftTree
-    base: int
     pos: torch.Tensor  # [N]
     visible: torch.Tensor  # [N, max_len] bool
 
@@ -97,7 +96,7 @@ def tree_block(seq: Any, shape: TreeShape, ctx: Any) -> TreeBlock:
     base = len(seq.tokens)
     tree = seq.draft.propose_tree(seq, shape, ctx)
     mask, pos, _ = tree_attention(tree, base - 1, seq.slot.target.max_len)
-    return TreeBlock(tree, base, pos, mask)
+    return TreeBlock(tree, pos, mask)
 
 
 def tree_verify(seq: Any, block: TreeBlock, logits: torch.Tensor,
@@ -106,8 +105,8 @@ def tree_verify(seq: Any, block: TreeBlock, logits: torch.Tensor,
     (the draft's tokens for commit: the accepted path plus the best child at the first
     rejected position, the target's logits at the committed positions [n+1, V], n accepted,
     the next token); the committed positions' features, where the draft reads them, wait in
-    seq.step_feats for commit."""
-    tree, base, cache = block.tree, block.base, seq.slot.target
+    seq.step_feats for commit. Before commit: the request still has the step's base tokens."""
+    tree, base, cache = block.tree, len(seq.tokens), seq.slot.target
     params = seq.params.sampling
     if params.greedy:
         path, nxt = verify_tree_greedy(tree, torch.argmax(logits, dim=-1))
