@@ -96,7 +96,7 @@ def test_device_stages_give_the_cpu_stages_tokens_and_stats(k):
     b = dev.generate(prompt, GenerationParams(max_new_tokens=24))
     assert b.output_ids == a.output_ids
     assert (b.stats.num_steps, b.stats.num_accepted_tokens) == (a.stats.num_steps, a.stats.num_accepted_tokens)
-    assert b.stats.stage_s["score"] > 0
+    assert b.stats.stage_s["score"] > 0 and b.stats.stage_s["commit"] > 0
     assert b.capture.draft_tokens.tolist() == a.capture.draft_tokens.tolist()
     torch.testing.assert_close(torch.from_numpy(b.capture.draft_probs), torch.from_numpy(a.capture.draft_probs),
                                equal_nan=True)

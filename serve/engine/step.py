@@ -122,10 +122,11 @@ def _finish_chains(eng: SpecEngine, chains: list[Seq], props: list[tuple[Proposa
         else:
             n, nxt = verify(seq, p.tokens, p.q, lg, p.point_mass)
             drafted = p.tokens.tolist()
+        t4 = time.perf_counter()
         emitted = commit(seq, drafted, p.own, lg, n, nxt, topk)
-        verify_s = time.perf_counter() - t3
-        _clock(seq, rows, draft_s, score_s, verify_s)
-        _learn(seq, p.tokens.numel(), n, draft_s, verify_s)
+        t5 = time.perf_counter()
+        _clock(seq, rows, draft_s, score_s, t4 - t3, t5 - t4)
+        _learn(seq, p.tokens.numel(), n, draft_s, t5 - t3)  # the policy's verify cost: verify and commit
         seq.deliver(emitted)
 
 
@@ -135,16 +136,18 @@ def _finish_trees(trees: list[Seq], blocks: list[tuple[TreeBlock, float]], outs:
         t3 = time.perf_counter()
         drafts, kept, n, nxt = tree_verify(seq, block, lg, _pick(feats, layers, _reads(seq)))
         own = [float("nan")] * len(drafts)  # a tree has no single proposal probability per position
+        t4 = time.perf_counter()
         emitted = commit(seq, drafts, own, kept, n, nxt)
-        _clock(seq, rows, draft_s, score_s, time.perf_counter() - t3)
+        _clock(seq, rows, draft_s, score_s, t4 - t3, time.perf_counter() - t4)
         seq.deliver(emitted)
 
 
-def _clock(seq: Seq, rows: int, draft_s: float, score_s: float, verify_s: float) -> None:
+def _clock(seq: Seq, rows: int, draft_s: float, score_s: float, verify_s: float, commit_s: float) -> None:
     clock = seq.stats.stage_s
     clock["propose"] += draft_s
     clock["score"] += score_s
     clock["verify"] += verify_s
+    clock["commit"] += commit_s
     by_t = seq.stats.score_by_tokens.setdefault(rows, [0, 0.0])
     by_t[0] += 1
     by_t[1] += score_s
