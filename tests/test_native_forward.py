@@ -357,6 +357,12 @@ def test_bad_input_is_refused_before_anything_is_written():
     with pytest.raises(ValueError, match="exceeds"):
         r.forward(torch.zeros(158, dtype=torch.long), cache)
     assert cache.length == 3
+    from serve.model.batch_forward import Item
+
+    tree = Item(torch.tensor([5, 6]), cache, pos=torch.tensor([3, 4]), visible=torch.ones(2, cache.max_len, dtype=torch.bool))
+    with pytest.raises(ValueError, match="draft trees"):  # a masked block: the native forward runs chains only
+        r.forward_rows([tree])
+    assert cache.length == 3 and torch.equal(cache.k, before)
 
 
 # ---------------------------------------------------------------- the engine on it
