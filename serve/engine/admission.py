@@ -71,6 +71,11 @@ class SlotPool(Generic[T]):
     def queued(self) -> int:
         return len(self._waiters)
 
+    def idle(self) -> list[T]:
+        """The free slots now (a snapshot: a request may take one at any time)."""
+        with self._lock:
+            return list(self._free)
+
     def check(self) -> None:
         """Raise if the slot count does not add up (a leak or a double release)."""
         with self._lock:

@@ -104,6 +104,8 @@ class EngineOptions:
     # Prompt tokens a step prefills (serve/engine/scheduler.py): a long prompt advances by one chunk
     # a step between the running requests' decode steps.
     prefill_chunk: int = _serve_default("prefill_chunk")
+    # Prompts start from the longest prefix a slot holds (serve/engine/prefix.py).
+    prefix_reuse: bool = _serve_default("prefix_reuse")
     max_queue: int = _serve_default("max_queue")
     queue_timeout_s: float = _serve_default("queue_timeout_s")
     # CUDA graphs for Llama forwards of up to k+1 tokens (serve/model/cuda_graphs.py): "auto" = on CUDA.
@@ -160,11 +162,14 @@ class GenerationResult:
     # Per output token (its logprob, [(id, logprob)] of the most likely), raw target
     # distribution; None unless GenerationParams.logprobs was set.
     logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    cached_tokens: int = 0  # prompt tokens whose keys and values a slot already held
 
     @property
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage object, with the prompt tokens its prefix cache served."""
         p, c = len(self.prompt_ids), len(self.output_ids)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
 
 # ---------------------------------------------------------------- engine
@@ -311,6 +316,9 @@ class SpecEngine:
             seq.stops = StopScanner(self.tokenizer, params.stop)
         if seq.draft is not None:
             seq.length = self.lengths().start(id(seq.draft), params.min_draft)
+        # A draft that reads the target's prompt features needs every prompt row's forward.
+        seq.may_reuse = (self.options.prefix_reuse and hasattr(slot.target, "take_prefix")
+                         and not (seq.draft is not None and seq.draft.feature_layers))
         begin_prefill(seq)
         if not seq.prefilling:  # a one-token prompt: nothing to prefill
             end_prefill(seq)
@@ -495,7 +503,7 @@ class SpecEngine:
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(seq.params.shown(seq.out), skip_special_tokens=True)
         return GenerationResult(seq.tokens[: seq.n_prompt], seq.out, seq.finish or "length", text, seq.stats,
-                                capture, prefill_s, decode_s, seq.logprobs)
+                                capture, prefill_s, decode_s, seq.logprobs, seq.cached_tokens)
 
     def generate(self, prompt_ids: Sequence[int], params: GenerationParams | None = None,
                  draft: Any = DEFAULT) -> GenerationResult:

@@ -5,7 +5,8 @@ engine. The engine's loop (serve/engine/core.py run_once) asks it for a plan, ru
 (serve/engine/step.py) and hands back what the step took:
 
     schedule() -> StepPlan   admits submitted requests, drops cancelled ones (their slots go
-                             back here, after the last forward that wrote them); every
+                             back here, after the last forward that wrote them); the prompt
+                             prefixes new requests take from the slots (prefix.py); every
                              decoding request rides in the step, chains and trees alike; the
                              prompt chunks
     update(plan, took)       logs the forward, paces the prompt chunks, retires the finished
@@ -23,12 +24,13 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from serve.engine.admission import SlotPool
-from serve.engine.sequence import Seq
+from serve.engine.prefix import best_prefix
+from serve.engine.sequence import Seq, Slot
 from serve.engine.stages import prefill_tokens
 
 DONE = object()  # delivered after a request's last tokens
@@ -41,9 +43,11 @@ EWMA_STEP = 0.2
 @dataclass
 class StepPlan:
     """One step's work: the decoding requests (each drafts and verifies, or decodes a row) and
-    the prompt chunks (request, tokens) that ride beside them."""
+    the prompt chunks (request, tokens) that ride beside them; first, the prompt prefixes new
+    requests take: (request, the slot holding it, tokens), the request's own slot or another's."""
     decode: list[Seq]
     chunks: list[tuple[Seq, torch.Tensor]]
+    prefixes: list[tuple[Seq, Slot, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -97,6 +101,8 @@ class Scheduler:
     def __init__(self, slots: SlotPool, prefill_chunk: int):
         self.slots = slots
         self.prefill_chunk = prefill_chunk
+        self.prompt_tokens = 0  # of admitted requests
+        self.cached_tokens = 0  # of those, taken from a slot (prefix.py)
         self._mu = threading.Lock()  # the incoming list
         self._incoming: list[Seq] = []
         self.active: list[Seq] = []
@@ -116,8 +122,9 @@ class Scheduler:
     def schedule(self) -> StepPlan | None:
         """The next step's plan; None when no request is left to run."""
         with self._mu:
-            self.active += self._incoming
-            self._incoming.clear()
+            new, self._incoming = self._incoming, []
+        prefixes = self._prefixes([s for s in new if not s.cancelled])
+        self.active += new
         self._retire(lambda s: s.cancelled)
         if not self.active:
             return None
@@ -125,7 +132,7 @@ class Scheduler:
         for seq in self.active:
             seq.progress = now
         decode = [s for s in self.active if not s.prefilling]
-        return StepPlan(decode, self._chunks([s for s in self.active if s.prefilling], len(decode)))
+        return StepPlan(decode, self._chunks([s for s in self.active if s.prefilling], len(decode)), prefixes)
 
     def update(self, plan: StepPlan, took: StepTook) -> None:
         """After a step: the log, the chunks' pacing, and the finished requests retired."""
@@ -141,12 +148,39 @@ class Scheduler:
             seq.error = error
         self._retire(lambda s: True)
 
+    def _prefixes(self, new: list[Seq]) -> list[tuple[Seq, Slot, int]]:
+        """The longest prompt prefix each new request can take from a slot (prefix.py): its own,
+        a free one's, or a running request's committed positions (prompt chunks included), of
+        a request of the same tenant and cache salt; not another new request's, which has
+        computed nothing yet."""
+        out: list[tuple[Seq, Slot, int]] = []
+        held: list[tuple[tuple, Slot, list[int]]] | None = None  # gathered once, if a request may take a prefix
+        for seq in new:
+            self.prompt_tokens += seq.n_prompt
+            own, own_held = seq.slot, seq.slot.held if seq.slot.held_for == seq.reuse_scope else []
+            own.held = []  # the request's now: its forwards overwrite the positions past its prefix
+            if not (seq.may_reuse and seq.prefilling):
+                continue
+            if held is None:
+                held = [(s.reuse_scope, s.slot, s.tokens[:s.slot.target.length]) for s in self.active]
+                held += [(slot.held_for, slot, slot.held) for slot in self.slots.idle() if slot.held]
+            mine = [(slot, toks) for scope, slot, toks in held if scope == seq.reuse_scope]
+            reuse = best_prefix(seq.tokens[:seq.n_prompt], own, own_held, mine)
+            if reuse is not None:
+                seq.prefilled = seq.cached_tokens = reuse.tokens
+                self.cached_tokens += reuse.tokens
+                out.append((seq, reuse.source, reuse.tokens))
+        return out
+
     def _retire(self, done) -> None:
         keep = []
         for seq in self.active:
             if not done(seq):
                 keep.append(seq)
                 continue
+            # What the slot's cache holds for the next requests: committed positions only (a
+            # failed step wrote nothing below its requests' lengths).
+            seq.slot.held, seq.slot.held_for = seq.tokens[:seq.slot.target.length], seq.reuse_scope
             self.slots.release(seq.slot)
             if seq.draft is not None:
                 seq.draft.release(seq)  # a draft that keeps per-request state of its own

@@ -42,6 +42,8 @@ class GenerationParams:
     # position, of the raw target distribution (GenerationResult.logprobs).
     logprobs: int | None = None
     origin: Origin = Origin()
+    # Prompt prefixes are taken only from requests of the same tenant and salt (serve/engine/prefix.py).
+    cache_salt: str | None = None
 
     def shown(self, tokens: list[int]) -> list[int]:
         """The tokens whose text is output: all but a last one of stop_token_ids (vLLM leaves a
@@ -127,6 +129,10 @@ class Slot:
     def __init__(self, target: KVCache):
         self.target = target
         self.drafts: dict[Any, KVCache] = {}
+        # The tokens whose keys and values the target cache holds at its first positions,
+        # from the slot's last request, while no request runs in it (serve/engine/prefix.py).
+        self.held: list[int] = []
+        self.held_for: tuple = ()  # whose they are: the last request's reuse_scope
 
     def draft_cache(self, runner: Runner) -> KVCache | None:
         if not getattr(runner, "uses_kv_cache", True):  # a draft with no forward of its own
@@ -182,6 +188,12 @@ class Seq:
         # where each step's tokens go, and a cancellation asked by the request's owner.
         self.prefilled = 0
         self.prefill_feats: list[torch.Tensor] = []
+        # Whether the prompt may start from a prefix a slot holds (serve/engine/prefix.py), and
+        # the prompt tokens it took so (OpenAI's usage.prompt_tokens_details.cached_tokens).
+        self.may_reuse = False
+        self.cached_tokens = 0
+        # Who may share its prefixes: the tenant and the request's cache salt.
+        self.reuse_scope = (params.origin.tenant, params.cache_salt)
         self.deliver: Callable[[Any], None] = lambda item: None
         self.cancelled = False
         self.error: BaseException | None = None

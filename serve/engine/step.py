@@ -50,6 +50,7 @@ def run_step(eng: SpecEngine, plan: StepPlan) -> StepTook:
     """Run one step's plan: every decoding request's proposal and the prompt chunks in one
     target forward, then each request's verify and commit."""
     t_step = time.perf_counter()
+    take_prefixes(plan.prefixes)
     eng.begin_step()
     as_tree = [eng.use_tree(s) for s in plan.decode]
     trees = [s for s, t in zip(plan.decode, as_tree) if t]
@@ -78,6 +79,17 @@ def run_step(eng: SpecEngine, plan: StepPlan) -> StepTook:
     if plan.decode:
         eng.observe_forward(len(items), rows, score_s)
     return StepTook(len(items), rows, time.perf_counter() - t_step)
+
+
+def take_prefixes(prefixes: list[tuple[Seq, Any, int]]) -> None:
+    """The prompt prefixes the plan gave new requests, into their caches before any forward of
+    the step writes a slot (serve/engine/prefix.py); a prompt that a prefix covers up to its
+    last token has ended its prefill."""
+    for seq, source, n in prefixes:
+        seq.slot.target.take_prefix(source.target, n)
+        if not seq.prefilling:
+            end_prefill(seq)
+            seq.t_decode = time.perf_counter()
 
 
 def propose_all(eng: SpecEngine, seqs: list[Seq], ks: list[int]) -> list[tuple[Proposal, float]]:

@@ -83,6 +83,18 @@ class StaticKVCache:
         if self.pool is not None and n > self.pool.capacity:
             self.pool.grow(n)
 
+    def take_prefix(self, source: "StaticKVCache", n: int) -> None:
+        """Hold `source`'s first n positions (serve/engine/prefix.py): copied, unless `source` is
+        this cache, whose positions are still there past its length."""
+        if n > source.max_len or n > self.max_len:
+            raise ValueError(f"cannot take {n} positions of a cache of {source.max_len}")
+        if source is not self:
+            self.reserve(n)
+            with torch.inference_mode():  # the forwards' own mode, whatever made the tensors
+                self.k[:, :, :n].copy_(source.k[:, :, :n])
+                self.v[:, :, :n].copy_(source.v[:, :, :n])
+        self.length = n
+
 
 class KVPool:
     """The caches of several sequences in one tensor each for keys and values, [layers, slots,
