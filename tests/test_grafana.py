@@ -126,7 +126,8 @@ class _Emitter:
         sm = ServeMetrics()
         stats = SimpleNamespace(num_drafts=1, num_draft_tokens=3, num_accepted_tokens=2, accepted_per_pos=[1, 1],
                                 by_source={"suffix": [1, 3, 2]})
-        sm.observe("v1", SimpleNamespace(stats=stats, output_ids=[1, 2, 3], decode_s=0.1), 0.2)
+        sm.observe("v1", SimpleNamespace(stats=stats, prompt_ids=[5, 6], cached_tokens=1, output_ids=[1, 2, 3],
+                                          decode_s=0.1), 0.2)
         # The replica's running totals by source, for /osd/stats and the ops page.
         assert sm.source_table() == [{"draft_version": "v1", "source": "suffix", "steps": 1, "drafted": 3,
                                       "accepted": 2}]

@@ -118,7 +118,11 @@ def test_streaming_matches_plain(app):
     assert text == plain["choices"][0]["message"]["content"]
     assert chunks[-2]["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
     # Usage comes in a last chunk of its own, with no choices, only when asked for (issue 30).
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == plain["usage"]
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and usage["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    assert usage["completion_tokens"] == plain["usage"]["completion_tokens"]
+    # The same prompt just served: a slot holds all of it but its last token (serve/engine/prefix.py).
+    assert usage["prompt_tokens_details"] == {"cached_tokens": usage["prompt_tokens"] - 1}
 
 
 def test_stop_string_is_honoured(app):
@@ -419,3 +423,15 @@ def test_redis_down_requests_still_succeed_and_drops_are_counted(app):
         assert after["records_written"] == before["records_written"]
     finally:
         app["redis"].start()
+
+
+def test_cache_salt_keeps_prompt_prefixes_apart(app):
+    """vLLM's cache_salt: a prompt served under one salt is no prefix for another salt's
+    requests; under the same salt it is. An empty salt is a 400 naming the field."""
+    first = post(app, "/v1/chat/completions", chat("salted prompt", max_tokens=4, cache_salt="one")).json()
+    other = post(app, "/v1/chat/completions", chat("salted prompt", max_tokens=4, cache_salt="two")).json()
+    same = post(app, "/v1/chat/completions", chat("salted prompt", max_tokens=4, cache_salt="one")).json()
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] < first["usage"]["prompt_tokens"] - 1
+    assert same["usage"]["prompt_tokens_details"]["cached_tokens"] == same["usage"]["prompt_tokens"] - 1
+    bad = post(app, "/v1/chat/completions", chat("x", max_tokens=4, cache_salt=""))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"

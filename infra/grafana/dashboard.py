@@ -68,6 +68,9 @@ def panels() -> list[tuple[str, str, list[tuple[str, str]]]]:
            f"sum(rate({m('osd_batch_size_count')}{{{CLUSTER}}}[{RATE}]))", "requests per forward"),
           (f"sum(rate({m('osd_batch_tokens_sum')}{{{CLUSTER}}}[{RATE}])) / "
            f"sum(rate({m('osd_batch_tokens_count')}{{{CLUSTER}}}[{RATE}]))", "tokens per forward")]),
+        ("Prompt tokens a KV slot already held (prefix reuse)", "percentunit",
+         [(f"sum(rate({m('osd_prompt_cached_tokens_total')}{{{CLUSTER}}}[{RATE}])) / "
+           f"sum(rate({m('osd_prompt_tokens_total')}{{{CLUSTER}}}[{RATE}]))", "share of prompt tokens")]),
         ("Canary weight (controller)", "percentunit",
          [(f"max by (draft_version) ({m('osd_rollout_canary_weight')}{{{SEL}}})", "{{draft_version}}")]),
         ("Actual traffic share per version", "percentunit", [(share, "{{draft_version}}")]),

@@ -243,6 +243,7 @@ class TargetReplica:
             ignore_eos=bool(req.get("ignore_eos")),
             stop_token_ids=tuple(req.get("stop_token_ids") or ()),
             logprobs=req.get("logprobs"),
+            cache_salt=req.get("cache_salt"),
             origin=origin_of(self.cfg.serve, req.get("tenant"), req.get("user"), req["request_id"]),
         )
         return list(ids), params, (domain_of(user_text) if user_text else None), record
@@ -400,6 +401,8 @@ class TargetReplica:
         else:
             out.update(records_submitted=0, records_written=0, records_dropped=0, dropped_by_reason={})
         out["batch"] = self.engine.scheduler.log.totals()  # target forwards, their requests and rows
+        sched = self.engine.scheduler  # prompt tokens admitted, and those a slot held (serve/engine/prefix.py)
+        out["prefix"] = {"prompt_tokens": sched.prompt_tokens, "cached_tokens": sched.cached_tokens}
         out["time"] = time.time()  # when these counters were read: the ingress keeps each replica's last
         out["by_source"] = self.metrics.source_table()  # drafting steps by who proposed
         tuning = getattr(self.engine.target, "tuning", None)
@@ -604,6 +607,7 @@ class OpenAIIngress:
             "record": record_decision(self.cfg.serve.record_policy(tenant),
                                       record_choice(req.osd_record, req.store, record_header)),
             "speculate": req.osd_speculate,
+            "cache_salt": req.cache_salt,
             "processors": req.processors(),
             "ignore_eos": req.ignore_eos,
             "stop_token_ids": list(req.stop_token_ids or ()),
@@ -751,6 +755,9 @@ class OpenAIIngress:
             # Continuous batching, summed: output tokens / forwards is tokens per target forward.
             "target_forwards": sum(r.get("batch", {}).get("forwards", 0) for r in reps),
             "target_rows": sum(r.get("batch", {}).get("rows", 0) for r in reps),
+            # Prompt tokens, and those taken from a slot's cache instead of computed.
+            "prompt_tokens": sum(r.get("prefix", {}).get("prompt_tokens", 0) for r in reps),
+            "cached_prompt_tokens": sum(r.get("prefix", {}).get("cached_tokens", 0) for r in reps),
             "replicas": reps,
         }
 

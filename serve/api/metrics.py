@@ -30,6 +30,10 @@ class ServeMetrics:
         self.errors = m.Counter("osd_request_errors_total", "Requests failed, by reason",
                                 tag_keys=("draft_version", "reason"))
         self.tokens = m.Counter("osd_generation_tokens_total", "Tokens generated", tag_keys=tag)
+        self.prompt_tokens = m.Counter("osd_prompt_tokens_total", "Prompt tokens of finished requests", tag_keys=tag)
+        # vLLM's prefix cache hits: prompt tokens whose keys and values a slot already held.
+        self.cached_tokens = m.Counter("osd_prompt_cached_tokens_total",
+                                       "Prompt tokens taken from a KV slot instead of computed", tag_keys=tag)
         self.drafts = m.Counter("osd_spec_decode_num_drafts_total", "Steps with at least one draft token",
                                 tag_keys=tag)
         self.draft_tokens = m.Counter("osd_spec_decode_num_draft_tokens_total", "Draft tokens proposed",
@@ -86,6 +90,9 @@ class ServeMetrics:
         tags = {"draft_version": version}
         st = result.stats
         self.requests.inc(1, tags)
+        self.prompt_tokens.inc(len(result.prompt_ids), tags)
+        if result.cached_tokens:
+            self.cached_tokens.inc(result.cached_tokens, tags)
         if result.output_ids:
             self.tokens.inc(len(result.output_ids), tags)
             self.tpot.observe(result.decode_s / len(result.output_ids), tags)

@@ -96,6 +96,9 @@ class _Request(BaseModel):
     # Extension: false runs this request autoregressively (no draft), e.g. for a same-server
     # AR baseline; output is the same under greedy decoding either way.
     osd_speculate: bool = True
+    # vLLM's: prompt prefixes are reused only between requests of the same salt (and always
+    # within a tenant), so one user cannot time whether another sent a prompt.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
 
     @model_validator(mode="before")
     @classmethod
