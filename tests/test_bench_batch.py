@@ -31,8 +31,8 @@ def test_levels_run_their_clients_together_and_each_level_on_prompts_of_its_own(
     ids = [torch.randint(0, 256, (6,), generator=gen).tolist() for _ in range(40)]
     made = []
 
-    def draft():
-        made.append(eng.make_draft(build_draft("truncate:1", target)))
+    def draft(e):
+        made.append(e.make_draft(build_draft("truncate:1", target)))
         return made[-1]
 
     rows = run_levels(eng, draft, ids, [1, 4], 2, 6, (True, False), log=lambda s: None)
@@ -44,3 +44,25 @@ def test_levels_run_their_clients_together_and_each_level_on_prompts_of_its_own(
     assert "vs 1 client(s)" in table(rows)
     with pytest.raises(ValueError, match="40 prompts are too few: the levels need 48"):
         run_levels(eng, draft, ids, [8], 2, 6, (True, False), log=lambda s: None)
+
+
+def test_conversations_send_each_turn_after_the_answer_and_reuse_is_compared_on_the_same_requests():
+    """--workload multiturn, --prefix-reuse both: each second turn goes out after the engine's
+    answer to the first and takes that exchange from a slot; the engine without reuse serves
+    the same requests and computes every prompt token."""
+    from infra.target import tiny_tokenizer
+
+    target = build_tiny_llama(seed=3, num_layers=2, max_positions=256)
+    target.config.eos_token_id = None
+    tok = tiny_tokenizer()
+    engines = {r: SpecEngine(target, None, tok, small_options(k=2, max_seq_len=256, max_concurrency=2,
+                                                               prefix_reuse=r == "on"))
+               for r in ("on", "off")}
+    convs = [(f"question {i} about a topic", f"and a follow-up {i}") for i in range(12)]
+    rows = run_levels(None, None, convs, [1, 2], 2, 5, (False,), log=lambda s: None, engines=engines, tokenizer=tok)
+    assert [(r["clients"], r["prefix_reuse"]) for r in rows] == [(1, "on"), (1, "off"), (2, "off"), (2, "on")]
+    assert all(0 < r["tokens"] <= 2 * 5 * r["requests"] and len(r["ttft_ms"]) == 2 for r in rows)
+    assert rows[0]["tokens"] == rows[1]["tokens"] and rows[2]["tokens"] == rows[3]["tokens"]  # the same answers
+    on = [r["cached_share"] for r in rows if r["prefix_reuse"] == "on"]
+    assert all(share > 0.3 for share in on) and all(r["cached_share"] == 0 for r in rows if r["prefix_reuse"] == "off")
+    assert "prompt cached" in table(rows)

@@ -6,7 +6,12 @@ request of the run has sent (so the suffix draft meets first-time prompts,
 and a fresh draft serves each level). With `--speculation both` each level runs speculation
 on and off one after the other, so the two are compared at the same load in one run. Per
 level: output tokens/s, sequences and rows per target forward (the scheduler's step log:
-continuous batching at work), and the ratio to one client.
+continuous batching at work), the ratio to one client, the median time to a first token and
+the share of prompt tokens a KV slot already held (serve/engine/prefix.py).
+
+`--workload multiturn` sends held-out conversations' second turns, each right after the
+engine's own answer to the first, as a chat client does; `--prefix-reuse both` runs every
+level on an engine with prefix reuse and one without, on the same requests.
 
 No HTTP and no Ray: what it times is the engine's batched step, so it runs where serving's
 stack does not (a GPU machine with torch alone). `osd bench load` times the served endpoint.
@@ -18,6 +23,7 @@ import argparse
 import asyncio
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -31,6 +37,7 @@ from pipeline.argtypes import positive_int, sizes
 HELP = "the engine at 1..N concurrent clients in one process (no HTTP): tok/s, sequences per forward"
 ERRORS = (ValueError,)
 MODES = {"both": (True, False), "on": (True,), "off": (False,)}
+REUSE = {"both": ("on", "off"), "on": ("on",), "off": ("off",)}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,68 +53,131 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), help="model dtype (default: model.dtype)")
     p.add_argument("--target", help="target spec (default: model.target)")
     p.add_argument("--prompts-file", metavar="F", help="JSONL with a prompt field instead of ShareGPT")
+    p.add_argument("--workload", choices=("single", "multiturn"), default="single",
+                   help="single: first turns; multiturn: held-out conversations' second turns, each sent after "
+                        "the engine's own answer to the first (both turns timed)")
+    p.add_argument("--prefix-reuse", choices=tuple(REUSE), default="on",
+                   help="serve.prefix_reuse; both: an engine with and one without, on the same prompts")
     p.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer ShareGPT prompts")
     p.add_argument("--json", metavar="PATH", default="reports/bench/batch.json", help="where to write JSON")
 
 
-async def _level(engine: Any, params: Any, draft: Any, ids: list[list[int]], clients: int,
-                 per_client: int) -> tuple[int, float]:
-    """(output tokens, seconds) of `clients` workers streaming their requests back to back."""
-    async def worker(j: int) -> int:
-        got = 0
-        for r in range(per_client):
-            stream = engine.stream(ids[j * per_client + r], params, draft)
-            async for _ in stream:
-                pass
-            got += len(stream.result.output_ids)
-        return got
+async def _serve(engine: Any, params: Any, draft: Any, item: Any, tokenizer: Any) -> tuple[int, list[float]]:
+    """One client's request: token ids, or a conversation (user turns, each sent after the
+    engine's own answers to the ones before, as a chat client does). (Output tokens, seconds to
+    the first token of each turn.)"""
+    turns = item if isinstance(item, tuple) else (item,)
+    messages: list[dict[str, str]] = []
+    tokens, ttft = 0, []
+    for turn in turns:
+        if isinstance(turn, str):
+            messages.append({"role": "user", "content": turn})
+            turn = messages_ids(tokenizer, messages)
+        t0, first = time.perf_counter(), None
+        stream = engine.stream(turn, params, draft)
+        async for _ in stream:
+            if first is None:
+                first = time.perf_counter() - t0
+        ttft.append(first if first is not None else time.perf_counter() - t0)
+        tokens += len(stream.result.output_ids)
+        messages.append({"role": "assistant", "content": stream.result.text or ""})
+    return tokens, ttft
+
+
+async def _level(engine: Any, params: Any, draft: Any, items: list[Any], clients: int,
+                 per_client: int, tokenizer: Any = None) -> tuple[int, float, list[list[float]]]:
+    """(output tokens, seconds, each request's seconds to first tokens) of `clients` workers
+    sending their requests back to back."""
+    async def worker(j: int) -> list[tuple[int, list[float]]]:
+        return [await _serve(engine, params, draft, items[j * per_client + r], tokenizer) for r in range(per_client)]
 
     t0 = time.perf_counter()
-    tokens = await asyncio.gather(*[worker(j) for j in range(clients)])
-    return sum(tokens), time.perf_counter() - t0
+    done = [r for w in await asyncio.gather(*[worker(j) for j in range(clients)]) for r in w]
+    return sum(n for n, _ in done), time.perf_counter() - t0, [t for _, t in done]
 
 
-def run_levels(engine: Any, make_draft: Callable[[], Any], ids: list[list[int]], clients: list[int],
+def _ttft_ms(ttfts: list[list[float]]) -> list[float]:
+    """The median seconds to a first token of each turn, in ms."""
+    return [round(1000 * statistics.median(t[i] for t in ttfts), 1) for i in range(len(ttfts[0]))]
+
+
+def run_levels(engine: Any, make_draft: Callable[[Any], Any], items: list[Any], clients: list[int],
                per_client: int, max_new: int, modes: tuple[bool, ...],
-               log: Callable[[str], None] = print) -> list[dict[str, Any]]:
-    """Every (level, mode), each on prompts of its own; a row per run."""
+               log: Callable[[str], None] = print, engines: dict[str, Any] | None = None,
+               tokenizer: Any = None) -> list[dict[str, Any]]:
+    """Every (level, mode), each on prompts of its own; a row per run. items: token ids, or
+    conversations (tuples of user turns, tokenized with `tokenizer`). engines: prefix reuse
+    "on" / "off" -> engine; each (level, mode) then runs on every engine with the same prompts,
+    in an order that alternates from level to level. make_draft(engine): a fresh draft."""
     from serve.engine.core import GenerationParams
 
+    engines = engines or {"": engine}
     rows, at = [], 0
-    for c in clients:
+    for li, c in enumerate(clients):
         for spec in modes:
             need = c * per_client + c
-            if at + need > len(ids):
-                raise ValueError(f"{len(ids)} prompts are too few: the levels need "
+            if at + need > len(items):
+                raise ValueError(f"{len(items)} prompts are too few: the levels need "
                                  f"{sum(clients) * (per_client + 1) * len(modes)} (one per request)")
             params = GenerationParams(max_new_tokens=max_new, speculate=spec, capture=False)
-            # A round of one request a client first, not timed: what a replica does once in its
-            # life (CUDA graphs captured for the level's shapes, the cost profile) stays out.
-            asyncio.run(_level(engine, params, make_draft() if spec else None, ids[at:at + c], c, 1))
-            at += c
-            need -= c
-            seen = engine.scheduler.log.total
-            tokens, secs = asyncio.run(_level(engine, params, make_draft() if spec else None,
-                                              ids[at:at + need], c, per_client))
+            order = list(engines.items())
+            for reuse, eng in order if li % 2 == 0 else order[::-1]:
+                rows.append(_run(eng, make_draft if spec else None, params, items[at:at + need], c, per_client,
+                                 tokenizer, reuse, log))
             at += need
-            steps = engine.scheduler.log.since(seen)
-            row = {"clients": c, "speculation": spec, "requests": need, "tokens": tokens, "seconds": secs,
-                   "tok_s": tokens / secs, "forwards": len(steps),
-                   "seqs_per_forward": sum(s for _, s, _ in steps) / max(1, len(steps)),
-                   "rows_per_forward": sum(r for _, _, r in steps) / max(1, len(steps))}
-            rows.append(row)
-            log(f"  {c} clients, speculation {'on' if spec else 'off'}: {row['tok_s']:.1f} tok/s, "
-                f"{row['seqs_per_forward']:.1f} sequences a forward")
     return rows
 
 
+def _run(eng: Any, make_draft: Callable[[Any], Any] | None, params: Any, items: list[Any], c: int,
+         per_client: int, tokenizer: Any, reuse: str, log: Callable[[str], None]) -> dict[str, Any]:
+    # A round of one request a client first, not timed: what a replica does once in its life
+    # (CUDA graphs captured for the level's shapes, the cost profile) stays out.
+    asyncio.run(_level(eng, params, make_draft(eng) if make_draft else None, items[:c], c, 1, tokenizer))
+    sched = eng.scheduler
+    seen, prompt0, cached0 = sched.log.total, sched.prompt_tokens, sched.cached_tokens
+    tokens, secs, ttfts = asyncio.run(_level(eng, params, make_draft(eng) if make_draft else None, items[c:], c,
+                                             per_client, tokenizer))
+    steps = sched.log.since(seen)
+    prompt = sched.prompt_tokens - prompt0
+    row = {"clients": c, "speculation": params.speculate, "requests": len(items) - c, "tokens": tokens,
+           "seconds": secs, "tok_s": tokens / secs, "forwards": len(steps),
+           "seqs_per_forward": sum(s for _, s, _ in steps) / max(1, len(steps)),
+           "rows_per_forward": sum(r for _, _, r in steps) / max(1, len(steps)),
+           "ttft_ms": _ttft_ms(ttfts), "prefix_reuse": reuse or None,
+           "cached_share": (sched.cached_tokens - cached0) / prompt if prompt else 0.0}
+    log(f"  {c} clients, speculation {'on' if params.speculate else 'off'}"
+        f"{f', prefix reuse {reuse}' if reuse else ''}: {row['tok_s']:.1f} tok/s, "
+        f"{row['seqs_per_forward']:.1f} sequences a forward, first token {row['ttft_ms']} ms")
+    return row
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    base = {r["speculation"]: r["tok_s"] for r in rows if r["clients"] == rows[0]["clients"]}
-    body = [[r["clients"], "on" if r["speculation"] else "off", r["requests"], f"{r['tok_s']:.1f}",
-             f"{r['tok_s'] / base[r['speculation']]:.2f}x", f"{r['seqs_per_forward']:.2f}",
-             f"{r['rows_per_forward']:.2f}"] for r in rows]
-    return tabulate(body, headers=["clients", "spec", "requests", "out tok/s", f"vs {rows[0]['clients']} client(s)",
-                                   "seqs/forward", "rows/forward"])
+    first = rows[0]["clients"]
+    base = {(r["speculation"], r["prefix_reuse"]): r["tok_s"] for r in rows if r["clients"] == first}
+    body = [[r["clients"], "on" if r["speculation"] else "off", r["prefix_reuse"] or "-", r["requests"],
+             f"{r['tok_s']:.1f}", f"{r['tok_s'] / base[(r['speculation'], r['prefix_reuse'])]:.2f}x",
+             f"{r['seqs_per_forward']:.2f}", f"{r['rows_per_forward']:.2f}",
+             " / ".join(f"{t:.0f}" for t in r["ttft_ms"]), f"{r['cached_share']:.0%}"] for r in rows]
+    return tabulate(body, headers=["clients", "spec", "prefix reuse", "requests", "out tok/s", f"vs {first} client(s)",
+                                   "seqs/forward", "rows/forward", "first token ms (per turn)", "prompt cached"])
+
+
+def _items(cfg: OSDConfig, args: argparse.Namespace, tokenizer: Any, max_seq_len: int) -> list[Any]:
+    """The requests: token ids of single prompts, or (first, second) user turns of held-out
+    ShareGPT conversations (`--workload multiturn`), those the context holds."""
+    if args.workload == "multiturn":
+        from pipeline.bench.engine import second_turn_prompts
+
+        if args.prompts_file:
+            raise ValueError("--workload multiturn takes its conversations from ShareGPT, not --prompts-file")
+        convs = [tuple(text for _, text in p.messages) for p in second_turn_prompts(cfg, 10**6, args.max_prompt_chars)]
+        return [c for c in convs
+                if sum(len(messages_ids(tokenizer, [{"role": "user", "content": t}])) for t in c)
+                + 2 * args.max_new_tokens <= max_seq_len]
+    prompts = select_prompts(cfg.data, None, args.prompts_file,
+                             max_prompt_chars=None if args.prompts_file else args.max_prompt_chars)
+    ids = [messages_ids(tokenizer, p.chat()) for p in prompts]
+    return [x for x in ids if len(x) + args.max_new_tokens <= max_seq_len]
 
 
 def run(cfg: OSDConfig, args: argparse.Namespace) -> int:
@@ -122,24 +192,26 @@ def run(cfg: OSDConfig, args: argparse.Namespace) -> int:
     modes = MODES[args.speculation]
     mcfg = bench_model_config(cfg, args.device, args.target, args.dtype, None)
     loaded = load_target(mcfg.target, mcfg, progress=True)
-    prompts = select_prompts(cfg.data, None, args.prompts_file,
-                             max_prompt_chars=None if args.prompts_file else args.max_prompt_chars)
-    ids = [messages_ids(loaded.tokenizer, p.chat()) for p in prompts]
     update = {"k": args.k, "cuda_graphs": args.compile, "max_concurrency": max(clients), "max_queue": 4 * max(clients)}
-    options = EngineOptions.from_config(cfg.serve.model_copy(update=update), mcfg)
 
     def draft() -> Any:
         return build_draft(args.draft, loaded.model, suffix=cfg.serve.suffix)
 
-    engine = SpecEngine(loaded.model, draft(), loaded.tokenizer, options)
-    ids = [x for x in ids if len(x) + args.max_new_tokens <= engine.max_seq_len]  # what the context holds
+    engines = {}
+    for reuse in REUSE[args.prefix_reuse]:
+        serve = cfg.serve.model_copy(update={**update, "prefix_reuse": reuse == "on"})
+        engines[reuse] = SpecEngine(loaded.model, draft(), loaded.tokenizer, EngineOptions.from_config(serve, mcfg))
+    engine = next(iter(engines.values()))
+    items = _items(cfg, args, loaded.tokenizer, engine.max_seq_len)
     print(f"== osd bench batch: target {loaded.spec}, draft {args.draft}, k={args.k}, device={args.device}, "
           f"dtype={mcfg.dtype}, quant={mcfg.quant}, levels {clients}, {args.requests} requests a client, "
-          f"{args.max_new_tokens} tokens each", flush=True)
-    rows = run_levels(engine, lambda: engine.make_draft(draft()), ids, clients, args.requests,
-                      args.max_new_tokens, modes, lambda s: print(s, flush=True))
+          f"{args.max_new_tokens} tokens each, {args.workload}, prefix reuse {args.prefix_reuse}", flush=True)
+    rows = run_levels(engine, lambda eng: eng.make_draft(draft()), items, clients, args.requests,
+                      args.max_new_tokens, modes, lambda s: print(s, flush=True),
+                      engines if args.prefix_reuse == "both" else None, loaded.tokenizer)
     print(table(rows))
     result = {"rows": rows, "target": loaded.spec, "draft": args.draft, "k": args.k, "device": args.device,
+              "workload": args.workload, "prefix_reuse": args.prefix_reuse,
               "dtype": mcfg.dtype, "quant": mcfg.quant, "max_new_tokens": args.max_new_tokens,
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
               "machine": platform.processor() or platform.machine(), "torch": torch.__version__}

@@ -67,6 +67,7 @@ class Outcome:
 
 
 FIXED_PROMPT = "Say something short about load testing."  # `--prompts fixed`
+SALT = {True: "osd-bench-speculation-on", False: "osd-bench-speculation-off"}  # each mode's cache_salt
 
 def _timeout(read_s: float) -> httpx.Timeout:
     """Connect within CONNECT_TIMEOUT_S; then each read (a streamed chunk) within read_s."""
@@ -174,9 +175,11 @@ def _client(url: str, headers: dict[str, str], prompts: Sequence[str], max_token
             # Each client walks the prompts from its own offset, so concurrent requests differ.
             at = worker * 7919 + i if count is None else start + worker * count + i
             text = prompts[at % len(prompts)]
+            # The same prompts go out in both modes: a salt per mode keeps the second mode from
+            # finding the first one's prompts in the server's prefix cache (vLLM's field).
             body = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
                                "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-                               "osd_speculate": speculate}).encode()
+                               "osd_speculate": speculate, "cache_salt": SALT[speculate]}).encode()
             o = send_chat(session, url, headers, body, timeout_s)
             out.append(o)  # list.append is atomic under the GIL; one list per client anyway
             i += 1
