@@ -66,3 +66,16 @@ def test_conversations_send_each_turn_after_the_answer_and_reuse_is_compared_on_
     on = [r["cached_share"] for r in rows if r["prefix_reuse"] == "on"]
     assert all(share > 0.3 for share in on) and all(r["cached_share"] == 0 for r in rows if r["prefix_reuse"] == "off")
     assert "prompt cached" in table(rows)
+
+
+def test_the_default_levels_find_enough_sharegpt_prompts():
+    """Without --prompts-file every held-out first turn is a candidate (it once took 32, and the
+    default levels 1,8,16 with 2 requests need 150), and every one fits the context."""
+    from infra.config import OSDConfig
+    from infra.target import tiny_tokenizer
+    from pipeline.bench.batch import _items
+
+    args = build_parser().parse_args(["bench", "batch"])
+    items = _items(OSDConfig(), args, tiny_tokenizer(), 2048)
+    assert len(items) >= sum(args.clients) * (args.requests + 1) * 2
+    assert all(len(x) + args.max_new_tokens <= 2048 for x in items)

@@ -38,6 +38,7 @@ HELP = "the engine at 1..N concurrent clients in one process (no HTTP): tok/s, s
 ERRORS = (ValueError,)
 MODES = {"both": (True, False), "on": (True,), "off": (False,)}
 REUSE = {"both": ("on", "off"), "on": ("on",), "off": ("off",)}
+ALL_PROMPTS = 10**9
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -174,7 +175,9 @@ def _items(cfg: OSDConfig, args: argparse.Namespace, tokenizer: Any, max_seq_len
         return [c for c in convs
                 if sum(len(messages_ids(tokenizer, [{"role": "user", "content": t}])) for t in c)
                 + 2 * args.max_new_tokens <= max_seq_len]
-    prompts = select_prompts(cfg.data, None, args.prompts_file,
+    # Every held-out first turn (select_prompts takes 32 of ShareGPT's unless told how many):
+    # the default levels need 150.
+    prompts = select_prompts(cfg.data, None if args.prompts_file else ALL_PROMPTS, args.prompts_file,
                              max_prompt_chars=None if args.prompts_file else args.max_prompt_chars)
     ids = [messages_ids(tokenizer, p.chat()) for p in prompts]
     return [x for x in ids if len(x) + args.max_new_tokens <= max_seq_len]
