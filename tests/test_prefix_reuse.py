@@ -46,6 +46,9 @@ def test_best_prefix_longest_slot_own_first_and_never_the_last_token():
     assert best_prefix(prompt, "own", [], [("a", [1, 2, 3, 4, 5, 6])]) == Reuse("a", 4)
     assert best_prefix(prompt, "own", [], [("c", [7])]) is None
     assert best_prefix([1], "own", [1], others) is None
+    # shrink: a draft that reads features computes the prefix's last position again.
+    assert best_prefix(prompt, "own", [1], others, shrink=1) == Reuse("b", 2)
+    assert best_prefix(prompt, "own", [1], [("c", [7])], shrink=1) is None
 
 
 def test_take_prefix_copies_positions_or_keeps_its_own():
@@ -162,16 +165,42 @@ def test_a_running_request_lends_its_prompt_while_it_decodes(target):
     assert r1.cached_tokens == 0 and r2.cached_tokens == len(SYSTEM)
 
 
-def test_drafts_that_read_prompt_features_and_reuse_off_take_none(target):
-    """A head reads the target's features of every prompt row, so its requests prefill whole;
-    so do all requests with serve.prefix_reuse off."""
+@pytest.mark.parametrize("family", ["head", "head+suffix"])
+def test_a_draft_that_reads_features_takes_its_own_rows_over_the_prefix(target, family):
+    """A head reads the target's features of every prompt row: a request takes the head's
+    cache rows over the prefix from the same slot and computes the prefix's last position again
+    (its features are the head's next input). The tokens equal an engine's without reuse; the
+    head's proposals after a taken prefix equal those after a whole prefill."""
     head = build_head(target, DraftSpec(family="head", feature_layers=(0, 1), draft_vocab=200))
-    eng = SpecEngine(target, head, options=small_options(k=3, max_seq_len=256, max_concurrency=3, prefill_chunk=8,
-                                                         k_policy="fixed"))
-    assert [r.cached_tokens for r in _conversation(eng)] == [0, 0, 0]
-    no_draft = GenerationParams(max_new_tokens=8, speculate=False)  # no draft: nothing reads features
-    eng.generate(SYSTEM + [1, 2], no_draft)
-    assert eng.generate(SYSTEM + [3, 4], no_draft).cached_tokens == len(SYSTEM)
+
+    def engine(reuse):
+        eng = _engine(target, reuse, draft=None)
+        draft = head if family == "head" else build_draft("suffix", target)
+        if family == "head+suffix":
+            from serve.spec_decode.suffix.draft import HybridDraft
+
+            draft = HybridDraft(eng.make_draft(head), draft)
+        eng.draft = eng.make_draft(draft)
+        return eng
+
+    on, off = engine(True), engine(False)
+    got, want = _conversation(on), _conversation(off)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    assert [r.cached_tokens for r in got[:2]] == [0, len(SYSTEM) - 1]
+    assert got[2].cached_tokens > len(got[0].prompt_ids)  # the first exchange, as far as the head's rows reach
+    assert [r.stats.num_accepted_tokens for r in got] == [r.stats.num_accepted_tokens for r in want]
+
+
+def test_another_drafts_rows_and_reuse_off_take_none(target):
+    """Rows the head's cache holds from another draft are no use to it: a request of a fresh
+    draft (a hot swap) computes its prompt whole; so does every request with prefix_reuse off."""
+    head = build_head(target, DraftSpec(family="head", feature_layers=(0, 1), draft_vocab=200))
+    eng = _engine(target, draft=None)
+    params = GenerationParams(max_new_tokens=8)
+    eng.generate(SYSTEM + [1, 2], params, eng.make_draft(head))
+    assert eng.generate(SYSTEM + [3, 4], params, eng.make_draft(head)).cached_tokens == 0
+    no_draft = GenerationParams(max_new_tokens=8, speculate=False)  # no draft: the target's positions only
+    assert eng.generate(SYSTEM + [5, 6], no_draft).cached_tokens == len(SYSTEM)
     assert [r.cached_tokens for r in _conversation(_engine(target, reuse=False))] == [0, 0, 0]
 
 

@@ -316,9 +316,9 @@ class SpecEngine:
             seq.stops = StopScanner(self.tokenizer, params.stop)
         if seq.draft is not None:
             seq.length = self.lengths().start(id(seq.draft), params.min_draft)
-        # A draft that reads the target's prompt features needs every prompt row's forward.
-        seq.may_reuse = (self.options.prefix_reuse and hasattr(slot.target, "take_prefix")
-                         and not (seq.draft is not None and seq.draft.feature_layers))
+        # A draft that reads the target's features takes its own cache's rows over the prefix too.
+        seq.may_reuse = self.options.prefix_reuse and hasattr(slot.target, "take_prefix") and (
+            not seq.reads_features or hasattr(seq.dcache, "take_prefix"))
         begin_prefill(seq)
         if not seq.prefilling:  # a one-token prompt: nothing to prefill
             end_prefill(seq)

@@ -48,10 +48,11 @@ class Reuse(Generic[S]):
 
 
 def best_prefix(prompt: Sequence[int], own: S, own_held: Sequence[int],
-                others: Iterable[tuple[S, Sequence[int]]]) -> Reuse[S] | None:
+                others: Iterable[tuple[S, Sequence[int]]], shrink: int = 0) -> Reuse[S] | None:
     """The longest prefix of `prompt` (short of its last token) that a slot holds: `own` (the
-    request's slot, holding `own_held`) or one of `others` (slot, the tokens it holds). Ties
-    go to the request's own slot, which needs no copy. None when no slot holds a token of it."""
+    request's slot, holding `own_held`) or one of `others` (slot, the tokens it holds), less
+    `shrink` tokens. Ties go to the request's own slot, which needs no copy. None when no slot
+    holds more than `shrink` tokens of it."""
     limit = len(prompt) - 1
     best = Reuse(own, common_prefix(prompt, own_held, limit))
     for slot, held in others:
@@ -60,4 +61,4 @@ def best_prefix(prompt: Sequence[int], own: S, own_held: Sequence[int],
         n = common_prefix(prompt, held, limit)
         if n > best.tokens:
             best = Reuse(slot, n)
-    return best if best.tokens > 0 else None
+    return Reuse(best.source, best.tokens - shrink) if best.tokens > shrink else None

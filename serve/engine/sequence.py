@@ -6,6 +6,7 @@ from submission until it finishes, fails or is cancelled.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -133,6 +134,9 @@ class Slot:
         # from the slot's last request, while no request runs in it (serve/engine/prefix.py).
         self.held: list[int] = []
         self.held_for: tuple = ()  # whose they are: the last request's reuse_scope
+        # For a draft that reads the target's features: its cache rows over those tokens, and
+        # (a weak reference to) the draft that wrote them; another draft's rows are no use.
+        self.held_draft: tuple[Any, int] = (None, 0)
 
     def draft_cache(self, runner: Runner) -> KVCache | None:
         if not getattr(runner, "uses_kv_cache", True):  # a draft with no forward of its own
@@ -208,6 +212,23 @@ class Seq:
             # The seed, kept: point-mass drafts draw each position from it (verify_positional).
             self.seed = seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
             self.gen.manual_seed(self.seed)
+
+    @property
+    def reads_features(self) -> bool:
+        """Whether its draft reads the target's features (its prefill needs every prompt row's,
+        or the draft cache's rows over a prefix taken from a slot)."""
+        return self.draft is not None and bool(self.draft.feature_layers)
+
+    def draft_rows(self, held_draft: tuple[Any, int]) -> int:
+        """Of a slot's held_draft, the rows this request's draft can take (its own draft's)."""
+        ref, rows = held_draft
+        return rows if ref is not None and ref() is self.draft else 0
+
+    def held_draft(self) -> tuple[Any, int]:
+        """What a slot keeps of this request's draft cache (Slot.held_draft)."""
+        if not self.reads_features or self.dcache is None:
+            return (None, 0)
+        return (weakref.ref(self.draft), self.dcache.length)
 
     @property
     def prefilling(self) -> bool:

@@ -87,6 +87,9 @@ def take_prefixes(prefixes: list[tuple[Seq, Any, int]]) -> None:
     last token has ended its prefill."""
     for seq, source, n in prefixes:
         seq.slot.target.take_prefix(source.target, n)
+        if seq.reads_features:  # its cache's rows over the prefix (the scheduler checked they are its own)
+            seq.dcache.take_prefix(source.drafts[seq.draft.cache_key], n)
+            seq.draft.prefix_taken(seq, n)
         if not seq.prefilling:
             end_prefill(seq)
             seq.t_decode = time.perf_counter()

@@ -95,7 +95,12 @@ class Draft:
 
     def prefilled(self, seq: Any, feats: torch.Tensor | None) -> None:
         """The target has the prompt (all but its last token); feats: their features, when
-        feature_layers asked for them."""
+        feature_layers asked for them (from where a taken prefix ended: prefix_taken)."""
+
+    def prefix_taken(self, seq: Any, n: int) -> None:
+        """A draft that reads features: the request's first n prompt positions came from a slot
+        (serve/engine/prefix.py), the target's and this draft's cache rows alike, so the
+        prefill's features start at position n."""
 
     def propose(self, seqs: list[Any], ks: list[int], ctx: StepContext) -> list[Proposal]:
         """A chain for each request, of up to its planned k tokens (a draft that sizes its own

@@ -162,9 +162,11 @@ class HeadRunner(Draft):
     # -- the Draft protocol (serve/spec_decode/protocol.py) ------------------------------------
 
     def prefilled(self, seq: Any, feats: torch.Tensor | None) -> None:
-        st = head_state(seq)
-        st.feats, st.feat_start = feats, 0
+        head_state(seq).feats = feats  # rows from feat_start: 0, or where a taken prefix ends
         prefill_head(self, seq)
+
+    def prefix_taken(self, seq: Any, n: int) -> None:
+        head_state(seq).feat_start = n
 
     def propose(self, seqs: list[Any], ks: list[int], ctx: StepContext) -> list[Proposal]:
         return [Proposal(t, q, own, self.family) for t, q, own in propose_heads(self, seqs, ks, ctx.confidence)]
@@ -217,14 +219,16 @@ class HeadRunner(Draft):
 def prefill_head(runner: HeadRunner, seq: Any) -> None:
     """At prefill: the head's rows over the prompt's target features, all but the last (rows
     0..N-3 of N prompt tokens; row t reads position t's features and token t+1), so the first
-    propose runs one row as every later one does. Moves the request's HeadState past them."""
+    propose runs one row as every later one does. Rows before feat_start came with a prompt
+    prefix taken from a slot (prefix_taken). Moves the request's HeadState past them."""
     n = len(seq.tokens) - 2
     st = head_state(seq)
-    if st.feats is None or n <= 0:
+    start = st.feat_start
+    if st.feats is None or n <= start:
         return
-    nxt = torch.tensor(seq.tokens[1:n + 1], dtype=torch.long, device=seq.device)
-    runner.rows(runner.fuse(st.feats[:n]), nxt, seq.dcache)
-    st.feats, st.feat_start = st.feats[n:], n
+    nxt = torch.tensor(seq.tokens[start + 1:n + 1], dtype=torch.long, device=seq.device)
+    runner.rows(runner.fuse(st.feats[:n - start]), nxt, seq.dcache)
+    st.feats, st.feat_start = st.feats[n - start:], n
 
 
 def propose_heads(runner: HeadRunner, seqs: list[Any], ks: list[int], confidence: float) -> list[tuple]:

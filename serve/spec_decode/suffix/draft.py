@@ -238,6 +238,9 @@ class HybridDraft(Draft):
     def prefilled(self, seq: Any, feats: torch.Tensor | None) -> None:
         self.head.prefilled(seq, feats)
 
+    def prefix_taken(self, seq: Any, n: int) -> None:
+        self.head.prefix_taken(seq, n)
+
     def propose(self, seqs: list[Any], ks: list[int], ctx: StepContext) -> list[Proposal]:
         out: list[Proposal | None] = [self._suffix_first(seq, k, ctx) for seq, k in zip(seqs, ks)]
         rest = [i for i, got in enumerate(out) if got is None]
