@@ -115,3 +115,45 @@ def test_a_request_count_sends_each_mode_the_same_requests_after_an_untimed_warm
     assert not {p for _, p in by_level[0]} & {p for _, p in by_level[1]}
     with pytest.raises(LoadBenchError, match="requests"):
         run_load_bench("http://fake", levels=(1,), requests=0)
+
+
+def test_a_conversation_sends_its_second_turn_with_the_servers_answer_and_each_mode_its_salt(monkeypatch):
+    """--workload multiturn: the second turn carries the first turn and the server's streamed
+    answer to it; a level reports the time to first token per turn; the two speculation modes
+    send different cache salts, so neither finds the other's prompts cached."""
+    import threading
+
+    import pipeline.bench.load as load
+
+    sent, mu = [], threading.Lock()
+
+    def fake_send(session, url, headers, body, timeout_s):
+        msg = json.loads(body)
+        with mu:
+            sent.append(msg)
+        turn = (len(msg["messages"]) - 1) // 2
+        return load.Outcome(200, 0.01, completion_tokens=3, ttft_s=0.002 if turn else 0.004,
+                            text=f"answer to {msg['messages'][-1]['content']}")
+
+    monkeypatch.setattr(load, "send_chat", fake_send)
+    monkeypatch.setattr(load, "preflight", lambda url, headers: None)
+    monkeypatch.setattr(load, "server_forwards", lambda url, headers: None)
+    convs = [(f"first {i}", f"second {i}") for i in range(20)]
+    res = run_load_bench("http://fake", levels=(2,), requests=3, prompts=convs, speculation="both")
+    assert [(r["requests"], r["ok"]) for r in res["levels"]] == [(12, 12), (12, 12)]  # 2 clients x 3 x 2 turns
+    assert all(r["ttft_p50_ms_by_turn"] == pytest.approx([4.0, 2.0]) for r in res["levels"])
+    seconds = [m for m in sent if len(m["messages"]) == 3]
+    assert len(seconds) == 12 and all(
+        m["messages"][1] == {"role": "assistant", "content": f"answer to {m['messages'][0]['content']}"}
+        and m["messages"][2]["content"] == m["messages"][0]["content"].replace("first", "second") for m in seconds)
+    levels = [m for m in sent if "cache_salt" in m]  # the untimed warm-up sends none
+    assert len(levels) == 24
+    salts = {m["osd_speculate"]: m["cache_salt"] for m in levels}
+    assert salts[True] != salts[False] and all(m["cache_salt"] == salts[m["osd_speculate"]] for m in levels)
+
+
+def test_conversations_come_from_held_out_sharegpt():
+    from pipeline.bench.load import load_conversations
+
+    convs = load_conversations(limit=20)
+    assert len(convs) == 20 and all(len(c) == 2 and all(t.strip() for t in c) for c in convs)

@@ -14,6 +14,11 @@ continuous batching and speculation both raise), how many were refused for load 
 and how many failed otherwise. It writes JSON and a PNG chart (throughput and p99 ITL
 against concurrency, speculation on and off).
 
+`--workload multiturn` makes each request a conversation: a held-out ShareGPT conversation's
+first user turn, then its second with the server's own answer before it, as a chat client
+sends it; the time to first token is also reported per turn. Each speculation mode sends its
+own `cache_salt`, so neither finds the other's prompts in the server's prefix cache.
+
 Every request has a client timeout and every level a deadline, so a server that hangs
 shows up as timeouts in the table instead of a bench that never returns. The client speaks
 plain HTTP with httpx and threads; it needs only the prompts it sends from this project.
@@ -64,9 +69,12 @@ class Outcome:
     # so a stall (a prefill in the way) shows whole, as vLLM's benchmark counts it.
     itl_s: list[float] = field(default_factory=list)
     chunk_at: list[float] = field(default_factory=list)  # perf_counter of each chunk after the first
+    text: str = ""  # the answer (a conversation's next turn sends it back)
+    turn: int = 0  # a conversation's turn (0: the first, or a single prompt)
 
 
 FIXED_PROMPT = "Say something short about load testing."  # `--prompts fixed`
+Turns = "str | tuple[str, ...]"  # a request: a prompt, or a conversation's user turns
 SALT = {True: "osd-bench-speculation-on", False: "osd-bench-speculation-off"}  # each mode's cache_salt
 
 def _timeout(read_s: float) -> httpx.Timeout:
@@ -103,6 +111,7 @@ def _read_stream(resp: httpx.Response, t0: float) -> Outcome:
     ttft = last = None
     itl: list[float] = []
     at: list[float] = []
+    parts: list[str] = []
     tokens = 0
     for line in resp.iter_lines():
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -112,8 +121,10 @@ def _read_stream(resp: httpx.Response, t0: float) -> Outcome:
             return Outcome(TRANSPORT, time.perf_counter() - t0)
         if chunk.get("usage"):
             tokens = int(chunk["usage"]["completion_tokens"])
-        if not any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+        content = [(c.get("delta") or {}).get("content") or "" for c in chunk.get("choices") or []]
+        if not any(content):
             continue
+        parts += content
         now = time.perf_counter()
         if ttft is None:
             ttft = now - t0
@@ -123,7 +134,7 @@ def _read_stream(resp: httpx.Response, t0: float) -> Outcome:
         last = now
     if ttft is None and tokens:
         return Outcome(TRANSPORT, time.perf_counter() - t0)  # tokens counted but never streamed
-    return Outcome(resp.status_code, time.perf_counter() - t0, tokens, None, ttft, itl, at)
+    return Outcome(resp.status_code, time.perf_counter() - t0, tokens, None, ttft, itl, at, "".join(parts))
 
 
 def _ms(v: float | None) -> float | None:
@@ -152,6 +163,9 @@ def summarize(concurrency: int, outcomes: list[Outcome], elapsed_s: float, specu
         "p99_ms": _ms(percentile(latencies, 99)),
         "ttft_p50_ms": _ms(percentile(ttfts, 50)),
         "ttft_p99_ms": _ms(percentile(ttfts, 99)),
+        # A conversation's turns apart (one entry per turn; a single-prompt level has one).
+        "ttft_p50_ms_by_turn": [_ms(percentile([o.ttft_s for o in ok if o.turn == t and o.ttft_s is not None], 50))
+                                for t in range(max((o.turn for o in ok), default=0) + 1)],
         "itl_p50_ms": _ms(percentile(itls, 50)),
         "itl_p99_ms": _ms(percentile(itls, 99)),
         # Output tokens per target forward in the level (None: the server did not say).
@@ -164,7 +178,7 @@ def summarize(concurrency: int, outcomes: list[Outcome], elapsed_s: float, specu
     }
 
 
-def _client(url: str, headers: dict[str, str], prompts: Sequence[str], max_tokens: int, speculate: bool,
+def _client(url: str, headers: dict[str, str], prompts: Sequence[Turns], max_tokens: int, speculate: bool,
             timeout_s: float, deadline: float, worker: int, out: list[Outcome], count: int | None = None,
             start: int = 0) -> None:
     """One closed-loop client: send, read the stream to its end, send again, until the deadline
@@ -174,18 +188,32 @@ def _client(url: str, headers: dict[str, str], prompts: Sequence[str], max_token
         while time.monotonic() < deadline if count is None else i < count:
             # Each client walks the prompts from its own offset, so concurrent requests differ.
             at = worker * 7919 + i if count is None else start + worker * count + i
-            text = prompts[at % len(prompts)]
-            # The same prompts go out in both modes: a salt per mode keeps the second mode from
-            # finding the first one's prompts in the server's prefix cache (vLLM's field).
-            body = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-                               "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
-                               "osd_speculate": speculate, "cache_salt": SALT[speculate]}).encode()
-            o = send_chat(session, url, headers, body, timeout_s)
-            out.append(o)  # list.append is atomic under the GIL; one list per client anyway
+            o = _converse(session, url, headers, prompts[at % len(prompts)], max_tokens, speculate, timeout_s, out)
             i += 1
             if o.status in REJECTED:
                 pause = MAX_BACKOFF_S if o.retry_after_s is None else min(o.retry_after_s, MAX_BACKOFF_S)
                 time.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+
+
+def _converse(session: httpx.Client, url: str, headers: dict[str, str], item: Turns,
+              max_tokens: int, speculate: bool, timeout_s: float, out: list[Outcome]) -> Outcome:
+    """One prompt, or a conversation: each user turn sent with the server's answers to the
+    turns before, as a chat client does. Appends each turn's outcome to `out`; returns the last."""
+    messages: list[dict[str, str]] = []
+    for turn, text in enumerate((item,) if isinstance(item, str) else item):
+        messages.append({"role": "user", "content": text})
+        # The same prompts go out in both modes: a salt per mode keeps the second mode from
+        # finding the first one's prompts in the server's prefix cache (vLLM's field).
+        body = json.dumps({"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                           "stream_options": {"include_usage": True}, "osd_speculate": speculate,
+                           "cache_salt": SALT[speculate]}).encode()
+        o = send_chat(session, url, headers, body, timeout_s)
+        o.turn = turn
+        out.append(o)  # list.append is atomic under the GIL; one list per client anyway
+        if o.status != 200:
+            break
+        messages.append({"role": "assistant", "content": o.text})
+    return o
 
 
 def server_forwards(url: str, headers: dict[str, str]) -> int | None:
@@ -198,7 +226,7 @@ def server_forwards(url: str, headers: dict[str, str]) -> int | None:
 
 
 def run_level(url: str, headers: dict[str, str], concurrency: int, seconds: float, max_tokens: int,
-              timeout_s: float, prompts: Sequence[str] = (FIXED_PROMPT,),
+              timeout_s: float, prompts: Sequence[Turns] = (FIXED_PROMPT,),
               speculate: bool = True, requests: int | None = None, start: int = 0) -> dict[str, Any]:
     """C clients for `seconds`, or each for `requests` requests (prompts start onwards);
     returns the level's summary. Bounded by seconds (or the requests' timeouts) + a timeout."""
@@ -361,11 +389,26 @@ def load_prompts(source: str, limit: int = 512) -> list[str]:
     return texts
 
 
+def load_conversations(limit: int = 512) -> list[tuple[str, str]]:
+    """The first two user turns of held-out ShareGPT conversations that have two, each within
+    the data section's length filter."""
+    from infra.config import DataConfig
+    from infra.prompts import PromptDataError, sharegpt_second_turns
+
+    try:
+        got = [tuple(turns) for _, turns in sharegpt_second_turns(DataConfig())][:limit]
+    except PromptDataError as e:
+        raise LoadBenchError(f"cannot read ShareGPT conversations: {e}") from None
+    if not got:
+        raise LoadBenchError("no held-out ShareGPT conversation has two user turns")
+    return got  # type: ignore[return-value]
+
+
 WARM_PROMPT = "Warm-up: answer with one word."  # never one of the levels' prompts, FIXED_PROMPT included
 WARM_TRIES = 32  # the longest prompts tried, longest first, for one the server accepts
 
 
-def warm_up(url: str, headers: dict[str, str], prompts: Sequence[str], max_tokens: int,
+def warm_up(url: str, headers: dict[str, str], prompts: Sequence[Turns], max_tokens: int,
             timeout_s: float, modes: Sequence[bool]) -> None:
     """Untimed: one request in each mode (one-off costs, such as the cost rule's profile at the
     first speculative request), on a prompt the levels never send; then, without speculation,
@@ -380,17 +423,18 @@ def warm_up(url: str, headers: dict[str, str], prompts: Sequence[str], max_token
             "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": True,
             "osd_speculate": spec}).encode(), timeout_s)
 
+    firsts = [p if isinstance(p, str) else p[0] for p in prompts]  # a conversation's first turn
     with httpx.Client() as s:
         for spec in modes:
             send(s, WARM_PROMPT, spec)
-        for text in sorted(prompts, key=len, reverse=True)[:WARM_TRIES]:
+        for text in sorted(firsts, key=len, reverse=True)[:WARM_TRIES]:
             if send(s, text, False).status == 200:
                 break
 
 
 def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int] = (1, 2, 4, 8, 16),
                    seconds: float = 20.0, max_tokens: int = 64, timeout_s: float = 60.0,
-                   speculation: str = "both", prompts: Sequence[str] | None = None,
+                   speculation: str = "both", prompts: Sequence[Turns] | None = None,
                    json_path: str | Path | None = None, png_path: str | Path | None = None,
                    long_prompt: bool = False, requests: int | None = None) -> dict[str, Any]:
     """Run every level (with speculation on, off or both, interleaved per level) in order,
@@ -420,8 +464,11 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
         for spec in MODES[speculation] if i % 2 == 0 else MODES[speculation][::-1]:  # alternate which goes first
             rows.append(run_level(url, headers, c, seconds, max_tokens, timeout_s, prompts, spec, requests, start))
             r = rows[-1]
+            turns = r["ttft_p50_ms_by_turn"]
+            by_turn = (", first token by turn " + " / ".join(_fmt(t, ".0f") for t in turns) + " ms"
+                       if len(turns) > 1 else "")
             print(f"level {c} speculation {'on' if spec else 'off'}: {r['ok']} ok, "
-                  f"{r['completion_tok_per_s']:.1f} tok/s, {r['rejected']} refused", flush=True)
+                  f"{r['completion_tok_per_s']:.1f} tok/s, {r['rejected']} refused{by_turn}", flush=True)
         start += c * (requests or 0)  # the next level's requests are new to the server
     print(format_table(rows), flush=True)
     result = {"url": url, "path": CHAT_PATH, "max_tokens": max_tokens,
@@ -429,7 +476,8 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
               "timeout_s": timeout_s, "prompts": len(prompts), "levels": rows}
     result["ratios"] = ratios(rows)
     if long_prompt:
-        result["long_prompt"] = long_prompt_probe(url, headers, timeout_s=max(timeout_s, 120.0), prompts=prompts)
+        firsts = [p if isinstance(p, str) else p[0] for p in prompts]
+        result["long_prompt"] = long_prompt_probe(url, headers, timeout_s=max(timeout_s, 120.0), prompts=firsts)
         lp = result["long_prompt"]
         print(f"long prompt ({lp['prompt_words']} words) beside {lp['streams']} streams: TTFT "
               f"{_fmt(lp['long_ttft_ms'], '.0f')} ms; the streams' gap {_fmt(lp['gap_before_p50_ms'], '.0f')} ms "
@@ -462,6 +510,9 @@ def add_arguments(bl: argparse.ArgumentParser) -> None:
                     help="run each level with speculation on and off (default), or one of them")
     bl.add_argument("--prompts", default="sharegpt", metavar="SRC",
                     help="sharegpt (held-out first turns, default), a JSONL file of {\"prompt\": ...}, or fixed")
+    bl.add_argument("--workload", choices=("single", "multiturn"), default="single",
+                    help="multiturn: each request is a held-out ShareGPT conversation's two user turns, the second "
+                         "sent with the server's answer to the first (--prompts is not used)")
     bl.add_argument("--timeout", type=float, default=60, metavar="S", help="per-request client timeout (default 60)")
     bl.add_argument("--out", "--json", dest="out", default="reports/bench/load.json", metavar="PATH",
                     help="where to write JSON")
@@ -476,7 +527,10 @@ def run(cfg: Any, args: argparse.Namespace) -> int:
     except ValueError:
         raise LoadBenchError(f"--levels must be comma-separated integers, got {args.levels!r}") from None
     url = args.url or f"http://{cfg.serve.host}:{cfg.serve.port}"
-    prompts = load_prompts(args.prompts) if args.prompts != "fixed" else None
+    if args.workload == "multiturn":
+        prompts = load_conversations()
+    else:
+        prompts = load_prompts(args.prompts) if args.prompts != "fixed" else None
     png = args.png or str(Path(args.out).with_suffix(".png"))
     run_load_bench(url, api_key=args.api_key, levels=levels, seconds=args.seconds, max_tokens=args.max_tokens,
                    timeout_s=args.timeout, speculation=args.speculation, prompts=prompts, json_path=args.out,
