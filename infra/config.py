@@ -273,7 +273,7 @@ class ServeConfig(_Section):
     prefill_chunk: int = Field(64, ge=1)
     # A new prompt starts from the longest prefix whose keys and values a slot already holds
     # (the chat template's system turn, a conversation's earlier turns; serve/engine/prefix.py),
-    # as vLLM's prefix caching does. Not for drafts that read the target's prompt features.
+    # as vLLM's prefix caching does; within a tenant and a request's cache_salt.
     prefix_reuse: bool = True
     # Requests waiting for a slot, per replica; one more gets 429 at once. A waiter that gets
     # no slot within queue_timeout_s gets 503. Both carry Retry-After. Deep and patient by

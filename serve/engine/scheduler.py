@@ -25,13 +25,13 @@ import collections
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Sequence
 
 import torch
 
 from serve.engine.admission import SlotPool
 from serve.engine.prefix import best_prefix
-from serve.engine.sequence import Seq, Slot
+from serve.engine.sequence import NOTHING_HELD, Held, Seq, Slot
 from serve.engine.stages import prefill_tokens
 
 DONE = object()  # delivered after a request's last tokens
@@ -95,13 +95,15 @@ class StepLog:
         return {"forwards": self.total, "rows": self.rows, "sequences": self.sequences}
 
 
-def _usable(seq: Seq, tokens: list[int], held_draft: tuple[Any, int]) -> list[int]:
-    """The held tokens a request can take: for a draft that reads features, only as far as its
-    own draft's cache rows over them reach, plus the one position computed again (best_prefix
-    shrink)."""
+def _usable(seq: Seq, held: Held) -> Sequence[int]:
+    """The held tokens a request can take: none of another tenant's or cache salt's; for a
+    draft that reads features, only as far as its own draft's cache rows over them reach, plus
+    the one position computed again (best_prefix shrink)."""
+    if held.scope != seq.reuse_scope:
+        return ()
     if not seq.reads_features:
-        return tokens
-    return tokens[:seq.draft_rows(held_draft) + 1]
+        return held.tokens
+    return held.tokens[:seq.draft_rows(held) + 1]
 
 
 class Scheduler:
@@ -164,18 +166,18 @@ class Scheduler:
         a request of the same tenant and cache salt; not another new request's, which has
         computed nothing yet."""
         out: list[tuple[Seq, Slot, int]] = []
-        held: list[tuple[tuple, Slot, list[int], tuple[Any, int]]] | None = None  # gathered once, if needed
+        held: list[tuple[Slot, Held]] | None = None  # gathered once, if a request may take a prefix
         for seq in new:
             self.prompt_tokens += seq.n_prompt
             own = seq.slot
-            own_held = _usable(seq, own.held, own.held_draft) if own.held_for == seq.reuse_scope else []
-            own.held = []  # the request's now: its forwards overwrite the positions past its prefix
+            own_held = _usable(seq, own.held)
+            own.held = NOTHING_HELD  # the request's now: its forwards overwrite the positions past its prefix
             if not (seq.may_reuse and seq.prefilling):
                 continue
             if held is None:
-                held = [(s.reuse_scope, s.slot, s.tokens[:s.slot.target.length], s.held_draft()) for s in self.active]
-                held += [(slot.held_for, slot, slot.held, slot.held_draft) for slot in self.slots.idle() if slot.held]
-            mine = [(slot, _usable(seq, toks, dr)) for scope, slot, toks, dr in held if scope == seq.reuse_scope]
+                held = [(s.slot, s.holding()) for s in self.active]
+                held += [(slot, slot.held) for slot in self.slots.idle() if slot.held.tokens]
+            mine = [(slot, _usable(seq, h)) for slot, h in held]
             # A draft that reads features computes the last position of its prefix again: the
             # target's features there are its next row's input.
             reuse = best_prefix(seq.tokens[:seq.n_prompt], own, own_held, mine, shrink=int(seq.reads_features))
@@ -191,10 +193,7 @@ class Scheduler:
             if not done(seq):
                 keep.append(seq)
                 continue
-            # What the slot's cache holds for the next requests: committed positions only (a
-            # failed step wrote nothing below its requests' lengths).
-            seq.slot.held, seq.slot.held_for = seq.tokens[:seq.slot.target.length], seq.reuse_scope
-            seq.slot.held_draft = seq.held_draft()
+            seq.slot.held = seq.holding()  # for the next requests (prefix.py)
             self.slots.release(seq.slot)
             if seq.draft is not None:
                 seq.draft.release(seq)  # a draft that keeps per-request state of its own

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
@@ -119,6 +119,20 @@ def _add_counts(a: list[int], b: list[int]) -> list[int]:
     return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
 
 
+class Held(NamedTuple):
+    """What a slot's caches hold for later requests (serve/engine/prefix.py): the tokens at the
+    target cache's first positions, whose they are (the request's reuse_scope), and, for a draft
+    that reads the target's features, (a weak reference to) that draft and its cache's rows
+    over them: another draft's rows are no use."""
+    tokens: Sequence[int] = ()
+    scope: tuple = ()
+    draft: Any = None
+    draft_rows: int = 0
+
+
+NOTHING_HELD = Held()
+
+
 class Slot:
     """One request's KV memory: the target's cache and a draft cache per draft shape.
 
@@ -130,13 +144,8 @@ class Slot:
     def __init__(self, target: KVCache):
         self.target = target
         self.drafts: dict[Any, KVCache] = {}
-        # The tokens whose keys and values the target cache holds at its first positions,
-        # from the slot's last request, while no request runs in it (serve/engine/prefix.py).
-        self.held: list[int] = []
-        self.held_for: tuple = ()  # whose they are: the last request's reuse_scope
-        # For a draft that reads the target's features: its cache rows over those tokens, and
-        # (a weak reference to) the draft that wrote them; another draft's rows are no use.
-        self.held_draft: tuple[Any, int] = (None, 0)
+        # What the caches hold from the slot's last request, while no request runs in it.
+        self.held = NOTHING_HELD
 
     def draft_cache(self, runner: Runner) -> KVCache | None:
         if not getattr(runner, "uses_kv_cache", True):  # a draft with no forward of its own
@@ -219,16 +228,17 @@ class Seq:
         or the draft cache's rows over a prefix taken from a slot)."""
         return self.draft is not None and bool(self.draft.feature_layers)
 
-    def draft_rows(self, held_draft: tuple[Any, int]) -> int:
-        """Of a slot's held_draft, the rows this request's draft can take (its own draft's)."""
-        ref, rows = held_draft
-        return rows if ref is not None and ref() is self.draft else 0
+    def draft_rows(self, held: Held) -> int:
+        """Of what a slot holds, the draft cache rows this request's draft can take (its own)."""
+        return held.draft_rows if held.draft is not None and held.draft() is self.draft else 0
 
-    def held_draft(self) -> tuple[Any, int]:
-        """What a slot keeps of this request's draft cache (Slot.held_draft)."""
+    def holding(self) -> Held:
+        """What its slot's caches hold of it: committed positions only (a step writes nothing
+        below a request's lengths, even one that fails)."""
+        tokens = self.tokens[:self.slot.target.length]
         if not self.reads_features or self.dcache is None:
-            return (None, 0)
-        return (weakref.ref(self.draft), self.dcache.length)
+            return Held(tokens, self.reuse_scope)
+        return Held(tokens, self.reuse_scope, weakref.ref(self.draft), self.dcache.length)
 
     @property
     def prefilling(self) -> bool:
