@@ -153,7 +153,8 @@ def test_a_conversation_sends_its_second_turn_with_the_servers_answer_and_each_m
 
 
 def test_conversations_come_from_held_out_sharegpt():
+    from infra.config import OSDConfig
     from pipeline.bench.load import load_conversations
 
-    convs = load_conversations(limit=20)
+    convs = load_conversations(OSDConfig(), limit=20)
     assert len(convs) == 20 and all(len(c) == 2 and all(t.strip() for t in c) for c in convs)

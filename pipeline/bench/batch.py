@@ -167,12 +167,11 @@ def _items(cfg: OSDConfig, args: argparse.Namespace, tokenizer: Any, max_seq_len
     """The requests: token ids of single prompts, or (first, second) user turns of held-out
     ShareGPT conversations (`--workload multiturn`), those the context holds."""
     if args.workload == "multiturn":
-        from pipeline.bench.engine import second_turn_prompts
+        from pipeline.bench.engine import conversation_turns
 
         if args.prompts_file:
             raise ValueError("--workload multiturn takes its conversations from ShareGPT, not --prompts-file")
-        convs = [tuple(text for _, text in p.messages) for p in second_turn_prompts(cfg, 10**6, args.max_prompt_chars)]
-        return [c for c in convs
+        return [c for c in conversation_turns(cfg, ALL_PROMPTS, args.max_prompt_chars)
                 if sum(len(messages_ids(tokenizer, [{"role": "user", "content": t}])) for t in c)
                 + 2 * args.max_new_tokens <= max_seq_len]
     # Every held-out first turn (select_prompts takes 32 of ShareGPT's unless told how many):

@@ -167,6 +167,11 @@ def second_turn_prompts(cfg: OSDConfig, n: int, max_chars: int) -> list[Prompt]:
             for cid, (first, second) in convs]
 
 
+def conversation_turns(cfg: OSDConfig, n: int, max_chars: int) -> list[tuple[str, ...]]:
+    """The user turns (first, second) of second_turn_prompts' conversations."""
+    return [tuple(text for _, text in p.messages) for p in second_turn_prompts(cfg, n, max_chars)]
+
+
 def answer_first_turns(engine: SpecEngine, tokenizer: Any, prompts: list[Prompt], max_new_tokens: int,
                        log: Callable[[str], None]) -> list[Prompt]:
     """The multi-turn workload's prompts: each conversation's second turn after the target's own

@@ -389,19 +389,24 @@ def load_prompts(source: str, limit: int = 512) -> list[str]:
     return texts
 
 
-def load_conversations(limit: int = 512) -> list[tuple[str, str]]:
+def load_conversations(cfg: Any, limit: int = 512) -> list[tuple[str, ...]]:
     """The first two user turns of held-out ShareGPT conversations that have two, each within
     the data section's length filter."""
-    from infra.config import DataConfig
-    from infra.prompts import PromptDataError, sharegpt_second_turns
+    from infra.prompts import PromptDataError
+    from pipeline.bench.engine import conversation_turns
 
     try:
-        got = [tuple(turns) for _, turns in sharegpt_second_turns(DataConfig())][:limit]
+        got = conversation_turns(cfg, limit, cfg.data.max_prompt_chars)
     except PromptDataError as e:
         raise LoadBenchError(f"cannot read ShareGPT conversations: {e}") from None
     if not got:
         raise LoadBenchError("no held-out ShareGPT conversation has two user turns")
-    return got  # type: ignore[return-value]
+    return got
+
+
+def first_turns(prompts: Sequence[Turns]) -> list[str]:
+    """Each request's first user turn (a prompt is its own)."""
+    return [p if isinstance(p, str) else p[0] for p in prompts]
 
 
 WARM_PROMPT = "Warm-up: answer with one word."  # never one of the levels' prompts, FIXED_PROMPT included
@@ -423,11 +428,10 @@ def warm_up(url: str, headers: dict[str, str], prompts: Sequence[Turns], max_tok
             "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "stream": True,
             "osd_speculate": spec}).encode(), timeout_s)
 
-    firsts = [p if isinstance(p, str) else p[0] for p in prompts]  # a conversation's first turn
     with httpx.Client() as s:
         for spec in modes:
             send(s, WARM_PROMPT, spec)
-        for text in sorted(firsts, key=len, reverse=True)[:WARM_TRIES]:
+        for text in sorted(first_turns(prompts), key=len, reverse=True)[:WARM_TRIES]:
             if send(s, text, False).status == 200:
                 break
 
@@ -476,8 +480,8 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
               "timeout_s": timeout_s, "prompts": len(prompts), "levels": rows}
     result["ratios"] = ratios(rows)
     if long_prompt:
-        firsts = [p if isinstance(p, str) else p[0] for p in prompts]
-        result["long_prompt"] = long_prompt_probe(url, headers, timeout_s=max(timeout_s, 120.0), prompts=firsts)
+        result["long_prompt"] = long_prompt_probe(url, headers, timeout_s=max(timeout_s, 120.0),
+                                                  prompts=first_turns(prompts))
         lp = result["long_prompt"]
         print(f"long prompt ({lp['prompt_words']} words) beside {lp['streams']} streams: TTFT "
               f"{_fmt(lp['long_ttft_ms'], '.0f')} ms; the streams' gap {_fmt(lp['gap_before_p50_ms'], '.0f')} ms "
@@ -528,7 +532,7 @@ def run(cfg: Any, args: argparse.Namespace) -> int:
         raise LoadBenchError(f"--levels must be comma-separated integers, got {args.levels!r}") from None
     url = args.url or f"http://{cfg.serve.host}:{cfg.serve.port}"
     if args.workload == "multiturn":
-        prompts = load_conversations()
+        prompts = load_conversations(cfg)
     else:
         prompts = load_prompts(args.prompts) if args.prompts != "fixed" else None
     png = args.png or str(Path(args.out).with_suffix(".png"))
