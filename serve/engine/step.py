@@ -126,8 +126,9 @@ def _propose_tree(eng: SpecEngine, seq: Seq) -> tuple[TreeBlock, float]:
 def _finish_chains(eng: SpecEngine, chains: list[Seq], props: list[tuple[Proposal, float]], outs: list[Output],
                    layers: tuple[int, ...], rows: int, score_s: float) -> None:
     logits = [lg for lg, _ in outs]
-    topks = _capture_topk(chains, logits)
-    reads = _greedy_reads(chains, [p.tokens for p, _ in props], logits, eng.gpu)
+    stats = [None] * len(chains) if eng.gpu else _row_stats(chains, logits)
+    topks = _capture_topk(chains, logits, stats)
+    reads = _greedy_reads(chains, [p.tokens for p, _ in props], logits, eng.gpu, stats)
     for seq, (p, draft_s), (lg, feats), topk, read in zip(chains, props, outs, topks, reads):
         seq.step_feats = _pick(feats, layers, _reads(seq))
         t3 = time.perf_counter()
@@ -179,13 +180,57 @@ def _learn(seq: Seq, drafted: int, accepted: int, draft_s: float, verify_s: floa
             seq.length.observe(drafted, accepted)
 
 
-def _capture_topk(batch: list[Seq], logits: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """Each capturing request's top-k (ids, log-probs) over its logit rows, computed for the
-    whole step in one call when several capture with one top_k (one topk and one logsumexp
-    over [rows, V] instead of one pair per request); None where a request computes its own."""
+RowStats = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # argmax [t], top-k ids [t, k], log-probs [t, k]
+
+
+def _row_stats(batch: list[Seq], logits: list[torch.Tensor]) -> list[RowStats | None]:
+    """On the CPU, each request's argmax and capture top-k over its logit rows, from one native
+    call for the step (serve/model/native_logits.py: a tenth of PyTorch's time a row); Nones
+    where it does not run, and then PyTorch reads them as before. The top-k is the one top_k
+    every capturing request asks for (none where they differ: each then computes its own)."""
+    from serve.model.native_logits import available, logit_stats
+
+    if not batch or not available():
+        return [None] * len(batch)
+    ks = {s.capture.top_k for s in batch if s.capture is not None}
+    k = ks.pop() if len(ks) == 1 else 0
+    got = logit_stats(_joined(logits), k)
+    if got is None:
+        return [None] * len(batch)
+    out: list[RowStats | None] = []
+    lo = 0
+    for lg in logits:
+        t = lg.shape[0]
+        out.append((got[0][lo:lo + t], got[1][lo:lo + t], got[2][lo:lo + t]))
+        lo += t
+    return out
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The rows of `parts` as one [rows, V] tensor: a view where they lie back to back in one
+    buffer (a batched forward's logits, item after item), else a copy."""
+    first = parts[0]
+    at, base = first.data_ptr(), first.untyped_storage().data_ptr()
+    for p in parts:
+        if not p.is_contiguous() or p.data_ptr() != at or p.untyped_storage().data_ptr() != base:
+            return torch.cat(parts)
+        at += p.numel() * p.element_size()
+    return first.as_strided((sum(p.shape[0] for p in parts), first.shape[1]), (first.shape[1], 1))
+
+
+def _capture_topk(batch: list[Seq], logits: list[torch.Tensor],
+                  stats: list[RowStats | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Each capturing request's top-k (ids, log-probs) over its logit rows: from the step's
+    native row stats where they hold it, else computed for the whole step in one call when
+    several capture with one top_k (one topk and one logsumexp over [rows, V] instead of one
+    pair per request); None where a request computes its own."""
     want = [i for i, s in enumerate(batch) if s.capture is not None]
     ks = {batch[i].capture.top_k for i in want}
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batch)
+    if stats is not None and len(ks) == 1 and all(stats[i] is not None for i in want):
+        for i in want:
+            out[i] = (stats[i][1], stats[i][2])
+        return out
     if len(want) < 2 or len(ks) != 1:
         return out
     ids, lps = topk_logprobs(torch.cat([logits[i] for i in want]), ks.pop())
@@ -196,19 +241,24 @@ def _capture_topk(batch: list[Seq], logits: list[torch.Tensor]) -> list[tuple[to
     return out
 
 
-def _greedy_reads(batch: list[Seq], drafts: list[torch.Tensor], logits: list[torch.Tensor],
-                  device: bool) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """On a GPU, what greedy verify reads of every greedy request without processors, (drafts,
-    the target's argmax per row) on the host, in one device-to-host copy for the whole step
-    instead of a few syncs per request; None for the others (and on the CPU), which verify as
-    a request alone does."""
-    want = [i for i, s in enumerate(batch) if device and s.params.sampling.greedy and s.proc is None]
+def _greedy_reads(batch: list[Seq], drafts: list[torch.Tensor], logits: list[torch.Tensor], device: bool,
+                  stats: list[RowStats | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """What greedy verify reads of every greedy request without processors, (drafts, the
+    target's argmax per row) on the host: on a GPU in one device-to-host copy for the whole
+    step instead of a few syncs per request, on the CPU from the step's native row stats; None
+    for the others, which verify as a request alone does."""
+    plain = [i for i, s in enumerate(batch) if s.params.sampling.greedy and s.proc is None]
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batch)
-    if not want:
+    if not device:
+        for i in plain:
+            if stats is not None and stats[i] is not None:
+                out[i] = (drafts[i], stats[i][0])
         return out
-    parts = [t for i in want for t in (drafts[i], logits[i].argmax(-1))]
+    if not plain:
+        return out
+    parts = [t for i in plain for t in (drafts[i], logits[i].argmax(-1))]
     host = torch.cat(parts).cpu().split([t.numel() for t in parts])
-    for j, i in enumerate(want):
+    for j, i in enumerate(plain):
         out[i] = (host[2 * j], host[2 * j + 1])
     return out
 

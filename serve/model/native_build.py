@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).parent / "native"
-SOURCES = ("forward.cpp", "amx.h", "attention.h", "gemm.h", "ops.h", "pool.h")
+SOURCES = ("forward.cpp", "amx.h", "attention.h", "gemm.h", "logits.h", "ops.h", "pool.h")
 COMMON_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-pthread",
                 # Elementwise float math stays exactly as written, so every variant rounds alike.
                 "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
@@ -111,6 +111,12 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
         lib.osd_set_amx.argtypes = (ctypes.c_int32,)
     except AttributeError:  # an older build: no AMX path
         lib.osd_set_amx = lambda rows: 0
+    try:
+        lib.osd_logit_stats.restype = ctypes.c_int32
+        lib.osd_logit_stats.argtypes = (ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32)
+    except AttributeError:  # an older build: PyTorch reads the logits
+        lib.osd_logit_stats = None
     lib.osd_gemm.restype = None
     lib.osd_gemm.argtypes = (ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
                              ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32)

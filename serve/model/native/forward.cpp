@@ -11,6 +11,7 @@
 
 #include "attention.h"
 #include "gemm.h"
+#include "logits.h"
 #include "ops.h"
 #include "pool.h"
 
@@ -273,6 +274,21 @@ void osd_gemm(const uint8_t* w, int32_t q4, int32_t n, int32_t k, const float* x
   osd::quantize_rows(x, m, k, k, qa, 1);
   if (q4) osd::gemm<true>(w, n, k, qa.act(k), m, y, n, false, threads);
   else osd::gemm<false>(w, n, k, qa.act(k), m, y, n, false, threads);
+}
+
+// Each row of x [rows, v]: its argmax into amax [rows], and with k > 0 its k largest entries
+// ids [rows, k] and log-probabilities lps [rows, k] (logits.h). Returns 0, or 1 where a row
+// holds a NaN or +inf, or k is out of range (then nothing written is to be used).
+int32_t osd_logit_stats(const float* x, int32_t rows, int32_t v, int32_t k, int64_t* amax, int64_t* ids, float* lps,
+                        int32_t threads) {
+  if (k < 0 || k > osd::kMaxTopK || k > v || v < 1) return 1;
+  std::lock_guard<std::mutex> hold(osd::forward_lock());
+  std::atomic<bool> ok{true};
+  osd::Pool::get().run(rows >= 2 ? std::max(threads, 1) : 1, rows, [&](int r, int) {
+    const int64_t o = static_cast<int64_t>(r) * k;
+    if (!osd::logit_row(x + static_cast<int64_t>(r) * v, v, k, amax + r, ids + o, lps + o)) ok.store(false);
+  });
+  return ok.load() ? 0 : 1;
 }
 
 // The whole forward; returns 0, or a code for arguments out of range (checked before any write).
