@@ -30,7 +30,15 @@ def _lib() -> ctypes.CDLL | None:
         lib = load()
     except NativeUnavailable:
         return None
-    return lib if lib.osd_logit_stats is not None else None
+    if lib.osd_logit_stats is None:
+        return None
+    # The same library through a handle whose calls keep the GIL: a read takes well under a
+    # millisecond, and a step thread that released the GIL for it would wait up to Python's
+    # switch interval (5 ms) to take it back from the replica's other threads.
+    held = ctypes.PyDLL(lib._name)
+    held.osd_logit_stats.restype = lib.osd_logit_stats.restype
+    held.osd_logit_stats.argtypes = lib.osd_logit_stats.argtypes
+    return held
 
 
 def available() -> bool:

@@ -284,7 +284,8 @@ int32_t osd_logit_stats(const float* x, int32_t rows, int32_t v, int32_t k, int6
   if (k < 0 || k > osd::kMaxTopK || k > v || v < 1) return 1;
   std::lock_guard<std::mutex> hold(osd::forward_lock());
   std::atomic<bool> ok{true};
-  osd::Pool::get().run(rows >= 2 ? std::max(threads, 1) : 1, rows, [&](int r, int) {
+  // The pool's workers sleep between forwards: waking them pays only for a batch's rows.
+  osd::Pool::get().run(rows >= osd::kThreadedLogitRows ? std::max(threads, 1) : 1, rows, [&](int r, int) {
     const int64_t o = static_cast<int64_t>(r) * k;
     if (!osd::logit_row(x + static_cast<int64_t>(r) * v, v, k, amax + r, ids + o, lps + o)) ok.store(false);
   });

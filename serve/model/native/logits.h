@@ -14,6 +14,7 @@
 namespace osd {
 
 constexpr int kMaxTopK = 64;
+constexpr int kThreadedLogitRows = 16;  // fewer rows: read on the calling thread alone
 
 #if defined(__AVX512F__)
 constexpr int kScan = 16;
