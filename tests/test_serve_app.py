@@ -372,8 +372,13 @@ def test_more_concurrent_requests_than_slots_all_get_an_answer(app):
         t.join(120)
     codes = sorted(code for code, _, _ in results if code is not None)
     assert len(codes) == 16, results
-    assert set(codes) <= {200, 429, 503} and codes.count(200) >= 2 + QUEUE, codes
-    assert 429 in codes, codes  # the queue-full branch ran: 2 + QUEUE admitted, the rest refused
+    assert set(codes) <= {200, 429, 503}, codes
+    # 2 + QUEUE admitted, the rest refused. An admitted request that waited past queue_timeout_s
+    # (a CI machine running other tests beside this one) is answered 503 queue_timeout: still
+    # admitted, and answered.
+    admitted = [code for code, _, body in results if code == 200 or body["error"]["code"] == "queue_timeout"]
+    assert len(admitted) >= 2 + QUEUE and codes.count(200) >= 2, codes
+    assert 429 in codes, codes  # the queue-full branch ran
     for code, retry, body in results:
         if code == 429:
             assert retry is not None and int(retry) >= 1 and body["error"]["code"] == "overloaded", (retry, body)
