@@ -26,6 +26,7 @@ from infra.records.tokens import topk_logprobs
 from serve.engine.scheduler import StepPlan, StepTook
 from serve.engine.sequence import Seq
 from serve.engine.stages import commit, end_prefill, prefilled_chunk, verify
+from serve.model import native_logits
 from serve.model.batch_forward import Item, Output, forward_batch
 from serve.sampling.verify import verify_greedy
 from serve.spec_decode.protocol import Proposal, no_proposal
@@ -126,7 +127,7 @@ def _propose_tree(eng: SpecEngine, seq: Seq) -> tuple[TreeBlock, float]:
 def _finish_chains(eng: SpecEngine, chains: list[Seq], props: list[tuple[Proposal, float]], outs: list[Output],
                    layers: tuple[int, ...], rows: int, score_s: float) -> None:
     logits = [lg for lg, _ in outs]
-    stats = [None] * len(chains) if eng.gpu else _row_stats(chains, logits)
+    stats = None if eng.gpu else _row_stats(chains, logits)
     topks = _capture_topk(chains, logits, stats)
     reads = _greedy_reads(chains, [p.tokens for p, _ in props], logits, eng.gpu, stats)
     for seq, (p, draft_s), (lg, feats), topk, read in zip(chains, props, outs, topks, reads):
@@ -183,21 +184,18 @@ def _learn(seq: Seq, drafted: int, accepted: int, draft_s: float, verify_s: floa
 RowStats = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # argmax [t], top-k ids [t, k], log-probs [t, k]
 
 
-def _row_stats(batch: list[Seq], logits: list[torch.Tensor]) -> list[RowStats | None]:
+def _row_stats(batch: list[Seq], logits: list[torch.Tensor]) -> list[RowStats] | None:
     """On the CPU, each request's argmax and capture top-k over its logit rows, from one native
-    call for the step (serve/model/native_logits.py: a tenth of PyTorch's time a row); Nones
-    where it does not run, and then PyTorch reads them as before. The top-k is the one top_k
-    every capturing request asks for (none where they differ: each then computes its own)."""
-    from serve.model.native_logits import available, logit_stats
-
-    if not batch or not available():
-        return [None] * len(batch)
+    call for the step (serve/model/native_logits.py); None where it does not run, and then
+    PyTorch reads them as before. The top-k is the one top_k every capturing request asks for
+    (empty where they differ: each then computes its own)."""
+    if not batch or not native_logits.available():
+        return None
     ks = {s.capture.top_k for s in batch if s.capture is not None}
-    k = ks.pop() if len(ks) == 1 else 0
-    got = logit_stats(_joined(logits), k)
+    got = native_logits.logit_stats(_joined(logits), ks.pop() if len(ks) == 1 else 0)
     if got is None:
-        return [None] * len(batch)
-    out: list[RowStats | None] = []
+        return None
+    out: list[RowStats] = []
     lo = 0
     for lg in logits:
         t = lg.shape[0]
@@ -219,15 +217,15 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _capture_topk(batch: list[Seq], logits: list[torch.Tensor],
-                  stats: list[RowStats | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+                  stats: list[RowStats] | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Each capturing request's top-k (ids, log-probs) over its logit rows: from the step's
-    native row stats where they hold it, else computed for the whole step in one call when
+    native row stats where they hold it (one top_k for all), else computed for the whole step in one call when
     several capture with one top_k (one topk and one logsumexp over [rows, V] instead of one
     pair per request); None where a request computes its own."""
     want = [i for i, s in enumerate(batch) if s.capture is not None]
     ks = {batch[i].capture.top_k for i in want}
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batch)
-    if stats is not None and len(ks) == 1 and all(stats[i] is not None for i in want):
+    if stats is not None and len(ks) == 1:
         for i in want:
             out[i] = (stats[i][1], stats[i][2])
         return out
@@ -242,7 +240,7 @@ def _capture_topk(batch: list[Seq], logits: list[torch.Tensor],
 
 
 def _greedy_reads(batch: list[Seq], drafts: list[torch.Tensor], logits: list[torch.Tensor], device: bool,
-                  stats: list[RowStats | None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+                  stats: list[RowStats] | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """What greedy verify reads of every greedy request without processors, (drafts, the
     target's argmax per row) on the host: on a GPU in one device-to-host copy for the whole
     step instead of a few syncs per request, on the CPU from the step's native row stats; None
@@ -250,8 +248,8 @@ def _greedy_reads(batch: list[Seq], drafts: list[torch.Tensor], logits: list[tor
     plain = [i for i, s in enumerate(batch) if s.params.sampling.greedy and s.proc is None]
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(batch)
     if not device:
-        for i in plain:
-            if stats is not None and stats[i] is not None:
+        if stats is not None:
+            for i in plain:
                 out[i] = (drafts[i], stats[i][0])
         return out
     if not plain:

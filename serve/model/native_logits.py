@@ -18,6 +18,7 @@ import os
 import torch
 
 from serve.model.native_build import NativeUnavailable, load
+from serve.model.native_runner import forward_threads
 
 MAX_TOP_K = 64  # logits.h kMaxTopK
 
@@ -53,8 +54,6 @@ def logit_stats(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     if (lib is None or logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2
             or not 0 <= k <= min(MAX_TOP_K, logits.shape[1])):
         return None
-    from serve.model.native_runner import forward_threads
-
     x = logits.contiguous()
     rows = x.shape[0]
     amax = torch.empty(rows, dtype=torch.long)

@@ -1,7 +1,7 @@
 // What a step reads off each logit row besides sampling: the argmax (greedy verify) and the k
-// largest entries with their log-probabilities (the records' top-k). PyTorch's CPU argmax and
-// topk take 70-110 us for one row of a 49,152-token vocabulary; these take a few, in plain
-// 16-lane loops the compiler vectorises (ops.h).
+// largest entries with their log-probabilities (the records' top-k), in two passes over the
+// row: the max and its index with the ISA's compares (Scan), then the exponential sum in the
+// 16-lane loop the compiler vectorises (ops.h fexp) beside the top-k. Timings: docs/benchmarks.md.
 #pragma once
 
 #include <cmath>
