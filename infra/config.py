@@ -503,7 +503,7 @@ class TrainConfig(_Section):
            for key in ("warm_shard_prompts", "warm_cuda_batch_size")},
         **{key: f"the head warm start's constant (train/warm/head.py {key.removeprefix('head_').upper()})"
            for key in ("head_token_budget", "head_cuda_token_budget")},
-        "head_warm_autocast": "the head warm start's rule (train/warm/head.py warm_autocast: bfloat16 where "
+        "head_warm_autocast": "the head's rule (train/distill/ds_engine.py autocast_dtype: bfloat16 where "
                               "its GEMMs are native, else float32)",
         "head_warm_conversations": "`osd draft init --conversations N` (ShareGPT conversations as fixed text; "
                                    "none by default)"}

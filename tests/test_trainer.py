@@ -303,7 +303,7 @@ print(json.dumps(out))
 
 
 def test_an_autocast_step_runs_its_forward_in_bfloat16_and_keeps_float32_weights():
-    """The head's warm start (train/warm/head.py warm_autocast) steps DeepSpeed with the forward under
+    """The head's warm start (train/distill/ds_engine.py autocast_dtype) steps DeepSpeed with the forward under
     autocast: the loss's GEMMs in bfloat16, the weights it updates still float32."""
     import json
     import os
@@ -320,7 +320,7 @@ def test_an_autocast_step_runs_its_forward_in_bfloat16_and_keeps_float32_weights
 
 def test_auto_autocast_is_bfloat16_only_where_bfloat16_is_native(monkeypatch):
     import infra.common.cpu
-    from train.warm.head import warm_autocast
+    from train.distill.ds_engine import autocast_dtype as warm_autocast
 
     monkeypatch.setattr(infra.common.cpu, "native_bf16_gemm", lambda: False)  # an AVX2-only CPU
     assert warm_autocast("auto", "cpu") is None and warm_autocast("auto", "cuda") == torch.bfloat16

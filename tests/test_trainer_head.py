@@ -179,6 +179,29 @@ def test_a_few_steps_on_a_fixed_pattern_raise_the_heads_alpha_and_pass_the_paire
 
 
 @pytest.mark.pure
+@pytest.mark.usefixtures("one_thread")
+def test_a_head_family_steps_and_scores_in_bfloat16_only_where_bfloat16_is_native(target, recs, monkeypatch):
+    """The online head trainer takes its warm start's rule (train/distill/ds_engine.py
+    autocast_dtype): the trainer's DistillEngine gets the family's dtype, and the α estimate and the
+    gate's scores run the head under it too; float32 on a CPU that would emulate bfloat16."""
+    import infra.common.cpu
+    from train.online.family import HeadFamily, LayerFamily
+
+    head = fresh_head(target, 150)
+    seen: list = []
+    head.fc.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    for native, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(infra.common.cpu, "native_bf16_gemm", lambda native=native: native)
+        fam = HeadFamily(target, train_cfg(max_seq_len=1024), head)
+        assert fam.autocast == (torch.bfloat16 if native else None)
+        seen.clear()
+        fam.alpha(head, recs[:2])
+        fam.score(head, recs[:2])
+        assert seen and set(seen) == {dtype}
+    assert LayerFamily.autocast is None
+
+
+@pytest.mark.pure
 def test_a_head_trainer_without_an_init_draft_fails_clearly(tmp_path):
     from infra.config import load_config
     from train.online.trainer import TrainerWorker

@@ -164,6 +164,24 @@ def ds_config(cfg: TrainConfig) -> dict[str, Any]:
     }
 
 
+def autocast_dtype(setting: str, device: str) -> torch.dtype | None:
+    """The dtype a head's steps run their forward under (None: float32); weights, gradients and
+    AdamW state stay float32. With native bfloat16 GEMMs a step is much faster that way
+    (docs/benchmarks.md, "The warm start's teacher", "The online head trainer's steps"). "auto":
+    bfloat16 on a GPU or a CPU with native bfloat16 GEMMs (infra/common/cpu.py), else float32,
+    since an AVX2-only CPU emulates bfloat16 several times slower than float32."""
+    from infra.common.cpu import native_bf16_gemm
+
+    if setting == "auto":
+        setting = "bfloat16" if device.startswith("cuda") or native_bf16_gemm() else "none"
+    return torch.bfloat16 if setting == "bfloat16" else None
+
+
+def autocast_context(dtype: torch.dtype | None, device: str) -> contextlib.AbstractContextManager:
+    """torch.autocast in `dtype` on `device`'s type, or nothing where `dtype` is None."""
+    return torch.autocast(torch.device(device).type, dtype=dtype or torch.bfloat16, enabled=dtype is not None)
+
+
 class DistillEngine:
     def __init__(self, model: torch.nn.Module, cfg: TrainConfig, autocast: torch.dtype | None = None):
         """autocast: run each step's forward (loss_fn) under torch.autocast in this dtype; the
@@ -186,7 +204,7 @@ class DistillEngine:
         """One optimizer step on `batch`; loss_fn(model, batch) -> scalar. Returns the loss."""
         self.engine.train()
         device = next(self.module.parameters()).device.type
-        with torch.autocast(device, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+        with autocast_context(self.autocast, device):
             loss = loss_fn(self.engine, batch)
         self.engine.backward(loss)
         self.engine.step()

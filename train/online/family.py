@@ -29,6 +29,7 @@ import torch
 
 from infra.config import TrainConfig
 from infra.drafts.spec import DraftSpec
+from train.distill.ds_engine import autocast_context, autocast_dtype
 
 if TYPE_CHECKING:
     from train.online.served import ServedForward
@@ -83,6 +84,7 @@ class LayerFamily:
     """Copied target layers on the target's head: packed token batches, top-k distillation."""
 
     name = "layer"
+    autocast = None  # its steps and scores run in float32
 
     def __init__(self, target: Any, tc: TrainConfig, spec: DraftSpec, draft: Any):
         self.target, self.tc, self.spec = target, tc, spec
@@ -138,6 +140,9 @@ class HeadFamily:
         self.spec, self.d2t = head.spec, head.d2t.detach().cpu().clone()
         self.layers = tuple(head.feature_layers)
         self._kept: OrderedDict[str, tuple] = OrderedDict()  # record id -> its features (FeatureSet fields)
+        # The head's steps, α estimates and gate scores run under bfloat16 autocast where its GEMMs
+        # are native, as its warm start's steps do: the step is most of the trainer's time.
+        self.autocast = autocast_dtype("auto", tc.device)
 
     def features(self, records: list) -> Any:
         """The target's features of `records` as one FeatureSet, each record's computed once while
@@ -186,7 +191,11 @@ class HeadFamily:
     def alpha(self, draft: Any, records: list) -> float | None:
         from train.distill.head import evaluate
 
-        return evaluate(draft, self.features(records))["alpha_est"] if records else None
+        if not records:
+            return None
+        fs = self.features(records)
+        with autocast_context(self.autocast, self.tc.device):
+            return evaluate(draft, fs)["alpha_est"]
 
     def score(self, draft: Any, records: list) -> list[tuple[float, int]]:
         """The gate's per-record sums for `draft` on `records`; a head on this family's feature
@@ -194,8 +203,9 @@ class HeadFamily:
         if family_name(draft) == "head" and tuple(draft.feature_layers) == self.layers:
             from train.distill.head import per_record_acceptance_head
 
-            return per_record_acceptance_head(draft, self.target, records, self.tc.max_seq_len,
-                                              features=self.features(records))
+            fs = self.features(records)
+            with autocast_context(self.autocast, self.tc.device):
+                return per_record_acceptance_head(draft, self.target, records, self.tc.max_seq_len, features=fs)
         return per_record(draft, self.target, records, self.tc.max_seq_len, forward=self.forward)
 
     def save(self, draft: Any, directory: Path, **kw: Any) -> Path:

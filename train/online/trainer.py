@@ -112,7 +112,7 @@ class TrainerWorker:
             raise ValueError(f"asked to train a {self.family} draft; the init draft {self.init_draft} "
                              f"is a {self.fam.name} draft")
         init_distributed(self.rank, self.world_size, master_addr, master_port, tc.device, tc.collective_timeout_s)
-        self.engine = DistillEngine(draft, tc)
+        self.engine = DistillEngine(draft, tc, autocast=self.fam.autocast)
         from infra.drafts.layer import target_ref_of
 
         # Records of other target weights (schema v2's target_sha256) are dead-lettered, never trained on.

@@ -186,19 +186,6 @@ class _Fit:
         return metrics
 
 
-def warm_autocast(setting: str, device: str) -> torch.dtype | None:
-    """The dtype the head's warm-start steps run their forward under (None: float32); weights,
-    gradients and AdamW state stay float32. With native bfloat16 GEMMs a step is much faster
-    that way (docs/benchmarks.md, "The warm start's teacher"). "auto": bfloat16 on a GPU or a
-    CPU with native bfloat16 GEMMs (infra/common/cpu.py), else float32, since an AVX2-only CPU
-    emulates bfloat16 several times slower than float32."""
-    from infra.common.cpu import native_bf16_gemm
-
-    if setting == "auto":
-        setting = "bfloat16" if device.startswith("cuda") or native_bf16_gemm() else "none"
-    return torch.bfloat16 if setting == "bfloat16" else None
-
-
 def _prefix(fs: Any, frac: float) -> Any:
     """The first ceil(frac * n) sequences of a FeatureSet (views, no copies)."""
     from train.distill.head import FeatureSet
@@ -291,12 +278,12 @@ def _train(cfg: OSDConfig, head: Any, target: Any, fs_train: Any, epochs: int,
     """Epochs of the unrolled loss through the DistillEngine. Small batches (`token_budget`):
     with tens of thousands of tokens, the number of optimizer steps is what limits the head."""
     from infra.redis.server import free_port
-    from train.distill.ds_engine import DistillEngine, init_distributed
+    from train.distill.ds_engine import DistillEngine, autocast_dtype, init_distributed
     from train.distill.head import head_loss_fn, train_epochs
 
     tc = cfg.train
     init_distributed(0, 1, "127.0.0.1", free_port(), tc.device)
-    engine = DistillEngine(head, tc, autocast=warm_autocast("auto", tc.device))
+    engine = DistillEngine(head, tc, autocast=autocast_dtype("auto", tc.device))
     t = time.perf_counter()
     losses = train_epochs(engine, fs_train, head_loss_fn(target.lm_head.weight.detach()), epochs=epochs,
                           token_budget=token_budget, log=_log)
