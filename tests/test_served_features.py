@@ -21,6 +21,7 @@ from serve.engine.sequence import GenerationParams
 from serve.model import native_build
 from serve.spec_decode.head.draft import HeadRunner
 from engine_options import small_options
+from train.distill.ds_engine import autocast_context
 from train.distill.head import per_record_acceptance_head
 from train.online.family import HeadFamily, per_record
 from train.online.served import served_features
@@ -171,8 +172,9 @@ def test_each_record_is_run_once_while_kept_and_the_gate_scores_served_features(
     fam.alpha(head, records)
     got = fam.score(head, records)
     assert counting.sequences == len(records)  # FEATURES_KEPT: the α estimate and the gate reuse them
-    want = per_record_acceptance_head(head, f32, records, fam.tc.max_seq_len,
-                                      features=served_features(served, records, LAYERS, fam.tc.max_seq_len))
+    feats = served_features(served, records, LAYERS, fam.tc.max_seq_len)
+    with autocast_context(fam.autocast, "cpu"):  # the family scores its own head under its autocast rule
+        want = per_record_acceptance_head(head, f32, records, fam.tc.max_seq_len, features=feats)
     assert got == want
     other = build_head(f32, DraftSpec(family="head", feature_layers=(1,), draft_vocab=200))
     assert fam.score(other, records) == per_record(other, f32, records, fam.tc.max_seq_len, forward=served)
