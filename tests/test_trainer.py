@@ -320,10 +320,10 @@ def test_an_autocast_step_runs_its_forward_in_bfloat16_and_keeps_float32_weights
 
 def test_auto_autocast_is_bfloat16_only_where_bfloat16_is_native(monkeypatch):
     import infra.common.cpu
-    from train.distill.ds_engine import autocast_dtype as warm_autocast
+    from train.distill.ds_engine import autocast_dtype
 
     monkeypatch.setattr(infra.common.cpu, "native_bf16_gemm", lambda: False)  # an AVX2-only CPU
-    assert warm_autocast("auto", "cpu") is None and warm_autocast("auto", "cuda") == torch.bfloat16
-    assert warm_autocast("bfloat16", "cpu") == torch.bfloat16 and warm_autocast("none", "cuda") is None
+    assert autocast_dtype("auto", "cpu") is None and autocast_dtype("auto", "cuda") == torch.bfloat16
+    assert autocast_dtype("bfloat16", "cpu") == torch.bfloat16 and autocast_dtype("none", "cuda") is None
     monkeypatch.setattr(infra.common.cpu, "native_bf16_gemm", lambda: True)  # AVX-512 or AMX
-    assert warm_autocast("auto", "cpu") == torch.bfloat16
+    assert autocast_dtype("auto", "cpu") == torch.bfloat16
