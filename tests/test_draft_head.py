@@ -145,6 +145,26 @@ def test_unroll_depths_equal_drafting_on_own_state(target, head):
             assert torch.allclose(logits, unrolled[j - 1][0, s + j - 1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("first", [0, 1, 4])
+def test_an_unroll_from_a_later_row_equals_the_full_unroll_on_chains_from_that_row(target, head, first):
+    """unroll_states(first=f) gives rows f.. of each depth; depth j's rows from f+j-1 (chains
+    that start at f or later) equal the full unroll's, and so do the LM head's logits on them."""
+    ids = [5, 17, 200, 3, 99, 45, 8, 250, 31, 77]
+    _, feats = hf_features(target, ids)
+    f, n = feats[:-1].unsqueeze(0), torch.tensor([ids[1:]])
+    with torch.no_grad():
+        full = head.unroll_states(f, n, 3)
+        part = head.unroll_states(f, n, 3, first)
+        logits = head.unroll(f, n, 3)
+    rows = len(ids) - 1
+    for j, (a, b, z) in enumerate(zip(full, part, logits), start=1):
+        assert b.shape == (1, rows - first, a.shape[-1])
+        kept = slice(first + j - 1, rows)
+        assert torch.allclose(b[0, j - 1:], a[0, kept], atol=1e-5, rtol=1e-5)
+        with torch.no_grad():
+            assert torch.allclose(head.logits(b[0, j - 1:]), z[0, kept], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("prompt", [[17, 200, 3, 99, 45], [42]])
 def test_greedy_output_equals_target_greedy(target, head, k, prompt):

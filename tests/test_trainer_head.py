@@ -130,6 +130,42 @@ def test_per_record_acceptance_of_a_head_matches_a_direct_computation(target, re
 
 @pytest.mark.pure
 @pytest.mark.usefixtures("one_thread")
+def test_scores_on_the_counted_rows_alone_equal_those_of_the_full_unroll(target):
+    """evaluate and per_record_acceptance_head unroll prompt rows as depth-1 keys only and take the
+    LM head on the rows they count: the same figures as the full unroll's logits everywhere, on
+    a batch whose records start at different rows (prompts of 3, 6 and 11 tokens)."""
+    from train.distill.head import DEPTH, collate, compute_features, evaluate, per_record_acceptance_head
+    from train.distill.losses import expected_acceptance
+
+    head = fresh_head(target, 150)
+    recs = [r for n, p in ((2, 3), (2, 6), (2, 11)) for r in greedy_records(target, n, prompt_len=p, new=12, seed=p)]
+    fs = compute_features(target, [r.prompt_ids.tolist() + r.output_ids.tolist() for r in recs], LAYERS,
+                          starts=[len(r.prompt_ids) for r in recs])
+    b = collate(fs, range(len(recs)))
+    with torch.no_grad():
+        full = head.unroll(b.feats, b.next_ids, DEPTH)
+    t = torch.arange(b.valid.shape[1]).view(1, -1)
+    agree = [float(((head.d2t[z.argmax(-1)] == b.target_argmax) & m).sum() / m.sum())
+             for j, z in enumerate(full, start=1) for m in [b.valid & (t >= b.start.view(-1, 1) + j - 1)]]
+    assert evaluate(head, fs)["agree_per_depth"] == pytest.approx(agree, abs=1e-6)
+
+    got = per_record_acceptance_head(head, target, recs, 1024, features=fs)
+    for i, (rec, (s, n)) in enumerate(zip(recs, got)):
+        p, k = len(rec.prompt_ids), len(rec.output_ids)
+        ids, lp = torch.as_tensor(rec.topk_ids).long(), torch.as_tensor(rec.topk_logprobs).float()
+        total, depths = torch.zeros(k, dtype=torch.float64), torch.zeros(k)
+        for j, z in enumerate(full, start=1):
+            rows = torch.arange(k) + p - 2
+            ok = rows >= j - 1
+            v = torch.full((int(ok.sum()), 259), float("-inf"))
+            v[:, head.d2t] = z[i, rows[ok]]
+            total[ok] += expected_acceptance(v, ids[ok], lp[ok]).lower.double()
+            depths[ok] += 1
+        assert n == k and s == pytest.approx(float((total / depths).sum()), abs=1e-4)
+
+
+@pytest.mark.pure
+@pytest.mark.usefixtures("one_thread")
 def test_heads_scored_with_a_feature_cache_share_one_target_forward_and_score_the_same(target, recs, monkeypatch):
     """The demo's paired estimate scores every version on the same records: the target's
     features are computed once per set of feature layers, and the scores are unchanged."""
@@ -199,6 +235,33 @@ def test_a_head_family_steps_and_scores_in_bfloat16_only_where_bfloat16_is_nativ
         fam.score(head, recs[:2])
         assert seen and set(seen) == {dtype}
     assert LayerFamily.autocast is None
+
+
+@pytest.mark.pure
+@pytest.mark.usefixtures("one_thread")
+def test_the_loss_takes_float32_targets_under_bfloat16_autocast(target, recs):
+    """Under bfloat16 autocast the target's logits over the draft vocab come out bfloat16; the
+    loss takes its soft targets from them in float32, not as a bfloat16 softmax."""
+    import torch.nn.functional as F
+    from train.distill.head import DEPTH, DECAY, head_loss_fn
+    from train.online.family import HeadFamily
+
+    head = fresh_head(target, 150)
+    b = HeadFamily(target, train_cfg(max_seq_len=1024), head).batch(recs[:3])
+    w = target.lm_head.weight.detach()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        got = head_loss_fn(w)(head, b)
+        z = b.final @ w[head.d2t].T
+        assert z.dtype == torch.bfloat16
+        p = torch.softmax(z.float(), dim=-1)
+        in_vocab = head.t2d()[b.target_argmax.clamp(min=0)] & b.valid
+        t = torch.arange(b.valid.shape[1])
+        want = torch.zeros(())
+        for j, logits in enumerate(head(b.feats, b.next_ids, DEPTH), start=1):
+            m = (in_vocab & (t >= j - 1)).float()
+            ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)
+            want = want + DECAY ** (j - 1) * (ce * m).sum() / m.sum().clamp(min=1)
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
 
 
 @pytest.mark.pure

@@ -137,24 +137,34 @@ class HeadDraft(nn.Module):
         return self.unroll(feats, next_ids, depth)
 
     def unroll(self, feats: torch.Tensor, next_ids: torch.Tensor, depth: int) -> list[torch.Tensor]:
-        """Training-time test: logits [B, T, V_d] at draft depths 1..depth. Depth 1 reads the
-        target's features; depth j>1 at row t reads depth j-1's state of row t-1 and attends as
-        drafting would: depth-1 keys up to row t-j+1, then the depth-i key of row t-j+i only.
-        Rows t < j-1 of depth j have no chain start and are garbage (the caller masks them)."""
+        """Training-time test: logits [B, T, V_d] at draft depths 1..depth (unroll_states' states
+        through the LM head). Rows t < j-1 of depth j have no chain start and are garbage (the
+        caller masks them)."""
+        return [self.logits(o) for o in self.unroll_states(feats, next_ids, depth)]
+
+    def unroll_states(self, feats: torch.Tensor, next_ids: torch.Tensor, depth: int,
+                      first: int = 0) -> list[torch.Tensor]:
+        """The output states [B, T - first, h] of rows first..T-1 at draft depths 1..depth. Depth 1
+        reads the target's features; depth j>1 at row t reads depth j-1's state of row t-1 and
+        attends as drafting would: depth-1 keys up to row t-j+1, then the depth-i key of row
+        t-j+i only. Rows before `first` give depth 1's keys alone, so a chain that starts
+        before it is garbage: scoring counts the chains from each record's outputs, and the
+        rest of the unroll (prompt rows at every depth) is most of its arithmetic."""
         t = feats.shape[1]
         pos = torch.arange(t, device=feats.device)
-        g = self.fuse(feats)
-        ks: list[torch.Tensor] = []
-        vs: list[torch.Tensor] = []
-        out = []
-        for j in range(1, depth + 1):
-            x = self.mix(g, next_ids)
-            q, k, v = self.qkv(x, pos)
+        x = self.mix(self.fuse(feats), next_ids)
+        q, k, v = self.qkv(x, pos)
+        ks, vs = [k], [v]
+        o = self.attend(x[:, first:], q[:, :, first:], k, v, _unroll_mask(t, 1, feats.device, first))
+        out = [o]
+        for j in range(2, depth + 1):
+            g = torch.cat([torch.zeros_like(o[:, :1]), o[:, :-1]], dim=1)  # row t reads row t-1's state
+            x = self.mix(g, next_ids[:, first:])
+            q, k, v = self.qkv(x, pos[first:])
             ks.append(k)
             vs.append(v)
-            o = self.attend(x, q, torch.cat(ks, 2), torch.cat(vs, 2), _unroll_mask(t, j, feats.device))
-            out.append(self.logits(o))
-            g = torch.cat([torch.zeros_like(o[:, :1]), o[:, :-1]], dim=1)  # row t reads row t-1's state
+            o = self.attend(x, q, torch.cat(ks, 2), torch.cat(vs, 2), _unroll_mask(t, j, feats.device, first))
+            out.append(o)
         return out
 
 
@@ -163,12 +173,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-def _unroll_mask(t: int, j: int, device: Any) -> torch.Tensor:
-    """[T, j*T] bool: query row r of depth j sees depth-1 keys s <= r-j+1 and, for depth i in
-    2..j, the key of row r-j+i only (its own chain's earlier steps)."""
-    r = torch.arange(t, device=device).view(t, 1)
+def _unroll_mask(t: int, j: int, device: Any, first: int = 0) -> torch.Tensor:
+    """[T - first, T + (j-1)(T - first)] bool: query row r (first..T-1) of depth j sees depth-1
+    keys s <= r-j+1 (all T rows) and, for depth i in 2..j (rows first..T-1), the key of row
+    r-j+i only (its own chain's earlier steps)."""
+    r = torch.arange(first, t, device=device).view(-1, 1)
     s = torch.arange(t, device=device).view(1, t)
-    blocks = [s <= r - j + 1] + [s == r - j + i for i in range(2, j + 1)]
+    blocks = [s <= r - j + 1] + [s[:, first:] == r - j + i for i in range(2, j + 1)]
     mask = torch.cat(blocks, dim=1)
     mask[:, 0] |= ~mask.any(1)  # rows with no chain yet attend somewhere (their output is masked)
     return mask

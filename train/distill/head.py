@@ -153,7 +153,10 @@ def head_loss_fn(w_target: torch.Tensor, depth: int = DEPTH, decay: float = DECA
         inner = model.module if hasattr(model, "module") else model
         d2t = inner.d2t
         with torch.no_grad():
-            p = torch.softmax(batch.final @ w_target[d2t].T, dim=-1)  # [B, T, V_d]
+            # float32 targets: under bfloat16 autocast the product is bfloat16, and a bfloat16 p
+            # both rounds the targets and makes every product with the float32 log-probabilities
+            # (forward and backward) take PyTorch's mixed-dtype path, several times slower.
+            p = torch.softmax((batch.final @ w_target[d2t].T).float(), dim=-1)  # [B, T, V_d]
             in_vocab = inner.t2d()[batch.target_argmax.clamp(min=0)] & batch.valid
         outs = model(batch.feats, batch.next_ids, depth)
         t = torch.arange(batch.valid.shape[1], device=batch.valid.device)
@@ -181,12 +184,13 @@ def evaluate(head: Any, fs: FeatureSet, depth: int = DEPTH, token_budget: int = 
     t2d = head.t2d()
     for group in _batches([x.numel() for x in fs.ids], token_budget):
         b = collate(fs, group)
-        outs = head.unroll(b.feats, b.next_ids, depth)
+        first = int(b.start.min())  # no counted chain starts before it
+        states = head.unroll_states(b.feats, b.next_ids, depth, first)
         t = torch.arange(b.valid.shape[1], device=b.valid.device).view(1, -1)
-        for j, logits in enumerate(outs, start=1):
+        for j, o in enumerate(states, start=1):
             m = b.valid & (t >= b.start.view(-1, 1) + j - 1)
-            agree = head.d2t[logits.argmax(-1)] == b.target_argmax
-            hits[j - 1] += int((agree & m).sum())
+            agree = head.d2t[head.logits(o[m[:, first:]]).argmax(-1)] == b.target_argmax[m]  # counted rows alone
+            hits[j - 1] += int(agree.sum())
             counts[j - 1] += int(m.sum())
         m1 = b.valid & (t >= b.start.view(-1, 1))
         in_vocab += int((t2d[b.target_argmax.clamp(min=0)] & m1).sum())
@@ -264,29 +268,31 @@ def per_record_acceptance_head(head: Any, target: Any, records: Sequence[Any], m
     out: list[tuple[float, int]] = [(0.0, 0)] * len(records)
     for group in _batches([x.numel() for x in fs.ids], 4096):
         b = collate(fs, group)
-        outs = head.unroll(b.feats, b.next_ids, depth)
+        first = max(int(b.start.min()) - (depth - 1), 0)  # a record's first output is drafted from row start-depth+1
+        states = head.unroll_states(b.feats, b.next_ids, depth, first)
         for row, i in enumerate(group):
-            out[i] = _record_acceptance([o[row] for o in outs], inv, records[i], max_seq_len)
+            out[i] = _record_acceptance(head, [o[row] for o in states], first, inv, records[i], max_seq_len)
     return out
 
 
-def _record_acceptance(logits: list[torch.Tensor], inv: torch.Tensor, rec: Any, max_seq_len: int
-                       ) -> tuple[float, int]:
-    """One record's (sum, positions) from its rows' draft logits per depth ([T, V_d] each).
+def _record_acceptance(head: Any, states: list[torch.Tensor], first: int, inv: torch.Tensor, rec: Any,
+                       max_seq_len: int) -> tuple[float, int]:
+    """One record's (sum, positions) from the output states per depth of its rows first.. ([T -
+    first, h] each), the LM head taken on the rows that draft its outputs alone.
     Output k sits at sequence index p+k, so row p+k-2 drafts it; a position with no row
     (a one-token prompt's first output) the head cannot draft: acceptance 0."""
     _, p, n = trim(rec, max_seq_len)
-    dev = logits[0].device
+    dev = states[0].device
     ids = inv[torch.as_tensor(np.asarray(rec.topk_ids[:n], dtype=np.int64), device=dev)]  # [n, K] draft index
     lp = torch.as_tensor(np.asarray(rec.topk_logprobs[:n], dtype=np.float32), device=dev)
     rows = torch.arange(n, device=dev) + p - 2
     total = torch.zeros(n, dtype=torch.float64, device=dev)
     depths = torch.zeros(n, device=dev)
-    for j, lg in enumerate(logits, start=1):
+    for j, o in enumerate(states, start=1):
         ok = rows >= j - 1  # the depth-j chain through this row starts at row >= 0
         if not bool(ok.any()):
             continue
-        z = lg[rows[ok]]
+        z = head.logits(o[rows[ok] - first])
         z = torch.cat([z, z.new_full((z.shape[0], 1), float("-inf"))], -1)  # the out-of-vocab column
         total[ok] += expected_acceptance(z, ids[ok], lp[ok]).lower.double()
         depths[ok] += 1
