@@ -5,21 +5,50 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
 from pathlib import Path
 
 import torch
 
 
+X86 = ("x86_64", "amd64", "i386", "i686")
+# The x86 flags of bfloat16 GEMM instructions: AVX-512 BF16 (Cooper Lake, Sapphire Rapids, Zen 4)
+# and AMX (Sapphire Rapids).
+X86_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The first CPU's flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def bf16_gemm_is_native(machine: str, flags: set[str], onednn_says: bool) -> bool:
+    """oneDNN reports bfloat16 as supported on every AVX-512 CPU, and on one without AVX-512 BF16
+    or AMX (Skylake-SP, Cascade Lake, Ice Lake) it emulates the GEMMs about 5x slower than
+    float32 (docs/benchmarks.md, "On a CPU without native bfloat16"). So on x86 the CPU's
+    flags decide where /proc/cpuinfo lists them; elsewhere (Arm) oneDNN's own answer does."""
+    if machine.lower() in X86 and flags:
+        return bool(flags & X86_BF16_FLAGS) and onednn_says
+    return onednn_says
+
+
 @functools.cache
 def native_bf16_gemm() -> bool:
-    """Whether oneDNN multiplies bfloat16 with the CPU's own instructions (AVX-512 or AMX).
-    Without them (an AVX2-only CPU: AMD Zen 2/3, older Intel) it emulates them, several times
-    slower than float32, where AVX-512 machines run bfloat16 faster than float32
-    (docs/benchmarks.md, "On a CPU without native bfloat16")."""
+    """Whether bfloat16 GEMMs run on the CPU's own instructions (AVX-512 BF16 or AMX). Without
+    them (AVX2-only CPUs, and AVX-512 ones before Cooper Lake) they are emulated, several times
+    slower than float32, where the CPUs that have them run bfloat16 faster than float32."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # a torch without the probe: assume the fast path
-        return True
+        onednn_says = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a torch without the probe: the flags alone decide
+        onednn_says = True
+    return bf16_gemm_is_native(platform.machine(), cpu_flags(), onednn_says)
 
 
 def usable_cores(cgroup: Path = Path("/sys/fs/cgroup/cpu.max")) -> int:

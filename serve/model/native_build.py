@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from infra.common.cpu import cpu_flags
+
 SOURCE_DIR = Path(__file__).parent / "native"
 SOURCES = ("forward.cpp", "amx.h", "attention.h", "gemm.h", "logits.h", "ops.h", "pool.h")
 COMMON_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-pthread",
@@ -59,17 +61,6 @@ def compiler() -> str:
     if shutil.which(cxx) is None:
         raise NativeUnavailable(f"no C++ compiler ({cxx!r} not on PATH; set CXX or install g++)")
     return cxx
-
-
-def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def supported(flags: set[str] | None = None) -> list[str]:
