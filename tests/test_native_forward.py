@@ -486,3 +486,23 @@ def test_a_lone_replica_takes_every_usable_core(tmp_path):
     assert replica_threads(0, 1, 1.0) == usable_cores()
     assert replica_threads(0, 3, 2.0) == 2  # replicas sharing a machine: their CPUs each
     assert replica_threads(3, 1, 1.0) == 3
+
+
+@needs_native
+def test_the_native_runner_builds_its_many_row_pytorch_weights_only_when_a_forward_needs_them(monkeypatch):
+    import serve.model.native_runner
+    from serve.model.runner import ROW_EXACT_MAX_T
+
+    model = tiny(on_grid=True)
+    r = runner(model)
+    assert "prefill_blocks" not in vars(r) and "wide_head" not in vars(r)
+    tokens = torch.randint(0, 300, (ROW_EXACT_MAX_T + 8,), generator=torch.Generator().manual_seed(3))
+    natively = logits(r, tokens)
+    assert "prefill_blocks" not in vars(r)  # these rows ran natively
+    monkeypatch.setattr(serve.model.native_runner, "NATIVE_MAX_ROWS", ROW_EXACT_MAX_T)
+    inherited = logits(r, tokens)  # more rows than the native path takes: the PyTorch path, built now
+    assert "prefill_blocks" in vars(r)
+    reference = LlamaRunner(model, 160, "int4")
+    torch.testing.assert_close(inherited, reference.forward(tokens, reference.new_cache()))
+    assert (natively.argmax(-1) == inherited.argmax(-1)).float().mean() > 0.8
+    assert "prefill_blocks" in vars(LlamaRunner(model, 160, "int4"))  # a PyTorch runner builds them at once

@@ -88,6 +88,10 @@ def native_supported(model: Any) -> str | None:
 
 
 class NativeLlamaRunner(LlamaRunner):
+    # Its steps, prompt chunks and batched steps run natively; the PyTorch many-row weights
+    # serve only what stays on the inherited path, so they are built when that first runs.
+    EAGER_WIDE = False
+
     def __init__(self, model: Any, max_seq_len: int | None = None, quant: str = "int4",
                  wide_upcast: bool | None = None, lib: ctypes.CDLL | None = None,
                  small_rows: int | None = None):

@@ -16,6 +16,7 @@ positions to the cache), cache.truncate(n) for rollback, and cache_key.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Protocol
 
 import torch
@@ -228,7 +229,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         if mask is not None:
             scores = scores.view(nkv, group, t, -1).masked_fill_(~mask, float("-inf")).view(nkv, group * t, -1)
         probs = scores.softmax(-1).to(v.dtype)
-        if mask is not None and not native_bf16_gemm():
+        if mask is not None and v.dtype == torch.bfloat16 and not native_bf16_gemm():
             return _rowwise_pv(probs.view(nkv, group, t, -1), v, mask).reshape(t, nh * hd)
         out = torch.bmm(probs, v)
         return out.view(nkv, group, t, hd).permute(2, 0, 1, 3).reshape(t, nh * hd)
@@ -323,6 +324,10 @@ class LlamaRunner:
     "int4" multiplies every decoder linear by group-wise int4 weights (serve/model/linear.py),
     the GGUF target's own Q4_1 weights. The head and embedding stay in the model's dtype."""
 
+    # Build the many-row weights (prefill_blocks, wide_head) with the runner; a runner whose
+    # forwards seldom need them (the native one) builds them on first use instead.
+    EAGER_WIDE = True
+
     def __init__(self, model: Any, max_seq_len: int | None = None, quant: str = "none",
                  wide_upcast: bool | None = None):
         cfg = model.config
@@ -345,26 +350,16 @@ class LlamaRunner:
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
         self.head = self._make_head(model.lm_head.weight, quant)
-        # Many rows at once (a batched step): the model's own weights, which oneDNN multiplies
-        # with reuse across rows, where the int4/int8 kernels cost about as much per row as alone.
-        wide = wide_format(self.dtype, wide_upcast if self.device.type == "cpu" else False)
-        self.wide_head = (self.head if quant == wide == "none"
-                          else _shared_head(model.lm_head.weight, wide, self.dtype))
-
-        def stack(q: str) -> list[Block]:
-            """Per layer its Block, with the weights in format q."""
-            def linear(*ws: torch.Tensor) -> Dense | Int4:
-                return shared_linear(ws, q, self.dtype)
-
-            return [_block(layer, linear, self.family) for layer in inner.layers]
-
-        self.blocks = stack(quant)
-        # Wide blocks (prompts; batched steps of many rows): the model's own weights, fused, when
-        # int4 is slower there. oneDNN's bf16 GEMM reuses each weight across rows, the int4
-        # kernel costs about as much per row at any count (docs/benchmarks.md, "Rows against
+        self._quant, self._layers, self._lm_head_weight = quant, inner.layers, model.lm_head.weight
+        # Many rows at once (prompts, batched steps): the model's own weights, fused, where int4
+        # is slower there. oneDNN's bf16 GEMM reuses each weight across rows, the int4/int8
+        # kernels cost about as much per row at any count (docs/benchmarks.md, "Rows against
         # weight formats"). Where the CPU has no native bfloat16 GEMM they are float32
         # (wide_format), since emulated bfloat16 is slower still.
-        self.prefill_blocks = self.blocks if quant == wide == "none" else stack(wide)
+        self._wide = wide_format(self.dtype, wide_upcast if self.device.type == "cpu" else False)
+        self.blocks = self._stack(quant)
+        if self.EAGER_WIDE:  # built now, so no request's first long forward waits for them
+            self.prefill_blocks, self.wide_head  # noqa: B018 (cached_property)
         # RoPE tables from the model's own rotary module, so any rope scaling it applies is kept.
         with torch.no_grad():
             pos = torch.arange(self.max_seq_len, device=self.device).unsqueeze(0)
@@ -376,6 +371,25 @@ class LlamaRunner:
         self.sin_signed = torch.cat([-sin[0][:, :half], sin[0][:, half:]], dim=-1).unsqueeze(1)
         self.causal = torch.ones(self.max_seq_len, self.max_seq_len, dtype=torch.bool, device=self.device).tril()
         self.arange = torch.arange(self.max_seq_len, device=self.device)
+
+    def _stack(self, q: str) -> list[Block]:
+        """Per layer its Block, with the weights in format q."""
+        def linear(*ws: torch.Tensor) -> Dense | Int4:
+            return shared_linear(ws, q, self.dtype)
+
+        return [_block(layer, linear, self.family) for layer in self._layers]
+
+    @functools.cached_property
+    def prefill_blocks(self) -> list[Block]:
+        """The decoder's blocks for forwards of many rows (format `_wide`)."""
+        return self.blocks if self._quant == self._wide == "none" else self._stack(self._wide)
+
+    @functools.cached_property
+    def wide_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The LM head for many rows (format `_wide`)."""
+        if self._quant == self._wide == "none":
+            return self.head
+        return _shared_head(self._lm_head_weight, self._wide, self.dtype)
 
     def _make_head(self, weight: torch.Tensor, quant: str) -> Callable[[torch.Tensor], torch.Tensor]:
         """The output projection, a fifth of a 135M model's bytes per step. float32: a [D, V]
