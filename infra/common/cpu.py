@@ -31,9 +31,10 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
 
 def bf16_gemm_is_native(machine: str, flags: set[str], onednn_says: bool) -> bool:
     """oneDNN reports bfloat16 as supported on every AVX-512 CPU, and on one without AVX-512 BF16
-    or AMX (Skylake-SP, Cascade Lake, Ice Lake) it emulates the GEMMs about 5x slower than
-    float32 (docs/benchmarks.md, "On a CPU without native bfloat16"). So on x86 the CPU's
-    flags decide where /proc/cpuinfo lists them; elsewhere (Arm) oneDNN's own answer does."""
+    or AMX (Skylake-SP, Cascade Lake, Ice Lake) it emulates the GEMMs: 4.6-5x slower than
+    float32 on an Ice Lake (docs/benchmarks.md, "The head's steps on an AVX-512 CPU without
+    bfloat16 instructions"). So on x86 the CPU's flags decide where /proc/cpuinfo lists them;
+    elsewhere (Arm) oneDNN's own answer does."""
     if machine.lower() in X86 and flags:
         return bool(flags & X86_BF16_FLAGS) and onednn_says
     return onednn_says
