@@ -8,9 +8,6 @@ import os
 import platform
 from pathlib import Path
 
-import torch
-
-
 X86 = ("x86_64", "amd64", "i386", "i686")
 # The x86 flags of bfloat16 GEMM instructions: AVX-512 BF16 (Cooper Lake, Sapphire Rapids, Zen 4)
 # and AMX (Sapphire Rapids).
@@ -45,6 +42,8 @@ def native_bf16_gemm() -> bool:
     """Whether bfloat16 GEMMs run on the CPU's own instructions (AVX-512 BF16 or AMX). Without
     them (AVX2-only CPUs, and AVX-512 ones before Cooper Lake) they are emulated, several times
     slower than float32, where the CPUs that have them run bfloat16 faster than float32."""
+    import torch  # here, so the native build's set-up step (serve/model/native_build.py) stays torch-free
+
     try:
         onednn_says = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # a torch without the probe: the flags alone decide
