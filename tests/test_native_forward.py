@@ -46,8 +46,16 @@ def tiny(shape="hd32", seed=0, on_grid=False, layers=3):
     return m
 
 
+# Every build here and the scalar reference, which any CPU runs: the builds must give its bits.
+BUILDS = [*VARIANTS, native_build.REFERENCE]
+
+
+def load_build(name):
+    return native_build.load_reference() if name == native_build.REFERENCE else native_build.load_variant(name)
+
+
 def runner(model, variant=None):
-    lib = native_build.load_variant(variant) if variant else None
+    lib = load_build(variant) if variant else None
     return NativeLlamaRunner(model, 160, lib=lib)
 
 
@@ -95,13 +103,32 @@ def test_gemm_rows_do_not_depend_on_their_neighbours_and_variants_agree_bitwise(
     packed = pack_q4(w) if q4 else pack_q8(w)
     x = torch.randn(19, k, generator=torch.Generator().manual_seed(4))  # 19: full row tiles and a rest
     outs = {}
-    for v in VARIANTS:
-        lib = native_build.load_variant(v)
+    for v in BUILDS:
+        lib = load_build(v)
         outs[v] = gemm(lib, packed, q4, n, k, x)
         alone = torch.cat([gemm(lib, packed, q4, n, k, x[i:i + 1].contiguous()) for i in range(19)])
         assert torch.equal(alone, outs[v]), v
     first = next(iter(outs.values()))
     assert all(torch.equal(first, o) for o in outs.values())
+
+
+@needs_native
+def test_gemm_is_exact_at_the_largest_codes_and_activations():
+    """Codes 15 (and 0) against activations at +-127 of their scale: the largest integer
+    dots a block can hold (the AVX2 kernel sums a block's pairs in int16 before widening),
+    equal to the exact integer products on every build."""
+    n, k = 32, 128
+    codes = torch.full((n, k), 15, dtype=torch.int64)
+    codes[n // 2:, ::2] = 0  # half the columns alternate 15 and 0 against the same signs
+    scale, lo = torch.full((n, k // 32), 0.5), torch.zeros(n, k // 32)
+    packed = pack_q4_codes(codes, scale, lo)
+    x = torch.ones(3, k)
+    x[1] = -1.0  # q = -127 throughout
+    x[2, 64:] = -1.0
+    want = (x.double() * 127).round() @ (codes.double() * 0.5).t() / 127  # |x| = 1: scale 1/127
+    for v in BUILDS:
+        got = gemm(load_build(v), packed, True, n, k, x)
+        assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6), v
 
 
 def amx_lib():
@@ -248,8 +275,9 @@ def test_a_verify_block_equals_its_decodes_bit_for_bit(variant):
 def test_every_variant_computes_the_same_logits():
     model = tiny()
     tokens = torch.randint(0, 304, (45,), generator=torch.Generator().manual_seed(6))
-    outs = [logits(runner(model, v), tokens, 33) for v in VARIANTS]
-    assert all(torch.equal(outs[0], o) for o in outs)
+    for prefix in (0, 33):  # a 45-row prompt, and a 12-row verify over a cache of 33
+        outs = [logits(runner(model, v), tokens, prefix) for v in BUILDS]
+        assert all(torch.equal(outs[0], o) for o in outs), prefix
 
 
 @needs_native
@@ -261,7 +289,7 @@ def test_three_queries_a_kv_head_stay_exact_across_variants_and_row_counts():
     model.config.eos_token_id = None
     tokens = torch.randint(0, 304, (40,), generator=torch.Generator().manual_seed(11))
     blocks = []
-    for v in VARIANTS:
+    for v in BUILDS:
         r = runner(model, v)
         block = logits(r, tokens, 21)
         cache = r.new_cache()

@@ -36,6 +36,9 @@ VARIANTS = (
     ("avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
 )
 ISA_CODES = {"avx512": 2, "avx2": 1}
+# The plain C++ path, built with no vector flags: never served (slower than PyTorch's int4
+# path), but it runs on any CPU, so tests check every variant's bits against it everywhere.
+REFERENCE = "scalar"
 
 
 class NativeUnavailable(RuntimeError):
@@ -71,7 +74,7 @@ def supported(flags: set[str] | None = None) -> list[str]:
 
 def build(name: str, out_dir: Path | None = None) -> Path:
     """Compile variant `name` (atomically: a concurrent build never sees half a file)."""
-    flags = dict((n, f) for n, f, _ in VARIANTS)[name]
+    flags = {**{n: f for n, f, _ in VARIANTS}, REFERENCE: ()}[name]
     out_dir = out_dir or build_dir()
     out = out_dir / f"libosd_{name}.so"
     if out.exists():
@@ -132,6 +135,15 @@ def load_variant(name: str) -> ctypes.CDLL:
     lib = _bind(ctypes.CDLL(str(build(name))))
     if lib.osd_isa() != ISA_CODES[name]:
         raise NativeUnavailable(f"the {name} build compiled without its instructions (isa {lib.osd_isa()})")
+    return lib
+
+
+@functools.cache
+def load_reference() -> ctypes.CDLL:
+    """The scalar build: the bits every variant must give (tests), on any CPU."""
+    lib = _bind(ctypes.CDLL(str(build(REFERENCE))))
+    if lib.osd_isa() != 0:
+        raise NativeUnavailable(f"the {REFERENCE} build compiled vector kernels (isa {lib.osd_isa()})")
     return lib
 
 

@@ -291,9 +291,11 @@ inline void q4_half(const uint8_t* w, int blocks, const Act& a, int r0, int h, f
   for (int b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + static_cast<int64_t>(b) * kQ4Bytes;
     prefetch_block<kQ4Bytes>(next, b);
-    __m256i is[R];
+    // The block's pair sums add up in int16 and widen once: a pair is at most 2 * 15 * 127
+    // (codes 0..15, activations within +-127), so the block's 8 pairs a lane stay below 2^15.
+    __m256i s16[R];
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) is[r] = _mm256_setzero_si256();
+    for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = 0; j < 4; ++j) {
       const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * j + 32 * h));
@@ -304,9 +306,12 @@ inline void q4_half(const uint8_t* w, int blocks, const Act& a, int r0, int h, f
         const int8_t* xq = a.q + static_cast<int64_t>(r0 + r) * a.k + b * kBlock + 8 * j;
         const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xq)));
         const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xq + 4)));
-        is[r] = _mm256_add_epi32(is[r], _mm256_madd_epi16(_mm256_add_epi16(pl, ph), ones));
+        s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(pl, ph));
       }
     }
+    __m256i is[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) is[r] = _mm256_madd_epi16(s16[r], ones);
     const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 256 + 16 * h)));
     const __m256 mw = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 288 + 16 * h)));
 #pragma GCC unroll 16
