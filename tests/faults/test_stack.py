@@ -230,6 +230,10 @@ def test_replica_killed_with_records_queued_loses_none(loop, tiny):
     load = Load(loop.url, clients=4)
     try:
         load.wait_completed_since(time.time(), 3, 120, "requests before the fault")
+        # Looked up before Redis hangs: reading Ray's actor table inside the hang lengthened it
+        # (0.18 s a lookup on an idle 2-core machine, more under the suite's load) towards the
+        # writers' socket timeout, past which they drop records.
+        pids = {r["replica"]: _replica_pid(r["replica"]) for r in replica_stats(loop.url)}
         victim = None
         for _ in range(10):  # until a hang finds a replica with records queued
             # Shorter than stream.socket_timeout_s (2 s), so no writer gives up and drops.
@@ -239,7 +243,7 @@ def test_replica_killed_with_records_queued_loses_none(loop, tiny):
                 while victim is None and time.monotonic() < deadline:
                     victim = next((r["replica"] for r in replica_stats(loop.url) if r["queued"]), None)
                 if victim is not None:
-                    os.kill(_replica_pid(victim), signal.SIGKILL)
+                    os.kill(pids[victim] if victim in pids else _replica_pid(victim), signal.SIGKILL)
                     killed = time.time()
             finally:
                 os.kill(loop.stack.redis.pid, signal.SIGCONT)
