@@ -39,6 +39,7 @@ APP = f"osd-chaos-{os.getpid()}"  # the replica's process title names it: see re
 # 0.2), where 134 requests were served in the minute instead of about 3,200, and one admitted
 # request took more than 30 s for its 8 tokens.
 CLIENT_TIMEOUT_S = 90
+CONNECT_TIMEOUT_S = 5
 QUEUE_TIMEOUT_S = 10  # a waiter gets the server's 503 well before the client gives up on it
 ANSWERS = {400, 413, 415, 429, 503}  # the refusals a hardened server may give besides 2xx
 
@@ -58,7 +59,7 @@ def chat(text, **kw):
 
 
 def post_chat(url, body, session=None, **kw):
-    kw.setdefault("timeout", (5, CLIENT_TIMEOUT_S))
+    kw.setdefault("timeout", (CONNECT_TIMEOUT_S, CLIENT_TIMEOUT_S))
     return (session or requests).post(url + "/v1/chat/completions", data=json.dumps(body),
                                       headers={**AUTH, **JSON}, **kw)
 
@@ -239,7 +240,7 @@ def do_cancel_after_first_chunk(url, _session, i):
 def do_cancel_by_read_timeout(url, _session, i):
     with requests.Session() as s:
         try:
-            r = post_chat(url, chat(f"impatient {i}"), s, timeout=(5, 0.05))
+            r = post_chat(url, chat(f"impatient {i}"), s, timeout=(CONNECT_TIMEOUT_S, 0.05))
         except requests.ReadTimeout:
             return Outcome("cancel_by_read_timeout", "cancelled")
         return _status_outcome("cancel_by_read_timeout", r)
@@ -265,7 +266,7 @@ def load_client(url, worker, deadline, out):
             try:
                 o = ACTIONS[kind](url, session, f"{worker}-{i}")
             except requests.ConnectTimeout:
-                o = Outcome(kind, HUNG, "no connection within 5 s")
+                o = Outcome(kind, HUNG, f"no connection within {CONNECT_TIMEOUT_S} s")
             except requests.Timeout:
                 o = Outcome(kind, HUNG, f"no answer within {CLIENT_TIMEOUT_S} s")
             except requests.RequestException as e:
@@ -349,7 +350,7 @@ def test_mixed_load_never_hangs_never_5xx_and_keeps_capacity(app):
     url = app["url"]
     # The first request warms a fresh replica, which on a slow shared CPU can take longer than
     # the per-request timeout that the load below is held to.
-    assert post_chat(url, chat("warm up"), timeout=(5, 120)).status_code == 200
+    assert post_chat(url, chat("warm up"), timeout=(CONNECT_TIMEOUT_S, 120)).status_code == 200
     baseline = replica_rss()
     assert baseline > 0, "no TargetReplica process found for this app"
     stop, peak = threading.Event(), [baseline]

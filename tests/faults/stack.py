@@ -167,16 +167,21 @@ class Accounting:
         return sum(self.dropped.values())
 
 
-def accounting(url: str, client: Any, stream: str) -> Accounting:
-    from infra.records.streams import group_info
-
-    reps = replica_stats(url)
+def dropped_by_reason(reps: list[dict[str, Any]]) -> dict[str, int]:
+    """The replicas' drops summed by reason (from /osd/stats alone: readable while Redis is down)."""
     dropped: dict[str, int] = {}
     for r in reps:
         for k, n in r["dropped_by_reason"].items():
             dropped[k] = dropped.get(k, 0) + n
+    return dropped
+
+
+def accounting(url: str, client: Any, stream: str) -> Accounting:
+    from infra.records.streams import group_info
+
+    reps = replica_stats(url)
     return Accounting(submitted=sum(r["records_submitted"] for r in reps),
-                      written=sum(r["records_written"] for r in reps), dropped=dropped,
+                      written=sum(r["records_written"] for r in reps), dropped=dropped_by_reason(reps),
                       queued=sum(r.get("queued", 0) for r in reps), xlen=int(client.xlen(stream)),
                       groups=group_info(client, stream))
 

@@ -23,7 +23,7 @@ import time
 import pytest
 import redis
 
-from tests.faults.stack import (Accounting, AliasWatch, Load, actor_pid, replica_stats,
+from tests.faults.stack import (Accounting, AliasWatch, Load, actor_pid, dropped_by_reason, replica_stats,
                                 settled_accounting, stack_config, wait_for, write_warm_start)
 
 pytestmark = [pytest.mark.ray, pytest.mark.redis, pytest.mark.deepspeed]
@@ -101,11 +101,6 @@ def _check(up, before: Accounting, outcomes, aliases: AliasWatch, allowed_drops=
     return after
 
 
-def _dropped(up, reason: str) -> int:
-    """The replicas' drops for `reason` as /osd/stats last saw them (readable while Redis is down)."""
-    return sum(r["dropped_by_reason"].get(reason, 0) for r in replica_stats(up.url))
-
-
 def _reads_again(up, timeout: float = 180) -> None:
     """The trainers' group reads entries written after this call."""
     read0 = _group(up, "trainers").get("entries-read") or 0
@@ -148,7 +143,8 @@ def test_redis_killed_under_load_is_restarted_by_the_stack(loop, tiny):
             os.kill(old.pid, signal.SIGKILL)  # as the OOM killer would: nobody asked it to stop
             down = time.time()
             load.wait_completed_since(down, 3, 120, "requests while Redis is down")
-            wait_for(lambda: _dropped(loop, "redis_down") > before.dropped.get("redis_down", 0), 120,
+            wait_for(lambda: dropped_by_reason(replica_stats(loop.url)).get("redis_down", 0)
+                     > before.dropped.get("redis_down", 0), 120,
                      "a record dropped as redis_down while Redis is down")
         finally:
             if loop.stack.redis is None:  # unless the watcher had read it just before, and restarted it
