@@ -74,7 +74,9 @@ def test_the_long_prompt_probe_measures_the_streams_gaps_around_a_prefill(app):
 def test_a_request_count_sends_each_mode_the_same_requests_after_an_untimed_warm_up(monkeypatch):
     """--requests N: every client sends exactly N requests, and both modes send the same
     prompts, however fast each answers (a fake server: the faster mode would walk further
-    down the prompts in a fixed time); each level's prompts are new. Before the levels: one
+    down the prompts in a fixed time); each level's prompts are new, and speculation on runs
+    first at every level (second, it would meet the server's answers to its prompts in the
+    suffix pool). Before the levels: one
     request per mode on a prompt no level sends, then the longest prompt the server accepts,
     without speculation (the fake server refuses the longest one)."""
     import threading
@@ -103,7 +105,7 @@ def test_a_request_count_sends_each_mode_the_same_requests_after_an_untimed_warm
     next_longest = max((p for p in prompts if p != longest), key=len)
     res = run_load_bench("http://fake", levels=(3, 2), requests=5, prompts=prompts, speculation="both")
     assert [(r["concurrency"], r["speculation"], r["requests"], r["ok"]) for r in res["levels"]] == [
-        (3, True, 15, 15), (3, False, 15, 15), (2, False, 10, 10), (2, True, 10, 10)]
+        (3, True, 15, 15), (3, False, 15, 15), (2, True, 10, 10), (2, False, 10, 10)]
     assert res["requests_per_client"] == 5 and res["seconds_per_level"] is None
     warm, sent = sent[:4], sent[4:]
     assert warm == [(True, load.WARM_PROMPT), (False, load.WARM_PROMPT), (False, longest), (False, next_longest)]
@@ -115,6 +117,41 @@ def test_a_request_count_sends_each_mode_the_same_requests_after_an_untimed_warm
     assert not {p for _, p in by_level[0]} & {p for _, p in by_level[1]}
     with pytest.raises(LoadBenchError, match="requests"):
         run_load_bench("http://fake", levels=(1,), requests=0)
+
+
+def test_timed_levels_send_every_prompt_once_until_the_list_runs_out_and_count_the_repeats(monkeypatch):
+    """With a fixed time, each request takes a prompt no earlier request took, across clients,
+    levels and modes (the suffix pool would answer a repeat from memory); a list too short
+    wraps, and the repeats are reported."""
+    import threading
+    import time
+
+    import pipeline.bench.load as load
+
+    sent, mu = [], threading.Lock()
+
+    def fake_send(session, url, headers, body, timeout_s):
+        time.sleep(0.002)
+        msg = json.loads(body)
+        if msg.get("cache_salt"):  # a timed request (the warm-up sends no salt)
+            with mu:
+                sent.append(msg["messages"][0]["content"])
+        return load.Outcome(200, 0.002, completion_tokens=2, ttft_s=0.001)
+
+    monkeypatch.setattr(load, "send_chat", fake_send)
+    monkeypatch.setattr(load, "preflight", lambda url, headers: None)
+    monkeypatch.setattr(load, "server_forwards", lambda url, headers: None)
+    many = [f"prompt {i}" for i in range(100_000)]
+    res = run_load_bench("http://fake", levels=(1, 3), seconds=0.2, prompts=many, speculation="both")
+    assert [(r["concurrency"], r["speculation"]) for r in res["levels"]] == [(1, True), (1, False), (3, False),
+                                                                            (3, True)]
+    assert len(sent) == res["prompts_sent"] == sum(r["requests"] for r in res["levels"]) > 20
+    assert len(set(sent)) == len(sent) and res["repeated_prompts"] == 0
+    sent.clear()
+    few = many[:7]
+    res = run_load_bench("http://fake", levels=(2,), seconds=0.1, prompts=few, speculation="on")
+    assert res["prompts_sent"] == len(sent) > 7 and res["repeated_prompts"] == len(sent) - 7
+    assert set(sent) == set(few)
 
 
 def test_a_conversation_sends_its_second_turn_with_the_servers_answer_and_each_mode_its_salt(monkeypatch):

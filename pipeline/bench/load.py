@@ -6,7 +6,14 @@ so that the modes compared serve exactly the same requests (with a fixed time, t
 mode walks further down the list, into prompts the slower one never sends); with
 `--speculation both` (the default) each level runs twice, speculation on and off (the
 request's `osd_speculate`), one after the other, so the two are compared at the same load
-in one run. Per level it reports what a capacity plan needs:
+in one run.
+
+Prompts are first-time prompts while the list lasts. The server's suffix pool learns every
+answer it serves, so a prompt sent again is answered from memory, a different workload: with
+a fixed time every request takes the next prompt no earlier request of the bench took (the
+modes then differ in prompts, as they differ in count); with `--requests` each level takes
+new prompts, both modes send the same ones, and speculation on goes first (run second, it
+would find the other mode's answers to its very prompts). Repeats are counted and reported. Per level it reports what a capacity plan needs:
 answered requests, output tokens/s, time to first token and inter-token latency (p50/p99;
 ITL is the gap between streamed chunks, one per step), end-to-end latency, tokens
 per target forward (from the server's /osd/stats: output tokens over target forwards, which
@@ -178,16 +185,35 @@ def summarize(concurrency: int, outcomes: list[Outcome], elapsed_s: float, specu
     }
 
 
+class PromptCursor:
+    """The prompts of the timed levels (module doc): each request takes the next one, across
+    clients, levels and modes; past the list's end they wrap, and each wrapped one is a repeat."""
+
+    def __init__(self, n: int):
+        self.n, self.taken = n, 0
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            self.taken += 1
+            return (self.taken - 1) % self.n
+
+    @property
+    def repeats(self) -> int:
+        return max(0, self.taken - self.n)
+
+
 def _client(url: str, headers: dict[str, str], prompts: Sequence[Turns], max_tokens: int, speculate: bool,
             timeout_s: float, deadline: float, worker: int, out: list[Outcome], count: int | None = None,
-            start: int = 0) -> None:
+            start: int = 0, cursor: PromptCursor | None = None) -> None:
     """One closed-loop client: send, read the stream to its end, send again, until the deadline
-    (or, given a count, until it has sent that many: prompts start + worker * count onwards)."""
+    (the next prompt from `cursor`), or, given a count, until it has sent that many (prompts
+    start + worker * count onwards)."""
     i = 0
+    cursor = cursor or PromptCursor(len(prompts))
     with httpx.Client() as session:
         while time.monotonic() < deadline if count is None else i < count:
-            # Each client walks the prompts from its own offset, so concurrent requests differ.
-            at = worker * 7919 + i if count is None else start + worker * count + i
+            at = cursor.take() if count is None else start + worker * count + i
             o = _converse(session, url, headers, prompts[at % len(prompts)], max_tokens, speculate, timeout_s, out)
             i += 1
             if o.status in REJECTED:
@@ -227,16 +253,19 @@ def server_forwards(url: str, headers: dict[str, str]) -> int | None:
 
 def run_level(url: str, headers: dict[str, str], concurrency: int, seconds: float, max_tokens: int,
               timeout_s: float, prompts: Sequence[Turns] = (FIXED_PROMPT,),
-              speculate: bool = True, requests: int | None = None, start: int = 0) -> dict[str, Any]:
-    """C clients for `seconds`, or each for `requests` requests (prompts start onwards);
-    returns the level's summary. Bounded by seconds (or the requests' timeouts) + a timeout."""
+              speculate: bool = True, requests: int | None = None, start: int = 0,
+              cursor: PromptCursor | None = None) -> dict[str, Any]:
+    """C clients for `seconds` (prompts from `cursor`, a new one of its own if None), or each
+    for `requests` requests (prompts start onwards); returns the level's summary. Bounded by
+    seconds (or the requests' timeouts) + a timeout."""
+    cursor = cursor or PromptCursor(len(prompts))
     per_client: list[list[Outcome]] = [[] for _ in range(concurrency)]
     before = server_forwards(url, headers)
     t0 = time.monotonic()
     per_request_s = CONNECT_TIMEOUT_S + timeout_s + 5.0
     deadline = t0 + (seconds if requests is None else requests * per_request_s)
     threads = [threading.Thread(target=_client, args=(url, headers, prompts, max_tokens, speculate, timeout_s,
-                                                      deadline, w, per_client[w], requests, start),
+                                                      deadline, w, per_client[w], requests, start, cursor),
                                 daemon=True, name=f"load-{w}")
                for w in range(concurrency)]
     for t in threads:
@@ -253,6 +282,15 @@ def run_level(url: str, headers: dict[str, str], concurrency: int, seconds: floa
     outcomes += [Outcome(TIMEOUT, elapsed)] * stuck
     forwards = after - before if before is not None and after is not None else None
     return summarize(concurrency, outcomes, elapsed, speculate, forwards)
+
+
+def _order(modes: tuple[bool, ...], level: int, same_prompts: bool) -> tuple[bool, ...]:
+    """The modes of a level in the order they run: alternating from level to level, so neither
+    always runs on the warmer server; with the same prompts in both (--requests), speculation
+    on always first (module doc)."""
+    if same_prompts:
+        return tuple(sorted(modes, reverse=True))
+    return modes if level % 2 == 0 else modes[::-1]
 
 
 def preflight(url: str, headers: dict[str, str]) -> None:
@@ -461,12 +499,13 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
     per_level = f"{seconds:g} s per level" if requests is None else f"{requests} requests per client and level"
     print(f"load bench: {url}{CHAT_PATH}, streaming, max_tokens {max_tokens}, {len(prompts)} prompts, "
           f"{per_level}, speculation {speculation}, client timeout {timeout_s:g} s", flush=True)
-    rows, start = [], 0
+    rows, start, cursor = [], 0, PromptCursor(len(prompts))
     if requests is not None and sum(levels) * requests > len(prompts):
         print(f"note: {sum(levels) * requests} requests a mode over {len(prompts)} prompts: some repeat", flush=True)
     for i, c in enumerate(levels):  # a line as each level ends: a long run shows progress
-        for spec in MODES[speculation] if i % 2 == 0 else MODES[speculation][::-1]:  # alternate which goes first
-            rows.append(run_level(url, headers, c, seconds, max_tokens, timeout_s, prompts, spec, requests, start))
+        for spec in _order(MODES[speculation], i, requests is not None):
+            rows.append(run_level(url, headers, c, seconds, max_tokens, timeout_s, prompts, spec, requests, start,
+                                  cursor))
             r = rows[-1]
             turns = r["ttft_p50_ms_by_turn"]
             by_turn = (", first token by turn " + " / ".join(_fmt(t, ".0f") for t in turns) + " ms"
@@ -478,6 +517,11 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
     result = {"url": url, "path": CHAT_PATH, "max_tokens": max_tokens,
               "seconds_per_level": seconds if requests is None else None, "requests_per_client": requests,
               "timeout_s": timeout_s, "prompts": len(prompts), "levels": rows}
+    if requests is None:  # the timed levels' prompts (module doc)
+        result.update(prompts_sent=cursor.taken, repeated_prompts=cursor.repeats)
+        if cursor.repeats:
+            print(f"note: {cursor.repeats} of {cursor.taken} timed requests repeated a prompt (the list has "
+                  f"{len(prompts)}): the server had answered those before", flush=True)
     result["ratios"] = ratios(rows)
     if long_prompt:
         result["long_prompt"] = long_prompt_probe(url, headers, timeout_s=max(timeout_s, 120.0),
@@ -508,7 +552,8 @@ def add_arguments(bl: argparse.ArgumentParser) -> None:
     bl.add_argument("--levels", default="1,2,4,8,16", metavar="C,C,...", help="concurrency levels (default 1,2,4,8,16)")
     bl.add_argument("--seconds", type=float, default=20, metavar="S", help="seconds per level and mode (default 20)")
     bl.add_argument("--requests", type=int, metavar="N",
-                    help="instead of --seconds: each client sends N requests, the same ones in each mode")
+                    help="instead of --seconds: each client sends N requests, the same ones in each mode "
+                         "(speculation on first)")
     bl.add_argument("--max-tokens", type=int, default=64, metavar="M", help="max_tokens per request (default 64)")
     bl.add_argument("--speculation", choices=("both", "on", "off"), default="both",
                     help="run each level with speculation on and off (default), or one of them")
