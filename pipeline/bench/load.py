@@ -13,10 +13,11 @@ answer it serves, so a prompt sent again is answered from memory, a different wo
 a fixed time every request takes the next prompt no earlier request of the bench took (the
 modes then differ in prompts, as they differ in count); with `--requests` each level takes
 new prompts, both modes send the same ones, and speculation on goes first (run second, it
-would find the other mode's answers to its very prompts). Repeats are counted and reported. Per level it reports what a capacity plan needs:
-answered requests, output tokens/s, time to first token and inter-token latency (p50/p99;
-ITL is the gap between streamed chunks, one per step), end-to-end latency, tokens
-per target forward (from the server's /osd/stats: output tokens over target forwards, which
+would find the other mode's answers to its very prompts). Repeats are counted and reported.
+
+Per level it reports what a capacity plan needs: answered requests, output tokens/s, time
+to first token and inter-token latency (p50/p99; ITL is the gap between streamed chunks, one
+per step), end-to-end latency, tokens per target forward (from the server's /osd/stats: output tokens over target forwards, which
 continuous batching and speculation both raise), how many were refused for load (429/503)
 and how many failed otherwise. It writes JSON and a PNG chart (throughput and p99 ITL
 against concurrency, speculation on and off).
@@ -207,10 +208,9 @@ def _client(url: str, headers: dict[str, str], prompts: Sequence[Turns], max_tok
             timeout_s: float, deadline: float, worker: int, out: list[Outcome], count: int | None = None,
             start: int = 0, cursor: PromptCursor | None = None) -> None:
     """One closed-loop client: send, read the stream to its end, send again, until the deadline
-    (the next prompt from `cursor`), or, given a count, until it has sent that many (prompts
-    start + worker * count onwards)."""
+    (the next prompt from `cursor`, which run_level shares among its clients), or, given a
+    count, until it has sent that many (prompts start + worker * count onwards)."""
     i = 0
-    cursor = cursor or PromptCursor(len(prompts))
     with httpx.Client() as session:
         while time.monotonic() < deadline if count is None else i < count:
             at = cursor.take() if count is None else start + worker * count + i
