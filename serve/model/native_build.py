@@ -28,7 +28,11 @@ SOURCE_DIR = Path(__file__).parent / "native"
 SOURCES = ("forward.cpp", "amx.h", "attention.h", "gemm.h", "logits.h", "ops.h", "pool.h")
 COMMON_FLAGS = ("-O3", "-std=c++20", "-shared", "-fPIC", "-pthread",
                 # Elementwise float math stays exactly as written, so every variant rounds alike.
-                "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")
+                "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math",
+                # Each library keeps its own thread pool and buffers: with GNU unique symbols
+                # (the default), a second build loaded beside this one (osd bench forward
+                # --native-lib) would share the first one's pool object, built by other code.
+                "-fno-gnu-unique")
 # Variants, best first: (name, compiler flags, /proc/cpuinfo flags the CPU must have).
 VARIANTS = (
     ("avx512", ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mf16c"),

@@ -191,10 +191,13 @@ class NativeLlamaRunner(LlamaRunner):
         sizes = [it.tokens.shape[0] for it in items]
         reserve(items, sizes)
         n = sum(sizes)
-        tokens = torch.cat([it.tokens.reshape(-1) for it in items]).to(torch.int64).contiguous()
-        pos = torch.cat([torch.arange(it.cache.length, it.cache.length + t, dtype=torch.int32)
-                         for it, t in zip(items, sizes)])
-        seq = torch.repeat_interleave(torch.arange(len(items), dtype=torch.int32), torch.tensor(sizes))
+        # The row indices as ctypes arrays built from Python ints: a handful of torch ops here
+        # (cat, arange, repeat_interleave) cost as much as a tenth of a one-row forward.
+        tokens = (items[0].tokens if len(items) == 1 else torch.cat([it.tokens.reshape(-1) for it in items]))
+        tokens = tokens.reshape(-1).to(torch.int64).contiguous()
+        pos = (ctypes.c_int32 * n)(*[p for it, t in zip(items, sizes)
+                                     for p in range(it.cache.length, it.cache.length + t)])
+        seq = (ctypes.c_int32 * n)(*[i for i, t in enumerate(sizes) for _ in range(t)])
         seqs = (OsdSeq * len(items))()
         for i, it in enumerate(items):
             k, v = it.cache.k, it.cache.v
@@ -204,14 +207,14 @@ class NativeLlamaRunner(LlamaRunner):
         offsets = [0]
         for t in sizes:
             offsets.append(offsets[-1] + t)
-        rows = torch.cat([torch.arange(offsets[i], offsets[i + 1], dtype=torch.int32)
-                          for i, it in enumerate(items) if it.logits] or [torch.zeros(0, dtype=torch.int32)])
-        out = torch.empty(rows.numel(), self._vocab_rows, dtype=torch.float32)
-        feat_layers = torch.tensor(layers, dtype=torch.int32)
+        wanted = [r for i, it in enumerate(items) if it.logits for r in range(offsets[i], offsets[i + 1])]
+        rows = (ctypes.c_int32 * len(wanted))(*wanted)
+        out = torch.empty(len(wanted), self._vocab_rows, dtype=torch.float32)
+        feat_layers = (ctypes.c_int32 * len(layers))(*layers)
         feats = torch.empty(n, len(layers) * self.hidden[0], dtype=torch.bfloat16) if layers else None
-        batch = OsdBatch(n, tokens.data_ptr(), pos.data_ptr(), seq.data_ptr(), ctypes.addressof(seqs), rows.numel(),
-                         rows.data_ptr(), out.data_ptr(), len(layers), feat_layers.data_ptr(),
-                         feats.data_ptr() if feats is not None else None, threads)
+        batch = OsdBatch(n, tokens.data_ptr(), ctypes.addressof(pos), ctypes.addressof(seq), ctypes.addressof(seqs),
+                         len(wanted), ctypes.addressof(rows), out.data_ptr(), len(layers),
+                         ctypes.addressof(feat_layers), feats.data_ptr() if feats is not None else None, threads)
         err = self.lib.osd_forward(ctypes.byref(self._model), ctypes.byref(batch))
         if err:
             raise ValueError(f"native forward refused its input: {ERRORS.get(err, err)}")

@@ -116,6 +116,11 @@ inline void qk_block(const float* const* q, int n, const float* kf, int hd, int 
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+template <_mm_hint Hint>
+inline void prefetch_row(const uint16_t* row, int bytes) {
+  for (int b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + b, Hint);
+}
+
 // out[i][c0, c0 + kVec) for Q <= kPvQueries queries over keys [0, len): p rows zero past each
 // query's own length, so a longer neighbour's keys add exact zeros.
 template <int Q>
@@ -167,8 +172,17 @@ inline void attend_rows(const float* const* q, const int* len, int n, const uint
   int max_len = 0;
   for (int i = 0; i < n; ++i) max_len = len[i] > max_len ? len[i] : max_len;
   alignas(64) float kf[kKeyBlock * 256];
+  // A head's keys and values are a few tens of KB, too short a stream for the hardware
+  // prefetchers to reach speed: the keys are asked for two blocks ahead (into L1), and the
+  // values, which the products read after the softmax, as the keys go by (into L2).
+  const int row_bytes = hd * 2;
+  for (int j = 0; j < 2 * kKeyBlock && j < max_len; ++j) prefetch_row<_MM_HINT_T0>(k + j * stride, row_bytes);
   for (int j0 = 0; j0 < max_len; j0 += kKeyBlock) {
     const int cnt = max_len - j0 < kKeyBlock ? max_len - j0 : kKeyBlock;
+    for (int j = j0; j < j0 + cnt; ++j) {
+      if (j + 2 * kKeyBlock < max_len) prefetch_row<_MM_HINT_T0>(k + (j + 2 * kKeyBlock) * stride, row_bytes);
+      prefetch_row<_MM_HINT_T1>(v + j * stride, row_bytes);
+    }
     for (int j = 0; j < kKeyBlock; ++j)
       for (int c = 0; c < hd; c += kVec) vstore(kf + j * hd + c, j < cnt ? vbf16(k + (j0 + j) * stride + c) : vzero());
     qk_block(q, n, kf, hd, cnt, scale, scores + j0, max_len);

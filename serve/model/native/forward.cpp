@@ -125,19 +125,31 @@ void gemm(const uint8_t* w, int n, int k, const Act& a, int m, float* y, int ldy
   });
 }
 
-void quantize_rows(const float* x, int m, int k, int ldx, Quantized& qa, int threads) {
-  qa.resize(m, k);
+void quantize_into(const float* x, int r, int k, Quantized& qa) {  // x: row r's k inputs
   const int kb = k / kBlock;
-  for_rows(m, threads, [&](int r) {
-    quantize_row(x + static_cast<int64_t>(r) * ldx, k, qa.q.data() + static_cast<int64_t>(r) * k,
-                 qa.d.data() + static_cast<int64_t>(r) * kb, qa.s.data() + static_cast<int64_t>(r) * kb);
-  });
+  quantize_row(x, k, qa.q.data() + static_cast<int64_t>(r) * k, qa.d.data() + static_cast<int64_t>(r) * kb,
+               qa.s.data() + static_cast<int64_t>(r) * kb);
+}
+
+// Row r = make(r) (a pointer to its k values), quantized by the same thread that made it, so
+// that the row does not cross to another core's cache in between.
+template <class Make>
+void make_quantize(int m, int k, Quantized& qa, int threads, Make&& make) {
+  qa.resize(m, k);
+  for_rows(m, threads, [&](int r) { quantize_into(make(r), r, k, qa); });
+}
+
+void quantize_rows(const float* x, int m, int k, int ldx, Quantized& qa, int threads) {
+  make_quantize(m, k, qa, threads, [&](int r) { return x + static_cast<int64_t>(r) * ldx; });
 }
 
 void norm_quantize(const float* x, const float* w, int m, int d, float eps, Work& wk, int threads) {
   wk.tmp.resize(static_cast<size_t>(m) * d);
-  for_rows(m, threads, [&](int r) { rms_norm(x + static_cast<int64_t>(r) * d, w, d, eps, wk.tmp.data() + r * d); });
-  quantize_rows(wk.tmp.data(), m, d, d, wk.qa, threads);
+  make_quantize(m, d, wk.qa, threads, [&](int r) {
+    float* out = wk.tmp.data() + static_cast<int64_t>(r) * d;
+    rms_norm(x + static_cast<int64_t>(r) * d, w, d, eps, out);
+    return out;
+  });
 }
 
 // A family's additions to q|k|v before RoPE: biases, then per-head norms of q and k.
@@ -178,7 +190,10 @@ void attention(const OsdModel& md, const OsdBatch& bt, int layer, Work& wk, int 
   int max_len = 0;
   for (int r = 0; r < m; ++r) max_len = std::max(max_len, bt.pos[r] + 1);
   const int workers = std::max(threads, 1);
-  const int chunk = std::clamp((m * nh + 4 * workers - 1) / (4 * workers), 1, kMaxAttendQueries);
+  // Each chunk of a KV head's queries reads its keys and values again: one row's group of
+  // queries is never split.
+  const int fine = std::clamp((m * nh + 4 * workers - 1) / (4 * workers), 1, kMaxAttendQueries);
+  const int chunk = std::max(fine, std::min(group, kMaxAttendQueries));
   for (int r0 = 0; r0 < m;) {
     int r1 = r0 + 1;
     while (r1 < m && bt.seq[r1] == bt.seq[r0]) ++r1;
@@ -223,11 +238,11 @@ void layer_forward(const OsdModel& md, const OsdBatch& bt, int l, Work& wk, int 
       for (int i = 0; i < d; ++i) wk.x[static_cast<size_t>(r) * d + i] += ly.bo[i];
   norm_quantize(wk.x.data(), ly.ln2, m, d, md.eps, wk, threads);
   gemm<true>(ly.wgu, 2 * md.inter, d, wk.qa.act(d), m, wk.gu.data(), 2 * md.inter, false, threads);
-  for_rows(m, threads, [&](int r) {
-    swiglu(wk.gu.data() + static_cast<int64_t>(r) * 2 * md.inter, md.inter,
-           wk.act.data() + static_cast<int64_t>(r) * md.inter);
+  make_quantize(m, md.inter, wk.qa, threads, [&](int r) {
+    float* out = wk.act.data() + static_cast<int64_t>(r) * md.inter;
+    swiglu(wk.gu.data() + static_cast<int64_t>(r) * 2 * md.inter, md.inter, out);
+    return out;
   });
-  quantize_rows(wk.act.data(), m, md.inter, md.inter, wk.qa, threads);
   gemm<true>(ly.wd, d, md.inter, wk.qa.act(md.inter), m, wk.x.data(), d, true, threads);
 }
 

@@ -80,9 +80,62 @@ inline void rope(float* x, const float* cos, const float* sin, int hd) {
   for (int i = 0; i < hd; ++i) x[i] = std::fma(rot[i], sin[i], x[i] * cos[i]);
 }
 
+// fexp's operations on a vector of lanes, in the same order: the same bits in every lane.
+#if defined(__AVX512F__)
+inline __m512 fexp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 fexp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
 // silu(g) * u over n values: gu holds g then u ([2n]).
 inline void swiglu(const float* gu, int n, float* out) {
-  for (int i = 0; i < n; ++i) {
+  int i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) {
+    const __m512 g = _mm512_loadu_ps(gu + i);
+    const __m512 e = fexp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN))));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
+                                            _mm512_loadu_ps(gu + n + i)));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = _mm256_loadu_ps(gu + i);
+    const __m256 e = fexp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.f)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
+                                            _mm256_loadu_ps(gu + n + i)));
+  }
+#endif
+  for (; i < n; ++i) {
     const float g = gu[i];
     out[i] = (g / (1.0f + fexp(-g))) * gu[n + i];
   }
@@ -204,16 +257,60 @@ inline void pv_chunk16(const float* p, const uint16_t* v, int64_t stride, int le
 // softmax(scores * 1) in place over [0, len): exp(s - max) / sum, the max and the sum in 16
 // lanes (a max is exact in any order, and lanes let it vectorise: one running max is a chain).
 inline void softmax_row(float* scores, int len) {
-  float lane_max[kLanes];
+  alignas(64) float lane_max[kLanes];
   for (int l = 0; l < kLanes; ++l) lane_max[l] = -INFINITY;
   int j = 0;
+#if defined(__AVX512F__)
+  {
+    __m512 m = _mm512_load_ps(lane_max);
+    for (; j + kLanes <= len; j += kLanes) m = _mm512_max_ps(m, _mm512_loadu_ps(scores + j));
+    _mm512_store_ps(lane_max, m);
+  }
+#elif defined(__AVX2__)
+  {
+    __m256 lo = _mm256_load_ps(lane_max), hi = _mm256_load_ps(lane_max + 8);
+    for (; j + kLanes <= len; j += kLanes) {
+      lo = _mm256_max_ps(lo, _mm256_loadu_ps(scores + j));
+      hi = _mm256_max_ps(hi, _mm256_loadu_ps(scores + j + 8));
+    }
+    _mm256_store_ps(lane_max, lo);
+    _mm256_store_ps(lane_max + 8, hi);
+  }
+#endif
   for (; j + kLanes <= len; j += kLanes)
     for (int l = 0; l < kLanes; ++l) lane_max[l] = fmax_(lane_max[l], scores[j + l]);
   for (int l = 0; j < len; ++j, ++l) lane_max[l] = fmax_(lane_max[l], scores[j]);
   float mx = -INFINITY;
   for (int l = 0; l < kLanes; ++l) mx = fmax_(mx, lane_max[l]);
-  float sum[kLanes] = {};
+  alignas(64) float sum[kLanes] = {};
   j = 0;
+#if defined(__AVX512F__)
+  {
+    const __m512 m = _mm512_set1_ps(mx);
+    __m512 acc = _mm512_setzero_ps();
+    for (; j + kLanes <= len; j += kLanes) {
+      const __m512 e = fexp16(_mm512_sub_ps(_mm512_loadu_ps(scores + j), m));
+      _mm512_storeu_ps(scores + j, e);
+      acc = _mm512_add_ps(acc, e);
+    }
+    _mm512_store_ps(sum, acc);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  {
+    const __m256 m = _mm256_set1_ps(mx);
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (; j + kLanes <= len; j += kLanes) {
+      const __m256 el = fexp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), m));
+      const __m256 eh = fexp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j + 8), m));
+      _mm256_storeu_ps(scores + j, el);
+      _mm256_storeu_ps(scores + j + 8, eh);
+      lo = _mm256_add_ps(lo, el);
+      hi = _mm256_add_ps(hi, eh);
+    }
+    _mm256_store_ps(sum, lo);
+    _mm256_store_ps(sum + 8, hi);
+  }
+#endif
   for (; j + kLanes <= len; j += kLanes)
     for (int l = 0; l < kLanes; ++l) {
       scores[j + l] = fexp(scores[j + l] - mx);
