@@ -280,6 +280,28 @@ int32_t osd_set_amx(int32_t rows) {
 #endif
 }
 
+// The pool's contract under load (tests/test_native_pool.py): `phases` phases of 0 to
+// `lo` to `hi` items on `threads` threads, each item yielding its core now and then as a
+// preempted worker would; returns the number of items run other than exactly once.
+int32_t osd_pool_check(int32_t threads, int32_t phases, int32_t lo, int32_t hi) {
+  std::lock_guard<std::mutex> hold(osd::forward_lock());
+  osd::Pool::Hot hot;
+  std::vector<std::atomic<int>> hits(static_cast<size_t>(std::max(hi, 1)));
+  int32_t bad = 0;
+  uint32_t state = 12345;
+  for (int p = 0; p < phases; ++p) {
+    state = state * 1664525u + 1013904223u;
+    const int count = lo + static_cast<int>((state >> 8) % static_cast<uint32_t>(hi - lo + 1));
+    for (int i = 0; i < count; ++i) hits[i].store(0, std::memory_order_relaxed);
+    osd::Pool::get().run(threads, count, [&](int i, int) {
+      if ((i * 7 + p) % 13 == 0) sched_yield();
+      hits[i].fetch_add(1, std::memory_order_relaxed);
+    });
+    for (int i = 0; i < count; ++i) bad += hits[i].load(std::memory_order_relaxed) != 1;
+  }
+  return bad;
+}
+
 // Quantize x [M, K] and multiply by a packed weight [N, K]: y [M, N] (tests and benches).
 void osd_gemm(const uint8_t* w, int32_t q4, int32_t n, int32_t k, const float* x, int32_t m, float* y,
               int32_t threads) {

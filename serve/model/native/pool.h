@@ -1,20 +1,30 @@
-// The forward's threads. A phase is a count of items that every participant claims one at a
-// time (the caller too), so a worker the OS has taken off its core (the HTTP ingress shares
-// the cores) costs the phase at most the item it holds: the others take the rest. Within a
-// forward (a Hot scope) workers spin between phases, which come microseconds apart; outside
-// one they sleep almost at once, leaving the cores to what the process does between steps
-// (sampling, other runtimes' thread pools), and the next forward's first phase wakes them.
+// The forward's threads. A phase is a count of items split into one contiguous share per
+// participant (the caller too): each takes its own share's items in order, then helps with
+// the others' shares, one item at a time. So in a quiet phase every thread streams one range
+// of weights with no contended claims, and a worker the OS has taken off its core (the HTTP
+// ingress shares the cores) costs the phase at most the item it holds: the others take the
+// rest. Within a forward (a Hot scope) workers spin between phases, which come microseconds
+// apart; outside one they sleep almost at once, leaving the cores to what the process does
+// between steps (sampling, other runtimes' thread pools), and the next forward's first phase
+// wakes them.
 #pragma once
 
 #include <atomic>
 #include <cstdint>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <immintrin.h>
 #include <sched.h>
 
 namespace osd {
+
+// [begin, end) of n items for part i of `parts`: contiguous, sizes differing by at most one.
+inline void split(int n, int i, int parts, int* begin, int* end) {
+  *begin = static_cast<int>(static_cast<int64_t>(n) * i / parts);
+  *end = static_cast<int>(static_cast<int64_t>(n) * (i + 1) / parts);
+}
 
 class Pool {
  public:
@@ -31,27 +41,59 @@ class Pool {
   };
 
   // fn(item, participant) for every item in [0, count), on up to `threads` threads (the caller
-  // is participant 0); returns when every item is done.
+  // is participant 0); returns when every item is done. Participant p first takes the items of
+  // its own contiguous share, in order, then helps with the others' (stealing).
   template <class F>
   void run(int threads, int count, F&& fn) {
+    threads = threads < kMaxThreads ? threads : kMaxThreads;
     if (threads <= 1 || count <= 1) {
       for (int i = 0; i < count; ++i) fn(i, 0);
       return;
     }
     ensure(threads - 1);
-    fn_ = [](void* ctx, int i, int who) { (*static_cast<F*>(ctx))(i, who); };
-    ctx_ = &fn;
-    count_.store(count, std::memory_order_relaxed);
+    for (int base = 0; base < count; base += kMaxItems) {  // in turns past what a slot counts
+      struct Job {
+        std::remove_reference_t<F>* fn;
+        int base;
+      } job{&fn, base};
+      fn_ = [](void* ctx, int i, int who) {
+        Job* j = static_cast<Job*>(ctx);
+        (*j->fn)(j->base + i, who);
+      };
+      ctx_ = &job;
+      phase(threads, count - base < kMaxItems ? count - base : kMaxItems);
+    }
+  }
+
+ private:
+  static constexpr int kSpins = 1 << 14;     // inside a forward: longer than any phase
+  static constexpr int kColdSpins = 1 << 8;  // outside: about a microsecond
+  static constexpr int kMaxThreads = 64;
+  static constexpr int kMaxItems = (1 << 20) - 1;
+  static constexpr uint64_t kGenMask = (1u << 24) - 1;
+  struct alignas(64) Slot {
+    std::atomic<uint64_t> word{0};  // generation (24 bits) << 40 | next item << 20 | end
+  };
+  static uint64_t pack(uint64_t gen, int next, int end) {
+    return gen << 40 | static_cast<uint64_t>(next) << 20 | static_cast<uint64_t>(end);
+  }
+
+  // Opens a phase of `count` items for fn_/ctx_ and takes part in it; returns when all are done.
+  void phase(int threads, int count) {
     limit_.store(threads, std::memory_order_relaxed);
-    const uint64_t gen = (word_.load(std::memory_order_relaxed) >> 32) + 1;
-    // The phase opens (item 0 is next). A worker that misses it, falling asleep just as it
-    // opens, only leaves its items to the others: nobody waits for a worker that has none.
-    word_.store(gen << 32, std::memory_order_seq_cst);
+    uint64_t gen = (gen_.load(std::memory_order_relaxed) + 1) & kGenMask;
+    if (gen == 0) gen = 1;  // 0 is no phase: a worker that never saw one has seen 0
+    for (int p = 0; p < threads; ++p) {
+      int b, e;
+      split(count, p, threads, &b, &e);
+      slots_[p].word.store(pack(gen, b, e), std::memory_order_relaxed);
+    }
+    gen_.store(gen, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       wake_.fetch_add(1, std::memory_order_release);
       wake_.notify_all();
     }
-    work(gen, 0);
+    work(gen, 0, threads);
     // Every item is claimed; each is done once no worker is inside the phase. (A count of
     // finished items, reset each phase, once took a late increment and waited forever.)
     for (int spins = 0; busy_.load(std::memory_order_seq_cst) != 0; spins = spins < kSpins ? spins + 1 : spins) {
@@ -60,20 +102,20 @@ class Pool {
     }
   }
 
- private:
-  static constexpr int kSpins = 1 << 14;     // inside a forward: longer than any phase
-  static constexpr int kColdSpins = 1 << 8;  // outside: about a microsecond
-
-  // Claim and run items of phase `gen` until none is left or the phase is over.
-  void work(uint64_t gen, int who) {
-    uint64_t w = word_.load(std::memory_order_seq_cst);
-    for (;;) {
-      if ((w >> 32) != gen) return;
-      const int next = static_cast<int>(w & 0xFFFFFFFFu);
-      if (next >= count_.load(std::memory_order_relaxed)) return;
-      if (word_.compare_exchange_weak(w, w + 1, std::memory_order_seq_cst, std::memory_order_seq_cst)) {
-        fn_(ctx_, next, who);
-        w = word_.load(std::memory_order_seq_cst);
+  // Claim and run items of phase `gen`, from this participant's share first, until every
+  // share is empty or the phase is over (a worker that woke late finds a newer generation).
+  void work(uint64_t gen, int who, int parts) {
+    for (int i = 0; i < parts; ++i) {
+      std::atomic<uint64_t>& slot = slots_[(who + i) % parts].word;
+      uint64_t w = slot.load(std::memory_order_seq_cst);
+      for (;;) {
+        if ((w >> 40) != gen) return;  // the phase is over
+        const int next = static_cast<int>((w >> 20) & 0xFFFFF), end = static_cast<int>(w & 0xFFFFF);
+        if (next >= end) break;
+        if (slot.compare_exchange_weak(w, w + (uint64_t{1} << 20), std::memory_order_seq_cst, std::memory_order_seq_cst)) {
+          fn_(ctx_, next, who);
+          w = slot.load(std::memory_order_seq_cst);
+        }
       }
     }
   }
@@ -91,15 +133,15 @@ class Pool {
     for (;;) {
       int spins = 0;
       for (;;) {
-        const uint64_t w = word_.load(std::memory_order_acquire);
-        const uint64_t gen = w >> 32;
+        const uint64_t gen = gen_.load(std::memory_order_acquire);
         if (gen != seen) {
           seen = gen;
           // id < limit_: this phase wants this many threads; the claim itself checks the phase.
           // busy_ first: the caller then waits for this worker if it may still claim an item.
-          if (id < limit_.load(std::memory_order_relaxed)) {
+          const int parts = limit_.load(std::memory_order_relaxed);
+          if (id < parts) {
             busy_.fetch_add(1, std::memory_order_seq_cst);
-            work(gen, id);
+            work(gen, id, parts);
             busy_.fetch_sub(1, std::memory_order_seq_cst);
           }
           spins = 0;
@@ -111,7 +153,7 @@ class Pool {
         }
         const uint32_t ticket = wake_.load(std::memory_order_acquire);
         sleepers_.fetch_add(1, std::memory_order_acq_rel);
-        if ((word_.load(std::memory_order_acquire) >> 32) == seen) wake_.wait(ticket, std::memory_order_acquire);
+        if (gen_.load(std::memory_order_acquire) == seen) wake_.wait(ticket, std::memory_order_acquire);
         sleepers_.fetch_sub(1, std::memory_order_acq_rel);
         spins = 0;
       }
@@ -119,21 +161,15 @@ class Pool {
   }
 
   std::vector<std::thread> threads_;
-  std::atomic<uint64_t> word_{0};  // phase generation << 32 | the next unclaimed item
+  Slot slots_[kMaxThreads];
+  std::atomic<uint64_t> gen_{0};  // the latest phase
   std::atomic<int> busy_{0};  // workers inside work()
   std::atomic<uint32_t> wake_{0};
   std::atomic<int> sleepers_{0};
   std::atomic<bool> hot_{false};
   void (*fn_)(void*, int, int) = nullptr;
   void* ctx_ = nullptr;
-  std::atomic<int> count_{0};
   std::atomic<int> limit_{0};
 };
-
-// [begin, end) of n items for part i of `parts`: contiguous, sizes differing by at most one.
-inline void split(int n, int i, int parts, int* begin, int* end) {
-  *begin = static_cast<int>(static_cast<int64_t>(n) * i / parts);
-  *end = static_cast<int>(static_cast<int64_t>(n) * (i + 1) / parts);
-}
 
 }  // namespace osd
