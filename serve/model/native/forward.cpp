@@ -280,7 +280,7 @@ int32_t osd_set_amx(int32_t rows) {
 #endif
 }
 
-// The pool's contract under load (tests/test_native_pool.py): `phases` phases of 0 to
+// The pool's contract under load (tests/test_native_pool.py): `phases` phases of
 // `lo` to `hi` items on `threads` threads, each item yielding its core now and then as a
 // preempted worker would; returns the number of items run other than exactly once.
 int32_t osd_pool_check(int32_t threads, int32_t phases, int32_t lo, int32_t hi) {
