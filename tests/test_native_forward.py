@@ -22,12 +22,12 @@ from serve.model.native_build import NativeUnavailable
 from serve.model.native_formats import dequantize_q4, pack_q4, pack_q4_codes, pack_q8, q8_codes
 from serve.model.native_runner import NativeLlamaRunner
 from serve.model.runner import LlamaRunner
+from native_builds import BUILDS, VARIANTS, load_build
 from serve.model.factory import make_runner
 from serve.sampling.verify import SamplingParams, warp_probs
 
 pytestmark = [pytest.mark.pure]
 
-VARIANTS = native_build.supported()
 needs_native = pytest.mark.skipif(not VARIANTS, reason="this CPU runs no native variant")
 # head_dim 32 and 16 (the kernels take multiples of 16), grouped-query attention, a vocabulary
 # that is not a multiple of 16 (the head's padded tile).
@@ -44,14 +44,6 @@ def tiny(shape="hd32", seed=0, on_grid=False, layers=3):
                 if p.dim() == 2:
                     p.copy_(dequantize_int4(*int4_codes(p)).to(p.dtype))
     return m
-
-
-# Every build here and the scalar reference, which any CPU runs: the builds must give its bits.
-BUILDS = [*VARIANTS, native_build.REFERENCE]
-
-
-def load_build(name):
-    return native_build.load_reference() if name == native_build.REFERENCE else native_build.load_variant(name)
 
 
 def runner(model, variant=None):

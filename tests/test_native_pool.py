@@ -6,16 +6,13 @@ import ctypes
 
 import pytest
 
-from serve.model import native_build
+from native_builds import BUILDS, load_build
 
 pytestmark = [pytest.mark.pure]
 
-BUILDS = [*native_build.supported(), native_build.REFERENCE]
-
 
 def pool_check(build: str):
-    lib = native_build.load_reference() if build == native_build.REFERENCE else native_build.load_variant(build)
-    fn = lib.osd_pool_check
+    fn = load_build(build).osd_pool_check
     fn.restype = ctypes.c_int32
     fn.argtypes = (ctypes.c_int32,) * 4
     return fn

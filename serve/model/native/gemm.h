@@ -110,9 +110,8 @@ inline void quantize_row(const float* x, int k, int8_t* q, float* d, float* s) {
     const float amax = block_amax(lanes);
     const float scale = amax / 127.f;
     const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    const __m512i v0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x0, inv), kRound));
-    const __m512i v1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x1, inv), kRound));
+    const __m512i v0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x0, inv), kNearest));
+    const __m512i v1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x1, inv), kNearest));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtepi32_epi8(v0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + kLanes), _mm512_cvtepi32_epi8(v1));
     d[b] = scale;
@@ -136,8 +135,7 @@ inline void quantize_row(const float* x, int k, int8_t* q, float* d, float* s) {
     alignas(32) int32_t v[kBlock];
     __m256i sum = _mm256_setzero_si256();
     for (int h = 0; h < 4; ++h) {
-      const __m256i vi = _mm256_cvtps_epi32(
-          _mm256_round_ps(_mm256_mul_ps(xs[h], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m256i vi = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(xs[h], inv), kNearest));
       _mm256_store_si256(reinterpret_cast<__m256i*>(v + 8 * h), vi);
       sum = _mm256_add_epi32(sum, vi);
     }

@@ -33,25 +33,48 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's c
   return static_cast<uint16_t>(bits >> 16);
 }
 
+// The operations fexp is made of, for one float (below) and for a vector of lanes (after it),
+// so that one definition gives every path the same bits.
+template <class V>
+struct ExpOps;
+
+template <>
+struct ExpOps<float> {
+  static float c(float v) { return v; }
+  static float max(float a, float b) { return fmax_(a, b); }
+  static float min(float a, float b) { return fmin_(a, b); }
+  static float add(float a, float b) { return a + b; }
+  static float mul(float a, float b) { return a * b; }
+  static float fma(float a, float b, float c) { return std::fma(a, b, c); }
+  static float round(float a) { return std::nearbyint(a); }
+  static float pow2(float n) {  // 2^n for an integral n in [-126, 127]
+    const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+  }
+};
+
 // e^x by range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (Cephes' expf
 // coefficients), within 2 ulp; only + * fma and bit operations, so it vectorises identically.
-inline float fexp(float x) {
-  x = fmin_(fmax_(x, -87.0f), 88.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = std::fma(n, -0.693359375f, x);
-  r = std::fma(n, 2.12194440e-4f, r);
-  float p = 1.9875691500e-4f;
-  p = std::fma(p, r, 1.3981999507e-3f);
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  p = std::fma(p, r * r, r) + 1.0f;
-  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
+template <class V>
+inline V fexp_lanes(V x) {
+  using O = ExpOps<V>;
+  x = O::min(O::max(x, O::c(-87.0f)), O::c(88.0f));
+  const V n = O::round(O::mul(x, O::c(1.44269504088896341f)));
+  V r = O::fma(n, O::c(-0.693359375f), x);
+  r = O::fma(n, O::c(2.12194440e-4f), r);
+  V p = O::c(1.9875691500e-4f);
+  p = O::fma(p, r, O::c(1.3981999507e-3f));
+  p = O::fma(p, r, O::c(8.3334519073e-3f));
+  p = O::fma(p, r, O::c(4.1665795894e-2f));
+  p = O::fma(p, r, O::c(1.6666665459e-1f));
+  p = O::fma(p, r, O::c(5.0000001201e-1f));
+  p = O::add(O::fma(p, O::mul(r, r), r), O::c(1.0f));
+  return O::mul(p, O::pow2(n));
 }
+
+inline float fexp(float x) { return fexp_lanes(x); }
 
 inline float lane_sum(const float* acc) {  // a fixed tree over 16 lanes
   float t[8];
@@ -80,41 +103,36 @@ inline void rope(float* x, const float* cos, const float* sin, int hd) {
   for (int i = 0; i < hd; ++i) x[i] = std::fma(rot[i], sin[i], x[i] * cos[i]);
 }
 
-// fexp's operations on a vector of lanes, in the same order: the same bits in every lane.
+// ExpOps on vectors: each lane rounds to nearest (the default mode nearbyint follows).
+constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 #if defined(__AVX512F__)
-inline __m512 fexp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
+template <>
+struct ExpOps<__m512> {
+  static __m512 c(float v) { return _mm512_set1_ps(v); }
+  static __m512 max(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
+  static __m512 min(__m512 a, __m512 b) { return _mm512_min_ps(a, b); }
+  static __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+  static __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+  static __m512 fma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+  static __m512 round(__m512 a) { return _mm512_roundscale_ps(a, kNearest); }
+  static __m512 pow2(__m512 n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+};
 #elif defined(__AVX2__) && defined(__FMA__)
-inline __m256 fexp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
+template <>
+struct ExpOps<__m256> {
+  static __m256 c(float v) { return _mm256_set1_ps(v); }
+  static __m256 max(__m256 a, __m256 b) { return _mm256_max_ps(a, b); }
+  static __m256 min(__m256 a, __m256 b) { return _mm256_min_ps(a, b); }
+  static __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+  static __m256 mul(__m256 a, __m256 b) { return _mm256_mul_ps(a, b); }
+  static __m256 fma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+  static __m256 round(__m256 a) { return _mm256_round_ps(a, kNearest); }
+  static __m256 pow2(__m256 n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+};
 #endif
 
 // silu(g) * u over n values: gu holds g then u ([2n]).
@@ -123,14 +141,14 @@ inline void swiglu(const float* gu, int n, float* out) {
 #if defined(__AVX512F__)
   for (; i + 16 <= n; i += 16) {
     const __m512 g = _mm512_loadu_ps(gu + i);
-    const __m512 e = fexp16(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN))));
+    const __m512 e = fexp_lanes(_mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(g), _mm512_set1_epi32(INT32_MIN))));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)),
                                             _mm512_loadu_ps(gu + n + i)));
   }
 #elif defined(__AVX2__) && defined(__FMA__)
   for (; i + 8 <= n; i += 8) {
     const __m256 g = _mm256_loadu_ps(gu + i);
-    const __m256 e = fexp8(_mm256_xor_ps(g, _mm256_set1_ps(-0.f)));
+    const __m256 e = fexp_lanes(_mm256_xor_ps(g, _mm256_set1_ps(-0.f)));
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)),
                                             _mm256_loadu_ps(gu + n + i)));
   }
@@ -289,7 +307,7 @@ inline void softmax_row(float* scores, int len) {
     const __m512 m = _mm512_set1_ps(mx);
     __m512 acc = _mm512_setzero_ps();
     for (; j + kLanes <= len; j += kLanes) {
-      const __m512 e = fexp16(_mm512_sub_ps(_mm512_loadu_ps(scores + j), m));
+      const __m512 e = fexp_lanes(_mm512_sub_ps(_mm512_loadu_ps(scores + j), m));
       _mm512_storeu_ps(scores + j, e);
       acc = _mm512_add_ps(acc, e);
     }
@@ -300,8 +318,8 @@ inline void softmax_row(float* scores, int len) {
     const __m256 m = _mm256_set1_ps(mx);
     __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
     for (; j + kLanes <= len; j += kLanes) {
-      const __m256 el = fexp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), m));
-      const __m256 eh = fexp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j + 8), m));
+      const __m256 el = fexp_lanes(_mm256_sub_ps(_mm256_loadu_ps(scores + j), m));
+      const __m256 eh = fexp_lanes(_mm256_sub_ps(_mm256_loadu_ps(scores + j + 8), m));
       _mm256_storeu_ps(scores + j, el);
       _mm256_storeu_ps(scores + j + 8, eh);
       lo = _mm256_add_ps(lo, el);
