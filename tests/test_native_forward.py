@@ -93,13 +93,15 @@ def test_gemm_rows_do_not_depend_on_their_neighbours_and_variants_agree_bitwise(
     n, k = 64, 96
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(3))
     packed = pack_q4(w) if q4 else pack_q8(w)
-    x = torch.randn(19, k, generator=torch.Generator().manual_seed(4))  # 19: full row tiles and a rest
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(4))  # 19: several row tiles
     outs = {}
     for v in BUILDS:
         lib = load_build(v)
         outs[v] = gemm(lib, packed, q4, n, k, x)
         alone = torch.cat([gemm(lib, packed, q4, n, k, x[i:i + 1].contiguous()) for i in range(19)])
         assert torch.equal(alone, outs[v]), v
+        for m in range(2, 19):  # every way a call's rows are shared out among row tiles
+            assert torch.equal(gemm(lib, packed, q4, n, k, x[:m].contiguous()), outs[v][:m]), (v, m)
     first = next(iter(outs.values()))
     assert all(torch.equal(first, o) for o in outs.values())
 

@@ -47,7 +47,7 @@ SETTLE_S = 0.05
 @dataclass(frozen=True)
 class Tuning:
     small_rows: int = SMALL_FORWARD_ROWS  # forwards of at most this many rows run on one thread
-    prefetch: bool = True  # GEMMs of one row tile prefetch the next weight tile
+    prefetch: bool = True  # GEMMs of a few rows (gemm.h kSmallRows) prefetch the next weight tile
     amx_rows: int = 0  # GEMMs of at least this many rows use AMX tiles (0: never)
     ms: dict[str, float] = field(default_factory=dict)  # each way's fastest forward
 

@@ -265,7 +265,7 @@ extern "C" {
 
 int osd_isa(void) { return osd::kIsa; }
 
-// Whether GEMMs of one row tile prefetch the next weight tile (process-wide; on by default).
+// Whether GEMMs of a few rows (kSmallRows) prefetch the next weight tile (process-wide; on by default).
 void osd_set_prefetch(int32_t on) { osd::prefetch_small().store(on != 0); }
 
 // AMX row tiles for calls of at least `rows` rows (0: never); returns whether AMX runs here.

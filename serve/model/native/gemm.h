@@ -154,7 +154,7 @@ inline void quantize_row(const float* x, int k, int8_t* q, float* d, float* s) {
 
 // Block b of the next weight tile into L2 (null: nothing to fetch). Asked one tile ahead
 // (6-15 KB), it keeps a core's stream of weights in flight where the hardware prefetcher alone
-// does not, as on Intel's server cores; calls of one row tile (up to 8 rows on AVX-512) ask
+// does not, as on Intel's server cores; calls of up to kSmallRows rows (8 on AVX-512, 4 on AVX2) ask
 // only while prefetch_small() holds, which a runner measures at load (native_tuning.py).
 inline std::atomic<bool>& prefetch_small() {
   static std::atomic<bool> on{true};
@@ -232,6 +232,7 @@ inline void q8_tile_scalar(const uint8_t* w, int blocks, const Act& a, int r0, i
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
 constexpr int kIsa = 2;
 constexpr int kRowTile = 8;  // 8 int and 8 float accumulators, with room for the codes
+constexpr int kSmallRows = 8;
 
 inline void store16(float* out, __m512 acc, bool add) {
   if (add) acc = _mm512_add_ps(_mm512_loadu_ps(out), acc);
@@ -332,7 +333,11 @@ namespace osd {
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int kIsa = 1;
-constexpr int kRowTile = 4;
+// Up to 6 rows a pass (2 x 6 accumulators and the codes fill the 16 registers): a pass's
+// fixed cost, the weights' unpacking and the float pass's loads, is about one row's, so a
+// verify of 5 rows runs in one pass instead of 4 + 1 (docs/benchmarks.md, Zen 3).
+constexpr int kRowTile = 6;
+constexpr int kSmallRows = 4;
 
 inline void store8(float* out, __m256 acc, bool add) {
   if (add) acc = _mm256_add_ps(_mm256_loadu_ps(out), acc);
@@ -441,6 +446,7 @@ inline void q8_tile(const uint8_t* w, int blocks, const Act& a, int r0, float* y
 #else
 constexpr int kIsa = 0;
 constexpr int kRowTile = 1;
+constexpr int kSmallRows = 1;
 
 template <int R>
 inline void q4_tile(const uint8_t* w, int blocks, const Act& a, int r0, float* y, int ldy, bool add,
@@ -476,7 +482,7 @@ template <bool Q4>
 inline void gemm_tiles(const uint8_t* w, int k, const Act& a, int m, float* y, int ldy, bool add, int t0, int t1) {
   const int blocks = k / kBlock;
   const int64_t tile_bytes = static_cast<int64_t>(blocks) * (Q4 ? kQ4Bytes : kQ8Bytes);
-  const bool pf = m > kRowTile || prefetch_small().load(std::memory_order_relaxed);
+  const bool pf = m > kSmallRows || prefetch_small().load(std::memory_order_relaxed);
 #ifdef OSD_AMX
   const int amx_from = amx_min_rows().load(std::memory_order_relaxed);
   const bool amx = amx_from > 0 && m >= amx_from;
@@ -496,9 +502,12 @@ inline void gemm_tiles(const uint8_t* w, int k, const Act& a, int m, float* y, i
       continue;
     }
 #endif
-    for (int r0 = 0; r0 < m; r0 += kRowTile) {
-      const int rows = m - r0 < kRowTile ? m - r0 : kRowTile;
-      tile_rows<kRowTile, Q4>(wt, blocks, a, r0, rows, y + t * kTile, ldy, add, r0 + kRowTile >= m ? ahead : nullptr);
+    // As few passes as row tiles allow, their rows shared out evenly (9 rows: 5 + 4, not 8 + 1).
+    const int passes = (m + kRowTile - 1) / kRowTile;
+    for (int p = 0, r0 = 0; p < passes; ++p) {
+      const int rows = (m - r0) / (passes - p);
+      tile_rows<kRowTile, Q4>(wt, blocks, a, r0, rows, y + t * kTile, ldy, add, p + 1 == passes ? ahead : nullptr);
+      r0 += rows;
     }
   }
 }
