@@ -69,13 +69,14 @@ class Pool {
   static constexpr int kSpins = 1 << 14;     // inside a forward: longer than any phase
   static constexpr int kColdSpins = 1 << 8;  // outside: about a microsecond
   static constexpr int kMaxThreads = 64;
-  static constexpr int kMaxItems = (1 << 20) - 1;
+  static constexpr int kItemBits = 20;  // a slot's next and end fields
+  static constexpr int kMaxItems = (1 << kItemBits) - 1;
   static constexpr uint64_t kGenMask = (1u << 24) - 1;
   struct alignas(64) Slot {
-    std::atomic<uint64_t> word{0};  // generation (24 bits) << 40 | next item << 20 | end
+    std::atomic<uint64_t> word{0};  // generation (24 bits) << 40 | next item << 20 | end (kItemBits each)
   };
   static uint64_t pack(uint64_t gen, int next, int end) {
-    return gen << 40 | static_cast<uint64_t>(next) << 20 | static_cast<uint64_t>(end);
+    return gen << (2 * kItemBits) | static_cast<uint64_t>(next) << kItemBits | static_cast<uint64_t>(end);
   }
 
   // Opens a phase of `count` items for fn_/ctx_ and takes part in it; returns when all are done.
@@ -109,10 +110,11 @@ class Pool {
       std::atomic<uint64_t>& slot = slots_[(who + i) % parts].word;
       uint64_t w = slot.load(std::memory_order_seq_cst);
       for (;;) {
-        if ((w >> 40) != gen) return;  // the phase is over
-        const int next = static_cast<int>((w >> 20) & 0xFFFFF), end = static_cast<int>(w & 0xFFFFF);
+        if ((w >> (2 * kItemBits)) != gen) return;  // the phase is over
+        const int next = static_cast<int>((w >> kItemBits) & kMaxItems), end = static_cast<int>(w & kMaxItems);
         if (next >= end) break;
-        if (slot.compare_exchange_weak(w, w + (uint64_t{1} << 20), std::memory_order_seq_cst, std::memory_order_seq_cst)) {
+        if (slot.compare_exchange_weak(w, w + (uint64_t{1} << kItemBits), std::memory_order_seq_cst,
+                                       std::memory_order_seq_cst)) {
           fn_(ctx_, next, who);
           w = slot.load(std::memory_order_seq_cst);
         }
