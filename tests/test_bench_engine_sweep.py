@@ -1,6 +1,6 @@
-"""`osd bench engine --k-sweep` and `--confidence-sweep`: other draft budgets and confidence
-stops timed in the same run as own AR, under the HF schedule (the cost rule would make a
-swept setting's drafting depend on the machine's timings)."""
+"""`osd bench engine --k-sweep`, `--confidence-sweep` and `--vs-torch-head`: other draft budgets,
+confidence stops and a head's PyTorch kernels timed in the same run as own AR, under the HF
+schedule (the cost rule would make a swept setting's drafting depend on the machine's timings)."""
 
 import json
 
@@ -62,3 +62,30 @@ def test_a_bad_confidence_in_the_sweep_is_refused_by_name(bad, capsys):
         main(["bench", "engine", "--confidence-sweep", bad])
     assert e.value.code == 2
     assert "--confidence-sweep" in capsys.readouterr().err
+
+
+def test_the_head_on_pytorch_is_timed_beside_the_native_head(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("hello there", "write a loop")))
+    out = tmp_path / "b.json"
+    rc = main(["bench", "engine", "--target", "tiny-random", "--draft", "head:untrained", "--quant", "int4",
+               "--prompts-file", str(prompts), "--max-new-tokens", "12", "--k", "2", "--no-hf",
+               "--k-policy", "schedule", "--vs-torch-head", "--json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    th = r["torch_head"]
+    assert th["tok_s"] > 0 and th["vs_ar"] > 0 and th["sd_vs_torch_head_median"] > 0
+    assert 1.0 <= th["tokens_per_target_step"] <= 3 and th["draft_cost_per_token"] > 0
+    assert r["greedy_identical"] and "sd_torch_head" in r["median_tok_s"]
+    printed = capsys.readouterr().out
+    assert "own speculative, head on PyTorch" in printed and "head on PyTorch, same run" in printed
+
+
+def test_the_head_on_pytorch_needs_a_head_draft(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello there"}) + "\n")
+    rc = main(["bench", "engine", "--target", "tiny-random", "--draft", "truncate:1", "--prompts-file", str(prompts),
+               "--max-new-tokens", "4", "--no-hf", "--vs-torch-head", "--json", str(tmp_path / "b.json")])
+    assert rc == 2
+    assert "--vs-torch-head compares a head draft" in capsys.readouterr().err
+    assert not (tmp_path / "b.json").exists()

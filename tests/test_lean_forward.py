@@ -235,8 +235,8 @@ def test_a_head_beside_an_int4_target_keeps_int8_weights_close_to_its_own():
     with torch.no_grad():
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # a trained head's weights are not the target's copies
-    runner = draft_runner(head, 128, quant="int4")
-    assert runner.lean.block[1].__class__.__name__ == "Int8"
+    runner = draft_runner(head, 128, quant="int4", cpu_kernels="torch")  # the native head: test_native_head.py
+    assert runner.kernel.block[1].__class__.__name__ == "Int8"
     g = torch.randn(6, 64, dtype=torch.bfloat16)
     ids = torch.tensor([5, 17, 200, 3, 99, 7])
     mask = torch.ones(6, 6, dtype=torch.bool).tril()
@@ -249,16 +249,17 @@ def test_a_head_beside_an_int4_target_keeps_int8_weights_close_to_its_own():
     assert err8 < 0.05 and err8 < err4 / 2, (err8, err4)
 
 
-def test_a_head_drafts_for_an_int4_target_losslessly():
+def test_a_head_drafts_for_an_int4_target_losslessly(monkeypatch):
     from infra.drafts.head import build_head
     from infra.drafts.spec import DraftSpec
 
     model = tiny(seed=8, dtype="bfloat16", layers=3)
     head = build_head(model, DraftSpec(family="head", feature_layers=(0, 1)), torch.arange(0, 300, 2))
     prompt = [5, 17, 200, 3, 99]
+    monkeypatch.setenv("OSD_NATIVE_HEAD", "off")  # the head on PyTorch; the native head: test_native_head.py
     ar = SpecEngine(model, options=small_options(k=0, max_seq_len=128, quant="int4"))
     sd = SpecEngine(model, head, options=small_options(k=3, max_seq_len=128, quant="int4", k_policy="fixed"))
-    assert sd.draft.lean.block[1].__class__.__name__ == "Int8"  # beside int4, the head's q|k|v is int8
+    assert sd.draft.kernel.block[1].__class__.__name__ == "Int8"  # beside int4, the head's q|k|v is int8
     want = ar.generate(prompt, GenerationParams(max_new_tokens=40)).output_ids
     r = sd.generate(prompt, GenerationParams(max_new_tokens=40))
     assert r.stats.num_draft_tokens > 0

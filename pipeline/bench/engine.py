@@ -44,6 +44,7 @@ LABELS = {
     "ar_eager": "own AR, eager",
     "sd_eager": "own speculative, eager",
     "sd_chain": "own speculative, chain",
+    "sd_torch_head": "own speculative, head on PyTorch",
 }
 
 
@@ -195,7 +196,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
               compile: str = "auto", dtype: str | None = None, hf: bool = True, tree: str = "",
               k_sweep: Sequence[int] = (), confidence_sweep: Sequence[float] = (), quant: str | None = None,
               vs_llamacpp: bool = False, k_policy: str | None = None, vs_float32: bool = False,
-              workload: str = "single",
+              workload: str = "single", vs_torch_head: bool = False,
               log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
     import torch
 
@@ -245,6 +246,8 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     # AR: the machine's speed drifts between runs, a ratio measured in one run does not.
     sweep = {m: SpecEngine(loaded.model, own_draft(), loaded.tokenizer, o)
              for m, o in sweep_options(options, k_sweep, confidence_sweep).items()}
+    if vs_torch_head:  # the same head drafting through PyTorch, interleaved: sd_torch_head
+        sweep["sd_torch_head"] = torch_head_engine(loaded, own_draft(), options)
     if workload == "multiturn":
         prompts = answer_first_turns(engine, loaded.tokenizer, prompts, max_new_tokens, log)
     ids_list = [messages_ids(loaded.tokenizer, p.chat()) for p in prompts]
@@ -273,6 +276,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
                                      if reference == "ar" and "hf_ar" in runs else None)
     result.update(draft_figures(sd_stats, runs, draft))
     result.update(step_cost_figures(stats, runs))
+    result["torch_head"] = torch_head_figures(stats, runs, draft) if vs_torch_head else None
     result["k_sweep"] = sweep_rows(runs, stats, "k", k) if k_sweep else None
     result["confidence_sweep"] = (sweep_rows(runs, stats, "draft_confidence", options.draft_confidence)
                                   if confidence_sweep else None)
@@ -379,7 +383,7 @@ def _swept(method: str) -> tuple[str, float] | None:
 def _is_spec(method: str) -> bool:
     """Methods whose stats are kept (capture off only times capture; own AR's give the
     one-token forward the verify cost is measured against)."""
-    return method in ("ar", "sd", "sd_eager", "sd_chain") or _swept(method) is not None
+    return method in ("ar", "sd", "sd_eager", "sd_chain", "sd_torch_head") or _swept(method) is not None
 
 
 def sweep_rows(runs: dict[str, MethodRun], stats: dict[str, SpecStats], field: str,
@@ -451,7 +455,7 @@ def greedy_mismatches(runner: Any, runs: dict[str, MethodRun], ids_list: list[li
     explains a difference by float rounding)."""
     mismatches = []
     reference = reference or ("hf_ar" if "hf_ar" in runs else "ar_eager" if "ar_eager" in runs else "ar")
-    for m in ("ar", "sd", "sd_nocapture", "ar_eager", "sd_eager", "sd_chain",
+    for m in ("ar", "sd", "sd_nocapture", "ar_eager", "sd_eager", "sd_chain", "sd_torch_head",
               *sorted(r for r in runs if _swept(r))):
         if m == reference or m not in runs:
             continue
@@ -545,6 +549,32 @@ def draft_figures(st: SpecStats, runs: dict[str, MethodRun], draft: Any) -> dict
             "by_source": {src: {"steps": n, "drafted": d, "accepted": a, "acceptance": a / d if d else 0.0,
                                 "tokens_per_step": (a + n) / n if n else 0.0}
                           for src, (n, d, a) in sorted(st.by_source.items())}}
+
+
+def torch_head_engine(loaded: Any, draft: Any, options: EngineOptions) -> SpecEngine:
+    """An engine whose head drafts through PyTorch (LeanHead) beside the same target."""
+    from serve.engine.core import SpecEngine
+    from serve.spec_decode.head.draft import torch_head_kernels
+
+    if getattr(getattr(draft, "model", draft), "osd_family", None) != "head":
+        raise ValueError("--vs-torch-head compares a head draft's kernels: give --draft head:init, "
+                         "head+suffix or a head directory")
+    with torch_head_kernels():
+        return SpecEngine(loaded.model, draft, loaded.tokenizer, options)
+
+
+def torch_head_figures(stats: dict[str, SpecStats], runs: dict[str, MethodRun], draft: Any) -> dict[str, Any]:
+    """The head on PyTorch against the run's own (native) head, same prompts, interleaved: its
+    speed against own AR, the native run's speed against it (median of per-prompt ratios),
+    its draft cost per token and tokens per target step."""
+    fig = draft_figures(stats["sd_torch_head"], runs, draft)
+    sd, th, ar = runs["sd"], runs["sd_torch_head"], runs["ar"]
+    per_prompt = [(t / s) / (tt / ts) for t, s, tt, ts in zip(sd.tokens, sd.seconds, th.tokens, th.seconds)
+                  if s and ts and tt]
+    return {"tok_s": th.tok_s, "vs_ar": th.tok_s / ar.tok_s if th.tok_s and ar.tok_s else None,
+            "sd_vs_torch_head_median": statistics.median(per_prompt) if per_prompt else None,
+            "draft_cost_per_token": fig["draft_cost_per_token"],
+            "tokens_per_target_step": fig["tokens_per_target_step"], "by_source": fig["by_source"]}
 
 
 def step_cost_figures(stats: dict[str, SpecStats], runs: dict[str, MethodRun]) -> dict[str, Any]:
@@ -644,6 +674,11 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
                        ("sd_chain_stage_ms_per_step", "chain step")):
         if result.get(key):
             log(f"{label}, ms per step: " + ", ".join(f"{n} {v:.2f}" for n, v in result[key].items()))
+    th = result.get("torch_head")
+    if th:
+        log(f"head on PyTorch, same run: {_fmt(th['vs_ar'])} own AR, draft cost per token "
+            f"{th['draft_cost_per_token'] or 0:.3f} of a target step, {th['tokens_per_target_step']:.2f} tokens/step; "
+            f"own speculative / it {_fmt(th['sd_vs_torch_head_median'])} (median per prompt)")
     for key, field in (("k_sweep", "k"), ("confidence_sweep", "draft_confidence")):
         for row in result.get(key) or []:
             log(f"{field}={row[field]:g}: own SD / own AR {_fmt(row['sd_vs_ar'])} (median per prompt "
@@ -703,6 +738,9 @@ def add_arguments(be: argparse.ArgumentParser) -> None:
                                                                  "chains of the same draft are timed in the same run")
     be.add_argument("--no-hf", action="store_true", help="skip the Hugging Face methods (greedy identity is then "
                                                          "checked against own eager AR)")
+    be.add_argument("--vs-torch-head", action="store_true",
+                    help="also time the same head drafting through PyTorch instead of the native kernels, "
+                         "interleaved (a head draft beside an int4 target on the CPU)")
     be.add_argument("--target", help="target spec (default: model.target)")
     be.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer ShareGPT prompts")
     be.add_argument("--json", metavar="PATH", default="reports/bench/engine.json", help="where to write JSON")
@@ -715,5 +753,5 @@ def run(cfg: OSDConfig, args: argparse.Namespace) -> int:
               compile=args.compile, dtype=args.dtype, hf=not args.no_hf, tree=args.tree or "",
               k_sweep=args.k_sweep, confidence_sweep=args.confidence_sweep, quant=args.quant,
               vs_llamacpp=args.vs_llamacpp, k_policy=args.k_policy, vs_float32=args.vs_float32,
-              workload=args.workload)
+              workload=args.workload, vs_torch_head=args.vs_torch_head)
     return 0

@@ -18,7 +18,7 @@ def draft_runner(model: Any, max_seq_len: int | None = None, quant: str = "none"
     """A head draft (infra/drafts/head.py) gets its own runner; any other draft model the runner a
     target of its kind would get (serve/model/factory.py)."""
     if getattr(model, "osd_family", None) == "head":
-        return HeadRunner(model, max_seq_len, quant)
+        return HeadRunner(model, max_seq_len, quant, cpu_kernels)
     return make_runner(model, max_seq_len, quant, cpu_kernels)
 
 

@@ -1,8 +1,9 @@
 // The Llama forward over packed int4 weights: every layer of a step in one call, no Python
 // between them. Rows may belong to several sequences (a batched step): each row writes its
 // K/V at its own position of its own cache and attends over that cache's positions [0, pos].
+// A head draft's one layer runs on the same code over Q8 weights (osd_head_forward).
 // Built once per instruction set (serve/model/native_build.py); the Python side is
-// serve/model/native_runner.py.
+// serve/model/native_runner.py, and serve/spec_decode/head/native.py for a head.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -61,6 +62,16 @@ struct OsdBatch {
   const int32_t* feat_layers;
   uint16_t* feats;        // bf16 [n_rows, n_feat_layers * D]
   int32_t n_threads;
+};
+
+// What a head draft (serve/spec_decode/head/native.py) adds to a one-layer model whose layer
+// weights are Q8: each row's input is in_proj of [rms(embed[token]) norm_e, rms(g) norm_g].
+struct OsdHeadIn {
+  const uint8_t* in_proj;  // Q8 [D, 2 D]
+  const float* norm_e;     // [D]
+  const float* norm_g;     // [D]
+  const float* g;          // [n_rows, D]: the target's fused features, or the head's previous state
+  float* states;           // [n_rows, D]: the layer's outputs (before the final norm)
 };
 
 }  // extern "C"
@@ -224,26 +235,53 @@ void attention(const OsdModel& md, const OsdBatch& bt, int layer, Work& wk, int 
   });
 }
 
-void layer_forward(const OsdModel& md, const OsdBatch& bt, int l, Work& wk, int threads) {
+// One GEMM of either weight format: Q4 (the target's layers) or Q8 (the head's and a head draft's).
+void gemm_as(bool q4, const uint8_t* w, int n, int k, const Act& a, int m, float* y, int ldy, bool add, int threads) {
+  if (q4) gemm<true>(w, n, k, a, m, y, ldy, add, threads);
+  else gemm<false>(w, n, k, a, m, y, ldy, add, threads);
+}
+
+void layer_forward(const OsdModel& md, const OsdBatch& bt, int l, Work& wk, int threads, bool q4 = true) {
   const OsdLayer& ly = md.layers[l];
   const int m = bt.n_rows, d = md.hidden, hd = md.head_dim;
   const int qkv_w = (md.n_heads + 2 * md.n_kv) * hd, att_w = md.n_heads * hd;
   norm_quantize(wk.x.data(), ly.ln1, m, d, md.eps, wk, threads);
-  gemm<true>(ly.wqkv, qkv_w, d, wk.qa.act(d), m, wk.qkv.data(), qkv_w, false, threads);
+  gemm_as(q4, ly.wqkv, qkv_w, d, wk.qa.act(d), m, wk.qkv.data(), qkv_w, false, threads);
   attention(md, bt, l, wk, threads);
   quantize_rows(wk.att.data(), m, att_w, att_w, wk.qa, threads);
-  gemm<true>(ly.wo, d, att_w, wk.qa.act(att_w), m, wk.x.data(), d, true, threads);
+  gemm_as(q4, ly.wo, d, att_w, wk.qa.act(att_w), m, wk.x.data(), d, true, threads);
   if (ly.bo)
     for (int r = 0; r < m; ++r)
       for (int i = 0; i < d; ++i) wk.x[static_cast<size_t>(r) * d + i] += ly.bo[i];
   norm_quantize(wk.x.data(), ly.ln2, m, d, md.eps, wk, threads);
-  gemm<true>(ly.wgu, 2 * md.inter, d, wk.qa.act(d), m, wk.gu.data(), 2 * md.inter, false, threads);
+  gemm_as(q4, ly.wgu, 2 * md.inter, d, wk.qa.act(d), m, wk.gu.data(), 2 * md.inter, false, threads);
   make_quantize(m, md.inter, wk.qa, threads, [&](int r) {
     float* out = wk.act.data() + static_cast<int64_t>(r) * md.inter;
     swiglu(wk.gu.data() + static_cast<int64_t>(r) * 2 * md.inter, md.inter, out);
     return out;
   });
-  gemm<true>(ly.wd, d, md.inter, wk.qa.act(md.inter), m, wk.x.data(), d, true, threads);
+  gemm_as(q4, ly.wd, d, md.inter, wk.qa.act(md.inter), m, wk.x.data(), d, true, threads);
+}
+
+void size_work(const OsdModel& md, int m, Work& wk) {
+  wk.x.resize(static_cast<size_t>(m) * md.hidden);
+  wk.qkv.resize(static_cast<size_t>(m) * (md.n_heads + 2 * md.n_kv) * md.head_dim);
+  wk.att.resize(static_cast<size_t>(m) * md.n_heads * md.head_dim);
+  wk.gu.resize(static_cast<size_t>(m) * 2 * md.inter);
+  wk.act.resize(static_cast<size_t>(m) * md.inter);
+}
+
+// The final norm and the LM head on the batch's logit rows.
+void logits_out(const OsdModel& md, const OsdBatch& bt, Work& wk, int threads) {
+  const int nl = bt.n_logit_rows, d = md.hidden;
+  if (nl == 0) return;
+  std::vector<float>& sel = wk.gu;  // free again: the selected rows' hidden states
+  sel.resize(static_cast<size_t>(nl) * d);
+  for (int i = 0; i < nl; ++i)
+    std::memcpy(sel.data() + static_cast<size_t>(i) * d, wk.x.data() + static_cast<size_t>(bt.logit_rows[i]) * d,
+                sizeof(float) * d);
+  norm_quantize(sel.data(), md.norm, nl, d, md.eps, wk, threads);
+  gemm<false>(md.head, md.vocab, d, wk.qa.act(d), nl, bt.logits, md.vocab, false, threads);
 }
 
 int check(const OsdModel& md, const OsdBatch& bt) {
@@ -255,6 +293,23 @@ int check(const OsdModel& md, const OsdBatch& bt) {
     if (bt.logit_rows[i] < 0 || bt.logit_rows[i] >= bt.n_rows) return 4;
   for (int i = 0; i < bt.n_feat_layers; ++i)
     if (bt.feat_layers[i] < 0 || bt.feat_layers[i] >= md.n_layers) return 5;
+  return 0;
+}
+
+// A forward's frame: the arguments checked before any write, one call at a time, the pool
+// hot, the calling thread's buffers sized; `body` fills wk.x with the last layer's outputs,
+// then the logit rows are taken.
+template <class Body>
+int32_t run_forward(const OsdModel& md, const OsdBatch& bt, Body&& body) {
+  if (const int err = check(md, bt)) return err;
+  std::lock_guard<std::mutex> hold(forward_lock());
+  new_call();
+  Pool::Hot hot;
+  Work& wk = work();
+  const int threads = std::max(bt.n_threads, 1);
+  size_work(md, bt.n_rows, wk);
+  body(wk, bt.n_rows, md.hidden, threads);
+  logits_out(md, bt, wk, threads);
   return 0;
 }
 
@@ -332,41 +387,45 @@ int32_t osd_logit_stats(const float* x, int32_t rows, int32_t v, int32_t k, int6
 // The whole forward; returns 0, or a code for arguments out of range (checked before any write).
 int32_t osd_forward(const OsdModel* md, const OsdBatch* bt) {
   using namespace osd;
-  if (const int err = check(*md, *bt)) return err;
-  std::lock_guard<std::mutex> hold(forward_lock());
-  new_call();
-  Pool::Hot hot;
-  Work& wk = work();
-  const int m = bt->n_rows, d = md->hidden, threads = std::max(bt->n_threads, 1);
-  wk.x.resize(static_cast<size_t>(m) * d);
-  wk.qkv.resize(static_cast<size_t>(m) * (md->n_heads + 2 * md->n_kv) * md->head_dim);
-  wk.att.resize(static_cast<size_t>(m) * md->n_heads * md->head_dim);
-  wk.gu.resize(static_cast<size_t>(m) * 2 * md->inter);
-  wk.act.resize(static_cast<size_t>(m) * md->inter);
-  for (int r = 0; r < m; ++r) {
-    const uint16_t* e = md->embed + bt->tokens[r] * d;
-    for (int i = 0; i < d; ++i) wk.x[static_cast<size_t>(r) * d + i] = bf16_to_float(e[i]);
-  }
-  const int feat_w = bt->n_feat_layers * d;
-  for (int l = 0; l < md->n_layers; ++l) {
-    layer_forward(*md, *bt, l, wk, threads);
-    for (int f = 0; f < bt->n_feat_layers; ++f) {
-      if (bt->feat_layers[f] != l) continue;
-      for (int r = 0; r < m; ++r)
-        for (int i = 0; i < d; ++i)
-          bt->feats[static_cast<int64_t>(r) * feat_w + f * d + i] = float_to_bf16(wk.x[static_cast<size_t>(r) * d + i]);
+  return run_forward(*md, *bt, [&](Work& wk, int m, int d, int threads) {
+    for (int r = 0; r < m; ++r) {
+      const uint16_t* e = md->embed + bt->tokens[r] * d;
+      for (int i = 0; i < d; ++i) wk.x[static_cast<size_t>(r) * d + i] = bf16_to_float(e[i]);
     }
-  }
-  const int nl = bt->n_logit_rows;
-  if (nl == 0) return 0;
-  std::vector<float>& sel = wk.gu;  // free again: the selected rows' hidden states
-  sel.resize(static_cast<size_t>(nl) * d);
-  for (int i = 0; i < nl; ++i)
-    std::memcpy(sel.data() + static_cast<size_t>(i) * d, wk.x.data() + static_cast<size_t>(bt->logit_rows[i]) * d,
-                sizeof(float) * d);
-  norm_quantize(sel.data(), md->norm, nl, d, md->eps, wk, threads);
-  gemm<false>(md->head, md->vocab, d, wk.qa.act(d), nl, bt->logits, md->vocab, false, threads);
-  return 0;
+    const int feat_w = bt->n_feat_layers * d;
+    for (int l = 0; l < md->n_layers; ++l) {
+      layer_forward(*md, *bt, l, wk, threads);
+      for (int f = 0; f < bt->n_feat_layers; ++f) {
+        if (bt->feat_layers[f] != l) continue;
+        for (int r = 0; r < m; ++r)
+          for (int i = 0; i < d; ++i)
+            bt->feats[static_cast<int64_t>(r) * feat_w + f * d + i] = float_to_bf16(wk.x[static_cast<size_t>(r) * d + i]);
+      }
+    }
+  });
+}
+
+// A head draft's rows: the one-layer model `md` (Q8 layer weights, its own K/V caches in
+// `bt`'s sequences, `md->head` its draft-vocabulary LM head) over inputs made from `in->g` and
+// `bt->tokens`; every row's output state into `in->states`, the logits of `bt`'s logit rows.
+// Returns 0, or check()'s code, or 6 for a model of more than one layer or features asked for.
+int32_t osd_head_forward(const OsdModel* md, const OsdHeadIn* in, const OsdBatch* bt) {
+  using namespace osd;
+  if (md->n_layers != 1 || bt->n_feat_layers != 0) return 6;
+  return run_forward(*md, *bt, [&](Work& wk, int m, int d, int threads) {
+    wk.tmp.resize(static_cast<size_t>(m) * 2 * d);
+    make_quantize(m, 2 * d, wk.qa, threads, [&](int r) {
+      float* out = wk.tmp.data() + static_cast<int64_t>(r) * 2 * d;
+      const uint16_t* e = md->embed + bt->tokens[r] * d;
+      for (int i = 0; i < d; ++i) out[d + i] = bf16_to_float(e[i]);
+      rms_norm(out + d, in->norm_e, d, md->eps, out);
+      rms_norm(in->g + static_cast<int64_t>(r) * d, in->norm_g, d, md->eps, out + d);
+      return out;
+    });
+    gemm<false>(in->in_proj, d, 2 * d, wk.qa.act(2 * d), m, wk.x.data(), d, false, threads);
+    layer_forward(*md, *bt, 0, wk, threads, false);
+    std::memcpy(in->states, wk.x.data(), sizeof(float) * static_cast<size_t>(m) * d);
+  });
 }
 
 }  // extern "C"

@@ -15,8 +15,11 @@ rows next step.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -32,7 +35,51 @@ from serve.sampling.verify import warp_probs
 # target: 4-bit codes of a one-layer head move its greedy draft off the float head's and lower
 # its acceptance (docs/benchmarks.md, "The head's weights").
 HEAD_QUANT = {"none": "none", "int4": "int8"}
+# "off": heads draft through PyTorch (LeanHead) even beside a native int4 target.
+NATIVE_HEAD_ENV = "OSD_NATIVE_HEAD"
 
+
+
+def head_kernel(head: Any, quant: str, cpu_kernels: str = "auto") -> Any:
+    """What runs a head's eager rows: the native kernels (serve/spec_decode/head/native.py) for a
+    head beside an int4 target on the CPU, unless `cpu_kernels` is "torch" or OSD_NATIVE_HEAD is
+    "off"; else LeanHead. With "auto" a head the native kernels cannot run falls back to
+    LeanHead, saying why once; "native" refuses it."""
+    if (quant == "int4" and head.d2t.device.type == "cpu" and cpu_kernels != "torch"
+            and os.environ.get(NATIVE_HEAD_ENV, "on") != "off"):
+        from serve.model.native_build import NativeUnavailable
+        from serve.spec_decode.head.native import NativeHead
+
+        try:
+            return NativeHead(head)
+        except NativeUnavailable as e:
+            if cpu_kernels == "native":
+                raise ValueError(str(e)) from None
+            _say_once(f"{e}; the head drafts through PyTorch")
+    return LeanHead(head, HEAD_QUANT[quant])
+
+
+@contextlib.contextmanager
+def torch_head_kernels() -> Iterator[None]:
+    """Heads built inside draft through PyTorch (osd bench engine --vs-torch-head)."""
+    before = os.environ.get(NATIVE_HEAD_ENV)
+    os.environ[NATIVE_HEAD_ENV] = "off"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[NATIVE_HEAD_ENV]
+        else:
+            os.environ[NATIVE_HEAD_ENV] = before
+
+
+_said: set[str] = set()
+
+
+def _say_once(why: str) -> None:
+    if why not in _said:
+        _said.add(why)
+        logging.getLogger(__name__).warning(why)
 
 
 @dataclass
@@ -50,9 +97,10 @@ class HeadRunner(Draft):
 
     family = "head"
 
-    def __init__(self, head: Any, max_seq_len: int | None = None, quant: str = "none"):
+    def __init__(self, head: Any, max_seq_len: int | None = None, quant: str = "none", cpu_kernels: str = "auto"):
         self.head = head
-        self.lean = LeanHead(head, HEAD_QUANT[quant])  # eager rows and the fuse: fused weights
+        # Eager rows and the fuse: native beside an int4 target on the CPU, else fused PyTorch weights.
+        self.kernel = head_kernel(head, quant, cpu_kernels)
         self.device = head.d2t.device
         self.dtype = head.embed.dtype
         self.vocab_size = head.vocab_size
@@ -97,7 +145,7 @@ class HeadRunner(Draft):
             cache.length = end
             return logits.clone(), state.clone()
         mask = None if t == 1 else self.causal[start:end, :end]
-        logits, state = self.lean.rows(g, next_ids, cache, start, mask)
+        logits, state = self.kernel.rows(g, next_ids, cache, start, mask)
         cache.length = end
         return logits, state
 
@@ -111,7 +159,7 @@ class HeadRunner(Draft):
             if end > c.max_len:
                 raise ValueError(f"sequence of {end} rows exceeds the head cache's {c.max_len}")
             masks.append(None if n.shape[0] == 1 else self.causal[start:end, :end])
-        logits, states = self.lean.rows_batch(gs, nexts, caches, masks)
+        logits, states = self.kernel.rows_batch(gs, nexts, caches, masks)
         for n, c in zip(nexts, caches):
             c.length += n.shape[0]
         return logits, states
@@ -156,7 +204,7 @@ class HeadRunner(Draft):
 
     @torch.inference_mode()
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
-        return self.lean.fuse(feats)
+        return self.kernel.fuse(feats)
 
 
     # -- the Draft protocol (serve/spec_decode/protocol.py) ------------------------------------
