@@ -30,10 +30,10 @@ from pydantic_settings.sources.utils import parse_env_vars
 ENV_PREFIX = "OSD_"
 # Variables that share the prefix but are not config paths: the config file, the single API key,
 # the native kernels' build folder and ISA (serve/model/native_build.py), their AMX tiles
-# (serve/model/native_tuning.py) and logit reads (serve/model/native_logits.py), fault injection
-# (infra/common/faults.py).
+# (serve/model/native_tuning.py), logit reads (serve/model/native_logits.py) and head drafts
+# (serve/spec_decode/head/draft.py), fault injection (infra/common/faults.py).
 RESERVED_ENV = frozenset({"OSD_CONFIG", "OSD_API_KEY", "OSD_NATIVE_DIR", "OSD_NATIVE_ISA", "OSD_NATIVE_AMX",
-                          "OSD_NATIVE_LOGITS", "OSD_FAULT"})
+                          "OSD_NATIVE_LOGITS", "OSD_NATIVE_HEAD", "OSD_FAULT"})
 
 
 class ConfigError(ValueError):

@@ -25,9 +25,10 @@ def test_unknown_env_key_names_dotted_path():
 
 
 def test_the_native_kernels_switches_are_not_config_keys():
-    """OSD_NATIVE_AMX and OSD_NATIVE_LOGITS, which the docs tell users to set, are read by the
+    """OSD_NATIVE_AMX, OSD_NATIVE_LOGITS and OSD_NATIVE_HEAD, which the docs tell users to set, are read by the
     native runner; every osd command refused them as unknown keys before."""
-    load_config(environ={"OSD_NATIVE_AMX": "off", "OSD_NATIVE_LOGITS": "off", "OSD_NATIVE_ISA": "avx2"})
+    load_config(environ={"OSD_NATIVE_AMX": "off", "OSD_NATIVE_LOGITS": "off", "OSD_NATIVE_ISA": "avx2",
+                         "OSD_NATIVE_HEAD": "off"})
 
 
 def test_bad_value_names_path_and_reason():
