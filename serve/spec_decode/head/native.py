@@ -78,7 +78,7 @@ class NativeHead:
             keep.append(out)
             return out.data_ptr()
 
-        self.fc = _q8(head.fc.weight)
+        self._fc = _q8(head.fc.weight)
         self._fc_out, self._fc_in = head.fc.weight.shape
         self._in_proj = _q8(head.in_proj.weight)
         ws = (_q8(layer["q_proj"].weight, layer["k_proj"].weight, layer["v_proj"].weight), _q8(layer["o_proj"].weight),
@@ -108,7 +108,7 @@ class NativeHead:
         x = feats.reshape(-1, self._fc_in).float().contiguous()
         y = torch.empty(x.shape[0], self._fc_out, dtype=torch.float32)
         if x.shape[0]:
-            self.lib.osd_gemm(self.fc.data_ptr(), 0, self._fc_out, self._fc_in, x.data_ptr(), x.shape[0], y.data_ptr(),
+            self.lib.osd_gemm(self._fc.data_ptr(), 0, self._fc_out, self._fc_in, x.data_ptr(), x.shape[0], y.data_ptr(),
                               self.threads)
         return y.to(self.dtype).reshape(*feats.shape[:-1], self._fc_out)
 
