@@ -29,7 +29,7 @@ def make_runner(model: Any, max_seq_len: int | None = None, quant: str = "none",
     except UnsupportedModel as e:
         if quant != "none":
             raise ValueError(f"quant {quant!r} needs a model the lean forward runs: {e}") from None
-        _say_once(f"{e}; the generic Hugging Face runner serves it (exact, slower)")
+        say_once(f"{e}; the generic Hugging Face runner serves it (exact, slower)")
         return HFRunner(model, max_seq_len)
     if quant == "int4" and cpu_kernels != "torch":
         native = _native_runner(model, max_seq_len, strict=cpu_kernels == "native")
@@ -38,7 +38,8 @@ def make_runner(model: Any, max_seq_len: int | None = None, quant: str = "none",
     return LlamaRunner(model, max_seq_len, quant)
 
 
-def _say_once(why: str) -> None:
+def say_once(why: str) -> None:
+    """Log a fallback's reason once per process (a runner is built per request draft and swap)."""
     if why not in _said:
         _said.add(why)
         _log.warning(why)
@@ -53,5 +54,5 @@ def _native_runner(model: Any, max_seq_len: int | None, strict: bool) -> Runner 
     except (NativeUnavailable, ValueError) as e:
         if strict:
             raise ValueError(f"model.cpu_kernels native: {e}") from None
-        _say_once(f"int4 target on PyTorch's kernels: {e}")
+        say_once(f"int4 target on PyTorch's kernels: {e}")
         return None

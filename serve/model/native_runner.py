@@ -78,13 +78,36 @@ def native_supported(model: Any) -> str | None:
     """None where the native forward can run `model`, else why not."""
     cfg = model.config
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    if hd % 16 or hd > 256:
-        return f"head_dim {hd} (needs a multiple of 16, at most 256)"
-    for name, n, multiple in (("hidden_size", cfg.hidden_size, 32), ("intermediate_size", cfg.intermediate_size, 32),
-                              ("attention width", cfg.num_attention_heads * hd, 32)):
-        if n % multiple:
-            return f"{name} {n} is not a multiple of {multiple} (the kernels' tiles)"
+    return tiles_unsupported(hd, (("hidden_size", cfg.hidden_size), ("intermediate_size", cfg.intermediate_size),
+                                  ("attention width", cfg.num_attention_heads * hd)))
+
+
+def tiles_unsupported(head_dim: int, widths: tuple[tuple[str, int], ...]) -> str | None:
+    """None where the kernels tile a layer of this head_dim and these (name, width)s, else why not."""
+    if head_dim % 16 or head_dim > 256:
+        return f"head_dim {head_dim} (needs a multiple of 16, at most 256)"
+    for name, n in widths:
+        if n % 32:
+            return f"{name} {n} is not a multiple of 32 (the kernels' tiles)"
     return None
+
+
+def rows_of(caches: list[StaticKVCache], sizes: list[int], bad_cache: str) -> tuple[Any, Any, Any]:
+    """The ctypes arrays of a call's rows, `sizes[i]` of them appended to `caches[i]`: each row's
+    cache position, its sequence and the sequences' caches (OsdSeq). A cache that is not
+    bfloat16 on the CPU with the runner's layout is refused with `bad_cache`."""
+    n = sum(sizes)
+    # Built from Python ints: a handful of torch ops here (cat, arange, repeat_interleave) cost
+    # as much as a tenth of a one-row forward.
+    pos = (ctypes.c_int32 * n)(*[p for c, t in zip(caches, sizes) for p in range(c.length, c.length + t)])
+    seq = (ctypes.c_int32 * n)(*[i for i, t in enumerate(sizes) for _ in range(t)])
+    seqs = (OsdSeq * len(caches))()
+    for i, c in enumerate(caches):
+        k, v = c.k, c.v
+        if k.dtype != torch.bfloat16 or k.device.type != "cpu" or k.stride(-1) != 1 or v.stride() != k.stride():
+            raise ValueError(bad_cache)
+        seqs[i] = OsdSeq(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2))
+    return pos, seq, seqs
 
 
 class NativeLlamaRunner(LlamaRunner):
@@ -191,19 +214,10 @@ class NativeLlamaRunner(LlamaRunner):
         sizes = [it.tokens.shape[0] for it in items]
         reserve(items, sizes)
         n = sum(sizes)
-        # The row indices as ctypes arrays built from Python ints: a handful of torch ops here
-        # (cat, arange, repeat_interleave) cost as much as a tenth of a one-row forward.
         tokens = (items[0].tokens if len(items) == 1 else torch.cat([it.tokens.reshape(-1) for it in items]))
         tokens = tokens.reshape(-1).to(torch.int64).contiguous()
-        pos = (ctypes.c_int32 * n)(*[p for it, t in zip(items, sizes)
-                                     for p in range(it.cache.length, it.cache.length + t)])
-        seq = (ctypes.c_int32 * n)(*[i for i, t in enumerate(sizes) for _ in range(t)])
-        seqs = (OsdSeq * len(items))()
-        for i, it in enumerate(items):
-            k, v = it.cache.k, it.cache.v
-            if k.dtype != torch.bfloat16 or k.device.type != "cpu" or k.stride(-1) != 1 or v.stride() != k.stride():
-                raise ValueError("the native forward needs this runner's own caches (bfloat16 on the CPU)")
-            seqs[i] = OsdSeq(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2))
+        pos, seq, seqs = rows_of([it.cache for it in items], sizes,
+                                 "the native forward needs this runner's own caches (bfloat16 on the CPU)")
         offsets = [0]
         for t in sizes:
             offsets.append(offsets[-1] + t)

@@ -16,7 +16,6 @@ rows next step.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -25,6 +24,7 @@ import torch
 
 from serve.spec_decode.protocol import Draft, Proposal, StepContext, draft_state
 from serve.spec_decode.head.lean import LeanHead
+from serve.model.factory import say_once
 from serve.model.runner import StaticKVCache
 from serve.spec_decode.trees.dynamic import DraftTree
 from serve.spec_decode.trees.stages import NodeRows, TreeShape, grow_tree, tree_log_q
@@ -55,7 +55,7 @@ def head_kernel(head: Any, quant: str, cpu_kernels: str = "auto") -> Any:
         except NativeUnavailable as e:
             if cpu_kernels == "native":
                 raise ValueError(str(e)) from None
-            _say_once(f"{e}; the head drafts through PyTorch")
+            say_once(f"{e}; the head drafts through PyTorch")
     return LeanHead(head, HEAD_QUANT[quant])
 
 
@@ -71,15 +71,6 @@ def torch_head_kernels() -> Iterator[None]:
             del os.environ[NATIVE_HEAD_ENV]
         else:
             os.environ[NATIVE_HEAD_ENV] = before
-
-
-_said: set[str] = set()
-
-
-def _say_once(why: str) -> None:
-    if why not in _said:
-        _said.add(why)
-        logging.getLogger(__name__).warning(why)
 
 
 @dataclass

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from serve.model.native_build import NativeUnavailable, load
-from serve.model.native_formats import BLOCK, TILE, pack_q8
-from serve.model.native_runner import ERRORS, OsdBatch, OsdLayer, OsdModel, OsdSeq, forward_threads
+from serve.model.native_formats import TILE, pack_q8
+from serve.model.native_runner import ERRORS, OsdBatch, OsdLayer, OsdModel, forward_threads, rows_of, tiles_unsupported
 from serve.model.runner import StaticKVCache
 
 HEAD_ERRORS = {**ERRORS, 6: "a model of more than one layer, or features asked of a head"}
@@ -33,16 +33,11 @@ class OsdHeadIn(ctypes.Structure):
 
 def head_unsupported(head: Any) -> str | None:
     """None where the native kernels can run `head`, else why not."""
-    h, hd = head.embed.shape[1], head.head_dim
     if head.embed.dtype != torch.bfloat16:
         return f"its embedding is {head.embed.dtype} (the native caches are bfloat16)"
-    if hd % 16 or hd > 256:
-        return f"head_dim {hd} (needs a multiple of 16, at most 256)"
-    inter = head.layer["gate_proj"].weight.shape[0]
-    for name, n in (("hidden size", h), ("intermediate size", inter), ("attention width", head.n_heads * hd)):
-        if n % BLOCK:
-            return f"{name} {n} is not a multiple of {BLOCK} (the kernels' tiles)"
-    return None
+    return tiles_unsupported(head.head_dim, (("hidden size", head.embed.shape[1]),
+                                             ("intermediate size", head.layer["gate_proj"].weight.shape[0]),
+                                             ("attention width", head.n_heads * head.head_dim)))
 
 
 def _q8(*ws: torch.Tensor, rows: int | None = None) -> torch.Tensor:
@@ -136,16 +131,10 @@ class NativeHead:
         n = sum(sizes)
         g = g.float().contiguous()
         tokens = tokens.reshape(-1).to(torch.int64).contiguous()
-        pos = (ctypes.c_int32 * n)(*[p for c, t in zip(caches, sizes) for p in range(c.length, c.length + t)])
-        seq = (ctypes.c_int32 * n)(*[i for i, t in enumerate(sizes) for _ in range(t)])
-        seqs = (OsdSeq * len(caches))()
-        for i, (c, t) in enumerate(zip(caches, sizes)):
+        for c, t in zip(caches, sizes):
             if c.length + t > c.max_len:
                 raise ValueError(f"sequence of {c.length + t} rows exceeds the head cache's {c.max_len}")
-            k, v = c.k, c.v
-            if k.dtype != torch.bfloat16 or k.device.type != "cpu" or k.stride(-1) != 1 or v.stride() != k.stride():
-                raise ValueError("the native head needs bfloat16 caches on the CPU")
-            seqs[i] = OsdSeq(k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2))
+        pos, seq, seqs = rows_of(caches, sizes, "the native head needs bfloat16 caches on the CPU")
         last, acc = [], 0
         for t in sizes:
             acc += t
