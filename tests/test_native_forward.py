@@ -413,14 +413,20 @@ V8 = dict(vocab_size=8, hidden_size=32, num_heads=2, num_kv_heads=1, intermediat
 
 
 @needs_native
-def test_sampling_on_the_native_target_follows_its_distribution():
+@pytest.mark.parametrize("draft", ["truncate:1", "head:untrained"])
+def test_sampling_on_the_native_target_follows_its_distribution(draft):
     """Chi-square: sampled speculation on the native int4 target draws the first two tokens
-    from the distribution of its own one-row forwards (vocabulary 8: the head's padded tile)."""
+    from the distribution of its own one-row forwards (vocabulary 8: the head's LM head padded
+    to a tile of 16), with a layer draft and with the native head draft."""
+    from serve.spec_decode.head.native import NativeHead
+
     target = build_tiny_llama(seed=3, num_layers=2, max_positions=32, dtype="bfloat16", **V8)
     target.config.eos_token_id = None
-    eng = SpecEngine(target, build_draft("truncate:1", target),
+    eng = SpecEngine(target, build_draft(draft, target),
                      options=small_options(k=2, max_seq_len=32, quant="int4", k_policy="fixed"))
     assert isinstance(eng.target, NativeLlamaRunner)
+    if draft.startswith("head"):
+        assert isinstance(eng.draft.kernel, NativeHead)
     sampling = SamplingParams(temperature=0.9, top_p=0.95)
     counts, drafted, accepted = sample_first_two(eng, [1, 2, 3], sampling, 2000)
     assert drafted - accepted > 200 and accepted > 200  # both the accept and the residual paths ran

@@ -186,30 +186,3 @@ def test_bad_input_is_refused_before_anything_is_written():
     with pytest.raises(ValueError, match="bfloat16 caches"):
         native.rows(g, ids, StaticKVCache(1, head.n_kv, 160, head.head_dim, torch.float32, "cpu"), 0, None)
 
-
-@needs_native
-def test_sampling_with_the_native_head_follows_the_targets_distribution():
-    """Chi-square: sampled speculation with the native head draws the first two tokens from the
-    distribution of the native target's own one-row forwards (vocabulary 8, the head's LM head
-    padded to a tile of 16)."""
-    from chi2 import chi2_pvalue, sample_first_two
-
-    from serve.sampling.verify import SamplingParams, warp_probs
-    from serve.spec_decode.specs import build_draft
-
-    target = build_tiny_llama(seed=3, num_layers=2, max_positions=32, dtype="bfloat16",
-                              vocab_size=8, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=64)
-    target.config.eos_token_id = None
-    eng = SpecEngine(target, build_draft("head:untrained", target),
-                     options=small_options(k=2, max_seq_len=32, quant="int4", k_policy="fixed"))
-    assert isinstance(eng.draft.kernel, NativeHead)
-    sampling = SamplingParams(temperature=0.9, top_p=0.95)
-    counts, drafted, accepted = sample_first_two(eng, [1, 2, 3], sampling, 2000)
-    assert drafted - accepted > 200 and accepted > 200  # both the accept and the residual paths ran
-
-    def last(ids):
-        return eng.target.forward(torch.tensor(ids), eng.target.new_cache())[-1]
-
-    p1 = warp_probs(last([1, 2, 3]), sampling)
-    p2 = torch.stack([warp_probs(last([1, 2, 3, t]), sampling) for t in range(8)])
-    assert chi2_pvalue(counts, p1[:, None] * p2) > 1e-3
