@@ -194,7 +194,7 @@ class _Gated:
 
     def gate(self, draft):
         e = self.exporter
-        return e._bootstrap(draft, self.held_out, set(), e._stable_version())
+        return e._bootstrap(draft, self.held_out, set(), e._stable_version())[0]
 
 
 def _worker(tiny, tmp_path, held_out, parent):

@@ -104,15 +104,16 @@ class _Family:
 
     def __init__(self):
         self.rng = np.random.default_rng(4)
+        self.calls, self.scored = 0, []  # records scored, and their scores, over every draft
 
     def rebuild(self, weights):
         return dict(weights)
 
-    def alpha(self, draft, held):
-        return None
-
     def score(self, draft, records):
-        return [(25.0 + draft["gain"] + float(self.rng.normal(0, 1)), 50) for _ in records]
+        out = [(25.0 + draft["gain"] + float(self.rng.normal(0, 1)), 50) for _ in records]
+        self.calls += len(records)
+        self.scored += out
+        return out
 
 
 def _exporter(monkeypatch, stable="v1"):
@@ -145,6 +146,10 @@ def test_the_exporter_publishes_a_better_candidate_once_enough_held_out_records_
             break
     assert out and out["version"] == "t-v0001" and published[0][1]["gate"]["passed"]
     assert out["gate"]["records"] < 40 and out["seconds_to_evidence"] >= 0 and e.pending is None
+    # Its α estimate is taken from the gate's scores of it: no scoring pass of its own.
+    assert e.fam.calls == out["gate"]["records"]
+    assert out["alpha_est_records"] == out["gate"]["records"]
+    assert out["alpha_est"] == pytest.approx(sum(s for s, _ in e.fam.scored) / (50 * len(e.fam.scored)))
 
 
 def test_the_exporter_drops_a_worse_candidate_and_replaces_an_undecided_one(monkeypatch):
@@ -162,6 +167,10 @@ def test_without_a_stable_version_the_exporter_publishes_at_once(monkeypatch):
     e, published = _exporter(monkeypatch, stable=None)
     out = _export(e, "t-v0001", 0.0, [])
     assert out["version"] == "t-v0001" and published[0][1]["gate"]["stable"] is None and e.pending is None
+    assert out["alpha_est"] is None and out["alpha_est_records"] == 0  # no held-out records: no estimate
+    out = _export(e, "t-v0002", 0.0, [_rec(i) for i in range(30)])  # the newest gate.records (10) are scored
+    assert out["alpha_est_records"] == e.fam.calls == 10
+    assert out["alpha_est"] == pytest.approx(sum(s for s, _ in e.fam.scored) / 500)
 
 
 def test_a_bad_gate_method_or_guard_is_refused_by_name():

@@ -169,9 +169,9 @@ def test_each_record_is_run_once_while_kept_and_the_gate_scores_served_features(
     head = _head(f32)
     fam = HeadFamily(f32, _train(), head, counting)
     fam.batch(records)
-    fam.alpha(head, records)
+    fam.score(head, records)
     got = fam.score(head, records)
-    assert counting.sequences == len(records)  # FEATURES_KEPT: the α estimate and the gate reuse them
+    assert counting.sequences == len(records)  # FEATURES_KEPT: steps and every look of the gate reuse them
     feats = served_features(served, records, LAYERS, fam.tc.max_seq_len)
     with autocast_context(fam.autocast, "cpu"):  # the family scores its own head under its autocast rule
         want = per_record_acceptance_head(head, f32, records, fam.tc.max_seq_len, features=feats)

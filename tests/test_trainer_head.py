@@ -191,18 +191,19 @@ def test_a_few_steps_on_a_fixed_pattern_raise_the_heads_alpha_and_pass_the_paire
     """The trainer's head pieces (batch, loss, rebuild) over records of the target's greedy
     pattern: α rises, and the paired gate (each draft scored by its family) sees it."""
     from infra.drafts.layer import build_draft
+    from train.distill.head import evaluate
     from train.online.family import HeadFamily, per_record
     from train.gate.compare import gate
 
     head = fresh_head(target)
     fam = HeadFamily(target, train_cfg(max_seq_len=1024), head)
     train, held = recs[:18], recs[18:]
-    before = fam.alpha(head, held)
+    before = evaluate(head, fam.features(held))["alpha_est"]
     start = per_record(head, target, held, 1024)
     engine, loss_fn = _TorchEngine(head), fam.loss_fn()
     losses = [engine.train_batch(fam.batch(train[i:i + 6]), loss_fn) for _ in range(15) for i in (0, 6, 12)]
     trained = fam.rebuild({n: p.detach() for n, p in head.named_parameters()})  # as an export rebuilds it
-    after = fam.alpha(trained, held)
+    after = evaluate(trained, fam.features(held))["alpha_est"]
     assert losses[-1] < losses[0] and after > before + 0.1, (before, after)
     end = per_record(trained, target, held, 1024)
     assert [n for _, n in end] == [n for _, n in start] == [24] * len(held)
@@ -218,8 +219,8 @@ def test_a_few_steps_on_a_fixed_pattern_raise_the_heads_alpha_and_pass_the_paire
 @pytest.mark.usefixtures("one_thread")
 def test_a_head_family_steps_and_scores_in_bfloat16_only_where_bfloat16_is_native(target, recs, monkeypatch):
     """The online head trainer takes its warm start's rule (train/distill/ds_engine.py
-    autocast_dtype): the trainer's DistillEngine gets the family's dtype, and the α estimate and the
-    gate's scores run the head under it too; float32 on a CPU that would emulate bfloat16."""
+    autocast_dtype): the trainer's DistillEngine gets the family's dtype, and the gate's scores
+    (the α estimate's too) run the head under it; float32 on a CPU that would emulate bfloat16."""
     import infra.common.cpu
     from train.online.family import HeadFamily, LayerFamily
 
@@ -231,7 +232,6 @@ def test_a_head_family_steps_and_scores_in_bfloat16_only_where_bfloat16_is_nativ
         fam = HeadFamily(target, train_cfg(max_seq_len=1024), head)
         assert fam.autocast == (torch.bfloat16 if native else None)
         seen.clear()
-        fam.alpha(head, recs[:2])
         fam.score(head, recs[:2])
         assert seen and set(seen) == {dtype}
     assert LayerFamily.autocast is None

@@ -29,14 +29,18 @@ from train.gate.evaluator import gate_records
 from train.gate.pending import Pending
 
 
-# The α estimate in a candidate's manifest is taken on the newest held-out records only: on a
-# head it runs the unrolled head over the full vocabulary at every position, and over the
-# trainer's 200 kept records that cost more than the training it reports on.
-ALPHA_RECORDS = 50
-
-
 def _log(msg: str) -> None:
     print(f"[osd train rank 0] {msg}", flush=True)
+
+
+def _with_alpha(metrics: dict[str, Any], scores: list[tuple[float, int]]) -> dict[str, Any]:
+    """`metrics` with the candidate's α estimate: its mean acceptance lower bound per position
+    over the held-out records the gate scored it on. Taken from the gate's own scores, so the
+    estimate costs no pass of its own (a head's pass is an unrolled head over the vocabulary
+    at every row); for a layer draft it is train/gate/evaluator.py's estimate_alpha on them."""
+    positions = sum(n for _, n in scores)
+    return {**metrics, "alpha_est": sum(s for s, _ in scores) / positions if positions else None,
+            "alpha_est_records": len(scores)}
 
 
 class Exporter:
@@ -59,16 +63,14 @@ class Exporter:
                world_size: int) -> dict[str, Any] | None:
         """A checkpoint's candidate: published now (its export info returned), or held back (None)."""
         draft = self.fam.rebuild(weights)
-        metrics = {"loss": sum(losses) / len(losses) if losses else None,
-                   "alpha_est": self.fam.alpha(draft, held_out[-ALPHA_RECORDS:]),
-                   "alpha_est_records": len(held_out[-ALPHA_RECORDS:]), "held_out_records": len(held_out)}
+        metrics = {"loss": sum(losses) / len(losses) if losses else None, "held_out_records": len(held_out)}
         lineage = {"parent": self.parent_version, "records_consumed": records_total,
                    "records_since_parent": n_records, "world_size": world_size,
                    "zero_stage": self.cfg.train.zero_stage, "family": self.fam.name}
         stable = self._stable_version()
         if not self.sequential or stable is None:
-            metrics["gate"] = self._bootstrap(draft, held_out, trained_prompts, stable)
-            return self._publish(version, draft, metrics, lineage)
+            metrics["gate"], scores = self._bootstrap(draft, held_out, trained_prompts, stable)
+            return self._publish(version, draft, _with_alpha(metrics, scores), lineage)
         if self.pending is not None:
             self.counts["replaced_undecided"] += 1
             _log(f"{self.pending.version} is replaced, undecided after {self.pending.looks} looks, by {version}")
@@ -83,9 +85,9 @@ class Exporter:
         draft, metrics, lineage = p.payload
         stable = self._stable_version()
         if stable is None:  # the stable alias went away: nothing to compare with, as at export
-            metrics["gate"] = self._bootstrap(draft, held_out, trained_prompts, None)
+            metrics["gate"], scores = self._bootstrap(draft, held_out, trained_prompts, None)
             self.pending = None
-            return self._publish(p.version, draft, metrics, lineage)
+            return self._publish(p.version, draft, _with_alpha(metrics, scores), lineage)
         g = self.cfg.train.gate
         first = not p.scores
         pool = gate_records(held_out, g.records, trained_prompts) if first else held_out
@@ -112,7 +114,7 @@ class Exporter:
             return None
         metrics["gate"] = ev
         metrics["seconds_to_evidence"] = time.time() - p.created
-        return self._publish(p.version, draft, metrics, lineage)
+        return self._publish(p.version, draft, _with_alpha(metrics, list(p.scores.values())), lineage)
 
     # -- scoring -------------------------------------------------------------------
 
@@ -139,24 +141,25 @@ class Exporter:
         return scores
 
     def _bootstrap(self, draft: Any, held_out: list, trained_prompts: Container[bytes],
-                   stable: str | None) -> dict[str, Any]:
-        """The one-look bootstrap evidence against `stable` on the newest held-out records."""
+                   stable: str | None) -> tuple[dict[str, Any], list[tuple[float, int]]]:
+        """The one-look bootstrap evidence against `stable` on the newest held-out records, and the
+        candidate's per-record scores on them (scored with no stable too: its α estimate)."""
         from train.gate.compare import gate
 
         g = self.cfg.train.gate
         kw = dict(confidence=g.confidence, resamples=g.resamples, min_records=g.min_records, min_gain=0.0)
         records = gate_records(held_out, g.records, trained_prompts)
+        cand = self.fam.score(draft, records) if records else []
         if stable is None:
-            return gate([], [], [], stable_version=None, **kw)
+            return gate([], [], [], stable_version=None, **kw), cand
         try:
             scores = self._stable_scores(stable, records)
-            cand = self.fam.score(draft, records)
-            return gate([c for c, _ in cand], [scores[r.record_id][0] for r in records], [n for _, n in cand],
-                        stable_version=stable, **kw)
         except (RegistryError, OSError) as e:
             # No evidence means gated: the candidate is still published, for a person to look at.
             return {"passed": False, "stable": None, "records": len(records),
-                    "reason": f"could not score the stable version ({type(e).__name__}: {e})"}
+                    "reason": f"could not score the stable version ({type(e).__name__}: {e})"}, cand
+        return gate([c for c, _ in cand], [scores[r.record_id][0] for r in records], [n for _, n in cand],
+                    stable_version=stable, **kw), cand
 
     # -- publishing ----------------------------------------------------------------
 

@@ -113,11 +113,6 @@ class LayerFamily:
 
         return draft_with_weights(self.target, self.spec, weights)
 
-    def alpha(self, draft: Any, records: list) -> float | None:
-        from train.gate.evaluator import estimate_alpha
-
-        return estimate_alpha(draft, records, self.tc.max_seq_len)
-
     def score(self, draft: Any, records: list) -> list[tuple[float, int]]:
         """The gate's per-record sums for `draft` (of either family) on `records`."""
         return per_record(draft, self.target, records, self.tc.max_seq_len)
@@ -140,14 +135,14 @@ class HeadFamily:
         self.spec, self.d2t = head.spec, head.d2t.detach().cpu().clone()
         self.layers = tuple(head.feature_layers)
         self._kept: OrderedDict[str, tuple] = OrderedDict()  # record id -> its features (FeatureSet fields)
-        # The head's steps, α estimates and gate scores run under bfloat16 autocast where its GEMMs
+        # The head's steps and gate scores run under bfloat16 autocast where its GEMMs
         # are native, as its warm start's steps do: the step is most of the trainer's time.
         self.autocast = autocast_dtype("auto", tc.device)
 
     def features(self, records: list) -> Any:
         """The target's features of `records` as one FeatureSet, each record's computed once while
-        it stays among the FEATURES_KEPT most recently used: replay steps, the α estimate and the
-        gate read the same records many times."""
+        it stays among the FEATURES_KEPT most recently used: replay steps and the gate read the
+        same records many times."""
         from train.distill.head import FeatureSet
 
         todo = [r for r in records if r.record_id not in self._kept]
@@ -187,15 +182,6 @@ class HeadFamily:
         from infra.drafts.head import head_with_weights
 
         return head_with_weights(self.target, self.spec, self.d2t, weights)
-
-    def alpha(self, draft: Any, records: list) -> float | None:
-        from train.distill.head import evaluate
-
-        if not records:
-            return None
-        fs = self.features(records)
-        with autocast_context(self.autocast, self.tc.device):
-            return evaluate(draft, fs)["alpha_est"]
 
     def score(self, draft: Any, records: list) -> list[tuple[float, int]]:
         """The gate's per-record sums for `draft` on `records`; a head on this family's feature
