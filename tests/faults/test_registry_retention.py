@@ -18,10 +18,10 @@ pytestmark = pytest.mark.pure
 def _exporter(cfg, tiny, draft_dir, run_dir):
     """The trainer's exporter, publishing every candidate (the bootstrap gate's way); its family
     saves a copy of draft_dir."""
-    fam = SimpleNamespace(name="layer", rebuild=lambda weights: None, alpha=lambda draft, held: None,
+    fam = SimpleNamespace(name="layer", rebuild=lambda weights: None,
                           save=lambda draft, out, **kw: shutil.copytree(draft_dir, out))
     e = Exporter(cfg, fam, tiny.model, run_dir, "v1")
-    e._bootstrap = lambda *a: {"passed": False, "reason": "not scored here"}
+    e._bootstrap = lambda *a: ({"passed": False, "reason": "not scored here"}, [])  # evidence, scores
     return e
 
 
