@@ -59,3 +59,13 @@ def test_pinned_methods_run_right_after_their_anchor():
     rounds = [seen[4 + 4 * i: 8 + 4 * i] for i in range(4)]  # after the warm-up calls
     assert all(r[r.index("sd") + 1] == "sd_nocapture" for r in rounds)
     assert len({tuple(r) for r in rounds}) > 1  # the others still rotate
+
+
+def test_each_method_prefills_each_prompt_itself_unless_prefix_reuse_is_asked_for(tmp_path):
+    """The methods run each prompt in turn on the same slots: with reuse, the later ones would
+    start from the earlier one's prefill of the same prompt."""
+    off = _bench(tmp_path, "--draft", "truncate:1", "--prompts", "2", "--max-prompt-chars", "200")
+    on = _bench(tmp_path, "--draft", "truncate:1", "--prompts", "2", "--max-prompt-chars", "200", "--prefix-reuse")
+    assert (off["prefix_reuse"], off["cached_prompt_tokens"]) == (False, 0)
+    assert on["prefix_reuse"] and on["cached_prompt_tokens"] > 0
+    assert off["greedy_identical"] and on["greedy_identical"]

@@ -115,8 +115,9 @@ def served(monkeypatch):
 
     calls = []
 
-    def speed(url, prompts, max_tokens):
+    def speed(url, prompts, max_tokens, salt):
         calls.append(prompts)
+        assert salt == "osd-demo-frozen"
         return {"pairs": [pair("a", 1.0, "v1")], "speedup_vs_ar": 1.0}
 
     monkeypatch.setattr(demo, "wait_until_served", lambda url, version, **kw: 0.5)
@@ -253,3 +254,27 @@ def test_trainer_lag_is_read_from_the_ops_summary_in_records_and_seconds_of_traf
     assert lag == {"records": 12, "pending": 3, "requests_per_s": 1.0, "seconds_of_traffic": 12.0, "skipped_stale": 5}
     assert trainer_lag(None, "trainers", 10, 60)["records"] is None  # no summary: said, not guessed
     assert trainer_lag(summary, "trainers", 0, 60)["seconds_of_traffic"] is None
+
+
+def test_the_speed_check_s_modes_and_checks_never_share_a_prefix_cache(monkeypatch):
+    """Each prompt goes out twice (with and without speculation): with one cache_salt the second
+    request would start from the first one's prefill, and a second check from the first's."""
+    from types import SimpleNamespace
+
+    import pipeline.traffic.demo as demo
+
+    sent = []
+
+    def post(url, text, max_tokens, **extra):
+        sent.append((text, extra["osd_speculate"], extra["cache_salt"]))
+        return {"ok": True, "latency_s": 1.0, "tokens": 10, "version": "v1"}
+
+    monkeypatch.setattr(demo, "post_chat", post)
+    prompts = [SimpleNamespace(id=str(i), text=f"p{i}") for i in range(3)]
+    demo.speed_check("http://x", prompts, 8, salt="a")
+    demo.speed_check("http://x", prompts, 8, salt="b")
+    assert len(sent) == 12
+    salts = {(spec, check): {s for t, sp, s in sent[6 * i: 6 * i + 6] if sp == spec}
+             for i, check in enumerate("ab") for spec in (True, False)}
+    assert all(len(v) == 1 for v in salts.values())  # one salt per mode and check
+    assert len(set().union(*salts.values())) == 4  # and no two share one

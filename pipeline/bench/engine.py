@@ -104,7 +104,7 @@ def _top2_gap(runner, prefix: list[int]) -> float:
 
 
 def reference_methods(mcfg: Any, loaded: Any, max_seq_len: int, vs_llamacpp: bool,
-                      vs_float32: bool) -> dict[str, MethodFn]:
+                      vs_float32: bool, prefix_reuse: bool = False) -> dict[str, MethodFn]:
     """Baselines outside the engine under test, timed in the same run: llama.cpp on the GGUF,
     and own AR over the float32 target (the runner before bfloat16 and int4)."""
     from infra.target import load_target
@@ -115,7 +115,8 @@ def reference_methods(mcfg: Any, loaded: Any, max_seq_len: int, vs_llamacpp: boo
         out["llamacpp"] = _llamacpp(loaded, mcfg.target, max_seq_len)
     if vs_float32 and (mcfg.dtype, mcfg.quant) != ("float32", "none"):
         f32 = load_target(mcfg.target, mcfg.for_training(), progress=False)
-        eng = SpecEngine(f32.model, None, f32.tokenizer, EngineOptions(k=0, max_seq_len=max_seq_len, max_concurrency=1))
+        options = EngineOptions(k=0, max_seq_len=max_seq_len, max_concurrency=1, prefix_reuse=prefix_reuse)
+        eng = SpecEngine(f32.model, None, f32.tokenizer, options)
 
         def ar_float32(ids: list[int], n: int):
             r = eng.generate(ids, GenerationParams(max_new_tokens=n))
@@ -196,7 +197,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
               compile: str = "auto", dtype: str | None = None, hf: bool = True, tree: str = "",
               k_sweep: Sequence[int] = (), confidence_sweep: Sequence[float] = (), quant: str | None = None,
               vs_llamacpp: bool = False, k_policy: str | None = None, vs_float32: bool = False,
-              workload: str = "single", vs_torch_head: bool = False,
+              workload: str = "single", vs_torch_head: bool = False, prefix_reuse: bool = False,
               log: Callable[[str], None] = lambda s: print(s, flush=True)) -> dict[str, Any]:
     import torch
 
@@ -234,7 +235,11 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     if not prompts:
         raise ValueError("no prompts selected")
     graphs = "on" if compile == "on" else "off" if compile == "off" else "auto"
-    serve_update = {"k": k, "cuda_graphs": graphs, "tree": tree, **({"k_policy": k_policy} if k_policy else {})}
+    # Off by default: every method runs every prompt on the same slots, so with reuse on, a
+    # method would start from the keys and values the method before it computed for the same
+    # prompt, and only the first to run a prompt would pay its prefill.
+    serve_update = {"k": k, "cuda_graphs": graphs, "tree": tree, "prefix_reuse": prefix_reuse,
+                    **({"k_policy": k_policy} if k_policy else {})}
     options = EngineOptions.from_config(cfg.serve.model_copy(update=serve_update), mcfg)
     engine = SpecEngine(loaded.model, draft, loaded.tokenizer, options)
     eager = chain = None
@@ -258,7 +263,8 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     runners = method_runners(engine, loaded, draft, eager, chain, sweep)
     if not hf:
         runners = {m: fn for m, fn in runners.items() if not m.startswith("hf_")}
-    runners.update(reference_methods(mcfg, loaded, engine.max_seq_len, vs_llamacpp, vs_float32))
+    runners.update(reference_methods(mcfg, loaded, engine.max_seq_len, vs_llamacpp, vs_float32,
+                                     prefix_reuse))
     # The capture-off run shares the speculative engine's draft; one that learns then drafts
     # from the captured run's answer: it runs right after it, as a full repeat, every prompt.
     runs, stats, capture_ratios = time_methods(runners, ids_list, max_new_tokens, log,
@@ -288,6 +294,10 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
         "target": loaded.spec,
         "draft": draft_spec,
         "k": k,
+        "prefix_reuse": prefix_reuse,
+        # Prompt tokens a request took from a slot's cache instead of computing (0 with reuse off).
+        "cached_prompt_tokens": sum(e.scheduler.cached_tokens for e in (engine, eager, chain, *sweep.values())
+                                    if e is not None),
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "device": device,
@@ -741,6 +751,10 @@ def add_arguments(be: argparse.ArgumentParser) -> None:
     be.add_argument("--vs-torch-head", action="store_true",
                     help="also time the same head drafting through PyTorch instead of the native kernels, "
                          "interleaved (a head draft beside an int4 target on the CPU)")
+    be.add_argument("--prefix-reuse", action="store_true",
+                    help="let a request start from a prompt prefix a KV slot holds (serve.prefix_reuse). Off by "
+                         "default: the methods run each prompt in turn on the same slots, so with it on a method "
+                         "starts from the prefill the method before it did, and only the first pays it")
     be.add_argument("--target", help="target spec (default: model.target)")
     be.add_argument("--max-prompt-chars", type=int, default=1000, help="skip longer ShareGPT prompts")
     be.add_argument("--json", metavar="PATH", default="reports/bench/engine.json", help="where to write JSON")
@@ -753,5 +767,5 @@ def run(cfg: OSDConfig, args: argparse.Namespace) -> int:
               compile=args.compile, dtype=args.dtype, hf=not args.no_hf, tree=args.tree or "",
               k_sweep=args.k_sweep, confidence_sweep=args.confidence_sweep, quant=args.quant,
               vs_llamacpp=args.vs_llamacpp, k_policy=args.k_policy, vs_float32=args.vs_float32,
-              workload=args.workload, vs_torch_head=args.vs_torch_head)
+              workload=args.workload, vs_torch_head=args.vs_torch_head, prefix_reuse=args.prefix_reuse)
     return 0

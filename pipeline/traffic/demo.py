@@ -6,7 +6,8 @@
    trainer distills on the live records, the controller canaries each candidate.
 3. Workload: held-out ShareGPT prompts of general domains, then code only (the shift).
 4. Same-server speed check on post-shift prompts: each prompt with speculation and without
-   (`osd_speculate: false`), alternating which goes first; median of per-prompt ratios.
+   (`osd_speculate: false`), alternating which goes first, each mode with its own cache_salt
+   (neither starts from the other's prefill); median of per-prompt ratios.
    Then the frozen check: v1 made stable again for the same prompts (the suffix index as the
    loop left it), so the final draft minus v1, per prompt, is what the loop's training brought.
 5. reports/demo/report.json, a PNG of per-request acceptance over time per version, and ops.html:
@@ -89,14 +90,18 @@ class Workload:
                 f.result()
 
 
-def speed_check(url: str, prompts: list, max_tokens: int) -> dict[str, Any]:
-    """Each prompt with and without speculation, order alternating; tokens/s per request."""
+def speed_check(url: str, prompts: list, max_tokens: int, salt: str = "osd-demo-speed") -> dict[str, Any]:
+    """Each prompt with and without speculation, order alternating; tokens/s per request.
+    Each mode sends its own cache_salt (`salt`-on, `salt`-off; a check of its own takes
+    another `salt`), so the second request of a prompt does not start from the first one's
+    prefill in the server's prefix cache, nor a check from an earlier check's."""
     pairs = []
     for i, p in enumerate(prompts):
         modes = [True, False] if i % 2 == 0 else [False, True]
         got = {}
         for spec in modes:
-            got[spec] = post_chat(url, p.text, max_tokens, osd_speculate=spec, osd_record=False)
+            got[spec] = post_chat(url, p.text, max_tokens, osd_speculate=spec, osd_record=False,
+                                  cache_salt=f"{salt}-{'on' if spec else 'off'}")
         if got[True]["ok"] and got[False]["ok"] and got[True]["tokens"] and got[False]["tokens"]:
             sd = got[True]["tokens"] / got[True]["latency_s"]
             ar = got[False]["tokens"] / got[False]["latency_s"]
@@ -203,7 +208,7 @@ def frozen_check(loop: Any, reg: Any, prompts: list, max_tokens: int, frozen: st
             out["skipped"] = f"the replica did not serve {frozen} within {wait_s:.0f} s of the alias move"
         else:
             _log(f"frozen check: {frozen} serves again after {waited:.1f} s; the same {len(prompts)} prompts")
-            out.update(speed_check(loop.url, prompts, max_tokens), waited_s=waited)
+            out.update(speed_check(loop.url, prompts, max_tokens, salt="osd-demo-frozen"), waited_s=waited)
     finally:
         out.update(restore_stable(reg, frozen, final))
     status = loop.controller_status()
@@ -489,7 +494,7 @@ def run_phases(loop: Any, reg: Any, work: Workload, general: list, code: list, s
     # the checks (their requests leave no records, so a canary in flight waits, undecided).
     loop.stop_trainer()
     _log(f"speed check: {len(speed_set)} post-shift code prompts, speculative vs autoregressive, same server")
-    speed = dict(speed_check(loop.url, speed_set, work.max_tokens), max_tokens=work.max_tokens)
+    speed = dict(speed_check(loop.url, speed_set, work.max_tokens, salt="osd-demo-final"), max_tokens=work.max_tokens)
     time.sleep(2 * loop.cfg.rollout.poll_s)
     controller = loop.controller_status()  # the loop's outcome, before the frozen check moves stable
     frozen = frozen_check(loop, reg, speed_set, work.max_tokens, start_stable)
