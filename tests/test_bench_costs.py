@@ -116,6 +116,45 @@ def test_engine_bench_vs_llamacpp_needs_the_gguf_target_and_the_package(tmp_path
         llamacpp_method(tmp_path / "x.gguf", 2, 64, None)
 
 
+class _FakeLlama:
+    """llama_cpp.Llama's generate as the bench uses it: it starts from the longest prefix of the
+    prompt its context holds (as llama-cpp-python does, reset=True or not) unless reset() emptied it."""
+
+    def __init__(self, **kw):
+        self.held: list[int] = []
+        self.evaluated: list[int] = []  # prompt tokens each call computed
+
+    def token_eos(self):
+        return 0
+
+    def reset(self):
+        self.held = []
+
+    def generate(self, ids, **kw):
+        same = [a == b for a, b in zip(self.held, ids[:-1])]
+        keep = same.index(False) if False in same else len(same)
+        self.evaluated.append(len(ids) - keep)
+        self.held = list(ids)
+        while True:
+            yield 7
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_the_llamacpp_method_prefills_each_prompt_unless_prefix_reuse_is_asked_for(tmp_path, monkeypatch, reuse):
+    from types import SimpleNamespace
+
+    from pipeline.bench.llamacpp import llamacpp_method
+
+    made = []
+    fake = SimpleNamespace(Llama=lambda **kw: made.append(_FakeLlama(**kw)) or made[-1])
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    run = llamacpp_method(tmp_path / "x.gguf", 2, 64, None, prefix_reuse=reuse)
+    prompt = [1, 2, 3, 4, 5]
+    assert run(prompt, 3)[0] == [7, 7, 7]
+    run(prompt, 3)  # the same prompt again, as the next method of a prompt's round would send it
+    assert made[0].evaluated == ([5, 1] if reuse else [5, 5])
+
+
 def test_engine_bench_refuses_int4_outside_bfloat16_with_a_clear_error(tmp_path, capsys):
     rc = main(["bench", "engine", "--target", "tiny-random", "--draft", "truncate:1", "--prompts-file",
                _prompts(tmp_path), "--quant", "int4", "--dtype", "float32", "--no-hf"])

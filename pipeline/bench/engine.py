@@ -112,7 +112,7 @@ def reference_methods(mcfg: Any, loaded: Any, max_seq_len: int, vs_llamacpp: boo
 
     out: dict[str, MethodFn] = {}
     if vs_llamacpp:
-        out["llamacpp"] = _llamacpp(loaded, mcfg.target, max_seq_len)
+        out["llamacpp"] = _llamacpp(loaded, mcfg.target, max_seq_len, prefix_reuse)
     if vs_float32 and (mcfg.dtype, mcfg.quant) != ("float32", "none"):
         f32 = load_target(mcfg.target, mcfg.for_training(), progress=False)
         options = EngineOptions(k=0, max_seq_len=max_seq_len, max_concurrency=1, prefix_reuse=prefix_reuse)
@@ -147,7 +147,7 @@ def float32_agreement(runs: dict[str, MethodRun]) -> dict[str, Any] | None:
     return {"equal": sum(d is None for d in diffs), "prompts": len(diffs), "first_diff": diffs}
 
 
-def _llamacpp(loaded: Any, spec: str, n_ctx: int):
+def _llamacpp(loaded: Any, spec: str, n_ctx: int, prefix_reuse: bool):
     import torch
 
     from infra.target import SMOLLM2, smollm2_gguf_path
@@ -155,7 +155,8 @@ def _llamacpp(loaded: Any, spec: str, n_ctx: int):
 
     if spec != SMOLLM2:
         raise ValueError(f"--vs-llamacpp runs the GGUF the target {SMOLLM2} comes from; the target here is {spec!r}")
-    return llamacpp_method(smollm2_gguf_path(), torch.get_num_threads(), n_ctx, loaded.tokenizer.eos_token_id)
+    return llamacpp_method(smollm2_gguf_path(), torch.get_num_threads(), n_ctx, loaded.tokenizer.eos_token_id,
+                           prefix_reuse)
 
 
 def second_turn_prompts(cfg: OSDConfig, n: int, max_chars: int) -> list[Prompt]:

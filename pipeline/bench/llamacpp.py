@@ -16,9 +16,12 @@ INSTALL_HINT = ("osd bench engine --vs-llamacpp needs llama-cpp-python, an optio
                 "CMAKE_ARGS=-DGGML_NATIVE=ON .venv/bin/pip install -e '.[bench]' (llama-cpp-python; it compiles llama.cpp)")
 
 
-def llamacpp_method(gguf: Path, threads: int, n_ctx: int, eos: int | None
+def llamacpp_method(gguf: Path, threads: int, n_ctx: int, eos: int | None, prefix_reuse: bool = False
                     ) -> Callable[[list[int], int], tuple[list[int], None, None]]:
-    """A bench method over `gguf`: (prompt ids, budget) -> (output ids, None, None)."""
+    """A bench method over `gguf`: (prompt ids, budget) -> (output ids, None, None).
+    `Llama.generate` starts from the longest prefix its context holds from the call before
+    (the chat template's system turn, or a whole prompt run twice); without `prefix_reuse`
+    the context is emptied first, so each call prefills its prompt, as the engine's methods do."""
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -29,6 +32,8 @@ def llamacpp_method(gguf: Path, threads: int, n_ctx: int, eos: int | None
 
     def run(ids: list[int], max_new: int) -> tuple[list[int], None, None]:
         out: list[int] = []
+        if not prefix_reuse:
+            llm.reset()
         for tok in llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
             out.append(int(tok))
             if tok in stop or len(out) >= max_new:
