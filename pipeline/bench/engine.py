@@ -296,7 +296,8 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
         "draft": draft_spec,
         "k": k,
         "prefix_reuse": prefix_reuse,
-        # Prompt tokens a request took from a slot's cache instead of computing (0 with reuse off).
+        # Prompt tokens a request of the engines under test (not the float32 reference's) took from
+        # a slot's cache instead of computing them: 0 with reuse off.
         "cached_prompt_tokens": sum(e.scheduler.cached_tokens for e in (engine, eager, chain, *sweep.values())
                                     if e is not None),
         "prompts": len(prompts),

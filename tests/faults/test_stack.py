@@ -298,7 +298,8 @@ def test_replica_killed_with_records_queued_loses_none(loop, tiny):
     # The ingress keeps the killed replica's last counters (they still count); the living drain.
     living = lambda: [r for r in replica_stats(loop.url) if r["replica"] != victim]  # noqa: E731
     wait_for(lambda: not sum(r["queued"] for r in living()), 60, "the queues to drain")
-    reps = living()
+    last = replica_stats(loop.url)  # the living replicas' counters, and the killed one's last
+    reps = [r for r in last if r["replica"] != victim]
     in_stream = _stream_ids(loop)
     lost = set(ids) - set(in_stream)
     # A drop the living replicas counted in this scenario (a writer starved past its socket
@@ -311,7 +312,7 @@ def test_replica_killed_with_records_queued_loses_none(loop, tiny):
     # (marker and all) when Redis resumes. When that batch held every spooled frame, the replay
     # finds nothing above the marker, so `replayed` may be 0 without anything lost. A frame it
     # had dropped (counted, as the ingress last saw it) stays in its file until the file drains.
-    dead = next((r for r in replica_stats(loop.url) if r["replica"] == victim), None)
+    dead = next((r for r in last if r["replica"] == victim), None)
     dead_drops = dead["records_dropped"] - drops0.get(victim, 0) if dead else 0
     missing = set(held) - set(in_stream)
     assert len(missing) <= dead_drops, f"{len(missing)} of {len(held)} spooled records lost ({dead_drops} drops counted)"
