@@ -536,6 +536,10 @@ class TrainConfig(_Section):
     # the demo) see few new records per candidate; replaying them is what the warm start's
     # epochs do offline.
     replay_steps: int = Field(0, ge=0)
+    # The rows an online head step's loss counts (train/distill/head.py head_loss_fn): "outputs",
+    # a record's answer alone, the tokens serving drafts and the gate scores; "all", its prompt
+    # rows too (most of a served record's rows). The warm start trains on every row.
+    head_loss_rows: Literal["outputs", "all"] = "outputs"
     # Publish a candidate every this many records or seconds, whichever comes first.
     export_every_records: int = Field(2000, ge=1)
     export_every_s: float = Field(600.0, gt=0)  # or after this many seconds, whichever comes first

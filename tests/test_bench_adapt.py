@@ -23,3 +23,27 @@ def test_each_variant_changes_only_its_own_setting():
 def test_an_unknown_variant_is_refused_before_any_work():
     with pytest.raises(ValueError, match="unknown variant"):
         variant_config(load_config(), "bigger_lr")
+
+
+def test_each_head_variant_changes_only_its_own_setting():
+    from pipeline.bench.adapt_head import HEAD_VARIANTS, head_variant_config
+
+    cfg = load_config()
+    assert head_variant_config(cfg, "base").train == cfg.train
+    assert cfg.train.head_loss_rows == "outputs"
+    assert head_variant_config(cfg, "all_rows").train == cfg.train.model_copy(update={"head_loss_rows": "all"})
+    assert head_variant_config(cfg, "low_lr").train == cfg.train.model_copy(update={"lr": cfg.train.lr / 3})
+    assert head_variant_config(cfg, "high_lr").train == cfg.train.model_copy(update={"lr": cfg.train.lr * 3})
+    more = head_variant_config(cfg.model_copy(update={"train": cfg.train.model_copy(update={"replay_steps": 3})}),
+                               "more_replay")
+    assert more.train.replay_steps == 6 and more.train.lr == cfg.train.lr
+    assert set(HEAD_VARIANTS) == {"base", "all_rows", "low_lr", "high_lr", "more_replay"}
+
+
+def test_a_variant_of_the_other_family_is_a_users_error(capsys):
+    """`osd bench adapt --variants anchor` (a layer variant; the head is the default family) exits 2
+    with the head's variants named, before loading anything."""
+    from pipeline.cli import main
+
+    assert main(["bench", "adapt", "--variants", "anchor", "--json", ""]) == 2
+    assert "unknown head variant 'anchor'" in capsys.readouterr().err

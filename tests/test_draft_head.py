@@ -394,3 +394,59 @@ def test_each_steps_drafts_are_the_unroll_of_the_committed_sequence(monkeypatch)
         n = len(committed)
         got = [int(head.d2t[unrolled[j][0, n - 2 + j].argmax()]) for j in range(len(drafts))]
         assert got == drafts, (n, drafts, got)
+
+
+def _loss_and_grads(head, fn, batch):
+    head.zero_grad()
+    loss = fn(head, batch)
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+
+
+def test_the_outputs_loss_is_the_full_unrolls_loss_on_the_rows_from_each_start(target, head):
+    """rows="outputs" (the online trainer's) runs the LM head on the counted rows alone, from the
+    batch's first chain start: its loss and gradients equal the full unroll's soft cross-entropy
+    masked to rows t >= start (and t >= j-1 at depth j), computed here directly."""
+    from train.distill.head import collate, compute_features, head_loss_fn
+
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 259, (n,), generator=g).tolist() for n in (30, 22, 41)]
+    fs = compute_features(target, seqs, LAYERS, starts=[9, 14, 6])  # starts 7, 12, 4: first = 2
+    batch = collate(fs, range(3))
+    w = target.lm_head.weight.detach()
+
+    def reference(model, b):
+        p = torch.softmax((b.final @ w[model.d2t].T).float(), -1)
+        in_vocab = model.t2d()[b.target_argmax.clamp(min=0)] & b.valid
+        t = torch.arange(b.valid.shape[1])
+        total = torch.zeros(())
+        for j, logits in enumerate(model.unroll(b.feats, b.next_ids, 3), start=1):
+            m = (in_vocab & (t >= j - 1) & (t.view(1, -1) >= b.start.view(-1, 1))).float()
+            ce = -(p * F.log_softmax(logits, -1)).sum(-1)
+            total = total + 0.8 ** (j - 1) * (ce * m).sum() / m.sum()
+        return total
+
+    got, got_g = _loss_and_grads(head, head_loss_fn(w, rows="outputs"), batch)
+    want, want_g = _loss_and_grads(head, reference, batch)
+    assert got == pytest.approx(want, rel=1e-5)
+    assert got_g.keys() == want_g.keys()
+    for n in want_g:
+        assert torch.allclose(got_g[n], want_g[n], atol=1e-6, rtol=1e-4), n
+    every, _ = _loss_and_grads(head, head_loss_fn(w, rows="all"), batch)
+    assert every != pytest.approx(got, rel=1e-3)  # the prompt rows do count there
+
+
+def test_the_outputs_loss_of_a_null_batch_is_zero_and_attached(target, head):
+    from train.distill.head import head_loss_fn, null_head_batch
+
+    h = target.config.hidden_size
+    loss = head_loss_fn(target.lm_head.weight.detach(), rows="outputs")(head, null_head_batch(len(LAYERS) * h, h))
+    assert float(loss.detach()) == 0.0 and loss.requires_grad
+    loss.backward()
+
+
+def test_an_unknown_loss_row_choice_is_refused(target):
+    from train.distill.head import head_loss_fn
+
+    with pytest.raises(ValueError, match="rows must be"):
+        head_loss_fn(target.lm_head.weight.detach(), rows="prompt")

@@ -132,9 +132,16 @@ class HeadDraft(nn.Module):
         """Output state [.., h] -> draft-vocab logits [.., V_d] fp32."""
         return self.lm_head(self._rms(o, self.norm)).float()
 
-    def forward(self, feats: torch.Tensor, next_ids: torch.Tensor, depth: int = 1) -> list[torch.Tensor]:
-        """The training unroll; a forward so DeepSpeed's hooks (ZeRO-3 gathers) see the call."""
-        return self.unroll(feats, next_ids, depth)
+    def forward(self, feats: torch.Tensor, next_ids: torch.Tensor, depth: int = 1, first: int = 0,
+                rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """The training unroll; a forward so DeepSpeed's hooks (ZeRO-3 gathers) see the call.
+        Default: unroll's logits [B, T, V_d] per depth. With `rows` (bool [B, T - first]): the
+        logits [N, V_d] of those rows alone, each depth's states from row `first` on, so the LM
+        head (most of a row's arithmetic at a draft vocab of thousands) runs on the rows a loss
+        counts (unroll_states: a chain starting before `first` is garbage)."""
+        if rows is None:
+            return self.unroll(feats, next_ids, depth)
+        return [self.logits(o[rows]) for o in self.unroll_states(feats, next_ids, depth, first)]
 
     def unroll(self, feats: torch.Tensor, next_ids: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """Training-time test: logits [B, T, V_d] at draft depths 1..depth (unroll_states' states

@@ -1,5 +1,6 @@
-"""`osd bench adapt`: what keeps the first candidates after a domain shift from scoring below
-their parent (issue 17, part 4).
+"""`osd bench adapt --family layer`: what keeps the first candidates after a domain shift from
+scoring below their parent (issue 17, part 4). The head, the draft the loop trains by default
+(`--family head`, the default), has its own module: pipeline/bench/adapt_head.py.
 
 The online trainer's situation after the demo's shift, replayed offline and without Ray: the
 warm-start draft v1 (trained on general ShareGPT) meets a stream of code records, a few at a
@@ -35,6 +36,7 @@ from typing import Any, Sequence
 from tabulate import tabulate
 
 from infra.config import OSDConfig
+from pipeline.bench.adapt_head import HEAD_VARIANTS, VariantError
 
 VARIANTS = ("base", "low_lr", "warm_replay", "anchor")
 
@@ -64,7 +66,7 @@ def variant_config(cfg: OSDConfig, name: str) -> Variant:
     if name == "anchor":
         return Variant(cfg, anchor_kl=0.5)
     if name != "base":
-        raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}")
+        raise VariantError(f"unknown variant {name!r} for the layer draft; known: {', '.join(VARIANTS)}")
     return Variant(cfg)
 
 
@@ -142,8 +144,10 @@ def run_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets: dict
 
 def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48,
                     checkpoints: Sequence[int] = (18, 48, 96), arrive: int = 2,
-                    variants: Sequence[str] = VARIANTS, seed: int = 0,
+                    variants: Sequence[str] = VARIANTS, seed: int = 0, family: str = "layer",
                     json_path: str | Path | None = "reports/bench/adapt.json") -> dict[str, Any]:
+    """The bench for the layer draft (this module) or the head (pipeline/bench/adapt_head.py),
+    on the demo's online training settings; prints the table and writes `json_path`."""
     from infra.drafts.layer import load_draft
     from infra.drafts.spec import warm_start_path
     from infra.redis.server import free_port
@@ -159,6 +163,13 @@ def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48
     cfg = cfg.model_copy(update={"train": online})
     if any(c % arrive for c in checkpoints):
         raise ValueError(f"checkpoints {list(checkpoints)} must be multiples of --arrive {arrive}")
+    if family == "head":
+        from pipeline.bench.adapt_head import run_head_adapt
+
+        out = run_head_adapt(cfg, records=records, eval_prompts=eval_prompts, checkpoints=checkpoints,
+                             arrive=arrive, variants=variants, seed=seed)
+        out.update(checkpoints=list(checkpoints), arrive=arrive, lr=cfg.train.lr, replay_steps=cfg.train.replay_steps)
+        return _finish(out, json_path)
     for v in variants:
         variant_config(cfg, v)  # unknown names fail before any work
     loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=True)
@@ -174,9 +185,14 @@ def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48
     rows = []
     for v in variants:
         rows += run_variant(cfg, v, loaded, v1_dir, sets, parent_scores, checkpoints, arrive, seed)
-    out = {"v1_alpha": v1_alpha, "rows": rows, "records": len(sets["stream"]), "checkpoints": list(checkpoints),
-           "arrive": arrive, "lr": cfg.train.lr, "replay_steps": cfg.train.replay_steps,
-           "warmup_steps": WARMUP_STEPS, "eval_records": {k: len(sets[k]) for k in parent_scores}}
+    out = {"family": "layer", "v1_alpha": v1_alpha, "rows": rows, "records": len(sets["stream"]),
+           "checkpoints": list(checkpoints), "arrive": arrive, "lr": cfg.train.lr,
+           "replay_steps": cfg.train.replay_steps, "warmup_steps": WARMUP_STEPS,
+           "eval_records": {k: len(sets[k]) for k in parent_scores}}
+    return _finish(out, json_path)
+
+
+def _finish(out: dict[str, Any], json_path: str | Path | None) -> dict[str, Any]:
     _print(out)
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
@@ -189,15 +205,17 @@ def _print(out: dict[str, Any]) -> None:
     def cell(x: dict[str, float]) -> str:
         return f"{x['diff']:+.4f} [{x['lower']:+.4f}, {x['upper']:+.4f}]"
 
-    rows = [[r["variant"], r["records"], cell(r["held_code"]), cell(r["held_general"])] for r in out["rows"]]
-    print("\n" + tabulate(rows, headers=["variant", "records", "code - v1 [95% interval]", "general - v1"],
-                         disable_numparse=True, colalign=("left", "right", "right", "right")))
+    rows = [[r["variant"], r["records"], cell(r["held_code"]), cell(r["held_general"]),
+             f"{r['ms_per_step']:.0f}" if "ms_per_step" in r else "-"] for r in out["rows"]]
+    print("\n" + tabulate(rows, headers=["variant", "records", "code - v1 [95% interval]", "general - v1",
+                                         "ms a step"],
+                         disable_numparse=True, colalign=("left", "right", "right", "right", "right")))
 
 
 # -- the command line: `osd bench adapt` -------------------------------------------------------
 
-HELP = "after a shift to code: candidates vs v1 (paired) per training variant"
-ERRORS: tuple[type[Exception], ...] = ()
+HELP = "after a shift to code: candidates vs v1 (paired) per training variant, head or layer draft"
+ERRORS: tuple[type[Exception], ...] = (VariantError,)
 
 
 def add_arguments(ba: argparse.ArgumentParser) -> None:
@@ -205,12 +223,16 @@ def add_arguments(ba: argparse.ArgumentParser) -> None:
     ba.add_argument("--eval-prompts", type=int, default=48, help="held-out code prompts scored (default 48)")
     ba.add_argument("--checkpoints", type=int, nargs="+", default=[18, 48, 96], help="score after these many records")
     ba.add_argument("--arrive", type=int, default=2, help="records per new-data step (default 2, demo traffic)")
-    ba.add_argument("--variants", nargs="+", default=["base", "low_lr", "warm_replay", "anchor"],
-                    choices=["base", "low_lr", "warm_replay", "anchor"])
+    ba.add_argument("--family", choices=["head", "layer"], default="head",
+                    help="the draft the loop trains: head (default, the demo's), or layer")
+    ba.add_argument("--variants", nargs="+", default=None, choices=sorted(set(VARIANTS) | set(HEAD_VARIANTS)),
+                    help=f"default: every one of the family's (head: {', '.join(HEAD_VARIANTS)}; layer: "
+                         f"{', '.join(VARIANTS)})")
     ba.add_argument("--json", default="reports/bench/adapt.json", metavar="PATH")
 
 
 def run(cfg: OSDConfig, args: argparse.Namespace) -> int:
+    variants = args.variants or (HEAD_VARIANTS if args.family == "head" else VARIANTS)
     run_adapt_bench(cfg, records=args.records, eval_prompts=args.eval_prompts, checkpoints=tuple(args.checkpoints),
-                    arrive=args.arrive, variants=tuple(args.variants), json_path=args.json)
+                    arrive=args.arrive, variants=tuple(variants), family=args.family, json_path=args.json)
     return 0

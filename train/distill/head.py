@@ -143,21 +143,30 @@ def null_head_batch(feat_dim: int, hidden: int) -> HeadBatch:
                      n_tokens=0, n_records=0)
 
 
-def head_loss_fn(w_target: torch.Tensor, depth: int = DEPTH, decay: float = DECAY):
+def head_loss_fn(w_target: torch.Tensor, depth: int = DEPTH, decay: float = DECAY, rows: str = "all"):
     """loss_fn(model, batch) for DistillEngine.train_batch: soft cross-entropy of each depth's
     draft logits against the target over the draft vocab, depth j weighted decay^(j-1).
     w_target: the target's LM head [V, h] (frozen). A batch with no records or no in-vocab row
-    gives exactly 0, still attached to the graph (every rank of a step must call backward)."""
+    gives exactly 0, still attached to the graph (every rank of a step must call backward).
+    rows: "all", every row of the sequence (prompt rows included: the warm start's teacher
+    records and ShareGPT text); "outputs", the rows from each sequence's `start` on, the rows
+    whose token serving drafts and the gate scores (an online record's prompt is most of its
+    rows, and text the head is never asked to draft)."""
+    if rows not in ("all", "outputs"):
+        raise ValueError(f"rows must be 'all' or 'outputs', got {rows!r}")
 
     def fn(model: torch.nn.Module, batch: HeadBatch) -> torch.Tensor:
         inner = model.module if hasattr(model, "module") else model
         d2t = inner.d2t
         with torch.no_grad():
+            in_vocab = inner.t2d()[batch.target_argmax.clamp(min=0)] & batch.valid
+        if rows == "outputs":
+            return _outputs_loss(model, batch, w_target[d2t], in_vocab, depth, decay)
+        with torch.no_grad():
             # float32 targets: under bfloat16 autocast the product is bfloat16, and a bfloat16 p
             # both rounds the targets and makes every product with the float32 log-probabilities
             # (forward and backward) take PyTorch's mixed-dtype path, several times slower.
             p = torch.softmax((batch.final @ w_target[d2t].T).float(), dim=-1)  # [B, T, V_d]
-            in_vocab = inner.t2d()[batch.target_argmax.clamp(min=0)] & batch.valid
         outs = model(batch.feats, batch.next_ids, depth)
         t = torch.arange(batch.valid.shape[1], device=batch.valid.device)
         total = outs[0].new_zeros(())
@@ -170,6 +179,28 @@ def head_loss_fn(w_target: torch.Tensor, depth: int = DEPTH, decay: float = DECA
         return total
 
     return fn
+
+
+def _outputs_loss(model: torch.nn.Module, batch: HeadBatch, w_d: torch.Tensor, in_vocab: torch.Tensor,
+                  depth: int, decay: float) -> torch.Tensor:
+    """head_loss_fn's loss on the rows from each sequence's start: the unroll from the batch's
+    first chain start that reaches them, the LM head and the targets on the counted rows alone
+    (the same rows at every depth; depth j drops rows t < j-1, which no chain reaches)."""
+    first = max(int(batch.start.min()) - (depth - 1), 0) if batch.start.numel() else 0
+    t = torch.arange(first, batch.valid.shape[1], device=batch.valid.device)
+    counted = in_vocab[:, first:] & (t.view(1, -1) >= batch.start.view(-1, 1))
+    if batch.n_records == 0:
+        counted = torch.zeros_like(counted)
+    with torch.no_grad():
+        p = torch.softmax((batch.final[:, first:][counted] @ w_d.T).float(), dim=-1)  # [N, V_d], float32 as above
+    outs = model(batch.feats, batch.next_ids, depth, first, counted)
+    at = t.view(1, -1).expand_as(counted)[counted]  # [N] each counted row's index
+    total = outs[0].new_zeros(()) + outs[0].sum() * 0  # attached to the graph with no counted row
+    for j, logits in enumerate(outs, start=1):
+        m = (at >= j - 1).float()
+        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)
+        total = total + decay ** (j - 1) * (ce * m).sum() / m.sum().clamp(min=1)
+    return total
 
 
 @torch.no_grad()

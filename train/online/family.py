@@ -176,7 +176,7 @@ class HeadFamily:
     def loss_fn(self) -> Callable:
         from train.distill.head import head_loss_fn
 
-        return head_loss_fn(self.target.lm_head.weight.detach())
+        return head_loss_fn(self.target.lm_head.weight.detach(), rows=self.tc.head_loss_rows)
 
     def rebuild(self, weights: dict[str, torch.Tensor]) -> Any:
         from infra.drafts.head import head_with_weights
