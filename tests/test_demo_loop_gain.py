@@ -206,6 +206,55 @@ def test_the_summary_prints_time_to_adapt_and_the_contribution_with_its_interval
     assert "no promotion after the shift" in out and "skipped, stable is still v1" in out
 
 
+class RolloutLoop:
+    """A loop whose rollout can be stopped; records the order of its calls with the registry's."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def stop_rollout(self):
+        self.log.append("stop_rollout")
+
+
+class CanaryRegistry:
+    def __init__(self, canary, log):
+        self.canary, self.log = canary, log
+
+    def alias(self, name):
+        assert name == "canary"
+        return self.canary
+
+    def clear_canary(self, *, expect):
+        self.log.append(("clear_canary", expect))
+        self.canary = None
+
+
+def test_the_rollout_stops_before_an_undecided_canary_is_withdrawn():
+    """When traffic ends the controller stops first (it cannot start the canary again), then the
+    canary it left undecided is cleared, only if the alias still names it."""
+    from pipeline.traffic.demo import end_rollout
+
+    log = []
+    reg = CanaryRegistry({"version": "demo-v0014", "weight": 0.5}, log)
+    assert end_rollout(RolloutLoop(log), reg) == "demo-v0014"
+    assert log == ["stop_rollout", ("clear_canary", "demo-v0014")] and reg.canary is None
+    log.clear()
+    assert end_rollout(RolloutLoop(log), CanaryRegistry(None, log)) is None
+    assert log == ["stop_rollout"]
+
+
+def test_the_report_names_the_canary_withdrawn_at_the_end(capsys):
+    from pipeline.traffic.demo import PhaseRun, _print_loop_gain, build_report
+
+    run = PhaseRun(t0=1.0, shift=4.0, speed={"speedup_vs_ar": None, "pairs": []}, samples=[], records=[],
+                   controller={"decisions": [], "aliases": {"stable": {"version": "v1"}}},
+                   withdrawn_canary="demo-v0014")
+    r = build_report(run, [], [], {"records": 0, "positions": 0, "versions": []}, general_s=1, code_s=1)
+    assert r["canary_withdrawn_at_end"] == "demo-v0014"
+    _print_loop_gain(r)
+    assert "canary demo-v0014 was undecided when traffic ended: withdrawn" in capsys.readouterr().out
+
+
 def test_a_report_without_a_frozen_check_says_so():
     from pipeline.traffic.demo import PhaseRun, build_report
 

@@ -265,10 +265,13 @@ class CanaryController:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop ticking; status and samples stay readable. A second call does nothing more."""
+        stopped = self._stop.is_set()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        self.consumer.close()
+        if not stopped:
+            self.consumer.close()
 
     def status(self) -> dict[str, Any]:
         return {"aliases": self.registry.aliases(), "decisions": list(self.decisions),

@@ -184,6 +184,13 @@ class ClosedLoop:
         if self._trainer_thread is not None:
             self._trainer_thread.join(timeout=60)
 
+    def stop_rollout(self) -> None:
+        """Stop the rollout controller's decisions (serving goes on; its status stays readable)."""
+        import ray
+
+        if self.controller is not None:
+            ray.get(self.controller.stop.remote(), timeout=30)
+
     def controller_status(self) -> dict[str, Any]:
         import ray
 

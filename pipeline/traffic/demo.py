@@ -180,10 +180,10 @@ def wait_until_served(url: str, version: str, *, timeout_s: float, poll_s: float
 
 def frozen_check(loop: Any, reg: Any, prompts: list, max_tokens: int, frozen: str | None, *,
                  wait_s: float = 60.0) -> dict[str, Any]:
-    """The speed check again with v1 stable, then the loop's stable put back. The loop keeps
-    running: the check's requests leave no records, but a canary that is live still takes its
-    share, so the canary and any decision taken meanwhile are reported. A registry that refuses
-    the move costs this check only, never the report."""
+    """The speed check again with v1 stable, then the loop's stable put back. The demo stops the
+    rollout first (end_rollout); a canary or a decision that a running controller made during
+    the check is still reported. A registry that refuses the move costs this check only, never
+    the report."""
     from infra.registry import RegistryError
 
     before = reg.aliases()
@@ -469,6 +469,7 @@ class PhaseRun:
     start_stable: str | None = None  # the stable before phase 1: the warm start v1
     frozen: dict[str, Any] | None = None  # frozen_check's result: the speed check with v1 stable again
     trainer_lag: dict[str, Any] | None = None  # trainer_lag() when traffic ended
+    withdrawn_canary: str | None = None  # end_rollout's: the canary left undecided when traffic ended
 
 
 def run_phases(loop: Any, reg: Any, work: Workload, general: list, code: list, speed_set: list, *,
@@ -490,16 +491,34 @@ def run_phases(loop: Any, reg: Any, work: Workload, general: list, code: list, s
     lag = trainer_lag(_summary(loop.url), loop.cfg.stream.group,
                       sum(r["phase"] == "code" for r in work.results), code_s)
     _log(f"traffic ended; the trainer's lag: {lag}")
-    # What the loop learned by the end of traffic is what is measured: no candidate appears during
-    # the checks (their requests leave no records, so a canary in flight waits, undecided).
+    # What the loop learned by the end of traffic is what is measured: no candidate appears
+    # during the checks, and no decision is taken (their requests leave no records).
     loop.stop_trainer()
+    time.sleep(2 * loop.cfg.rollout.poll_s)  # the controller reads the traffic's last requests
+    withdrawn = end_rollout(loop, reg)
+    if withdrawn:
+        time.sleep(2 * loop.cfg.serve.alias_poll_s)  # the replica re-reads the aliases on its own clock
     _log(f"speed check: {len(speed_set)} post-shift code prompts, speculative vs autoregressive, same server")
     speed = dict(speed_check(loop.url, speed_set, work.max_tokens, salt="osd-demo-final"), max_tokens=work.max_tokens)
-    time.sleep(2 * loop.cfg.rollout.poll_s)
     controller = loop.controller_status()  # the loop's outcome, before the frozen check moves stable
     frozen = frozen_check(loop, reg, speed_set, work.max_tokens, start_stable)
     return PhaseRun(t0, shift, speed, controller, loop.samples(), stream_records(loop.cfg), start_stable, frozen,
-                    lag)
+                    lag, withdrawn)
+
+
+def end_rollout(loop: Any, reg: Any) -> str | None:
+    """Stop the rollout once traffic has ended, and withdraw a canary it left undecided (the
+    version returned, else None). With no more traffic no canary can be decided, and a live one
+    serves its share of both speed checks, whose pairs the loop's contribution leaves out: one
+    run kept 2 prompts of 12 that way. The canary's version stays in the registry."""
+    loop.stop_rollout()
+    canary = reg.alias("canary")
+    if not canary:
+        return None
+    reg.clear_canary(expect=canary["version"])
+    _log(f"traffic ended with canary {canary['version']} undecided: withdrawn, so the speed checks measure "
+         f"stable alone")
+    return canary["version"]
 
 
 def _summary(url: str) -> dict[str, Any] | None:
@@ -555,6 +574,7 @@ def build_report(run: PhaseRun, results: list[dict[str, Any]], versions: list[di
         "loop_contribution": loop_contribution(run.speed, frozen),
         "decisions": [{k: d.get(k) for k in ("time", "action", "version", "reason", "weight")} for d in decisions],
         "final_aliases": run.controller["aliases"],
+        "canary_withdrawn_at_end": run.withdrawn_canary,
         "phases": {"general_s": general_s, "code_s": code_s, "shift_time": run.shift, "start_time": run.t0,
                    "requests_general": sum(r["phase"] == "general" for r in results),
                    "requests_code": sum(r["phase"] == "code" for r in results)},
@@ -587,6 +607,8 @@ def _print_loop_gain(r: dict[str, Any]) -> None:
         secs = lag.get("seconds_of_traffic")
         print(f"trainer lag when traffic ended: {lag['records']} records ({_num(secs, '.0f')} s of traffic), "
               f"{lag['skipped_stale']} skipped as stale")
+    if r.get("canary_withdrawn_at_end"):
+        print(f"canary {r['canary_withdrawn_at_end']} was undecided when traffic ended: withdrawn before the speed checks")
     fz, lc = r["speed_check_frozen"], r["loop_contribution"]
     if fz.get("skipped"):
         print(f"frozen check (v1 stable again): skipped, {fz['skipped']}")
