@@ -15,7 +15,7 @@ from pipeline.cli.bench import BENCHES
 pytestmark = pytest.mark.pure
 
 ROOT = Path(__file__).resolve().parents[1]
-HELPERS = {"llamacpp"}  # timed beside engine and forward, not a bench of its own
+HELPERS = {"llamacpp", "adapt_head"}  # timed beside engine and forward; the head family of `osd bench adapt`
 
 
 def test_every_bench_module_is_listed_and_owns_its_command_line():
