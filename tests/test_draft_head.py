@@ -403,10 +403,12 @@ def _loss_and_grads(head, fn, batch):
     return float(loss.detach()), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
 
 
-def test_the_outputs_loss_is_the_full_unrolls_loss_on_the_rows_from_each_start(target, head):
-    """rows="outputs" (the online trainer's) runs the LM head on the counted rows alone, from the
-    batch's first chain start: its loss and gradients equal the full unroll's soft cross-entropy
-    masked to rows t >= start (and t >= j-1 at depth j), computed here directly."""
+@pytest.mark.parametrize("rows", ["outputs", "all"])
+def test_the_loss_is_the_full_unrolls_loss_on_the_rows_it_counts(target, head, rows):
+    """The LM head runs on the counted rows alone, from the batch's first chain start: the loss
+    and its gradients equal the full unroll's soft cross-entropy masked to rows t >= start
+    (rows="outputs", the online trainer's) or every in-vocab row (rows="all", the warm start's),
+    and t >= j-1 at depth j, computed here directly."""
     from train.distill.head import collate, compute_features, head_loss_fn
 
     g = torch.Generator().manual_seed(5)
@@ -421,26 +423,28 @@ def test_the_outputs_loss_is_the_full_unrolls_loss_on_the_rows_from_each_start(t
         t = torch.arange(b.valid.shape[1])
         total = torch.zeros(())
         for j, logits in enumerate(model.unroll(b.feats, b.next_ids, 3), start=1):
-            m = (in_vocab & (t >= j - 1) & (t.view(1, -1) >= b.start.view(-1, 1))).float()
+            counted_from = b.start if rows == "outputs" else torch.zeros_like(b.start)
+            m = (in_vocab & (t >= j - 1) & (t.view(1, -1) >= counted_from.view(-1, 1))).float()
             ce = -(p * F.log_softmax(logits, -1)).sum(-1)
             total = total + 0.8 ** (j - 1) * (ce * m).sum() / m.sum()
         return total
 
-    got, got_g = _loss_and_grads(head, head_loss_fn(w, rows="outputs"), batch)
+    got, got_g = _loss_and_grads(head, head_loss_fn(w, rows=rows), batch)
     want, want_g = _loss_and_grads(head, reference, batch)
     assert got == pytest.approx(want, rel=1e-5)
     assert got_g.keys() == want_g.keys()
     for n in want_g:
         assert torch.allclose(got_g[n], want_g[n], atol=1e-6, rtol=1e-4), n
-    every, _ = _loss_and_grads(head, head_loss_fn(w, rows="all"), batch)
-    assert every != pytest.approx(got, rel=1e-3)  # the prompt rows do count there
+    other, _ = _loss_and_grads(head, head_loss_fn(w, rows="all" if rows == "outputs" else "outputs"), batch)
+    assert other != pytest.approx(got, rel=1e-3)  # the prompt rows count in one and not the other
 
 
-def test_the_outputs_loss_of_a_null_batch_is_zero_and_attached(target, head):
+@pytest.mark.parametrize("rows", ["outputs", "all"])
+def test_the_loss_of_a_null_batch_is_zero_and_attached(target, head, rows):
     from train.distill.head import head_loss_fn, null_head_batch
 
     h = target.config.hidden_size
-    loss = head_loss_fn(target.lm_head.weight.detach(), rows="outputs")(head, null_head_batch(len(LAYERS) * h, h))
+    loss = head_loss_fn(target.lm_head.weight.detach(), rows=rows)(head, null_head_batch(len(LAYERS) * h, h))
     assert float(loss.detach()) == 0.0 and loss.requires_grad
     loss.backward()
 

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 from tabulate import tabulate
 
 from infra.config import OSDConfig
-from pipeline.bench.adapt_head import HEAD_VARIANTS, VariantError
+from pipeline.bench.adapt_head import HEAD_VARIANTS, VariantError, mean_alpha, paired_scores
 
 VARIANTS = ("base", "low_lr", "warm_replay", "anchor")
 
@@ -91,13 +91,8 @@ def adapt_sets(cfg: OSDConfig, loaded: Any, records: int, eval_prompts: int) -> 
 def paired(candidate: Any, parent_scores: list, records: list, max_seq_len: int) -> dict[str, float]:
     """Candidate minus parent, per position, on the same records, with the gate's interval."""
     from train.gate.evaluator import per_record_acceptance
-    from train.gate.compare import paired_interval
 
-    cand = per_record_acceptance(candidate, records, max_seq_len)
-    diffs = [c - s for (c, _), (s, _) in zip(cand, parent_scores)]
-    pos = [n for _, n in cand]
-    d, lo, hi = paired_interval(diffs, pos, resamples=1000)
-    return {"alpha": sum(c for c, _ in cand) / sum(pos), "diff": d, "lower": lo, "upper": hi}
+    return paired_scores(per_record_acceptance(candidate, records, max_seq_len), parent_scores)
 
 
 def run_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets: dict[str, list],
@@ -179,7 +174,7 @@ def run_adapt_bench(cfg: OSDConfig, *, records: int = 96, eval_prompts: int = 48
     sets = adapt_sets(cfg, loaded, max(records, max(checkpoints)), eval_prompts)
     v1, _ = load_draft(str(v1_dir), loaded.model)
     parent_scores = {k: per_record_acceptance(v1, sets[k], cfg.train.max_seq_len) for k in ("held_code", "held_general")}
-    v1_alpha = {k: sum(s for s, _ in v) / sum(n for _, n in v) for k, v in parent_scores.items()}
+    v1_alpha = {k: mean_alpha(v) for k, v in parent_scores.items()}
     _log(f"v1: code {v1_alpha['held_code']:.4f}, general {v1_alpha['held_general']:.4f}")
     init_distributed(0, 1, "127.0.0.1", free_port(), cfg.train.device)
     rows = []

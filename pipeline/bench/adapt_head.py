@@ -70,14 +70,19 @@ def head_sets(cfg: OSDConfig, loaded: Any, records: int, eval_prompts: int, gene
     return {k: teacher_records(answers, loaded, v, generate=generate) for k, v in sets.items()}
 
 
+def mean_alpha(scores: list) -> float:
+    """Acceptance per position over records scored as (sum, positions) each."""
+    return sum(s for s, _ in scores) / sum(n for _, n in scores)
+
+
 def paired_scores(cand: list, parent: list) -> dict[str, float]:
-    """Candidate minus parent per position on the same records, with the gate's interval."""
+    """Candidate minus parent per position on the same records (per-record (sum, positions)
+    scores of each), with the gate's interval: both families' benches report this."""
     from train.gate.compare import paired_interval
 
     diffs = [c - s for (c, _), (s, _) in zip(cand, parent)]
-    pos = [n for _, n in cand]
-    d, lo, hi = paired_interval(diffs, pos, resamples=1000)
-    return {"alpha": sum(c for c, _ in cand) / sum(pos), "diff": d, "lower": lo, "upper": hi}
+    d, lo, hi = paired_interval(diffs, [n for _, n in cand], resamples=1000)
+    return {"alpha": mean_alpha(cand), "diff": d, "lower": lo, "upper": hi}
 
 
 def run_head_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets: dict[str, list],
@@ -155,7 +160,7 @@ def run_head_adapt(cfg: OSDConfig, *, records: int, eval_prompts: int, checkpoin
     v1, _ = load_draft(str(v1_dir), loaded.model)
     scorer = HeadFamily(loaded.model, cfg.train, v1, forward)  # keeps the held-out records' features
     parent = {k: scorer.score(v1, sets[k]) for k in ("held_code", "held_general")}
-    v1_alpha = {k: sum(s for s, _ in v) / sum(n for _, n in v) for k, v in parent.items()}
+    v1_alpha = {k: mean_alpha(v) for k, v in parent.items()}
     _log(f"v1: code {v1_alpha['held_code']:.4f}, general {v1_alpha['held_general']:.4f}")
     init_distributed(0, 1, "127.0.0.1", free_port(), cfg.train.device)
     rows = []

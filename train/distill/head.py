@@ -157,42 +157,30 @@ def head_loss_fn(w_target: torch.Tensor, depth: int = DEPTH, decay: float = DECA
 
     def fn(model: torch.nn.Module, batch: HeadBatch) -> torch.Tensor:
         inner = model.module if hasattr(model, "module") else model
-        d2t = inner.d2t
         with torch.no_grad():
             in_vocab = inner.t2d()[batch.target_argmax.clamp(min=0)] & batch.valid
-        if rows == "outputs":
-            return _outputs_loss(model, batch, w_target[d2t], in_vocab, depth, decay)
-        with torch.no_grad():
-            # float32 targets: under bfloat16 autocast the product is bfloat16, and a bfloat16 p
-            # both rounds the targets and makes every product with the float32 log-probabilities
-            # (forward and backward) take PyTorch's mixed-dtype path, several times slower.
-            p = torch.softmax((batch.final @ w_target[d2t].T).float(), dim=-1)  # [B, T, V_d]
-        outs = model(batch.feats, batch.next_ids, depth)
-        t = torch.arange(batch.valid.shape[1], device=batch.valid.device)
-        total = outs[0].new_zeros(())
-        for j, logits in enumerate(outs, start=1):
-            m = (in_vocab & (t >= j - 1)).float()
-            if batch.n_records == 0:
-                m = m * 0
-            ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)
-            total = total + decay ** (j - 1) * (ce * m).sum() / m.sum().clamp(min=1)
-        return total
+        counted_from = batch.start if rows == "outputs" else torch.zeros_like(batch.start)
+        return _rows_loss(model, batch, w_target[inner.d2t], in_vocab, counted_from, depth, decay)
 
     return fn
 
 
-def _outputs_loss(model: torch.nn.Module, batch: HeadBatch, w_d: torch.Tensor, in_vocab: torch.Tensor,
-                  depth: int, decay: float) -> torch.Tensor:
-    """head_loss_fn's loss on the rows from each sequence's start: the unroll from the batch's
-    first chain start that reaches them, the LM head and the targets on the counted rows alone
-    (the same rows at every depth; depth j drops rows t < j-1, which no chain reaches)."""
-    first = max(int(batch.start.min()) - (depth - 1), 0) if batch.start.numel() else 0
+def _rows_loss(model: torch.nn.Module, batch: HeadBatch, w_d: torch.Tensor, in_vocab: torch.Tensor,
+               counted_from: torch.Tensor, depth: int, decay: float) -> torch.Tensor:
+    """head_loss_fn's loss on the in-vocab rows from each sequence's `counted_from` row on: the
+    unroll from the batch's first chain start that reaches them, the LM head and the targets on
+    the counted rows alone (the same rows at every depth; depth j drops rows t < j-1, which no
+    chain reaches)."""
+    first = max(int(counted_from.min()) - (depth - 1), 0) if counted_from.numel() else 0
     t = torch.arange(first, batch.valid.shape[1], device=batch.valid.device)
-    counted = in_vocab[:, first:] & (t.view(1, -1) >= batch.start.view(-1, 1))
+    counted = in_vocab[:, first:] & (t.view(1, -1) >= counted_from.view(-1, 1))
     if batch.n_records == 0:
         counted = torch.zeros_like(counted)
     with torch.no_grad():
-        p = torch.softmax((batch.final[:, first:][counted] @ w_d.T).float(), dim=-1)  # [N, V_d], float32 as above
+        # float32 targets: under bfloat16 autocast the product is bfloat16, and a bfloat16 p
+        # both rounds the targets and makes every product with the float32 log-probabilities
+        # (forward and backward) take PyTorch's mixed-dtype path, several times slower.
+        p = torch.softmax((batch.final[:, first:][counted] @ w_d.T).float(), dim=-1)  # [N, V_d]
     outs = model(batch.feats, batch.next_ids, depth, first, counted)
     at = t.view(1, -1).expand_as(counted)[counted]  # [N] each counted row's index
     total = outs[0].new_zeros(()) + outs[0].sum() * 0  # attached to the graph with no counted row
