@@ -37,7 +37,11 @@ def test_each_head_variant_changes_only_its_own_setting():
     more = head_variant_config(cfg.model_copy(update={"train": cfg.train.model_copy(update={"replay_steps": 3})}),
                                "more_replay")
     assert more.train.replay_steps == 6 and more.train.lr == cfg.train.lr
-    assert set(HEAD_VARIANTS) == {"base", "all_rows", "low_lr", "high_lr", "more_replay"}
+    demo = cfg.model_copy(update={"train": cfg.train.model_copy(update={"replay_steps": 1})})
+    assert head_variant_config(demo, "three_replays").train == demo.train.model_copy(update={"replay_steps": 3})
+    assert head_variant_config(demo, "no_replay").train == demo.train.model_copy(update={"replay_steps": 0})
+    assert set(HEAD_VARIANTS) == {"base", "all_rows", "low_lr", "high_lr", "more_replay", "no_replay",
+                                  "three_replays"}
 
 
 def test_a_variant_of_the_other_family_is_a_users_error(capsys):

@@ -13,7 +13,10 @@ Variants (each from v1, the same seeded record order):
 - `all_rows`: the loss on its prompt rows too (train.head_loss_rows "all");
 - `low_lr`: a third of the learning rate; `high_lr`: three times it;
 - `more_replay`: twice the replay steps after each new step (what the output rows' cheaper
-  steps could buy in the same trainer time).
+  steps could buy in the same trainer time);
+- `no_replay`, `three_replays`: no replay step after each new step, or three (the demo's
+  setting before 2026-12-06): in the demo the trainer skips most records as stale, so a replay
+  step costs a new record's step; compare variants at equal trainer time, not equal records.
 Each row also says how long the variant's optimizer steps took: the rows a loss counts decide
 a step's cost.
 
@@ -30,7 +33,7 @@ from typing import Any, Sequence
 
 from infra.config import OSDConfig
 
-HEAD_VARIANTS = ("base", "all_rows", "low_lr", "high_lr", "more_replay")
+HEAD_VARIANTS = ("base", "all_rows", "low_lr", "high_lr", "more_replay", "no_replay", "three_replays")
 
 
 class VariantError(ValueError):
@@ -45,7 +48,8 @@ def head_variant_config(cfg: OSDConfig, name: str) -> OSDConfig:
     """One head variant on top of `cfg` (the demo's online settings)."""
     tc = cfg.train
     changes = {"base": {}, "all_rows": {"head_loss_rows": "all"}, "low_lr": {"lr": tc.lr / 3},
-               "high_lr": {"lr": tc.lr * 3}, "more_replay": {"replay_steps": 2 * tc.replay_steps}}
+               "high_lr": {"lr": tc.lr * 3}, "more_replay": {"replay_steps": 2 * tc.replay_steps},
+               "no_replay": {"replay_steps": 0}, "three_replays": {"replay_steps": 3}}
     if name not in changes:
         raise VariantError(f"unknown head variant {name!r}; known: {', '.join(HEAD_VARIANTS)}")
     return cfg.model_copy(update={"train": tc.model_copy(update=changes[name])})

@@ -21,8 +21,11 @@ def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
     d["registry"].update(uri="", keep_last=1000)
     # Records replayed (as the warm start's epochs do) at a fine-tuning learning rate, so a trained
     # draft is refined rather than jolted: without replay, a candidate's single pass over a few
-    # dozen records left it no better than v1 (docs: "The demo"). A replay step reads the kept
-    # features, so it costs the head's step, not the target's forward.
+    # dozen records left it no better than v1 (docs: "The demo"). One replay step after each new
+    # one, not three: the trainer skips most of the demo's records as stale, and at equal trainer
+    # time twice the records with one replay each learned more (`osd bench adapt --variants
+    # three_replays base no_replay`, docs/benchmarks.md). A replay step reads the kept features,
+    # so it costs the head's step, not the target's forward.
     # A candidate every 32 records or 90 s: the sequential gate (train/gate/pending.py) holds
     # each back until the held-out records favour it, so frequent candidates cost no canary; each
     # is scored on the newest 40 held-out records, then on every one that arrives.
@@ -30,7 +33,7 @@ def demo_config(cfg: OSDConfig, state: Path) -> OSDConfig:
     # gate, and scoring them (a head over the full vocabulary) does not starve the training.
     # The trainer learns from the last half minute's traffic when it falls behind (train/online/lag.py).
     d["train"].update(num_workers=1, export_every_records=32, export_every_s=90, held_out_every=8,
-                      warm_epochs=cfg.train.warm_epochs, replay_steps=3, lr=3e-4, max_lag_s=30.0)
+                      warm_epochs=cfg.train.warm_epochs, replay_steps=1, lr=3e-4, max_lag_s=30.0)
     d["train"]["gate"].update(records=40)
     # A canary gets a few dozen requests here, not hundreds: promotion rests on the gate's paired
     # evidence, and the canary guards against harm for 20 requests (CanaryRule.guard_requests).
