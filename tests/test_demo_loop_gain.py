@@ -327,3 +327,60 @@ def test_the_speed_check_s_modes_and_checks_never_share_a_prefix_cache(monkeypat
              for i, check in enumerate("ab") for spec in (True, False)}
     assert all(len(v) == 1 for v in salts.values())  # one salt per mode and check
     assert len(set().union(*salts.values())) == 4  # and no two share one
+
+
+def full_pair(prompt, sd, ar, version):
+    return {"prompt": prompt, "sd_tok_s": sd, "ar_tok_s": ar, "ratio": sd / ar, "version": version, "tokens": 64}
+
+
+def test_merged_rounds_average_each_prompt_and_version():
+    from pipeline.traffic.demo import merge_checks
+
+    one = {"pairs": [full_pair("a", 200.0, 100.0, "v3"), full_pair("b", 150.0, 100.0, "v3")], "speedup_vs_ar": 1.75}
+    two = {"pairs": [full_pair("a", 120.0, 80.0, "v3"), full_pair("b", 90.0, 100.0, "v4")], "speedup_vs_ar": 1.2}
+    m = merge_checks([one, two])
+    got = {(p["prompt"], p["version"]): p for p in m["pairs"]}
+    assert got[("a", "v3")]["ratio"] == pytest.approx((2.0 + 1.5) / 2) and got[("a", "v3")]["rounds"] == 2
+    assert got[("a", "v3")]["ar_tok_s"] == pytest.approx(90.0)
+    assert got[("b", "v3")]["rounds"] == 1 and got[("b", "v4")]["ratio"] == pytest.approx(0.9)  # a canary's pair stays its own
+    assert m["speedup_vs_ar"] == pytest.approx(1.5) and m["rounds"] == 2 and m["round_speedups"] == [1.75, 1.2]
+    assert merge_checks([{"pairs": [], "speedup_vs_ar": None}])["speedup_vs_ar"] is None
+
+
+def test_the_final_and_frozen_checks_run_final_frozen_frozen_final(monkeypatch):
+    """Each round its own salt, v1 served in the middle two, the loop's stable in the outer two;
+    the contribution pairs the merged rounds."""
+    import pipeline.traffic.demo as demo
+
+    reg = FakeRegistry("v3")
+    order = []
+
+    def speed(url, prompts, max_tokens, salt):
+        order.append((salt, reg.stable))
+        return {"pairs": [full_pair("a", 150.0 if reg.stable == "v3" else 120.0, 100.0, reg.stable)],
+                "speedup_vs_ar": None}
+
+    monkeypatch.setattr(demo, "wait_until_served", lambda url, version, **kw: 0.5)
+    monkeypatch.setattr(demo, "speed_check", speed)
+    final, frozen = demo.final_and_frozen(FakeLoop(reg), reg, ["p"], 8, "v1")
+    assert order == [("osd-demo-final-1", "v3"), ("osd-demo-frozen-1", "v1"), ("osd-demo-frozen-2", "v1"),
+                     ("osd-demo-final-2", "v3")]
+    assert final["rounds"] == 2 and frozen["rounds"] == 2 and reg.stable == "v3"
+    assert demo.loop_contribution(final, frozen)["median"] == pytest.approx(0.3)
+
+
+def test_no_second_final_round_unless_the_loop_s_stable_is_served_again(monkeypatch):
+    import pipeline.traffic.demo as demo
+
+    reg = FakeRegistry("v3")
+    salts = []
+    monkeypatch.setattr(demo, "speed_check", lambda url, prompts, max_tokens, salt: salts.append(salt) or
+                        {"pairs": [full_pair("a", 150.0, 100.0, reg.stable)], "speedup_vs_ar": 1.5})
+    served = iter([0.5, None])  # v1 comes, the loop's stable does not come back in time
+    monkeypatch.setattr(demo, "wait_until_served", lambda url, version, **kw: next(served))
+    final, frozen = demo.final_and_frozen(FakeLoop(reg), reg, ["p"], 8, "v1")
+    assert salts == ["osd-demo-final-1", "osd-demo-frozen-1", "osd-demo-frozen-2"]
+    assert "rounds" not in final and final["speedup_vs_ar"] == 1.5 and final["max_tokens"] == 8
+    salts.clear()
+    final, frozen = demo.final_and_frozen(FakeLoop(FakeRegistry("v1")), FakeRegistry("v1"), ["p"], 8, "v1")
+    assert salts == ["osd-demo-final-1"] and "nothing was promoted" in frozen["skipped"]

@@ -114,6 +114,26 @@ def speed_check(url: str, prompts: list, max_tokens: int, salt: str = "osd-demo-
             "ar_tok_s_median": statistics.median(p["ar_tok_s"] for p in pairs)}
 
 
+def merge_checks(checks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of the speed check as one: per prompt and version, the mean of each round's tok/s
+    and ratio. The rounds of the final and the frozen check alternate (final, frozen, frozen,
+    final), so a machine that drifts faster or slower during the checks moves both alike."""
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for c in checks:
+        for p in c["pairs"]:
+            by.setdefault((p["prompt"], p["version"]), []).append(p)
+    pairs = [{"prompt": k[0], "version": k[1], "rounds": len(ps),
+              **{f: statistics.fmean(p[f] for p in ps) for f in ("sd_tok_s", "ar_tok_s", "ratio", "tokens")}}
+             for k, ps in by.items()]
+    out: dict[str, Any] = {"pairs": pairs, "speedup_vs_ar": None, "rounds": len(checks),
+                           "round_speedups": [c.get("speedup_vs_ar") for c in checks]}
+    if pairs:
+        out.update(speedup_vs_ar=statistics.median(p["ratio"] for p in pairs),
+                   sd_tok_s_median=statistics.median(p["sd_tok_s"] for p in pairs),
+                   ar_tok_s_median=statistics.median(p["ar_tok_s"] for p in pairs))
+    return out
+
+
 def minutes_to_first_promotion(decisions: list[dict[str, Any]], shift: float) -> tuple[float | None, str | None]:
     """(minutes from the shift to the first promotion after it, the version promoted); (None,
     None) if none. A promotion before the shift adapted to general traffic, not to the shift."""
@@ -179,11 +199,11 @@ def wait_until_served(url: str, version: str, *, timeout_s: float, poll_s: float
 
 
 def frozen_check(loop: Any, reg: Any, prompts: list, max_tokens: int, frozen: str | None, *,
-                 wait_s: float = 60.0) -> dict[str, Any]:
-    """The speed check again with v1 stable, then the loop's stable put back. The demo stops the
-    rollout first (end_rollout); a canary or a decision that a running controller made during
-    the check is still reported. A registry that refuses the move costs this check only, never
-    the report."""
+                 wait_s: float = 60.0, rounds: int = 1) -> dict[str, Any]:
+    """The speed check again with v1 stable (`rounds` times, merged), then the loop's stable put
+    back. The demo stops the rollout first (end_rollout); a canary or a decision that a running
+    controller made during the check is still reported. A registry that refuses the move costs
+    this check only, never the report."""
     from infra.registry import RegistryError
 
     before = reg.aliases()
@@ -208,7 +228,9 @@ def frozen_check(loop: Any, reg: Any, prompts: list, max_tokens: int, frozen: st
             out["skipped"] = f"the replica did not serve {frozen} within {wait_s:.0f} s of the alias move"
         else:
             _log(f"frozen check: {frozen} serves again after {waited:.1f} s; the same {len(prompts)} prompts")
-            out.update(speed_check(loop.url, prompts, max_tokens, salt="osd-demo-frozen"), waited_s=waited)
+            checks = [speed_check(loop.url, prompts, max_tokens, salt=f"osd-demo-frozen{_round(i, rounds)}")
+                      for i in range(rounds)]
+            out.update(checks[0] if rounds == 1 else merge_checks(checks), waited_s=waited)
     finally:
         out.update(restore_stable(reg, frozen, final))
     status = loop.controller_status()
@@ -216,6 +238,11 @@ def frozen_check(loop: Any, reg: Any, prompts: list, max_tokens: int, frozen: st
     out["decisions_during"] = [{k: d.get(k) for k in ("time", "action", "version", "reason")}
                                for d in status["decisions"][n_decisions:]]
     return out
+
+
+def _round(i: int, rounds: int) -> str:
+    """The salt's suffix of round i: none for a single round (the salts runs before used)."""
+    return "" if rounds == 1 else f"-{i + 1}"
 
 
 def restore_stable(reg: Any, frozen: str, final: str) -> dict[str, Any]:
@@ -499,11 +526,29 @@ def run_phases(loop: Any, reg: Any, work: Workload, general: list, code: list, s
     if withdrawn:
         time.sleep(2 * loop.cfg.serve.alias_poll_s)  # the replica re-reads the aliases on its own clock
     _log(f"speed check: {len(speed_set)} post-shift code prompts, speculative vs autoregressive, same server")
-    speed = dict(speed_check(loop.url, speed_set, work.max_tokens, salt="osd-demo-final"), max_tokens=work.max_tokens)
     controller = loop.controller_status()  # the loop's outcome, before the frozen check moves stable
-    frozen = frozen_check(loop, reg, speed_set, work.max_tokens, start_stable)
+    speed, frozen = final_and_frozen(loop, reg, speed_set, work.max_tokens, start_stable)
     return PhaseRun(t0, shift, speed, controller, loop.samples(), stream_records(loop.cfg), start_stable, frozen,
                     lag, withdrawn)
+
+
+def final_and_frozen(loop: Any, reg: Any, prompts: list, max_tokens: int, start_stable: str | None,
+                     *, wait_s: float = 60.0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The speed check with the loop's final stable and with v1 (frozen), as final, frozen,
+    frozen, final: one run's final check ran with own AR at 130 tok/s where the frozen check
+    right after had 160, so back-to-back checks compare the machine's moments, not the drafts.
+    The second final round runs only if the loop's stable is served again."""
+    final = dict(speed_check(loop.url, prompts, max_tokens, salt="osd-demo-final-1"), max_tokens=max_tokens)
+    frozen = frozen_check(loop, reg, prompts, max_tokens, start_stable, wait_s=wait_s, rounds=2)
+    if frozen.get("skipped") or not frozen.get("restored"):
+        return final, frozen
+    back = wait_until_served(loop.url, frozen["final_version"], timeout_s=wait_s,
+                             poll_s=loop.cfg.serve.alias_poll_s / 2)
+    if back is None:
+        _log(f"the replica did not serve {frozen['final_version']} again within {wait_s:.0f} s: one final round")
+        return final, frozen
+    again = speed_check(loop.url, prompts, max_tokens, salt="osd-demo-final-2")
+    return dict(merge_checks([final, again]), max_tokens=max_tokens), frozen
 
 
 def end_rollout(loop: Any, reg: Any) -> str | None:
