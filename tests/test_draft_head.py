@@ -165,6 +165,28 @@ def test_an_unroll_from_a_later_row_equals_the_full_unroll_on_chains_from_that_r
             assert torch.allclose(head.logits(b[0, j - 1:]), z[0, kept], atol=1e-4, rtol=1e-4)
 
 
+def test_an_unroll_in_windows_per_record_equals_each_record_s_own_unroll(target, head):
+    """unroll_windows: in a right-padded batch of records of different lengths, window row w of
+    record b (sequence row first[b] + w) at depth j equals that record's own full unroll at that
+    row, for chains that start inside the window; the windows are as wide as asked."""
+    seqs = [[5, 17, 200, 3, 99, 45, 8, 250, 31, 77], [42, 7, 130, 12, 9], [11, 13, 17, 19, 23, 29, 31]]
+    feats = [hf_features(target, ids)[1][:-1] for ids in seqs]
+    nxt = [torch.tensor(ids[1:]) for ids in seqs]
+    pad = torch.nn.utils.rnn.pad_sequence
+    f, n = pad(feats, batch_first=True), pad(nxt, batch_first=True)
+    first = torch.tensor([6, 0, 2])
+    width = max(len(ids) - 1 - int(s) for ids, s in zip(seqs, first))
+    with torch.no_grad():
+        win = head.unroll_windows(f, n, 3, first, width)
+        own = [head.unroll_states(x.unsqueeze(0), y.unsqueeze(0), 3) for x, y in zip(feats, nxt)]
+    assert all(o.shape == (3, width, f.shape[-1] // 3) for o in win)
+    for b, ids in enumerate(seqs):
+        for j in (1, 2, 3):
+            for w in range(j - 1, len(ids) - 1 - int(first[b])):
+                row = int(first[b]) + w
+                assert torch.allclose(win[j - 1][b, w], own[b][j - 1][0, row], atol=1e-5, rtol=1e-5), (b, j, w)
+
+
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("prompt", [[17, 200, 3, 99, 45], [42]])
 def test_greedy_output_equals_target_greedy(target, head, k, prompt):

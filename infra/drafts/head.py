@@ -115,12 +115,15 @@ class HeadDraft(nn.Module):
         k = L["k_proj"](y).view(b, t, self.n_kv, hd).transpose(1, 2)
         v = L["v_proj"](y).view(b, t, self.n_kv, hd).transpose(1, 2)
         cos, sin = self.cos[pos], self.sin[pos]
+        if pos.dim() == 2:  # per-row positions [B, T]: one table per record, shared by the heads
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return _rope(q, cos, sin), _rope(k, cos, sin), v
 
     def attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                mask: torch.Tensor | None) -> torch.Tensor:
         """The rest of the decoder layer: attention of q over keys k/v [B, KV, S, hd], MLP.
-        mask: [T, S] bool (True = attend) or None (all). Returns the output state [B, T, h]."""
+        mask: [T, S] or [B, 1, T, S] bool (True = attend) or None (all). Returns the output state
+        [B, T, h]."""
         b, t, _ = x.shape
         L = self.layer
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_heads)
@@ -132,16 +135,21 @@ class HeadDraft(nn.Module):
         """Output state [.., h] -> draft-vocab logits [.., V_d] fp32."""
         return self.lm_head(self._rms(o, self.norm)).float()
 
-    def forward(self, feats: torch.Tensor, next_ids: torch.Tensor, depth: int = 1, first: int = 0,
-                rows: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def forward(self, feats: torch.Tensor, next_ids: torch.Tensor, depth: int = 1,
+                first: int | torch.Tensor = 0, rows: torch.Tensor | None = None) -> list[torch.Tensor]:
         """The training unroll; a forward so DeepSpeed's hooks (ZeRO-3 gathers) see the call.
-        Default: unroll's logits [B, T, V_d] per depth. With `rows` (bool [B, T - first]): the
-        logits [N, V_d] of those rows alone, each depth's states from row `first` on, so the LM
-        head (most of a row's arithmetic at a draft vocab of thousands) runs on the rows a loss
-        counts (unroll_states: a chain starting before `first` is garbage)."""
+        Default: unroll's logits [B, T, V_d] per depth. With `rows` (bool [B, W]): the logits
+        [N, V_d] of those rows alone, each depth's states from row `first` on (an int: W = T -
+        first; or per record, [B]: the windows of unroll_windows, W wide), so the LM head (most
+        of a row's arithmetic at a draft vocab of thousands) runs on the rows a loss counts
+        (a chain starting before a window is garbage)."""
         if rows is None:
             return self.unroll(feats, next_ids, depth)
-        return [self.logits(o[rows]) for o in self.unroll_states(feats, next_ids, depth, first)]
+        if isinstance(first, torch.Tensor):
+            states = self.unroll_windows(feats, next_ids, depth, first, rows.shape[1])
+        else:
+            states = self.unroll_states(feats, next_ids, depth, first)
+        return [self.logits(o[rows]) for o in states]
 
     def unroll(self, feats: torch.Tensor, next_ids: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """Training-time test: logits [B, T, V_d] at draft depths 1..depth (unroll_states' states
@@ -174,6 +182,35 @@ class HeadDraft(nn.Module):
             out.append(o)
         return out
 
+    def unroll_windows(self, feats: torch.Tensor, next_ids: torch.Tensor, depth: int, first: torch.Tensor,
+                       width: int) -> list[torch.Tensor]:
+        """unroll_states with a window per record: the output states [B, width, h] at depths
+        1..depth, window row w of record b being sequence row first[b] + w (rows past T are
+        garbage). Depth 1's keys still come from every row; the rest of the unroll runs on the
+        windows alone, so a batch of records whose outputs start at different rows (an online
+        batch: prompts of 20 and of 700 tokens) does not unroll one's prompt for the other."""
+        b, t, _ = feats.shape
+        w = torch.arange(width, device=feats.device)
+        rows = first.view(-1, 1) + w.view(1, -1)  # [B, W] sequence rows
+        at = rows.clamp(max=t - 1)
+        x = self.mix(self.fuse(feats), next_ids)
+        q, k, v = self.qkv(x, torch.arange(t, device=feats.device))
+        ks, vs = [k], [v]
+        xw = x.gather(1, at.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+        qw = q.gather(2, at.view(b, 1, width, 1).expand(-1, q.shape[1], -1, q.shape[-1]))
+        o = self.attend(xw, qw, k, v, _window_mask(rows, t, 1))
+        out = [o]
+        ids = next_ids.gather(1, at)
+        for j in range(2, depth + 1):
+            g = torch.cat([torch.zeros_like(o[:, :1]), o[:, :-1]], dim=1)  # row t reads row t-1's state
+            x = self.mix(g, ids)
+            q, k, v = self.qkv(x, at)
+            ks.append(k)
+            vs.append(v)
+            o = self.attend(x, q, torch.cat(ks, 2), torch.cat(vs, 2), _window_mask(rows, t, j))
+            out.append(o)
+        return out
+
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -190,6 +227,19 @@ def _unroll_mask(t: int, j: int, device: Any, first: int = 0) -> torch.Tensor:
     mask = torch.cat(blocks, dim=1)
     mask[:, 0] |= ~mask.any(1)  # rows with no chain yet attend somewhere (their output is masked)
     return mask
+
+
+def _window_mask(rows: torch.Tensor, t: int, j: int) -> torch.Tensor:
+    """[B, 1, W, T + (j-1)W] bool: _unroll_mask per record, for windows whose row w is sequence
+    row rows[b, w]: depth-1 keys s <= row-j+1, and for depth i in 2..j the key of window row
+    w-j+i only (its own chain's earlier steps)."""
+    width = rows.shape[1]
+    s = torch.arange(t, device=rows.device).view(1, 1, t)
+    w = torch.arange(width, device=rows.device)
+    chain = [(w.view(1, -1) == w.view(-1, 1) - j + i).expand(rows.shape[0], -1, -1) for i in range(2, j + 1)]
+    mask = torch.cat([s <= rows.unsqueeze(-1) - j + 1] + chain, dim=-1)
+    mask[..., 0] |= ~mask.any(-1)  # rows with no chain yet attend somewhere (their output is masked)
+    return mask.unsqueeze(1)
 
 
 def _head_config(tcfg: Any) -> Any:

@@ -165,24 +165,34 @@ def head_loss_fn(w_target: torch.Tensor, depth: int = DEPTH, decay: float = DECA
     return fn
 
 
+def windows(valid: torch.Tensor, start: torch.Tensor, back: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's window of rows from start - back (at least 0) to its last row:
+    (first [B], rows [B, W], the sequence row of each window row, rows past the end included)."""
+    first = (start - back).clamp(min=0)
+    width = max(int((valid.sum(1) - first).max()), 1) if first.numel() else 1
+    return first, first.view(-1, 1) + torch.arange(width, device=valid.device).view(1, -1)
+
+
 def _rows_loss(model: torch.nn.Module, batch: HeadBatch, w_d: torch.Tensor, in_vocab: torch.Tensor,
                counted_from: torch.Tensor, depth: int, decay: float) -> torch.Tensor:
     """head_loss_fn's loss on the in-vocab rows from each sequence's `counted_from` row on: the
-    unroll from the batch's first chain start that reaches them, the LM head and the targets on
-    the counted rows alone (the same rows at every depth; depth j drops rows t < j-1, which no
-    chain reaches)."""
-    first = max(int(counted_from.min()) - (depth - 1), 0) if counted_from.numel() else 0
-    t = torch.arange(first, batch.valid.shape[1], device=batch.valid.device)
-    counted = in_vocab[:, first:] & (t.view(1, -1) >= counted_from.view(-1, 1))
+    unroll in a window per sequence from its first chain start that reaches them
+    (HeadDraft.unroll_windows), the LM head and the targets on the counted rows alone (the same
+    rows at every depth; depth j drops rows t < j-1, which no chain reaches)."""
+    first, rows = windows(batch.valid, counted_from, depth - 1)
+    t = batch.valid.shape[1]
+    at_rows = rows.clamp(max=t - 1)
+    counted = in_vocab.gather(1, at_rows) & (rows < t) & (rows >= counted_from.view(-1, 1))
     if batch.n_records == 0:
         counted = torch.zeros_like(counted)
     with torch.no_grad():
+        final = batch.final.gather(1, at_rows.unsqueeze(-1).expand(-1, -1, batch.final.shape[-1]))
         # float32 targets: under bfloat16 autocast the product is bfloat16, and a bfloat16 p
         # both rounds the targets and makes every product with the float32 log-probabilities
         # (forward and backward) take PyTorch's mixed-dtype path, several times slower.
-        p = torch.softmax((batch.final[:, first:][counted] @ w_d.T).float(), dim=-1)  # [N, V_d]
+        p = torch.softmax((final[counted] @ w_d.T).float(), dim=-1)  # [N, V_d]
     outs = model(batch.feats, batch.next_ids, depth, first, counted)
-    at = t.view(1, -1).expand_as(counted)[counted]  # [N] each counted row's index
+    at = rows[counted]  # [N] each counted row's index
     total = outs[0].new_zeros(()) + outs[0].sum() * 0  # attached to the graph with no counted row
     for j, logits in enumerate(outs, start=1):
         m = (at >= j - 1).float()
@@ -203,12 +213,15 @@ def evaluate(head: Any, fs: FeatureSet, depth: int = DEPTH, token_budget: int = 
     t2d = head.t2d()
     for group in _batches([x.numel() for x in fs.ids], token_budget):
         b = collate(fs, group)
-        first = int(b.start.min())  # no counted chain starts before it
-        states = head.unroll_states(b.feats, b.next_ids, depth, first)
-        t = torch.arange(b.valid.shape[1], device=b.valid.device).view(1, -1)
+        first, rows = windows(b.valid, b.start, 0)  # no counted chain starts before a sequence's start
+        states = head.unroll_windows(b.feats, b.next_ids, depth, first, rows.shape[1])
+        t = b.valid.shape[1]
+        at = rows.clamp(max=t - 1)
+        real = b.valid.gather(1, at) & (rows < t)
+        target = b.target_argmax.gather(1, at)
         for j, o in enumerate(states, start=1):
-            m = b.valid & (t >= b.start.view(-1, 1) + j - 1)
-            agree = head.d2t[head.logits(o[m[:, first:]]).argmax(-1)] == b.target_argmax[m]  # counted rows alone
+            m = real & (rows >= b.start.view(-1, 1) + j - 1)
+            agree = head.d2t[head.logits(o[m]).argmax(-1)] == target[m]  # counted rows alone
             hits[j - 1] += int(agree.sum())
             counts[j - 1] += int(m.sum())
         m1 = b.valid & (t >= b.start.view(-1, 1))
@@ -287,10 +300,12 @@ def per_record_acceptance_head(head: Any, target: Any, records: Sequence[Any], m
     out: list[tuple[float, int]] = [(0.0, 0)] * len(records)
     for group in _batches([x.numel() for x in fs.ids], 4096):
         b = collate(fs, group)
-        first = max(int(b.start.min()) - (depth - 1), 0)  # a record's first output is drafted from row start-depth+1
-        states = head.unroll_states(b.feats, b.next_ids, depth, first)
+        # A record's first output is drafted from row start-depth+1.
+        first, rows = windows(b.valid, b.start, depth - 1)
+        states = head.unroll_windows(b.feats, b.next_ids, depth, first, rows.shape[1])
         for row, i in enumerate(group):
-            out[i] = _record_acceptance(head, [o[row] for o in states], first, inv, records[i], max_seq_len)
+            out[i] = _record_acceptance(head, [o[row] for o in states], int(first[row]), inv, records[i],
+                                        max_seq_len)
     return out
 
 
