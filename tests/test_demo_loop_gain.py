@@ -384,3 +384,63 @@ def test_no_second_final_round_unless_the_loop_s_stable_is_served_again(monkeypa
     salts.clear()
     final, frozen = demo.final_and_frozen(FakeLoop(FakeRegistry("v1")), FakeRegistry("v1"), ["p"], 8, "v1")
     assert salts == ["osd-demo-final-1"] and "nothing was promoted" in frozen["skipped"]
+
+
+def test_the_batched_check_sends_each_mode_s_prompts_together_and_pairs_them(monkeypatch):
+    """Every prompt of one mode is in flight at once (up to `clients`), then the other mode's;
+    each prompt's two answers pair up, and each mode keeps its own cache salt."""
+    import threading
+    from types import SimpleNamespace
+
+    import pipeline.traffic.demo as demo
+
+    lock, live, peak, sent = threading.Lock(), [0], {}, []
+    gate = threading.Barrier(3)
+
+    def post(url, text, max_tokens, **extra):
+        spec = extra["osd_speculate"]
+        with lock:
+            live[0] += 1
+            peak[spec] = max(peak.get(spec, 0), live[0])
+            sent.append((text, spec, extra["cache_salt"]))
+        gate.wait(timeout=5)  # three clients: all three of a mode's requests meet here
+        with lock:
+            live[0] -= 1
+        return {"ok": True, "latency_s": 0.5 if spec else 1.0, "tokens": 10, "version": "v3"}
+
+    monkeypatch.setattr(demo, "post_chat", post)
+    prompts = [SimpleNamespace(id=str(i), text=f"p{i}") for i in range(3)]
+    out = demo.batched_check("http://x", prompts, 8, "s", clients=3, on_first=False)
+    assert peak == {True: 3, False: 3}  # a mode's three prompts in flight together
+    assert [spec for _, spec, _ in sent] == [False] * 3 + [True] * 3
+    assert {salt for _, spec, salt in sent if spec} == {"s-on"} and {salt for _, spec, salt in sent if not spec} == {"s-off"}
+    assert [p["prompt"] for p in out["pairs"]] == ["0", "1", "2"] and out["speedup_vs_ar"] == 2.0
+    assert out["clients"] == 3
+
+
+def test_the_batched_rounds_give_their_own_contribution(monkeypatch):
+    import pipeline.traffic.demo as demo
+
+    reg = FakeRegistry("v3")
+    batched = []
+
+    def one(url, prompts, max_tokens, salt):
+        return {"pairs": [full_pair("a", 150.0, 100.0, reg.stable)], "speedup_vs_ar": 1.5}
+
+    def many(url, prompts, max_tokens, salt, clients, on_first=True):
+        batched.append((salt, reg.stable, on_first))
+        sd = 300.0 if reg.stable == "v3" else 240.0
+        return {"pairs": [full_pair("a", sd, 200.0, reg.stable)], "speedup_vs_ar": sd / 200.0, "clients": clients}
+
+    monkeypatch.setattr(demo, "wait_until_served", lambda url, version, **kw: 0.5)
+    monkeypatch.setattr(demo, "speed_check", one)
+    monkeypatch.setattr(demo, "batched_check", many)
+    final, frozen = demo.final_and_frozen(FakeLoop(reg), reg, ["p"], 8, "v1", clients=8)
+    assert batched == [("osd-demo-final-1-batched", "v3", True), ("osd-demo-frozen-1-batched", "v1", False),
+                       ("osd-demo-frozen-2-batched", "v1", True), ("osd-demo-final-2-batched", "v3", False)]
+    assert final["batched"]["clients"] == 8 and final["batched"]["speedup_vs_ar"] == pytest.approx(1.5)
+    lc = demo.batched_contribution(final, frozen)
+    assert lc["median"] == pytest.approx(1.5 - 1.2) and lc["n"] == 1
+    assert demo.loop_contribution(final, frozen)["median"] == pytest.approx(0.0)
+    assert demo.batched_contribution({"pairs": []}, {"skipped": None, "pairs": []})["skipped"] == "no batched check ran"
+    assert demo.batched_contribution(final, {"skipped": "why"})["skipped"] == "why"

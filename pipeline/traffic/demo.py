@@ -95,18 +95,40 @@ def speed_check(url: str, prompts: list, max_tokens: int, salt: str = "osd-demo-
     Each mode sends its own cache_salt (`salt`-on, `salt`-off; a check of its own takes
     another `salt`), so the second request of a prompt does not start from the first one's
     prefill in the server's prefix cache, nor a check from an earlier check's."""
-    pairs = []
+    got: dict[bool, list] = {True: [], False: []}
     for i, p in enumerate(prompts):
-        modes = [True, False] if i % 2 == 0 else [False, True]
-        got = {}
-        for spec in modes:
-            got[spec] = post_chat(url, p.text, max_tokens, osd_speculate=spec, osd_record=False,
-                                  cache_salt=f"{salt}-{'on' if spec else 'off'}")
-        if got[True]["ok"] and got[False]["ok"] and got[True]["tokens"] and got[False]["tokens"]:
-            sd = got[True]["tokens"] / got[True]["latency_s"]
-            ar = got[False]["tokens"] / got[False]["latency_s"]
+        for spec in ([True, False] if i % 2 == 0 else [False, True]):
+            got[spec].append(post_chat(url, p.text, max_tokens, osd_speculate=spec, osd_record=False,
+                                       cache_salt=f"{salt}-{'on' if spec else 'off'}"))
+    return _paired(prompts, got[True], got[False])
+
+
+def batched_check(url: str, prompts: list, max_tokens: int, salt: str, clients: int,
+                  on_first: bool = True) -> dict[str, Any]:
+    """The speed check under the demo's traffic shape: every prompt sent by `clients` clients at
+    once with speculation, then every one without (or the other way round), tokens/s per
+    request. A request shares its steps with the other prompts of its own mode, so each
+    prompt's two requests met the same company; the head's gain is in batched steps, which
+    one request at a time does not show."""
+    got = {}
+    for spec in ([True, False] if on_first else [False, True]):
+        def send(p: Any, spec: bool = spec) -> dict[str, Any]:
+            return post_chat(url, p.text, max_tokens, osd_speculate=spec, osd_record=False,
+                             cache_salt=f"{salt}-{'on' if spec else 'off'}")
+
+        with ThreadPoolExecutor(clients) as pool:
+            got[spec] = list(pool.map(send, prompts))
+    return dict(_paired(prompts, got[True], got[False]), clients=clients)
+
+
+def _paired(prompts: list, on: list[dict[str, Any]], off: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per prompt, its speculative and autoregressive answers' tokens/s and their ratio."""
+    pairs = []
+    for p, a, b in zip(prompts, on, off):
+        if a["ok"] and b["ok"] and a["tokens"] and b["tokens"]:
+            sd, ar = a["tokens"] / a["latency_s"], b["tokens"] / b["latency_s"]
             pairs.append({"prompt": p.id, "sd_tok_s": sd, "ar_tok_s": ar, "ratio": sd / ar,
-                          "version": got[True]["version"], "tokens": got[True]["tokens"]})
+                          "version": a["version"], "tokens": a["tokens"]})
     if not pairs:
         return {"pairs": [], "speedup_vs_ar": None}
     return {"pairs": pairs, "speedup_vs_ar": statistics.median(p["ratio"] for p in pairs),
@@ -131,6 +153,8 @@ def merge_checks(checks: list[dict[str, Any]]) -> dict[str, Any]:
         out.update(speedup_vs_ar=statistics.median(p["ratio"] for p in pairs),
                    sd_tok_s_median=statistics.median(p["sd_tok_s"] for p in pairs),
                    ar_tok_s_median=statistics.median(p["ar_tok_s"] for p in pairs))
+    if all("batched" in c for c in checks):
+        out["batched"] = dict(merge_checks([c["batched"] for c in checks]), clients=checks[0]["batched"]["clients"])
     return out
 
 
@@ -175,6 +199,16 @@ def loop_contribution(final: dict[str, Any], frozen: dict[str, Any]) -> dict[str
             "served_by_another_version": served_by_other, "per_prompt": per_prompt}
 
 
+def batched_contribution(final: dict[str, Any], frozen: dict[str, Any]) -> dict[str, Any]:
+    """loop_contribution of the batched checks (each round's `batched`), or why there is none."""
+    if frozen.get("skipped"):
+        return {"skipped": frozen["skipped"], "per_prompt": []}
+    if "batched" not in final or "batched" not in frozen:
+        return {"skipped": "no batched check ran", "per_prompt": []}
+    return loop_contribution(final["batched"], dict(frozen["batched"], version=frozen["version"],
+                                                    final_version=frozen["final_version"], skipped=None))
+
+
 def frozen_skip_reason(start_stable: str | None, end_stable: str | None, start_kept: bool = True) -> str | None:
     """Why the frozen check cannot run, or None when it can."""
     if start_stable is None:
@@ -199,11 +233,12 @@ def wait_until_served(url: str, version: str, *, timeout_s: float, poll_s: float
 
 
 def frozen_check(loop: Any, reg: Any, prompts: list, max_tokens: int, frozen: str | None, *,
-                 wait_s: float = 60.0, rounds: int = 1) -> dict[str, Any]:
+                 wait_s: float = 60.0, rounds: int = 1, clients: int = 0) -> dict[str, Any]:
     """The speed check again with v1 stable (`rounds` times, merged), then the loop's stable put
-    back. The demo stops the rollout first (end_rollout); a canary or a decision that a running
-    controller made during the check is still reported. A registry that refuses the move costs
-    this check only, never the report."""
+    back; with `clients`, each round also runs the batched check (`batched`). The demo stops the
+    rollout first (end_rollout); a canary or a decision that a running controller made during
+    the check is still reported. A registry that refuses the move costs this check only, never
+    the report."""
     from infra.registry import RegistryError
 
     before = reg.aliases()
@@ -228,8 +263,8 @@ def frozen_check(loop: Any, reg: Any, prompts: list, max_tokens: int, frozen: st
             out["skipped"] = f"the replica did not serve {frozen} within {wait_s:.0f} s of the alias move"
         else:
             _log(f"frozen check: {frozen} serves again after {waited:.1f} s; the same {len(prompts)} prompts")
-            checks = [speed_check(loop.url, prompts, max_tokens, salt=f"osd-demo-frozen{_round(i, rounds)}")
-                      for i in range(rounds)]
+            checks = [check_round(loop.url, prompts, max_tokens, f"osd-demo-frozen{_round(i, rounds)}", clients,
+                                  on_first=i % 2 == 1) for i in range(rounds)]
             out.update(checks[0] if rounds == 1 else merge_checks(checks), waited_s=waited)
     finally:
         out.update(restore_stable(reg, frozen, final))
@@ -237,6 +272,15 @@ def frozen_check(loop: Any, reg: Any, prompts: list, max_tokens: int, frozen: st
     out["canary_during"] = out["canary_during"] or (status["aliases"]["canary"] or {}).get("version")
     out["decisions_during"] = [{k: d.get(k) for k in ("time", "action", "version", "reason")}
                                for d in status["decisions"][n_decisions:]]
+    return out
+
+
+def check_round(url: str, prompts: list, max_tokens: int, salt: str, clients: int = 0,
+                on_first: bool = True) -> dict[str, Any]:
+    """One round: the one-request speed check, and with `clients` the batched check (`batched`)."""
+    out = speed_check(url, prompts, max_tokens, salt=salt)
+    if clients:
+        out["batched"] = batched_check(url, prompts, max_tokens, f"{salt}-batched", clients, on_first)
     return out
 
 
@@ -527,19 +571,20 @@ def run_phases(loop: Any, reg: Any, work: Workload, general: list, code: list, s
         time.sleep(2 * loop.cfg.serve.alias_poll_s)  # the replica re-reads the aliases on its own clock
     _log(f"speed check: {len(speed_set)} post-shift code prompts, speculative vs autoregressive, same server")
     controller = loop.controller_status()  # the loop's outcome, before the frozen check moves stable
-    speed, frozen = final_and_frozen(loop, reg, speed_set, work.max_tokens, start_stable)
+    speed, frozen = final_and_frozen(loop, reg, speed_set, work.max_tokens, start_stable, clients=work.concurrency)
     return PhaseRun(t0, shift, speed, controller, loop.samples(), stream_records(loop.cfg), start_stable, frozen,
                     lag, withdrawn)
 
 
 def final_and_frozen(loop: Any, reg: Any, prompts: list, max_tokens: int, start_stable: str | None,
-                     *, wait_s: float = 60.0) -> tuple[dict[str, Any], dict[str, Any]]:
+                     *, wait_s: float = 60.0, clients: int = 0) -> tuple[dict[str, Any], dict[str, Any]]:
     """The speed check with the loop's final stable and with v1 (frozen), as final, frozen,
     frozen, final: one run's final check ran with own AR at 130 tok/s where the frozen check
     right after had 160, so back-to-back checks compare the machine's moments, not the drafts.
-    The second final round runs only if the loop's stable is served again."""
-    final = dict(speed_check(loop.url, prompts, max_tokens, salt="osd-demo-final-1"), max_tokens=max_tokens)
-    frozen = frozen_check(loop, reg, prompts, max_tokens, start_stable, wait_s=wait_s, rounds=2)
+    The second final round runs only if the loop's stable is served again. With `clients`,
+    each round also runs the batched check, its modes' order alternating too."""
+    final = dict(check_round(loop.url, prompts, max_tokens, "osd-demo-final-1", clients), max_tokens=max_tokens)
+    frozen = frozen_check(loop, reg, prompts, max_tokens, start_stable, wait_s=wait_s, rounds=2, clients=clients)
     if frozen.get("skipped") or not frozen.get("restored"):
         return final, frozen
     back = wait_until_served(loop.url, frozen["final_version"], timeout_s=wait_s,
@@ -547,7 +592,7 @@ def final_and_frozen(loop: Any, reg: Any, prompts: list, max_tokens: int, start_
     if back is None:
         _log(f"the replica did not serve {frozen['final_version']} again within {wait_s:.0f} s: one final round")
         return final, frozen
-    again = speed_check(loop.url, prompts, max_tokens, salt="osd-demo-final-2")
+    again = check_round(loop.url, prompts, max_tokens, "osd-demo-final-2", clients, on_first=False)
     return dict(merge_checks([final, again]), max_tokens=max_tokens), frozen
 
 
@@ -617,6 +662,10 @@ def build_report(run: PhaseRun, results: list[dict[str, Any]], versions: list[di
         "speed_check_frozen": frozen,
         "speedup_vs_ar_frozen": frozen["speedup_vs_ar"],
         "loop_contribution": loop_contribution(run.speed, frozen),
+        # the same under the demo's eight clients (batched_check): where the head's gain is
+        "speedup_vs_ar_batched": (run.speed.get("batched") or {}).get("speedup_vs_ar"),
+        "speedup_vs_ar_frozen_batched": (frozen.get("batched") or {}).get("speedup_vs_ar"),
+        "loop_contribution_batched": batched_contribution(run.speed, frozen),
         "decisions": [{k: d.get(k) for k in ("time", "action", "version", "reason", "weight")} for d in decisions],
         "final_aliases": run.controller["aliases"],
         "canary_withdrawn_at_end": run.withdrawn_canary,
@@ -665,6 +714,11 @@ def _print_loop_gain(r: dict[str, Any]) -> None:
     else:
         print(f"loop contribution (final minus frozen speed-up, median over {lc['n']} prompts): {lc['median']:+.3f}, "
               f"{lc['level']:.0%} bootstrap interval [{lc['lower']:+.3f}, {lc['upper']:+.3f}]")
+    lb = r.get("loop_contribution_batched") or {}
+    if "median" in lb:
+        print(f"batched ({(r['speed_check'].get('batched') or {}).get('clients')} clients): speed-up vs AR "
+              f"{_times(r['speedup_vs_ar_batched'])} vs {_times(r['speedup_vs_ar_frozen_batched'])}, loop contribution "
+              f"{lb['median']:+.3f} [{lb['lower']:+.3f}, {lb['upper']:+.3f}]")
     if fz.get("canary_during"):
         print(f"  canary {fz['canary_during']} was live during the frozen check")
     if lc.get("served_by_another_version"):
