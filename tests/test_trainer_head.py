@@ -147,7 +147,11 @@ def test_scores_on_the_counted_rows_alone_equal_those_of_the_full_unroll(target)
     t = torch.arange(b.valid.shape[1]).view(1, -1)
     agree = [float(((head.d2t[z.argmax(-1)] == b.target_argmax) & m).sum() / m.sum())
              for j, z in enumerate(full, start=1) for m in [b.valid & (t >= b.start.view(-1, 1) + j - 1)]]
-    assert evaluate(head, fs)["agree_per_depth"] == pytest.approx(agree, abs=1e-6)
+    ev = evaluate(head, fs)
+    assert ev["agree_per_depth"] == pytest.approx(agree, abs=1e-6)
+    counted = b.valid & (t >= b.start.view(-1, 1))  # coverage counts the rows from each start, as before
+    assert ev["coverage"] == pytest.approx(float(head.t2d()[b.target_argmax.clamp(min=0)][counted].float().mean()))
+    assert ev["rows"] == int(counted.sum())
 
     got = per_record_acceptance_head(head, target, recs, 1024, features=fs)
     for i, (rec, (s, n)) in enumerate(zip(recs, got)):

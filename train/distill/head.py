@@ -224,9 +224,8 @@ def evaluate(head: Any, fs: FeatureSet, depth: int = DEPTH, token_budget: int = 
             agree = head.d2t[head.logits(o[m]).argmax(-1)] == target[m]  # counted rows alone
             hits[j - 1] += int(agree.sum())
             counts[j - 1] += int(m.sum())
-        m1 = b.valid & (t >= b.start.view(-1, 1))
-        in_vocab += int((t2d[b.target_argmax.clamp(min=0)] & m1).sum())
-        total += int(m1.sum())
+        in_vocab += int((t2d[target.clamp(min=0)] & real).sum())  # real: the rows from each start
+        total += int(real.sum())
     acc = [h / c if c else 0.0 for h, c in zip(hits, counts)]
     chain = [math.prod(acc[: i + 1]) for i in range(depth)]
     return {"agree_per_depth": acc, "alpha_est": sum(acc) / depth if depth else None,
