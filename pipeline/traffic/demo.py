@@ -98,8 +98,7 @@ def speed_check(url: str, prompts: list, max_tokens: int, salt: str = "osd-demo-
     got: dict[bool, list] = {True: [], False: []}
     for i, p in enumerate(prompts):
         for spec in ([True, False] if i % 2 == 0 else [False, True]):
-            got[spec].append(post_chat(url, p.text, max_tokens, osd_speculate=spec, osd_record=False,
-                                       cache_salt=f"{salt}-{'on' if spec else 'off'}"))
+            got[spec].append(_ask(url, p, max_tokens, spec, salt))
     return _paired(prompts, got[True], got[False])
 
 
@@ -112,13 +111,15 @@ def batched_check(url: str, prompts: list, max_tokens: int, salt: str, clients: 
     one request at a time does not show."""
     got = {}
     for spec in ([True, False] if on_first else [False, True]):
-        def send(p: Any, spec: bool = spec) -> dict[str, Any]:
-            return post_chat(url, p.text, max_tokens, osd_speculate=spec, osd_record=False,
-                             cache_salt=f"{salt}-{'on' if spec else 'off'}")
-
         with ThreadPoolExecutor(clients) as pool:
-            got[spec] = list(pool.map(send, prompts))
+            got[spec] = list(pool.map(lambda p, spec=spec: _ask(url, p, max_tokens, spec, salt), prompts))
     return dict(_paired(prompts, got[True], got[False]), clients=clients)
+
+
+def _ask(url: str, p: Any, max_tokens: int, spec: bool, salt: str) -> dict[str, Any]:
+    """One speed-check request: unrecorded, each mode with its own cache salt."""
+    return post_chat(url, p.text, max_tokens, osd_speculate=spec, osd_record=False,
+                     cache_salt=f"{salt}-{'on' if spec else 'off'}")
 
 
 def _paired(prompts: list, on: list[dict[str, Any]], off: list[dict[str, Any]]) -> dict[str, Any]:
@@ -129,9 +130,15 @@ def _paired(prompts: list, on: list[dict[str, Any]], off: list[dict[str, Any]]) 
             sd, ar = a["tokens"] / a["latency_s"], b["tokens"] / b["latency_s"]
             pairs.append({"prompt": p.id, "sd_tok_s": sd, "ar_tok_s": ar, "ratio": sd / ar,
                           "version": a["version"], "tokens": a["tokens"]})
+    return {"pairs": pairs, **_medians(pairs)}
+
+
+def _medians(pairs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The check's figures over its pairs: the median ratio and tokens/s (speedup_vs_ar None
+    without pairs)."""
     if not pairs:
-        return {"pairs": [], "speedup_vs_ar": None}
-    return {"pairs": pairs, "speedup_vs_ar": statistics.median(p["ratio"] for p in pairs),
+        return {"speedup_vs_ar": None}
+    return {"speedup_vs_ar": statistics.median(p["ratio"] for p in pairs),
             "sd_tok_s_median": statistics.median(p["sd_tok_s"] for p in pairs),
             "ar_tok_s_median": statistics.median(p["ar_tok_s"] for p in pairs)}
 
@@ -147,12 +154,8 @@ def merge_checks(checks: list[dict[str, Any]]) -> dict[str, Any]:
     pairs = [{"prompt": k[0], "version": k[1], "rounds": len(ps),
               **{f: statistics.fmean(p[f] for p in ps) for f in ("sd_tok_s", "ar_tok_s", "ratio", "tokens")}}
              for k, ps in by.items()]
-    out: dict[str, Any] = {"pairs": pairs, "speedup_vs_ar": None, "rounds": len(checks),
+    out: dict[str, Any] = {"pairs": pairs, **_medians(pairs), "rounds": len(checks),
                            "round_speedups": [c.get("speedup_vs_ar") for c in checks]}
-    if pairs:
-        out.update(speedup_vs_ar=statistics.median(p["ratio"] for p in pairs),
-                   sd_tok_s_median=statistics.median(p["sd_tok_s"] for p in pairs),
-                   ar_tok_s_median=statistics.median(p["ar_tok_s"] for p in pairs))
     if all("batched" in c for c in checks):
         out["batched"] = dict(merge_checks([c["batched"] for c in checks]), clients=checks[0]["batched"]["clients"])
     return out
