@@ -355,3 +355,43 @@ def test_an_accepted_chain_brings_the_lookups_back_to_every_step():
     assert st_misses() == 0
     seq.tokens += got.tokens[:1].tolist() + [motif[3]]
     assert draft.propose([seq], [0], ctx)[0].tokens.numel() > 0  # looked up at once
+
+
+class _SlowHead:
+    """A head whose batched proposal takes `delay` seconds: one token for every request."""
+    feature_layers, vocab_size, max_seq_len, device = (), 2048, 1 << 20, torch.device("cpu")
+
+    def __init__(self, delay):
+        self.delay = delay
+
+    def propose(self, seqs, ks, ctx):
+        import time
+
+        from serve.spec_decode.protocol import Proposal
+
+        time.sleep(self.delay)
+        return [Proposal(torch.tensor([7]), None, [0.5], "head") for _ in seqs]
+
+
+def test_the_hybrid_charges_the_heads_forward_to_the_heads_chains_alone():
+    """A batched step's draft seconds per request go to the draft-length policy as that draft's
+    cost per token: shared out by tokens over the hybrid's call, a batch's suffix chains took
+    most of the head's forward and the head looked cheap under load."""
+    from serve.engine.step import propose_all
+    from serve.spec_decode.protocol import StepContext
+    from serve.spec_decode.suffix.draft import HybridDraft
+
+    delay = 0.2
+    draft = HybridDraft(_SlowHead(delay), SuffixDraft(2048))
+    motif = [5, 6, 7, 8, 9, 10, 11, 12]
+    seqs = [_Seq(motif * 4 + [5, 6]), _Seq(range(100, 140)), _Seq(range(200, 240))]
+    for s in seqs:
+        s.length, s.draft = None, draft
+    ctx = StepContext(0.0, 4, lambda s: 8, None, rows=3, seqs=3)
+    eng = type("Eng", (), {"device": torch.device("cpu"), "step_context": lambda self, seqs, ks: ctx})()
+    got = propose_all(eng, seqs, [1, 1, 1])
+    (rep, rep_s), (new1, new1_s), (new2, new2_s) = got
+    assert rep.source == "suffix" and rep.tokens.numel() > 1  # the repeat: a suffix chain
+    assert new1.source == new2.source == "head"
+    assert rep_s < delay / 2  # a lookup, none of the head's forward
+    assert new1_s >= delay / 2 and new2_s >= delay / 2 and new1_s + new2_s >= delay  # the forward, shared by the two

@@ -99,7 +99,8 @@ def take_prefixes(prefixes: list[tuple[Seq, Any, int]]) -> None:
 def propose_all(eng: SpecEngine, seqs: list[Seq], ks: list[int]) -> list[tuple[Proposal, float]]:
     """The chains' propose stage: the requests of each draft propose together (a head drafts
     them in one forward per draft position); the call's time is shared out by the tokens
-    each request got. Per request (its proposal, seconds)."""
+    each request got, unless the draft timed its proposals itself (Proposal.seconds). Per
+    request (its proposal, seconds)."""
     ctx = eng.step_context(seqs, ks)
     out: list[tuple[Proposal, float]] = [(no_proposal(eng.device), 0.0)] * len(seqs)
     groups: dict[int, list[int]] = {}
@@ -114,7 +115,8 @@ def propose_all(eng: SpecEngine, seqs: list[Seq], ks: list[int]) -> list[tuple[P
         total = sum(sizes)
         for i, p, size in zip(members, got, sizes):
             seqs[i].step_source = p.source
-            out[i] = (p, took * size / total if total else took / len(members))
+            share = took * size / total if total else took / len(members)
+            out[i] = (p, share if p.seconds is None else p.seconds)
     return out
 
 

@@ -33,6 +33,10 @@ class Proposal(NamedTuple):
     own: list[float]  # the draft's probability of each token
     source: str  # who proposed: "layer", "head", "suffix"
     point_mass: bool = False  # chosen, not drawn (module doc)
+    # The draft's own seconds for this proposal, where it times its parts (the hybrid: a suffix
+    # lookup costs little, a head forward much); None: the engine shares the call's time out
+    # by tokens, which would charge a head's forward to a batch's suffix chains.
+    seconds: float | None = None
 
 
 def no_proposal(device: torch.device, source: str = "", point_mass: bool = False) -> Proposal:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,12 +243,26 @@ class HybridDraft(Draft):
         self.head.prefix_taken(seq, n)
 
     def propose(self, seqs: list[Any], ks: list[int], ctx: StepContext) -> list[Proposal]:
-        out: list[Proposal | None] = [self._suffix_first(seq, k, ctx) for seq, k in zip(seqs, ks)]
+        """Each proposal timed as its own (Proposal.seconds): a suffix chain its lookup, a head
+        chain its request's lookup and its share of the head's forwards by tokens, so the
+        length policy learns the head's cost per token from the head's steps alone."""
+        out: list[Proposal | None] = []
+        lookup: list[float] = []
+        for seq, k in zip(seqs, ks):
+            t0 = time.perf_counter()
+            got = self._suffix_first(seq, k, ctx)
+            lookup.append(time.perf_counter() - t0)
+            out.append(None if got is None else got._replace(seconds=lookup[-1]))
         rest = [i for i, got in enumerate(out) if got is None]
         if rest:  # the head's requests draft together (one head forward a position)
-            for i, got in zip(rest, self.head.propose([seqs[i] for i in rest], [ks[i] for i in rest], ctx)):
-                out[i] = got
-        return out
+            t0 = time.perf_counter()
+            heads = self.head.propose([seqs[i] for i in rest], [ks[i] for i in rest], ctx)
+            took = time.perf_counter() - t0
+            total = sum(p.tokens.numel() for p in heads)
+            for i, got in zip(rest, heads):
+                share = took * got.tokens.numel() / total if total else took / len(rest)
+                out[i] = got._replace(seconds=lookup[i] + share)
+        return [got for got in out if got is not None]  # every request has one by now
 
     def _suffix_first(self, seq: Any, k: int, ctx: StepContext) -> Proposal | None:
         got = self.suffix.propose([seq], [k], ctx)[0]
