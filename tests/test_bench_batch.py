@@ -23,6 +23,8 @@ def test_bad_levels_are_refused_by_the_parser(bad, capsys):
 
 
 def test_levels_run_their_clients_together_and_each_level_on_prompts_of_its_own():
+    """Each level on prompts of its own; speculation on and off of a level on the same ones
+    (greedy: the same answers), and the on / off ratio from them."""
     target = build_tiny_llama(seed=3, num_layers=2, max_positions=128)
     target.config.eos_token_id = None
     eng = SpecEngine(target, build_draft("truncate:1", target),
@@ -37,13 +39,14 @@ def test_levels_run_their_clients_together_and_each_level_on_prompts_of_its_own(
 
     rows = run_levels(eng, draft, ids, [1, 4], 2, 6, (True, False), log=lambda s: None)
     assert [(r["clients"], r["speculation"], r["requests"]) for r in rows] == [
-        (1, True, 2), (1, False, 2), (4, True, 8), (4, False, 8)]
+        (1, True, 2), (1, False, 2), (4, False, 8), (4, True, 8)]  # the order alternates by level
     assert all(r["tokens"] == 6 * r["requests"] for r in rows)
+    assert rows[0]["on_off"] == rows[0]["tok_s"] / rows[1]["tok_s"] and rows[1]["on_off"] is None
     assert rows[0]["seqs_per_forward"] == 1.0 and rows[2]["seqs_per_forward"] > 1.0  # 4 clients share forwards
     assert len(made) == 4  # a fresh draft for each speculative run, its warm-up included
     assert "vs 1 client(s)" in table(rows)
     with pytest.raises(ValueError, match="40 prompts are too few: the levels need 48"):
-        run_levels(eng, draft, ids, [8], 2, 6, (True, False), log=lambda s: None)
+        run_levels(eng, draft, ids, [16], 2, 6, (True, False), log=lambda s: None)
 
 
 def test_conversations_send_each_turn_after_the_answer_and_reuse_is_compared_on_the_same_requests():
@@ -70,12 +73,12 @@ def test_conversations_send_each_turn_after_the_answer_and_reuse_is_compared_on_
 
 def test_the_default_levels_find_enough_sharegpt_prompts():
     """Without --prompts-file every held-out first turn is a candidate (it once took 32, and the
-    default levels 1,8,16 with 2 requests need 150), and every one fits the context."""
+    default levels 1,8,16 with 2 requests need 75), and every one fits the context."""
     from infra.config import OSDConfig
     from infra.target import tiny_tokenizer
     from pipeline.bench.batch import _items
 
     args = build_parser().parse_args(["bench", "batch"])
     items = _items(OSDConfig(), args, tiny_tokenizer(), 2048)
-    assert len(items) >= sum(args.clients) * (args.requests + 1) * 2
+    assert len(items) >= sum(args.clients) * (args.requests + 1)
     assert all(len(x) + args.max_new_tokens <= 2048 for x in items)

@@ -4,7 +4,9 @@ Each level runs C clients, each streaming `--requests` requests back to back (af
 one request a client, not timed, as a replica's warm-up), every request a prompt no earlier
 request of the run has sent (so the suffix draft meets first-time prompts,
 and a fresh draft serves each level). With `--speculation both` each level runs speculation
-on and off one after the other, so the two are compared at the same load in one run. Per
+on and off one after the other on the same prompts (each run's untimed round fills the KV
+slots with the same prompts first), so the two are compared at the same load and on the same
+answers in one run (`on_off`). Per
 level: output tokens/s, sequences and rows per target forward (the scheduler's step log:
 continuous batching at work), the ratio to one client, the median time to a first token and
 the share of prompt tokens a KV slot already held (serve/engine/prefix.py).
@@ -106,27 +108,33 @@ def run_levels(engine: Any, make_draft: Callable[[Any], Any], items: list[Any], 
                per_client: int, max_new: int, modes: tuple[bool, ...],
                log: Callable[[str], None] = print, engines: dict[str, Any] | None = None,
                tokenizer: Any = None) -> list[dict[str, Any]]:
-    """Every (level, mode), each on prompts of its own; a row per run. items: token ids, or
-    conversations (tuples of user turns, tokenized with `tokenizer`). engines: prefix reuse
-    "on" / "off" -> engine; each (level, mode) then runs on every engine with the same prompts,
-    in an order that alternates from level to level. make_draft(engine): a fresh draft."""
+    """Every level on prompts of its own, each of its runs (a mode on an engine) on the same
+    prompts, in an order that alternates from level to level; a row per run. items: token ids,
+    or conversations (tuples of user turns, tokenized with `tokenizer`). engines: prefix reuse
+    "on" / "off" -> engine (else every run is on `engine`). make_draft(engine): a fresh draft."""
     from serve.engine.core import GenerationParams
 
-    engines = engines or {"": engine}
+    arms = [(reuse, spec, eng) for spec in modes for reuse, eng in (engines or {"": engine}).items()]
+    need = [c * per_client + c for c in clients]
+    if sum(need) > len(items):
+        raise ValueError(f"{len(items)} prompts are too few: the levels need {sum(need)} (one per request)")
     rows, at = [], 0
     for li, c in enumerate(clients):
-        for spec in modes:
-            need = c * per_client + c
-            if at + need > len(items):
-                raise ValueError(f"{len(items)} prompts are too few: the levels need "
-                                 f"{sum(clients) * (per_client + 1) * len(modes)} (one per request)")
+        for reuse, spec, eng in arms if li % 2 == 0 else arms[::-1]:
             params = GenerationParams(max_new_tokens=max_new, speculate=spec, capture=False)
-            order = list(engines.items())
-            for reuse, eng in order if li % 2 == 0 else order[::-1]:
-                rows.append(_run(eng, make_draft if spec else None, params, items[at:at + need], c, per_client,
-                                 tokenizer, reuse, log))
-            at += need
+            rows.append(_run(eng, make_draft if spec else None, params, items[at:at + need[li]], c, per_client,
+                             tokenizer, reuse, log))
+        at += need[li]
+    _on_off(rows)
     return rows
+
+
+def _on_off(rows: list[dict[str, Any]]) -> None:
+    """Each speculative row's tok/s over its level's run without speculation (same prompts)."""
+    off = {(r["clients"], r["prefix_reuse"]): r["tok_s"] for r in rows if not r["speculation"]}
+    for r in rows:
+        base = off.get((r["clients"], r["prefix_reuse"]))
+        r["on_off"] = r["tok_s"] / base if r["speculation"] and base else None
 
 
 def _run(eng: Any, make_draft: Callable[[Any], Any] | None, params: Any, items: list[Any], c: int,
@@ -158,9 +166,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     body = [[r["clients"], "on" if r["speculation"] else "off", r["prefix_reuse"] or "-", r["requests"],
              f"{r['tok_s']:.1f}", f"{r['tok_s'] / base[(r['speculation'], r['prefix_reuse'])]:.2f}x",
              f"{r['seqs_per_forward']:.2f}", f"{r['rows_per_forward']:.2f}",
-             " / ".join(f"{t:.0f}" for t in r["ttft_ms"]), f"{r['cached_share']:.0%}"] for r in rows]
+             " / ".join(f"{t:.0f}" for t in r["ttft_ms"]), f"{r['cached_share']:.0%}",
+             f"{r['on_off']:.2f}x" if r.get("on_off") else "-"] for r in rows]
     return tabulate(body, headers=["clients", "spec", "prefix reuse", "requests", "out tok/s", f"vs {first} client(s)",
-                                   "seqs/forward", "rows/forward", "first token ms (per turn)", "prompt cached"])
+                                   "seqs/forward", "rows/forward", "first token ms (per turn)", "prompt cached",
+                                   "on / off"])
 
 
 def _items(cfg: OSDConfig, args: argparse.Namespace, tokenizer: Any, max_seq_len: int) -> list[Any]:
@@ -175,7 +185,7 @@ def _items(cfg: OSDConfig, args: argparse.Namespace, tokenizer: Any, max_seq_len
                 if sum(len(messages_ids(tokenizer, [{"role": "user", "content": t}])) for t in c)
                 + 2 * args.max_new_tokens <= max_seq_len]
     # Every held-out first turn (select_prompts takes 32 of ShareGPT's unless told how many):
-    # the default levels need 150.
+    # the default levels need 75.
     prompts = select_prompts(cfg.data, None if args.prompts_file else ALL_PROMPTS, args.prompts_file,
                              max_prompt_chars=None if args.prompts_file else args.max_prompt_chars)
     ids = [messages_ids(tokenizer, p.chat()) for p in prompts]
