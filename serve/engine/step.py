@@ -29,7 +29,7 @@ from serve.engine.stages import commit, end_prefill, prefilled_chunk, verify
 from serve.model import native_logits
 from serve.model.batch_forward import Item, Output, forward_batch
 from serve.sampling.verify import verify_greedy
-from serve.spec_decode.protocol import Proposal, no_proposal
+from serve.spec_decode.protocol import Proposal, no_proposal, shared_seconds
 from serve.spec_decode.trees.stages import TreeBlock, tree_block, tree_verify
 
 
@@ -111,11 +111,8 @@ def propose_all(eng: SpecEngine, seqs: list[Seq], ks: list[int]) -> list[tuple[P
         t0 = time.perf_counter()
         got = seqs[members[0]].draft.propose([seqs[i] for i in members], [ks[i] for i in members], ctx)
         took = time.perf_counter() - t0
-        sizes = [p.tokens.numel() for p in got]
-        total = sum(sizes)
-        for i, p, size in zip(members, got, sizes):
+        for i, p, share in zip(members, got, shared_seconds(took, [p.tokens.numel() for p in got])):
             seqs[i].step_source = p.source
-            share = took * size / total if total else took / len(members)
             out[i] = (p, share if p.seconds is None else p.seconds)
     return out
 

@@ -39,6 +39,13 @@ class Proposal(NamedTuple):
     seconds: float | None = None
 
 
+def shared_seconds(seconds: float, sizes: list[int]) -> list[float]:
+    """A call's seconds shared among the proposals it made, by their tokens (evenly where none
+    has a token): the cost a batched draft call puts on each request."""
+    total = sum(sizes)
+    return [seconds * n / total if total else seconds / len(sizes) for n in sizes]
+
+
 def no_proposal(device: torch.device, source: str = "", point_mass: bool = False) -> Proposal:
     return Proposal(torch.empty(0, dtype=torch.long, device=device), None, [], source, point_mass)
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from infra.config import SuffixConfig
-from serve.spec_decode.protocol import Draft, Proposal, StepContext, draft_state, no_proposal
+from serve.spec_decode.protocol import Draft, Proposal, StepContext, draft_state, no_proposal, shared_seconds
 from serve.spec_decode.k_policy import chain_expected, expected_tokens
 from serve.spec_decode.suffix.calibration import Calibration
 from serve.spec_decode.suffix.index import SuffixProposer
@@ -257,10 +257,8 @@ class HybridDraft(Draft):
         if rest:  # the head's requests draft together (one head forward a position)
             t0 = time.perf_counter()
             heads = self.head.propose([seqs[i] for i in rest], [ks[i] for i in rest], ctx)
-            took = time.perf_counter() - t0
-            total = sum(p.tokens.numel() for p in heads)
-            for i, got in zip(rest, heads):
-                share = took * got.tokens.numel() / total if total else took / len(rest)
+            shares = shared_seconds(time.perf_counter() - t0, [p.tokens.numel() for p in heads])
+            for i, got, share in zip(rest, heads, shares):
                 out[i] = got._replace(seconds=lookup[i] + share)
         return [got for got in out if got is not None]  # every request has one by now
 
