@@ -249,6 +249,10 @@ class ServeConfig(_Section):
     # Write a training record for each finished request (a request may override it).
     record: bool = True
     num_replicas: int = Field(1, ge=1)  # target replicas behind the ingress
+    # Where the OpenAI routes run: "separate" (an ingress deployment in front of the replicas),
+    # "replica" (in the replica's own process, one fewer hop and process a token; one replica
+    # only) or "auto": "replica" for a lone replica (docs/serving.md has the measurement).
+    ingress: Literal["auto", "separate", "replica"] = "auto"
     num_cpus_per_replica: float = Field(1.0, gt=0)  # CPUs Ray reserves for each replica
     # A replica's forward threads (torch's and the native kernels'). 0: every usable core for a
     # lone replica (infra/common/cpu.py replica_threads), else num_cpus_per_replica each.
@@ -322,6 +326,18 @@ class ServeConfig(_Section):
         if bad:
             raise ValueError(f"tenant names must match {TENANT_PATTERN}: {bad}")
         return v
+
+    @model_validator(mode="after")
+    def _ingress_fits(self) -> "ServeConfig":
+        if self.ingress == "replica" and self.num_replicas > 1:
+            raise ValueError(f'ingress "replica" serves the routes from the replica itself, so it needs '
+                             f'num_replicas 1 (got {self.num_replicas}); use "separate" or "auto"')
+        return self
+
+    @property
+    def ingress_in_replica(self) -> bool:
+        """Whether the OpenAI routes run in the lone replica's process (ingress auto or replica)."""
+        return self.ingress == "replica" or (self.ingress == "auto" and self.num_replicas == 1)
 
     def tenant(self, name: str) -> TenantConfig:
         return self.tenants.get(name) or TenantConfig()

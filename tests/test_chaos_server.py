@@ -48,7 +48,10 @@ ANSWERS = {400, 413, 415, 429, 503}  # the refusals a hardened server may give b
 def app(tmp_path_factory):
     # A queued request gets the server's 503 well before the client gives up on it, so a
     # client timeout can only mean a hang.
-    serve = {"draft": "truncate:1", "max_new_tokens": MAX_NEW, "k": 3, "queue_timeout_s": QUEUE_TIMEOUT_S}
+    # The ingress as its own deployment, in front of the replica through a Serve handle: the
+    # server tests (test_serve_app) run the default, the routes inside the lone replica.
+    serve = {"draft": "truncate:1", "max_new_tokens": MAX_NEW, "k": 3, "queue_timeout_s": QUEUE_TIMEOUT_S,
+             "ingress": "separate"}
     with running_app(tmp_path_factory.mktemp("chaos-redis"), key=KEY, name=APP, serve=serve,
                      stream_name="chaos:records") as app:
         yield app

@@ -227,3 +227,11 @@ def test_the_gate_is_a_section_and_its_old_flat_keys_still_load():
     assert load_config(environ={"OSD_TRAIN__GATE__RESAMPLES": "300"}).train.gate.resamples == 300
     with pytest.raises(ConfigError, match=r"train\.gate\.confidence"), pytest.warns(RetiredSettingWarning):
         load_config(environ={}, overrides={"train": {"gate_confidence": 1.5}})
+
+
+def test_the_ingress_runs_in_a_lone_replica_unless_told_otherwise():
+    assert load_config(environ={}).serve.ingress_in_replica
+    assert not load_config(environ={"OSD_SERVE__NUM_REPLICAS": "2"}).serve.ingress_in_replica
+    assert not load_config(environ={"OSD_SERVE__INGRESS": "separate"}).serve.ingress_in_replica
+    with pytest.raises(ConfigError, match=r'ingress "replica" .* needs num_replicas 1 \(got 2\)'):
+        load_config(environ={"OSD_SERVE__INGRESS": "replica", "OSD_SERVE__NUM_REPLICAS": "2"})

@@ -2,7 +2,7 @@
 N minutes while it trains and promotes, sampling every ~10 s what could grow without end:
 
 - RSS of each process of the stack, summed by role (driver, replica, ingress, trainer,
-  controller, serve, ray, redis);
+  controller, serve, ray, redis; a lone replica holds the ingress, serve.ingress auto);
 - disk of the state dir: registry versions, the audit log, the trainer's checkpoints, Redis's AOF,
   the replicas' record spools, and the whole state dir;
 - Redis used_memory.

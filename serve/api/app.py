@@ -3,6 +3,9 @@
     HTTP ──> OpenAIIngress (FastAPI: validation, auth, SSE) ──handle──> TargetReplica × N
                                                                      (SpecEngine + RecordProducer)
 
+With one replica (serve.ingress auto) both live in one deployment, ReplicaIngress, and the
+ingress calls the replica in its own process (serve/api/local_handle.py).
+
 Each replica runs the speculative engine and, when a request finishes, submits one record
 (prompt, output, the target's top-k per position) to the Redis stream. Submitting only
 enqueues (see infra.records.streams.RecordProducer): serving never waits on, or fails because
@@ -889,10 +892,45 @@ class OpenAIIngress:
         return await self._guarded(request, schema)
 
 
+class ReplicaIngress(OpenAIIngress):
+    """The OpenAI routes and the lone target replica in one deployment (serve.ingress "replica"):
+    the ingress calls the replica in its own process (serve/api/local_handle.py), and Serve's
+    replica hooks (health, user_config, shutdown) reach the target."""
+
+    async def __init__(self, cfg_dict: dict[str, Any], api_key: str | None = None):  # Serve's ingress wrapper's is async
+        from serve.api.local_handle import LocalHandle
+
+        self.target = TargetReplica(cfg_dict)
+        await super().__init__(LocalHandle(self.target), cfg_dict, api_key)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        self.target.reconfigure(user_config)
+
+    def check_health(self) -> None:
+        self.target.check_health()
+
+    async def __del__(self) -> None:
+        target = getattr(self, "target", None)
+        if target is not None:
+            target.__del__()
+        await super().__del__()
+
+
 def build_app(cfg: OSDConfig, api_key: str | None = None) -> Any:
-    """The Serve application for this config: ingress bound to N target replicas."""
+    """The Serve application for this config: ingress bound to N target replicas, or, with
+    serve.ingress "replica" (auto for one replica), one deployment holding both."""
     cfg_dict = cfg.model_dump(mode="json")
     sv = cfg.serve
+    key = api_key if api_key is not None else os.environ.get("OSD_API_KEY")
+    if sv.ingress_in_replica:
+        # Named as the replica it is: the chart's deployment options, the chaos tests and
+        # `osd bench soak` find the target's process by this name.
+        both = serve.deployment(ReplicaIngress, name="TargetReplica").options(
+            num_replicas=1, ray_actor_options={"num_cpus": sv.num_cpus_per_replica},
+            # The replica's admission answers 429/503 past its slots and queue (in the OpenAI
+            # form), so Serve's own limit only has to stay out of its way.
+            max_ongoing_requests=1000, health_check_period_s=10)
+        return both.bind(cfg_dict, key)
     replica = serve.deployment(TargetReplica, name="TargetReplica").options(
         num_replicas=sv.num_replicas,
         ray_actor_options={"num_cpus": sv.num_cpus_per_replica},
@@ -905,4 +943,4 @@ def build_app(cfg: OSDConfig, api_key: str | None = None) -> Any:
     )
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
-    return ingress.bind(replica.bind(cfg_dict), cfg_dict, api_key if api_key is not None else os.environ.get("OSD_API_KEY"))
+    return ingress.bind(replica.bind(cfg_dict), cfg_dict, key)
