@@ -60,3 +60,36 @@ def test_private_and_missing_methods_are_refused():
         h._secret.remote()
     with pytest.raises(AttributeError):
         h.nothing.remote()
+
+
+def test_a_client_that_hangs_up_ends_the_replicas_stream_at_once():
+    """The ingress's SSE closes an in-process replica's stream when the client leaves, so the
+    request's slot comes back then, not when the generator is garbage-collected."""
+    import json
+    from types import SimpleNamespace
+
+    from serve.api.app import OpenAIIngress
+    from serve.api.openai_protocol import ChatCompletionRequest, parse_request
+
+    ended = []
+
+    async def replica_stream():
+        try:
+            for i in range(1000):
+                await asyncio.sleep(0)
+                yield {"text": f"t{i}", "completion_tokens": i + 1}
+        finally:
+            ended.append(True)  # generate_stream's finally: the engine's request is cancelled here
+
+    req = parse_request(ChatCompletionRequest, json.dumps(
+        {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}).encode(), 64)
+    ingress = SimpleNamespace(model_id="m", metrics=SimpleNamespace(error=lambda *a: None))
+
+    async def client_leaves_after_two_chunks():
+        sse = OpenAIIngress._sse(ingress, replica_stream(), {"request_id": "req-1"}, req, "", 4)
+        chunks = [await sse.__anext__(), await sse.__anext__()]
+        await sse.aclose()  # what Starlette does when the client disconnects
+        return chunks, list(ended)  # before asyncio.run's shutdown closes leftover generators
+
+    chunks, ended_at_hang_up = asyncio.run(client_leaves_after_two_chunks())
+    assert '"t0"' in chunks[1] and ended_at_hang_up == [True]

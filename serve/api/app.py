@@ -725,6 +725,12 @@ class OpenAIIngress:
             log.exception("stream %s failed in the ingress", rid)
             yield sse_error(APIError(500, f"internal error; request id {rid}", type_="server_error",
                                      code="internal_error"))
+        finally:
+            # A replica in this process (serve.ingress "replica") streams through a plain async
+            # generator: a client that hangs up ends its request now, not when it is collected.
+            close = getattr(gen, "aclose", None)
+            if close is not None:
+                await close()
         yield SSE_DONE
 
     async def _tokenize(self, request: Request) -> Any:
