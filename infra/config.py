@@ -253,6 +253,11 @@ class ServeConfig(_Section):
     # "replica" (in the replica's own process, one fewer hop and process a token; one replica
     # only) or "auto": "replica" for a lone replica (docs/serving.md has the measurement).
     ingress: Literal["auto", "separate", "replica"] = "auto"
+    # How HTTP reaches the routes when they run in the replica of a local stack (`osd serve`,
+    # `osd up`): "proxy", through Serve's HTTP proxy on serve.port; "direct", the replica answers
+    # on serve.port itself (Ray Serve's direct ingress, experimental in Ray) and Serve's proxy
+    # moves to a free port. docs/serving.md says what each costs.
+    http: Literal["proxy", "direct"] = "proxy"
     num_cpus_per_replica: float = Field(1.0, gt=0)  # CPUs Ray reserves for each replica
     # A replica's forward threads (torch's and the native kernels'). 0: every usable core for a
     # lone replica (infra/common/cpu.py replica_threads), else num_cpus_per_replica each.
@@ -329,6 +334,9 @@ class ServeConfig(_Section):
 
     @model_validator(mode="after")
     def _ingress_fits(self) -> "ServeConfig":
+        if self.http == "direct" and not self.ingress_in_replica:
+            raise ValueError('http "direct" needs the routes in the replica: ingress "auto" or "replica" with '
+                             f'num_replicas 1 (got ingress "{self.ingress}", num_replicas {self.num_replicas})')
         if self.ingress == "replica" and self.num_replicas > 1:
             raise ValueError(f'ingress "replica" serves the routes from the replica itself, so it needs '
                              f'num_replicas 1 (got {self.num_replicas}); use "separate" or "auto"')

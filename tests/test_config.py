@@ -235,3 +235,17 @@ def test_the_ingress_runs_in_a_lone_replica_unless_told_otherwise():
     assert not load_config(environ={"OSD_SERVE__INGRESS": "separate"}).serve.ingress_in_replica
     with pytest.raises(ConfigError, match=r'ingress "replica" .* needs num_replicas 1 \(got 2\)'):
         load_config(environ={"OSD_SERVE__INGRESS": "replica", "OSD_SERVE__NUM_REPLICAS": "2"})
+
+
+def test_direct_http_needs_the_routes_in_a_lone_replica_and_sets_serves_env():
+    from pipeline.stack.launch import direct_http_env
+
+    with pytest.raises(ConfigError, match=r'http "direct" needs the routes in the replica'):
+        load_config(environ={"OSD_SERVE__HTTP": "direct", "OSD_SERVE__INGRESS": "separate"})
+    cfg = load_config(environ={"OSD_SERVE__HTTP": "direct", "OSD_SERVE__PORT": "8123"})
+    env = direct_http_env(cfg, joining=False)
+    assert env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    # One port, the configured one: Serve's port range is [min, max).
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("8123", "8124")
+    assert direct_http_env(cfg, joining=True) == {}  # a running cluster's processes keep their environment
+    assert direct_http_env(load_config(environ={}), joining=False) == {}  # the default: Serve's proxy

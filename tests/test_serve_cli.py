@@ -111,6 +111,42 @@ def test_osd_serve_starts_serves_the_suffix_draft_by_default_and_stops_leaving_n
     assert_all_gone(started)
 
 
+def _listener(port: int) -> psutil.Process:
+    (conn,) = [c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    return psutil.Process(conn.pid)
+
+
+def test_with_http_direct_the_replica_answers_on_the_port_itself_and_again_after_kill_9(tmp_path):
+    """serve.http direct: the port `osd serve` prints is the replica's own HTTP server, not
+    Serve's proxy; when the replica is killed, Serve's new replica takes the same port back."""
+    proc, url, started = start_serve(tmp_path, OSD_SERVE__HTTP="direct")
+    port = int(url.rsplit(":", 1)[1])
+    try:
+        assert any("answers HTTP on port" in ln for ln in proc.startup_lines)
+        replica = _listener(port)
+        assert "TargetReplica" in " ".join(replica.cmdline())
+        r = requests.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200, r.text
+        replica.kill()
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if requests.get(url + "/healthz", timeout=5).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, "no replica answered on the port after the kill"
+            time.sleep(1)
+        again = _listener(port)
+        assert again.pid != replica.pid and "TargetReplica" in " ".join(again.cmdline())
+        assert requests.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60).ok
+        started.append(again)
+    finally:
+        stop_serve(proc)
+    assert proc.returncode == 0
+    assert_all_gone(started)
+
+
 @pytest.mark.parametrize("args,env,expect", [
     (["--draft", "truncate:99"], {}, "serve.draft 'truncate:99'"),
     ([], {"OSD_STREAM__REDIS_URL": "redis://127.0.0.1:1/0"}, "cannot reach Redis"),

@@ -112,6 +112,30 @@ def _deploy_error(e: Exception) -> str:
 # How often `osd serve`/`osd up` look at their private redis-server, restarting it if it exited.
 REDIS_WATCH_S = 1.0
 
+# Ray Serve's direct ingress (serve.http "direct"), read by Serve's processes at start.
+DIRECT_ENV = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+              "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "RAY_SERVE_PORT_QUARANTINE_S",
+              "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S")
+
+
+def direct_http_env(cfg: OSDConfig, joining: bool) -> dict[str, str]:
+    """The environment a local cluster starts with so that its lone replica answers HTTP on
+    serve.port itself (serve.http "direct"); {} otherwise. Joining a running cluster, its
+    processes' environment is already set: the proxy path is kept."""
+    sv = cfg.serve
+    if sv.http != "direct" or joining:
+        return {}
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        # One port, serve.port: a replica that Serve starts again takes it back at once (no
+        # quarantine), and a stopping one holds it no longer than its requests (no load
+        # balancer in front needs time to stop sending to it).
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(sv.port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(sv.port + 1),
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
+
 
 class LocalStack:
     """Ray + Redis + the app, started in that order and stopped in reverse. A private
@@ -166,8 +190,18 @@ class LocalStack:
         _log("starting Ray" if not address else f"joining Ray at {address}")
         if not address:
             lock_down_local_cluster(self.api_key, [k.model_dump() for k in cfg.serve.api_keys])
+        direct = direct_http_env(cfg, joining=bool(address))
+        for name in DIRECT_ENV:  # a stack started before in this process may have set them
+            os.environ.pop(name, None)
+        os.environ.update(direct)
         ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-        serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+        proxy_port = cfg.serve.port
+        if direct:
+            from infra.redis.server import free_port
+
+            proxy_port = free_port()
+            _log(f"the replica answers HTTP on port {cfg.serve.port} itself; Serve's proxy is on {proxy_port}")
+        serve.start(http_options={"host": cfg.serve.host, "port": proxy_port})
         _log(f"deploying {cfg.serve.num_replicas} target replica(s) of {cfg.model.target} with draft {cfg.serve.draft}")
         try:
             serve.run(build_app(cfg, api_key=self.api_key), name=self.app_name, route_prefix="/")
