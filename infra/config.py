@@ -253,11 +253,11 @@ class ServeConfig(_Section):
     # "replica" (in the replica's own process, one fewer hop and process a token; one replica
     # only) or "auto": "replica" for a lone replica (docs/serving.md has the measurement).
     ingress: Literal["auto", "separate", "replica"] = "auto"
-    # How HTTP reaches the routes when they run in the replica of a local stack (`osd serve`,
-    # `osd up`): "proxy", through Serve's HTTP proxy on serve.port; "direct", the replica answers
-    # on serve.port itself (Ray Serve's direct ingress, experimental in Ray) and Serve's proxy
-    # moves to a free port. docs/serving.md says what each costs.
-    http: Literal["proxy", "direct"] = "proxy"
+    # How HTTP reaches the routes of a local stack (`osd serve`, `osd up`): "proxy", through
+    # Serve's HTTP proxy on serve.port; "direct", the lone replica holding the routes answers on
+    # serve.port itself (Ray Serve's direct ingress) and Serve's proxy moves to a free port;
+    # "auto": direct where the routes run in the replica. docs/serving.md has the measurement.
+    http: Literal["auto", "proxy", "direct"] = "auto"
     num_cpus_per_replica: float = Field(1.0, gt=0)  # CPUs Ray reserves for each replica
     # A replica's forward threads (torch's and the native kernels'). 0: every usable core for a
     # lone replica (infra/common/cpu.py replica_threads), else num_cpus_per_replica each.
@@ -341,6 +341,11 @@ class ServeConfig(_Section):
             raise ValueError(f'ingress "replica" serves the routes from the replica itself, so it needs '
                              f'num_replicas 1 (got {self.num_replicas}); use "separate" or "auto"')
         return self
+
+    @property
+    def http_direct(self) -> bool:
+        """Whether a local stack's replica answers HTTP itself (http direct, or auto with the routes in it)."""
+        return self.http == "direct" or (self.http == "auto" and self.ingress_in_replica)
 
     @property
     def ingress_in_replica(self) -> bool:

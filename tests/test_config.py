@@ -248,4 +248,7 @@ def test_direct_http_needs_the_routes_in_a_lone_replica_and_sets_serves_env():
     # One port, the configured one: Serve's port range is [min, max).
     assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("8123", "8124")
     assert direct_http_env(cfg, joining=True) == {}  # a running cluster's processes keep their environment
-    assert direct_http_env(load_config(environ={}), joining=False) == {}  # the default: Serve's proxy
+    # auto (the default): direct where the routes run in the lone replica, else Serve's proxy.
+    assert direct_http_env(load_config(environ={}), joining=False)["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    for env in ({"OSD_SERVE__NUM_REPLICAS": "2"}, {"OSD_SERVE__INGRESS": "separate"}, {"OSD_SERVE__HTTP": "proxy"}):
+        assert direct_http_env(load_config(environ=env), joining=False) == {}

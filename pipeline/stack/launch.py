@@ -120,10 +120,10 @@ DIRECT_ENV = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_DIRECT_INGRESS_MIN_H
 
 def direct_http_env(cfg: OSDConfig, joining: bool) -> dict[str, str]:
     """The environment a local cluster starts with so that its lone replica answers HTTP on
-    serve.port itself (serve.http "direct"); {} otherwise. Joining a running cluster, its
-    processes' environment is already set: the proxy path is kept."""
+    serve.port itself (serve.http direct, or auto with the routes in the replica); {} otherwise.
+    Joining a running cluster, its processes' environment is already set: the proxy path is kept."""
     sv = cfg.serve
-    if sv.http != "direct" or joining:
+    if not sv.http_direct or joining:
         return {}
     return {
         "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
@@ -191,6 +191,9 @@ class LocalStack:
         if not address:
             lock_down_local_cluster(self.api_key, [k.model_dump() for k in cfg.serve.api_keys])
         direct = direct_http_env(cfg, joining=bool(address))
+        if address and cfg.serve.http_direct:
+            _log("the replica answers HTTP itself only in a Ray cluster started here; joining one, HTTP goes "
+                 "through Serve's proxy")
         for name in DIRECT_ENV:  # a stack started before in this process may have set them
             os.environ.pop(name, None)
         os.environ.update(direct)
