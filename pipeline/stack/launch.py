@@ -8,10 +8,14 @@ Start-up fails fast, with one line, on what would otherwise surface half a minut
 Ray traceback whose cause sits in Ray's log files: a Redis that does not answer, a draft spec
 the target cannot take, a target that does not load (`preflight`).
 
+HTTP: with the routes in the lone replica (serve.ingress and serve.http auto), the replica
+answers on serve.port itself (Ray Serve's direct ingress) and Serve's proxy runs on a free port.
+
 Exposure: the API key (OSD_API_KEY) guards every route but the health checks, at Serve's
-proxy too (serve/api/proxy_auth.py), so Serve's own `/-/routes` is covered. A local cluster keeps
-Ray's token authentication (on by default for local clusters since Ray 2.5x) for its control
-ports; listening beyond loopback without a key is warned about.
+proxy and at a replica's own port too (serve/api/proxy_auth.py), so Serve's own `/-/routes`
+is covered. A local cluster keeps Ray's token authentication (on by default for local
+clusters since Ray 2.5x) for its control ports; listening beyond loopback without a key is
+warned about.
 """
 
 from __future__ import annotations
