@@ -44,14 +44,14 @@ QUEUE_TIMEOUT_S = 10  # a waiter gets the server's 503 well before the client gi
 ANSWERS = {400, 413, 415, 429, 503}  # the refusals a hardened server may give besides 2xx
 
 
-@pytest.fixture(scope="module")
-def app(tmp_path_factory):
+# Both layouts of serve.ingress: the routes inside the lone replica (the default) and the
+# ingress as its own deployment, in front of the replica through a Serve handle.
+@pytest.fixture(scope="module", params=["auto", "separate"], ids=["routes-in-replica", "separate-ingress"])
+def app(tmp_path_factory, request):
     # A queued request gets the server's 503 well before the client gives up on it, so a
     # client timeout can only mean a hang.
-    # The ingress as its own deployment, in front of the replica through a Serve handle: the
-    # server tests (test_serve_app) run the default, the routes inside the lone replica.
     serve = {"draft": "truncate:1", "max_new_tokens": MAX_NEW, "k": 3, "queue_timeout_s": QUEUE_TIMEOUT_S,
-             "ingress": "separate"}
+             "ingress": request.param}
     with running_app(tmp_path_factory.mktemp("chaos-redis"), key=KEY, name=APP, serve=serve,
                      stream_name="chaos:records") as app:
         yield app

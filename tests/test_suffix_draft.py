@@ -286,14 +286,14 @@ def test_a_replica_with_the_suffix_draft_starts_from_the_streams_records(redis_u
     try:
         assert rep.router.routing.stable_runner.proposer.global_index.n_tokens == 3 * (3 + 4)
     finally:
-        rep.__del__()
+        rep.close()
     # A stream that cannot be reached leaves the index empty and the replica serving.
     down = cfg.model_copy(update={"stream": cfg.stream.model_copy(update={"redis_url": "redis://127.0.0.1:1"})})
     rep = TargetReplica(down.model_dump(mode="json"))
     try:
         assert rep.router.routing.stable_runner.proposer.global_index.n_tokens == 0
     finally:
-        rep.__del__()
+        rep.close()
 
 
 class _Seq:

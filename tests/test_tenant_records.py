@@ -31,7 +31,7 @@ def replica(redis_url, tmp_path):
         "stream": {"redis_url": redis_url, "stream": STREAM}})
     rep = TargetReplica(cfg.model_dump(mode="json"))
     yield rep
-    rep.__del__()
+    rep.close()
 
 
 def _req(rid, tenant, record, user=None, prompt=SECRET_PROMPT):

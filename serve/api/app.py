@@ -471,13 +471,17 @@ class TargetReplica:
                               "code": None}}
         return {"prompt": self.tokenizer.decode(ids, skip_special_tokens=True)}
 
-    def __del__(self) -> None:
+    def close(self) -> None:
+        """Stop following aliases and flush the record producer (both idempotent)."""
         router = getattr(self, "router", None)
         if router is not None:
             router.stop_following()
         producer = getattr(self, "producer", None)
         if producer is not None:
             producer.close(timeout=2.0)
+
+    def __del__(self) -> None:
+        self.close()
 
 
 def spool_dir(cfg: OSDConfig) -> Path | None:
@@ -918,7 +922,7 @@ class ReplicaIngress(OpenAIIngress):
     async def __del__(self) -> None:
         target = getattr(self, "target", None)
         if target is not None:
-            target.__del__()
+            target.close()
         await super().__del__()
 
 
@@ -928,24 +932,23 @@ def build_app(cfg: OSDConfig, api_key: str | None = None) -> Any:
     cfg_dict = cfg.model_dump(mode="json")
     sv = cfg.serve
     key = api_key if api_key is not None else os.environ.get("OSD_API_KEY")
+    target = {"ray_actor_options": {"num_cpus": sv.num_cpus_per_replica}, "health_check_period_s": 10}
     if sv.ingress_in_replica:
         # Named as the replica it is: the chart's deployment options, the chaos tests and
         # `osd bench soak` find the target's process by this name.
         both = serve.deployment(ReplicaIngress, name="TargetReplica").options(
-            num_replicas=1, ray_actor_options={"num_cpus": sv.num_cpus_per_replica},
+            num_replicas=1, **target,
             # The replica's admission answers 429/503 past its slots and queue (in the OpenAI
             # form), so Serve's own limit only has to stay out of its way.
-            max_ongoing_requests=1000, health_check_period_s=10)
+            max_ongoing_requests=1000)
         return both.bind(cfg_dict, key)
     replica = serve.deployment(TargetReplica, name="TargetReplica").options(
-        num_replicas=sv.num_replicas,
-        ray_actor_options={"num_cpus": sv.num_cpus_per_replica},
+        num_replicas=sv.num_replicas, **target,
         # Room for every slot and queue place, plus headroom so health and stats calls (and
         # the instant 429s past the queue) are never stuck behind a full replica.
         max_ongoing_requests=sv.max_concurrency + sv.max_queue + 16,
         # Past this many waiting at the handle, calls fail at once (BackPressureError -> 503).
         max_queued_requests=4 * (sv.max_concurrency + sv.max_queue) * sv.num_replicas,
-        health_check_period_s=10,
     )
     ingress = serve.deployment(OpenAIIngress, name="OpenAIIngress").options(
         num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
