@@ -269,6 +269,9 @@ class ServeConfig(_Section):
     # tokens per second from measured forward costs and the request's acceptance; "schedule"
     # grows it by 2 after a fully accepted step and shrinks it by 1 otherwise; "fixed": k.
     k_policy: Literal["cost", "schedule", "fixed"] = "cost"
+    # With "cost": whether a batched step may draft at all is also measured, steps that may
+    # against steps that may not, per batch size (serve/spec_decode/draft_gate.py).
+    draft_gate: bool = True
     # CUDA graphs for Llama forwards of up to k+1 tokens (serve/model/cuda_graphs.py): auto = on a CUDA
     # device; on = required (an error on CPU); off = eager everywhere.
     cuda_graphs: Literal["auto", "on", "off"] = "auto"

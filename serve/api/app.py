@@ -408,6 +408,7 @@ class TargetReplica:
         out["prefix"] = {"prompt_tokens": sched.prompt_tokens, "cached_tokens": sched.cached_tokens}
         out["time"] = time.time()  # when these counters were read: the ingress keeps each replica's last
         out["by_source"] = self.metrics.source_table()  # drafting steps by who proposed
+        out["draft_gate"] = self.engine.gate_state()  # batched steps that may draft against those that may not
         tuning = getattr(self.engine.target, "tuning", None)
         if tuning is not None:  # the native forward's ways, as measured at load (native_tuning.py)
             out["native"] = {"small_rows": self.engine.target.small_rows, "prefetch": tuning.prefetch,

@@ -95,6 +95,7 @@ class EngineOptions:
 
     k: int = _serve_default("k")
     k_policy: str = _serve_default("k_policy")  # cost, schedule or fixed (module doc)
+    draft_gate: bool = _serve_default("draft_gate")  # the cost rule's gate on batched drafting
     capture_top_k: int = _serve_default("capture_top_k")
     max_seq_len: int = _serve_default("max_seq_len")
     # KV cache slots preallocated for concurrent requests, which decode together (one target
@@ -346,8 +347,14 @@ class SpecEngine:
         few forwards of 1..k+1 rows, and of batched steps' row counts, over scratch caches:
         about a second)."""
         if self._lengths is None:
-            self._lengths = length_policy(self.options.k_policy, self.options.k, self._profile_forward)
+            self._lengths = length_policy(self.options.k_policy, self.options.k, self._profile_forward,
+                                          self.options.draft_gate)
         return self._lengths
+
+    def gate_state(self) -> dict[str, Any]:
+        """The cost rule's gate on batched drafting, per batch size (draft_gate.py); {} without one."""
+        gate = getattr(self._lengths, "gate", None)
+        return gate.state() if gate is not None else {}
 
     def _profile_forward(self) -> list[float]:
         """V(rows): up to k+1 rows one sequence's forward (a request alone), and up to the
@@ -433,8 +440,9 @@ class SpecEngine:
         """What a draft may read to size its proposals (serve/spec_decode/protocol.py StepContext): the
         policy's cut, where it has one; a step of one request compares with a request alone."""
         cut = self._lengths.cut if self._lengths is not None else None
+        gated = self._lengths is not None and self._lengths.gated
         return StepContext(self.options.draft_confidence, self.options.k, self._limit, cut,
-                           len(seqs) + sum(ks), len(seqs))
+                           len(seqs) + sum(ks), len(seqs), gated)
 
     def use_tree(self, seq: Seq) -> bool:
         """Trees while the whole tree fits the context and its deepest path fits the token
@@ -474,6 +482,8 @@ class SpecEngine:
             except Exception as e:  # a failed forward fails the requests it carried, not the engine
                 self.scheduler.fail(e)
                 return True
+            if plan.decode and self._lengths is not None:
+                self._lengths.observe_step(took.tokens, took.seconds)
             self.scheduler.update(plan, took)
             return True
 

@@ -54,10 +54,11 @@ class StepPlan:
 @dataclass
 class StepTook:
     """What a step took, for the log and the pacing: the target forward's sequences and rows,
-    and the whole step's seconds."""
+    the whole step's seconds, and the tokens it made (emitted, and prompt rows)."""
     sequences: int
     rows: int
     seconds: float
+    tokens: int = 0
 
 
 class StepLog:

@@ -51,6 +51,7 @@ def run_step(eng: SpecEngine, plan: StepPlan) -> StepTook:
     """Run one step's plan: every decoding request's proposal and the prompt chunks in one
     target forward, then each request's verify and commit."""
     t_step = time.perf_counter()
+    before = sum(len(s.out) for s in plan.decode)
     take_prefixes(plan.prefixes)
     eng.begin_step()
     as_tree = [eng.use_tree(s) for s in plan.decode]
@@ -79,7 +80,8 @@ def run_step(eng: SpecEngine, plan: StepPlan) -> StepTook:
             seq.t_decode = time.perf_counter()
     if plan.decode:
         eng.observe_forward(len(items), rows, score_s)
-    return StepTook(len(items), rows, time.perf_counter() - t_step)
+    made = sum(len(s.out) for s in plan.decode) - before + sum(t.numel() for _, t in plan.chunks)
+    return StepTook(len(items), rows, time.perf_counter() - t_step, made)
 
 
 def take_prefixes(prefixes: list[tuple[Seq, Any, int]]) -> None:

@@ -23,6 +23,10 @@ protocol) once per step for every request of the step; each request keeps its ow
 one object the policy made (a RequestLength). A request's minimum draft (a canary's, so both
 arms report served acceptance) is that request's property, applied by every policy alike.
 
+In a batch the cost rule first asks its gate (draft_gate.py) whether the step may draft at
+all: what that costs besides verify rows is measured there, steps that may against steps
+that may not.
+
 Pure: no torch, milliseconds to test with a fake profile.
 """
 
@@ -30,6 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
+
+from serve.spec_decode.draft_gate import DraftGate
 
 PROBE_EVERY = 16
 MAX_IDLE = 256
@@ -214,6 +220,7 @@ class LengthPolicy(Protocol):
     k_max: int
     # The cost profile's cut of a proposed chain (StepContext.cut), where the policy has one.
     cut: Callable[[list[float], int, int], int] | None
+    gated: bool  # the step planned last drafts nothing but the plan (StepContext.gated)
 
     def start(self, draft_key: object, min_draft: int = 0) -> RequestLength:
         """A new request's state, drafting with the draft `draft_key` names."""
@@ -227,6 +234,9 @@ class LengthPolicy(Protocol):
 
     def observe_forward(self, sequences: int, rows: int, seconds: float) -> None:
         """A target forward's measured cost."""
+
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        """The step planned last: the tokens it made (emitted and prompt rows) in `seconds`."""
 
 
 def with_min_draft(r: RequestLength, k: int, limit: int, k_max: int) -> int:
@@ -261,6 +271,7 @@ class ScheduleRequest(FixedRequest):
 class FixedLength:
     """k every step (at most the limit)."""
     cut = None
+    gated = False
 
     def __init__(self, k_max: int):
         self.k_max = k_max
@@ -276,6 +287,9 @@ class FixedLength:
     def observe_forward(self, sequences: int, rows: int, seconds: float) -> None:
         pass
 
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        pass
+
 
 class ScheduleLength(FixedLength):
     """Each request's budget moves with its acceptance (ScheduleRequest), from k_max."""
@@ -286,21 +300,31 @@ class ScheduleLength(FixedLength):
 
 class KPolicy:
     """The cost rule (module doc), per engine: the costs, each draft's acceptance across
-    requests, and the choice per step."""
+    requests, and the choice per step; for a batch, first the gate's (draft_gate.py)."""
 
-    def __init__(self, costs: StepCosts, k_max: int, probe_every: int = PROBE_EVERY):
+    def __init__(self, costs: StepCosts, k_max: int, probe_every: int = PROBE_EVERY,
+                 gate: DraftGate | None = None):
         self.costs = costs
         self.k_max = k_max
         self.probe_every = probe_every
         self.by_draft: dict[object, Acceptance] = {}
         self.idle_limit: dict[object, int] = {}  # per draft: the probe back-off, carried across requests
+        self.gate = gate  # None: no gate, the rule alone sizes a batch's drafts
+        self.gated = False
 
     def plan(self, requests: Sequence["RequestK | None"], limits: Sequence[int], base_rows: int,
              prompt_rows: int = 0) -> list[int]:
-        """Draft lengths for one step: a request alone by its own rule (RequestK.choose), a
-        batch by plan_batch; then each request's probe rule (RequestK.settle) and minimum."""
+        """Draft lengths for one step: a request alone by its own rule (RequestK.choose); a
+        batch that the gate holds back drafts only its requests' minimums; any other batch by
+        plan_batch, then each request's probe rule (RequestK.settle) and minimum."""
+        self.gated = False
         if len(requests) == 1 and base_rows == 1 and requests[0] is not None:
+            if self.gate is not None:
+                self.gate.last = None
             return [with_min_draft(requests[0], requests[0].choose(limits[0]), limits[0], self.k_max)]
+        if self.gate is not None and not self.gate.allow(len(requests)):
+            self.gated = True
+            return [with_min_draft(r, 0, lim, self.k_max) if r is not None else 0 for r, lim in zip(requests, limits)]
         c = self.costs
         alphas = [r.alpha if r is not None else 0.0 for r in requests]
         draft_s = [c.draft_cost(r.draft_key) if r is not None else 0.0 for r in requests]
@@ -321,16 +345,21 @@ class KPolicy:
         else:
             self.costs.observe_batch(rows, seconds)
 
+    def observe_step(self, tokens: int, seconds: float) -> None:
+        if self.gate is not None:
+            self.gate.observe(tokens, seconds)
+
     def cut(self, probs: list[float], base_rows: int, others: int) -> int:
         """StepContext.cut: a proposed chain's length that pays, on this engine's profile."""
         profile = self.costs.batch_profile() if base_rows > 1 else self.costs.verify_s
         return chain_cut(profile, self.costs.step_s, base_rows, others, probs)
 
 
-def length_policy(name: str, k_max: int, profile: Callable[[], list[float]]) -> LengthPolicy:
-    """The policy serve.k_policy names; `profile` times the target (the cost rule's V)."""
+def length_policy(name: str, k_max: int, profile: Callable[[], list[float]], gate: bool = True) -> LengthPolicy:
+    """The policy serve.k_policy names; `profile` times the target (the cost rule's V); `gate`:
+    the cost rule's measured gate on batched drafting (serve.draft_gate)."""
     if name == "cost":
-        return KPolicy(StepCosts(profile()), k_max)
+        return KPolicy(StepCosts(profile()), k_max, gate=DraftGate() if gate else None)
     if name == "schedule":
         return ScheduleLength(k_max)
     if name == "fixed":

@@ -74,6 +74,9 @@ class StepContext:
     cut: Callable[[list[float], int, int], int] | None = None
     rows: int = 1  # the planned step's rows: each request's pending row plus its planned drafts
     seqs: int = 1  # the requests in the step
+    # The policy held this step back from drafting (serve/spec_decode/draft_gate.py): a draft
+    # that sizes its own chains proposes no more than the planned k.
+    gated: bool = False
 
     def worth(self, seq_k: int, probs: list[float]) -> int:
         """Tokens of a chain to keep, for a request whose plan gave `seq_k`."""

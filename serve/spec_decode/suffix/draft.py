@@ -143,7 +143,7 @@ class SuffixDraft(Draft):
     def _sized(self, seq: Any, k: int, ctx: StepContext) -> Proposal:
         """A chain of up to max_chain or the engine's k (at least the planned k), cut where it
         stops paying."""
-        cap = max(k, min(max(ctx.max_k, self.max_chain), ctx.limit(seq)))
+        cap = k if ctx.gated else max(k, min(max(ctx.max_k, self.max_chain), ctx.limit(seq)))
         st = suffix_state(seq)
         if cap < 1 or not st.due(ctx.seqs - 1):  # no room for a draft token, or backing off
             return no_proposal(seq.device, self.family, point_mass=True)
