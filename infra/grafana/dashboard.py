@@ -68,6 +68,9 @@ def panels() -> list[tuple[str, str, list[tuple[str, str]]]]:
            f"sum(rate({m('osd_batch_size_count')}{{{CLUSTER}}}[{RATE}]))", "requests per forward"),
           (f"sum(rate({m('osd_batch_tokens_sum')}{{{CLUSTER}}}[{RATE}])) / "
            f"sum(rate({m('osd_batch_tokens_count')}{{{CLUSTER}}}[{RATE}]))", "tokens per forward")]),
+        ("Batched steps: tokens/s where they may draft and where they may not (draft gate)", "short",
+         [(f"max by (kind, batch) ({m('osd_draft_gate_tokens_per_second')}{{{CLUSTER}}})",
+           "{{kind}}, {{batch}}+ requests")]),
         ("Prompt tokens a KV slot already held (prefix reuse)", "percentunit",
          [(f"sum(rate({m('osd_prompt_cached_tokens_total')}{{{CLUSTER}}}[{RATE}])) / "
            f"sum(rate({m('osd_prompt_tokens_total')}{{{CLUSTER}}}[{RATE}]))", "share of prompt tokens")]),

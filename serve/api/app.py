@@ -268,6 +268,7 @@ class TargetReplica:
         self.mean_service_s += 0.1 * (now - req.get("admitted_at", t0) - self.mean_service_s)
         self.metrics.observe(version, result, latency)
         self.metrics.sync_steps(self.engine.scheduler.log)
+        self.metrics.sync_gate(self.engine.gate_state())
         self.metrics.roles(self.router.routing.stable, self.router.routing.canary)
         self._sync_record_metrics()
         st = result.stats

@@ -75,6 +75,10 @@ class ServeMetrics:
         self.suffix_tokens = m.Gauge("osd_suffix_index_tokens", "Tokens in the replica's suffix index")
         self.suffix_bytes = m.Gauge("osd_suffix_index_bytes", "Bytes the replica's suffix index holds")
         self.suffix_hit = m.Gauge("osd_suffix_proposal_rate", "Share of suffix lookups that proposed a chain")
+        self.gate_rate = m.Gauge("osd_draft_gate_tokens_per_second",
+                                 "Tokens per second of batched steps that may draft and of steps that may not, "
+                                 "by batch size (the cost rule's gate, serve/spec_decode/draft_gate.py)",
+                                 tag_keys=("kind", "batch"))
         self._seen_steps = 0
         self._roles: dict[str, str | None] = {"stable": None, "canary": None}
         self._seen_written = 0
@@ -134,6 +138,12 @@ class ServeMetrics:
             self.suffix_tokens.set(stats["global_tokens"])
             self.suffix_bytes.set(stats["global_bytes"])
             self.suffix_hit.set(stats["proposal_rate"])
+
+    def sync_gate(self, state: dict[str, dict[str, float]]) -> None:
+        """The engine's gate on batched drafting (SpecEngine.gate_state()): each batch size's two rates."""
+        for batch, st in state.items():
+            self.gate_rate.set(st["drafting_tok_s"], {"kind": "drafting", "batch": batch})
+            self.gate_rate.set(st["plain_tok_s"], {"kind": "plain", "batch": batch})
 
     def error(self, version: str, reason: str) -> None:
         self.errors.inc(1, {"draft_version": version, "reason": reason})
