@@ -16,7 +16,7 @@ def run(gate: DraftGate, steps: int, sequences: int, drafting_tok_s: float, plai
     for _ in range(steps):
         drafting = gate.allow(sequences)
         kinds.append(drafting)
-        gate.observe((drafting_tok_s if drafting else plain_tok_s) * 0.05, 0.05)
+        gate.observe(sequences, drafting, (drafting_tok_s if drafting else plain_tok_s) * 0.05, 0.05)
     return kinds
 
 
@@ -67,6 +67,10 @@ def test_the_cost_policy_asks_the_gate_for_a_batch_only():
     # The second is held back: nothing but a request's own minimum.
     assert policy.plan(good[:2] + [canary], [10] * 3, 3) == [0, 0, 1] and policy.gated
     policy.observe_step(3, 0.03)
+    # A step the policy did not plan (none of its requests drafts) is not the gate's to count.
+    steps = dict(policy.gate.state()["2"])
+    policy.observe_step(3, 0.03)
+    assert policy.gate.state()["2"] == steps
     # A request alone is not gated, and leaves the gate's record of the batch untouched.
     steps = dict(policy.gate.state()["2"])
     assert policy.plan(good[:1], [10], 1) == [4] and not policy.gated

@@ -66,33 +66,25 @@ class DraftGate:
 
     def __init__(self) -> None:
         self.buckets: dict[int, Bucket] = {}
-        self.last: tuple[int, bool] | None = None  # the step decided last: its bucket, drafting
 
     @staticmethod
     def bucket(sequences: int) -> int:
         return max(sequences, 1).bit_length()
 
     def allow(self, sequences: int) -> bool:
-        """This step's kind, for a step of `sequences` decoding requests; remembered for observe."""
-        key = self.bucket(sequences)
-        b = self.buckets.setdefault(key, Bucket(Rate(), Rate()))
+        """This step's kind, for a step of `sequences` decoding requests."""
+        b = self.buckets.setdefault(self.bucket(sequences), Bucket(Rate(), Rate()))
         block = b.steps // BLOCK
         b.steps += 1
         if not b.warm:
-            drafting = block % 2 == 0
-        else:
-            drafting = b.drafting_pays() != (block % EXPLORE == EXPLORE - 1)
-        self.last = (key, drafting)
-        return drafting
+            return block % 2 == 0
+        return b.drafting_pays() != (block % EXPLORE == EXPLORE - 1)
 
-    def observe(self, tokens: float, seconds: float) -> None:
-        """The step decided last: the tokens it made (emitted plus prompt rows) in `seconds`."""
-        if self.last is None or seconds <= 0:
-            return
-        key, drafting = self.last
-        self.last = None
-        b = self.buckets[key]
-        (b.drafting if drafting else b.plain).add(tokens, seconds)
+    def observe(self, sequences: int, drafting: bool, tokens: float, seconds: float) -> None:
+        """A step that allow() decided: the tokens it made (emitted plus prompt rows) in `seconds`."""
+        if seconds > 0:
+            b = self.buckets[self.bucket(sequences)]
+            (b.drafting if drafting else b.plain).add(tokens, seconds)
 
     def state(self) -> dict[str, dict[str, float]]:
         """Per bucket (its smallest batch size): tokens per second of each kind, and the steps seen."""

@@ -310,20 +310,23 @@ class KPolicy:
         self.by_draft: dict[object, Acceptance] = {}
         self.idle_limit: dict[object, int] = {}  # per draft: the probe back-off, carried across requests
         self.gate = gate  # None: no gate, the rule alone sizes a batch's drafts
-        self.gated = False
+        self.decided: tuple[int, bool] | None = None  # the gate's call on the step planned last: (requests, drafting)
+
+    @property
+    def gated(self) -> bool:
+        return self.decided is not None and not self.decided[1]
 
     def plan(self, requests: Sequence["RequestK | None"], limits: Sequence[int], base_rows: int,
              prompt_rows: int = 0) -> list[int]:
         """Draft lengths for one step: a request alone by its own rule (RequestK.choose); a
         batch that the gate holds back drafts only its requests' minimums; any other batch by
         plan_batch, then each request's probe rule (RequestK.settle) and minimum."""
-        self.gated = False
+        self.decided = None
         if len(requests) == 1 and base_rows == 1 and requests[0] is not None:
-            if self.gate is not None:
-                self.gate.last = None
             return [with_min_draft(requests[0], requests[0].choose(limits[0]), limits[0], self.k_max)]
-        if self.gate is not None and not self.gate.allow(len(requests)):
-            self.gated = True
+        if self.gate is not None:
+            self.decided = (len(requests), self.gate.allow(len(requests)))
+        if self.gated:
             return [with_min_draft(r, 0, lim, self.k_max) if r is not None else 0 for r, lim in zip(requests, limits)]
         c = self.costs
         alphas = [r.alpha if r is not None else 0.0 for r in requests]
@@ -346,8 +349,11 @@ class KPolicy:
             self.costs.observe_batch(rows, seconds)
 
     def observe_step(self, tokens: int, seconds: float) -> None:
-        if self.gate is not None:
-            self.gate.observe(tokens, seconds)
+        """Once per step; a step the policy did not plan (none of its requests drafts) follows
+        one it did, so the gate's call is used once."""
+        if self.gate is not None and self.decided is not None:
+            self.gate.observe(*self.decided, tokens, seconds)
+        self.decided = None
 
     def cut(self, probs: list[float], base_rows: int, others: int) -> int:
         """StepContext.cut: a proposed chain's length that pays, on this engine's profile."""
