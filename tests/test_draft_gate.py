@@ -126,3 +126,11 @@ def test_the_gate_is_the_cost_rules_and_can_be_turned_off():
     for _ in range(3 * BLOCK):  # never held back
         assert off.plan(good, [10, 10], 2) == [2, 2] and not off.gated
         off.observe_step(2, 0.03)
+
+
+def test_a_bad_draft_gate_setting_is_refused_by_name():
+    from infra.config import ConfigError, load_config
+
+    assert load_config(environ={"OSD_SERVE__DRAFT_GATE": "false"}).serve.draft_gate is False
+    with pytest.raises(ConfigError, match="draft_gate"):
+        load_config(environ={"OSD_SERVE__DRAFT_GATE": "sometimes"})
