@@ -3,58 +3,87 @@ outcomes: it never reads a clock, so nothing here depends on the machine's speed
 
 import pytest
 
-from serve.spec_decode.draft_gate import BLOCK, EXPLORE, MIN_STEPS, DraftGate
+from serve.spec_decode.draft_gate import BLOCK, EXPLORE, MIN_PAIRS, DraftGate
 from serve.spec_decode.k_policy import Acceptance, KPolicy, StepCosts
 from serve.spec_decode.protocol import StepContext
 
 pytestmark = pytest.mark.pure
 
+WARM = (MIN_PAIRS + 1) * BLOCK  # steps of alternating blocks before the gate decides
 
-def run(gate: DraftGate, steps: int, sequences: int, drafting_tok_s: float, plain_tok_s: float) -> list[bool]:
-    """`steps` steps of `sequences` requests, each kind making its rate's tokens in 0.05 s."""
+
+def run(gate: DraftGate, steps: int, sequences: int, drafting_tok_s: float, plain_tok_s: float,
+        speed=lambda i: 1.0) -> list[bool]:
+    """`steps` steps of `sequences` requests, each kind making its rate's tokens in 0.05 s,
+    times the machine's speed at step i."""
     kinds = []
-    for _ in range(steps):
+    for i in range(steps):
         drafting = gate.allow(sequences)
         kinds.append(drafting)
-        gate.observe(sequences, drafting, (drafting_tok_s if drafting else plain_tok_s) * 0.05, 0.05)
+        gate.observe(sequences, drafting, (drafting_tok_s if drafting else plain_tok_s) * 0.05 * speed(i), 0, 0.05)
     return kinds
 
 
-def test_the_kinds_alternate_in_blocks_until_each_has_its_steps():
-    kinds = run(DraftGate(), 2 * MIN_STEPS, 16, 100.0, 100.0)
-    assert kinds == ([True] * BLOCK + [False] * BLOCK) * (MIN_STEPS // BLOCK)
+def test_the_kinds_alternate_in_blocks_until_enough_pairs():
+    kinds = run(DraftGate(), WARM + BLOCK, 16, 100.0, 100.0)
+    assert kinds[:WARM] == ([True] * BLOCK + [False] * BLOCK) * (MIN_PAIRS // 2) + [True] * BLOCK
 
 
 @pytest.mark.parametrize("drafting_tok_s,plain_tok_s,expect", [(80.0, 100.0, False), (120.0, 100.0, True)])
 def test_the_faster_kind_runs_and_the_other_one_block_in_explore(drafting_tok_s, plain_tok_s, expect):
     gate = DraftGate()
-    run(gate, 2 * MIN_STEPS, 16, drafting_tok_s, plain_tok_s)
+    run(gate, WARM + BLOCK, 16, drafting_tok_s, plain_tok_s)
     later = run(gate, 4 * EXPLORE * BLOCK, 16, drafting_tok_s, plain_tok_s)
     assert later.count(not expect) == 4 * BLOCK  # one block in EXPLORE, the other kind
     assert later.count(expect) == 4 * (EXPLORE - 1) * BLOCK
+    state = gate.state()["16"]
+    assert state["drafting_vs_plain"] == pytest.approx(drafting_tok_s / plain_tok_s, rel=1e-3)
 
 
 def test_a_near_tie_keeps_drafting():
     gate = DraftGate()
-    run(gate, 2 * MIN_STEPS, 16, 99.0, 100.0)  # plain within the margin
+    run(gate, WARM + BLOCK, 16, 99.0, 100.0)  # plain within the margin
     assert run(gate, EXPLORE * BLOCK, 16, 99.0, 100.0).count(True) == (EXPLORE - 1) * BLOCK
+
+
+def test_the_machines_drift_is_not_taken_for_the_kinds():
+    """The machine slows down by a third over the run while plain steps stay 10% faster than
+    drafting ones at every moment: rates gathered at different times would favour the kind
+    that runs least (its steps are older, from the faster machine); adjacent blocks do not."""
+    gate = DraftGate()
+    n = WARM + 40 * EXPLORE * BLOCK
+    kinds = run(gate, n, 16, 90.0, 100.0, speed=lambda i: 1.0 - i / (3 * n))
+    later = kinds[WARM + BLOCK:]
+    assert later.count(True) <= len(later) // EXPLORE + BLOCK  # drafting only in exploring blocks
 
 
 def test_it_follows_a_change_through_its_exploring_blocks():
     gate = DraftGate()
-    run(gate, 2 * MIN_STEPS + 200, 16, 80.0, 100.0)
+    run(gate, WARM + 200, 16, 80.0, 100.0)
     kinds = run(gate, 600, 16, 150.0, 100.0)  # the draft starts to match (a repeated document, say)
     assert kinds[-EXPLORE * BLOCK:].count(True) == (EXPLORE - 1) * BLOCK
 
 
 def test_batch_sizes_are_judged_apart():
     gate = DraftGate()
-    run(gate, 2 * MIN_STEPS, 16, 50.0, 100.0)  # drafting loses at 16 requests
-    run(gate, 2 * MIN_STEPS, 2, 150.0, 100.0)  # and pays at 2
+    run(gate, WARM + BLOCK, 16, 50.0, 100.0)  # drafting loses at 16 requests
+    run(gate, WARM + BLOCK, 2, 150.0, 100.0)  # and pays at 2
     assert run(gate, BLOCK, 2, 150.0, 100.0) == [True] * BLOCK
     assert run(gate, BLOCK, 16, 50.0, 100.0) == [False] * BLOCK
     assert set(gate.state()) == {"2", "16"}
 
+
+def test_steps_that_carry_prompt_rows_are_not_counted():
+    gate = DraftGate()
+    run(gate, WARM + BLOCK, 16, 80.0, 100.0)  # plain decoding is faster
+    before = gate.state()["16"]
+    for _ in range(4 * EXPLORE * BLOCK):  # drafting steps that happen to carry prompt chunks
+        drafting = gate.allow(16)
+        gate.observe(16, drafting, 40.0 if drafting else 5.0, 64, 0.05)
+    after = gate.state()["16"]
+    for key in ("drafting_tok_s", "plain_tok_s", "drafting_steps", "drafting_vs_plain"):
+        assert after[key] == before[key]
+    assert run(gate, BLOCK, 16, 80.0, 100.0) == [False] * BLOCK
 
 def test_the_cost_policy_asks_the_gate_for_a_batch_only():
     policy = KPolicy(StepCosts([0.030, 0.030, 0.031, 0.033, 0.034], frozen=True), k_max=4, gate=DraftGate())
@@ -63,18 +92,18 @@ def test_the_cost_policy_asks_the_gate_for_a_batch_only():
     canary = policy.start("good", min_draft=1)  # batches of 2 and 3 requests share a bucket
     for _ in range(BLOCK):  # the first block may draft
         assert policy.plan(good, [10] * 3, 3) == [4, 4, 4] and not policy.gated
-        policy.observe_step(3, 0.03)
+        policy.observe_step(3, 0, 0.03)
     # The second is held back: nothing but a request's own minimum.
     assert policy.plan(good[:2] + [canary], [10] * 3, 3) == [0, 0, 1] and policy.gated
-    policy.observe_step(3, 0.03)
+    policy.observe_step(3, 0, 0.03)
     # A step the policy did not plan (none of its requests drafts) is not the gate's to count.
     steps = dict(policy.gate.state()["2"])
-    policy.observe_step(3, 0.03)
+    policy.observe_step(3, 0, 0.03)
     assert policy.gate.state()["2"] == steps
     # A request alone is not gated, and leaves the gate's record of the batch untouched.
     steps = dict(policy.gate.state()["2"])
     assert policy.plan(good[:1], [10], 1) == [4] and not policy.gated
-    policy.observe_step(1, 0.01)
+    policy.observe_step(1, 0, 0.01)
     assert policy.gate.state()["2"] == steps
 
 
@@ -125,7 +154,7 @@ def test_the_gate_is_the_cost_rules_and_can_be_turned_off():
     good = [off.start("good") for _ in range(2)]
     for _ in range(3 * BLOCK):  # never held back
         assert off.plan(good, [10, 10], 2) == [2, 2] and not off.gated
-        off.observe_step(2, 0.03)
+        off.observe_step(2, 0, 0.03)
 
 
 def test_a_bad_draft_gate_setting_is_refused_by_name():

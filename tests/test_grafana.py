@@ -132,7 +132,10 @@ class _Emitter:
         assert sm.source_table() == [{"draft_version": "v1", "source": "suffix", "steps": 1, "drafted": 3,
                                       "accepted": 2}]
         sm.sync_suffix({"global_tokens": 10, "global_bytes": 300, "proposal_rate": 0.5})
-        sm.sync_gate({"8": {"drafting_tok_s": 300.0, "plain_tok_s": 320.0, "drafting_steps": 4, "plain_steps": 4}})
+        sm.sync_gate({"8": {"drafting_tok_s": 300.0, "plain_tok_s": 320.0, "drafting_steps": 4, "plain_steps": 4,
+                            "drafting_vs_plain": 0.94, "pairs": 9},
+                      "2": {"drafting_tok_s": 0.0, "plain_tok_s": 0.0, "drafting_steps": 1, "plain_steps": 0,
+                            "drafting_vs_plain": None, "pairs": 0}})
         sm.error("v1", "internal")
         sm.sync_records("v1", 2, {"queue_full": 1}, replayed=1)
         sm.roles("v1", "v2")

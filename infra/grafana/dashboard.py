@@ -71,6 +71,8 @@ def panels() -> list[tuple[str, str, list[tuple[str, str]]]]:
         ("Batched steps: tokens/s where they may draft and where they may not (draft gate)", "short",
          [(f"max by (kind, batch) ({m('osd_draft_gate_tokens_per_second')}{{{CLUSTER}}})",
            "{{kind}}, {{batch}}+ requests")]),
+        ("Batched steps: drafting over plain, adjacent blocks (draft gate; below 1 holds drafting back)", "none",
+         [(f"max by (batch) ({m('osd_draft_gate_drafting_vs_plain')}{{{CLUSTER}}})", "{{batch}}+ requests")]),
         ("Prompt tokens a KV slot already held (prefix reuse)", "percentunit",
          [(f"sum(rate({m('osd_prompt_cached_tokens_total')}{{{CLUSTER}}}[{RATE}])) / "
            f"sum(rate({m('osd_prompt_tokens_total')}{{{CLUSTER}}}[{RATE}]))", "share of prompt tokens")]),

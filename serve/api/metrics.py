@@ -79,6 +79,10 @@ class ServeMetrics:
                                  "Tokens per second of batched steps that may draft and of steps that may not, "
                                  "by batch size (the cost rule's gate, serve/spec_decode/draft_gate.py)",
                                  tag_keys=("kind", "batch"))
+        self.gate_ratio = m.Gauge("osd_draft_gate_drafting_vs_plain",
+                                  "The gate's paired estimate of drafting steps' tokens per second over plain steps', "
+                                  "by batch size (adjacent blocks compared; below 1: drafting held back)",
+                                  tag_keys=("batch",))
         self._seen_steps = 0
         self._roles: dict[str, str | None] = {"stable": None, "canary": None}
         self._seen_written = 0
@@ -140,10 +144,13 @@ class ServeMetrics:
             self.suffix_hit.set(stats["proposal_rate"])
 
     def sync_gate(self, state: dict[str, dict[str, float]]) -> None:
-        """The engine's gate on batched drafting (SpecEngine.gate_state()): each batch size's two rates."""
+        """The engine's gate on batched drafting (SpecEngine.gate_state()): each batch size's two rates
+        and its paired estimate, once it has one."""
         for batch, st in state.items():
             self.gate_rate.set(st["drafting_tok_s"], {"kind": "drafting", "batch": batch})
             self.gate_rate.set(st["plain_tok_s"], {"kind": "plain", "batch": batch})
+            if st.get("drafting_vs_plain") is not None:
+                self.gate_ratio.set(st["drafting_vs_plain"], {"batch": batch})
 
     def error(self, version: str, reason: str) -> None:
         self.errors.inc(1, {"draft_version": version, "reason": reason})

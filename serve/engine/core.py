@@ -483,7 +483,7 @@ class SpecEngine:
                 self.scheduler.fail(e)
                 return True
             if plan.decode and self._lengths is not None:
-                self._lengths.observe_step(took.tokens, took.seconds)
+                self._lengths.observe_step(took.emitted, took.prompt_rows, took.seconds)
             self.scheduler.update(plan, took)
             return True
 

@@ -54,11 +54,12 @@ class StepPlan:
 @dataclass
 class StepTook:
     """What a step took, for the log and the pacing: the target forward's sequences and rows,
-    the whole step's seconds, and the tokens it made (emitted, and prompt rows)."""
+    the whole step's seconds, the tokens it emitted and its prompt rows."""
     sequences: int
     rows: int
     seconds: float
-    tokens: int = 0
+    emitted: int = 0
+    prompt_rows: int = 0
 
 
 class StepLog:

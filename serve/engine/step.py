@@ -80,8 +80,8 @@ def run_step(eng: SpecEngine, plan: StepPlan) -> StepTook:
             seq.t_decode = time.perf_counter()
     if plan.decode:
         eng.observe_forward(len(items), rows, score_s)
-    made = sum(len(s.out) for s in plan.decode) - before + sum(t.numel() for _, t in plan.chunks)
-    return StepTook(len(items), rows, time.perf_counter() - t_step, made)
+    emitted = sum(len(s.out) for s in plan.decode) - before
+    return StepTook(len(items), rows, time.perf_counter() - t_step, emitted, sum(t.numel() for _, t in plan.chunks))
 
 
 def take_prefixes(prefixes: list[tuple[Seq, Any, int]]) -> None:

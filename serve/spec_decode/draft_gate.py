@@ -7,25 +7,34 @@ what that work does to the forward beside it (on 2 CPU cores, speculation's step
 forward's rows 14% slower, docs/benchmarks.md). Served at 16 clients, speculation then lost
 to plain decoding although the rule drafted under a tenth of a row a request.
 
-So for batched steps the engine also measures the outcome: the step's tokens (emitted, plus
-its prompt rows, each worth a token as in plan_batch) per second of the whole step, in steps
-that may draft and in steps that do not. The two kinds alternate in blocks of BLOCK steps
-until each has MIN_STEPS, so the machine's drift and the batch's make-up fall on both alike;
-then the faster kind runs, and one block in EXPLORE runs the other, so a change (a draft that
-starts to match, longer contexts) is seen. Kept per batch size (the decoding requests' count,
-by powers of two): whether drafting pays at 2 requests says little about 16.
+So for batched steps the engine also measures the outcome: the tokens a step emitted per
+second of the whole step, in blocks of BLOCK steps that may draft and blocks that may not.
+Each block is compared with the block of the other kind next to it in time, and the gate keeps
+a decayed mean of those pairs' log ratios: on 2 shared cores the machine's speed drifts by
+10-20% within seconds, so rates of the two kinds gathered at different times (the running kind's
+recent steps against the other kind's last exploring block) would compare the drift, not the
+kinds. The kinds alternate until MIN_PAIRS pairs; then the faster kind runs, and one block in
+EXPLORE runs the other (two pairs: the blocks before and after it), so a change (a draft that
+starts to match, longer contexts) is seen. Steps that carry prompt rows are not counted: a
+prompt chunk costs up to a few decode steps' time (the scheduler's pacing), so which kind
+happened to carry the chunks would decide (counted with their prompt rows as tokens, one served
+run read drafting steps 1.4x plain ones at 8-15 requests where they had drafted nothing;
+docs/benchmarks.md). Kept per batch size (the decoding requests' count, by powers of two):
+whether drafting pays at 2 requests says little about 16.
 
 A request alone (the per-request rule) is not gated. Pure: no torch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 BLOCK = 4  # consecutive steps of one kind: a block outlasts the effect of the kind before it
 EXPLORE = 8  # one block in this many runs the slower kind
-MIN_STEPS = 16  # of each kind before the rates decide
-DECAY = 0.98  # per observed step of a kind, of its accumulated tokens and seconds
+MIN_PAIRS = 8  # adjacent blocks of the two kinds compared before the gate decides
+PAIR_DECAY = 0.9  # per pair, of the accumulated log ratios
+DECAY = 0.98  # per observed step of a kind, of the rates shown (state())
 MARGIN = 0.02  # drafting is held back only when plain steps are this much faster
 
 
@@ -37,9 +46,9 @@ class Rate:
     seconds: float = 0.0
     steps: int = 0
 
-    def add(self, tokens: float, seconds: float) -> None:
-        self.tokens = self.tokens * DECAY + tokens
-        self.seconds = self.seconds * DECAY + seconds
+    def add(self, tokens: float, seconds: float, decay: float = DECAY) -> None:
+        self.tokens = self.tokens * decay + tokens
+        self.seconds = self.seconds * decay + seconds
         self.steps += 1
 
     @property
@@ -48,17 +57,42 @@ class Rate:
 
 
 @dataclass
+class Block:
+    """A block of one kind: the tokens and seconds of its counted steps."""
+
+    drafting: bool
+    rate: Rate = field(default_factory=Rate)
+
+
+@dataclass
 class Bucket:
-    drafting: Rate
-    plain: Rate
-    steps: int = 0
+    drafting: Rate = field(default_factory=Rate)  # shown
+    plain: Rate = field(default_factory=Rate)
+    steps: int = 0  # allow() calls
+    block: Block | None = None  # in progress
+    last: Block | None = None  # the last finished block with counted steps
+    log_ratio: float = 0.0  # decayed sums over pairs of log(drafting rate / plain rate)
+    pairs: float = 0.0
+    paired: int = 0
 
     @property
     def warm(self) -> bool:
-        return min(self.drafting.steps, self.plain.steps) >= MIN_STEPS
+        return self.paired >= MIN_PAIRS
 
     def drafting_pays(self) -> bool:
-        return self.drafting.per_s * (1 + MARGIN) >= self.plain.per_s
+        return self.log_ratio / self.pairs >= -math.log1p(MARGIN)
+
+    def finish_block(self) -> None:
+        done, self.block = self.block, None
+        if done is None or done.rate.seconds <= 0 or done.rate.tokens <= 0:
+            return
+        last, self.last = self.last, done
+        if last is None or last.drafting == done.drafting:
+            return
+        drafting, plain = (done, last) if done.drafting else (last, done)
+        self.log_ratio = self.log_ratio * PAIR_DECAY + math.log(drafting.rate.per_s / plain.rate.per_s)
+        self.pairs = self.pairs * PAIR_DECAY + 1.0
+        self.paired += 1
 
 
 class DraftGate:
@@ -73,21 +107,31 @@ class DraftGate:
 
     def allow(self, sequences: int) -> bool:
         """This step's kind, for a step of `sequences` decoding requests."""
-        b = self.buckets.setdefault(self.bucket(sequences), Bucket(Rate(), Rate()))
-        block = b.steps // BLOCK
+        b = self.buckets.setdefault(self.bucket(sequences), Bucket())
+        if b.steps % BLOCK == 0:
+            b.finish_block()
+            n = b.steps // BLOCK
+            drafting = n % 2 == 0 if not b.warm else b.drafting_pays() != (n % EXPLORE == EXPLORE - 1)
+            b.block = Block(drafting)
         b.steps += 1
-        if not b.warm:
-            return block % 2 == 0
-        return b.drafting_pays() != (block % EXPLORE == EXPLORE - 1)
+        assert b.block is not None
+        return b.block.drafting
 
-    def observe(self, sequences: int, drafting: bool, tokens: float, seconds: float) -> None:
-        """A step that allow() decided: the tokens it made (emitted plus prompt rows) in `seconds`."""
-        if seconds > 0:
-            b = self.buckets[self.bucket(sequences)]
-            (b.drafting if drafting else b.plain).add(tokens, seconds)
+    def observe(self, sequences: int, drafting: bool, emitted: float, prompt_rows: int, seconds: float) -> None:
+        """A step that allow() decided: the tokens it emitted in `seconds`, beside `prompt_rows`
+        prompt rows (a step with any is not counted: module doc)."""
+        b = self.buckets.get(self.bucket(sequences))
+        if b is None or seconds <= 0 or prompt_rows:
+            return
+        (b.drafting if drafting else b.plain).add(emitted, seconds)
+        if b.block is not None and b.block.drafting == drafting:
+            b.block.rate.add(emitted, seconds, 1.0)
 
     def state(self) -> dict[str, dict[str, float]]:
-        """Per bucket (its smallest batch size): tokens per second of each kind, and the steps seen."""
+        """Per bucket (its smallest batch size): tokens per second of each kind lately, the
+        steps seen, and the paired estimate of drafting's rate over plain decoding's."""
         return {str(1 << (k - 1)): {"drafting_tok_s": round(b.drafting.per_s, 1), "plain_tok_s": round(b.plain.per_s, 1),
-                                    "drafting_steps": b.drafting.steps, "plain_steps": b.plain.steps}
+                                    "drafting_steps": b.drafting.steps, "plain_steps": b.plain.steps,
+                                    "drafting_vs_plain": round(math.exp(b.log_ratio / b.pairs), 3) if b.pairs else None,
+                                    "pairs": b.paired}
                 for k, b in sorted(self.buckets.items())}

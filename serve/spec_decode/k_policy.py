@@ -235,8 +235,8 @@ class LengthPolicy(Protocol):
     def observe_forward(self, sequences: int, rows: int, seconds: float) -> None:
         """A target forward's measured cost."""
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        """The step planned last: the tokens it made (emitted and prompt rows) in `seconds`."""
+    def observe_step(self, emitted: int, prompt_rows: int, seconds: float) -> None:
+        """The step planned last: the tokens it emitted, beside its prompt rows, in `seconds`."""
 
 
 def with_min_draft(r: RequestLength, k: int, limit: int, k_max: int) -> int:
@@ -287,7 +287,7 @@ class FixedLength:
     def observe_forward(self, sequences: int, rows: int, seconds: float) -> None:
         pass
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
+    def observe_step(self, emitted: int, prompt_rows: int, seconds: float) -> None:
         pass
 
 
@@ -348,11 +348,11 @@ class KPolicy:
         else:
             self.costs.observe_batch(rows, seconds)
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
+    def observe_step(self, emitted: int, prompt_rows: int, seconds: float) -> None:
         """Once per step; a step the policy did not plan (none of its requests drafts) follows
         one it did, so the gate's call is used once."""
         if self.gate is not None and self.decided is not None:
-            self.gate.observe(*self.decided, tokens, seconds)
+            self.gate.observe(*self.decided, emitted, prompt_rows, seconds)
         self.decided = None
 
     def cut(self, probs: list[float], base_rows: int, others: int) -> int:
