@@ -85,6 +85,7 @@ def test_steps_that_carry_prompt_rows_are_not_counted():
         assert after[key] == before[key]
     assert run(gate, BLOCK, 16, 80.0, 100.0) == [False] * BLOCK
 
+
 def test_the_cost_policy_asks_the_gate_for_a_batch_only():
     policy = KPolicy(StepCosts([0.030, 0.030, 0.031, 0.033, 0.034], frozen=True), k_max=4, gate=DraftGate())
     policy.by_draft["good"] = Acceptance(prior=0.95, weight=100.0)

@@ -57,7 +57,8 @@ def run_step(eng: SpecEngine, plan: StepPlan) -> StepTook:
     as_tree = [eng.use_tree(s) for s in plan.decode]
     trees = [s for s, t in zip(plan.decode, as_tree) if t]
     chains = [s for s, t in zip(plan.decode, as_tree) if not t]
-    ks = eng.plan(chains, sum(t.numel() for _, t in plan.chunks))
+    prompt_rows = sum(t.numel() for _, t in plan.chunks)
+    ks = eng.plan(chains, prompt_rows)
     props = propose_all(eng, chains, ks)
     blocks = [_propose_tree(eng, s) for s in trees]
     items = [Item(torch.cat([s.pending(s.slot.target), p.tokens]), s.slot.target) for s, (p, _) in zip(chains, props)]
@@ -81,7 +82,7 @@ def run_step(eng: SpecEngine, plan: StepPlan) -> StepTook:
     if plan.decode:
         eng.observe_forward(len(items), rows, score_s)
     emitted = sum(len(s.out) for s in plan.decode) - before
-    return StepTook(len(items), rows, time.perf_counter() - t_step, emitted, sum(t.numel() for _, t in plan.chunks))
+    return StepTook(len(items), rows, time.perf_counter() - t_step, emitted, prompt_rows)
 
 
 def take_prefixes(prefixes: list[tuple[Seq, Any, int]]) -> None:

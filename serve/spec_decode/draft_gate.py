@@ -71,16 +71,16 @@ class Bucket:
     steps: int = 0  # allow() calls
     block: Block | None = None  # in progress
     last: Block | None = None  # the last finished block with counted steps
-    log_ratio: float = 0.0  # decayed sums over pairs of log(drafting rate / plain rate)
-    pairs: float = 0.0
-    paired: int = 0
+    log_ratio: float = 0.0  # decayed sum over pairs of log(drafting rate / plain rate)
+    pair_weight: float = 0.0  # the same decayed sum of 1 a pair: log_ratio / pair_weight is the mean
+    paired: int = 0  # pairs compared
 
     @property
     def warm(self) -> bool:
         return self.paired >= MIN_PAIRS
 
     def drafting_pays(self) -> bool:
-        return self.log_ratio / self.pairs >= -math.log1p(MARGIN)
+        return self.log_ratio / self.pair_weight >= -math.log1p(MARGIN)
 
     def finish_block(self) -> None:
         done, self.block = self.block, None
@@ -91,7 +91,7 @@ class Bucket:
             return
         drafting, plain = (done, last) if done.drafting else (last, done)
         self.log_ratio = self.log_ratio * PAIR_DECAY + math.log(drafting.rate.per_s / plain.rate.per_s)
-        self.pairs = self.pairs * PAIR_DECAY + 1.0
+        self.pair_weight = self.pair_weight * PAIR_DECAY + 1.0
         self.paired += 1
 
 
@@ -132,6 +132,6 @@ class DraftGate:
         steps seen, and the paired estimate of drafting's rate over plain decoding's."""
         return {str(1 << (k - 1)): {"drafting_tok_s": round(b.drafting.per_s, 1), "plain_tok_s": round(b.plain.per_s, 1),
                                     "drafting_steps": b.drafting.steps, "plain_steps": b.plain.steps,
-                                    "drafting_vs_plain": round(math.exp(b.log_ratio / b.pairs), 3) if b.pairs else None,
+                                    "drafting_vs_plain": round(math.exp(b.log_ratio / b.pair_weight), 3) if b.pair_weight else None,
                                     "pairs": b.paired}
                 for k, b in sorted(self.buckets.items())}
