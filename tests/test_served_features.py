@@ -4,6 +4,8 @@ trains, estimates α and gates on are, bit for bit, those the serving engine fed
 float32 training copy's are not; the float32 path stays where serving is not int4 or its
 runner cannot be built."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -158,9 +160,9 @@ class _Counting:
     def __init__(self, forward):
         self.forward, self.sequences = forward, 0
 
-    def __call__(self, seqs, layers):
+    def __call__(self, seqs, layers, logits_from=None):
         self.sequences += len(seqs)
-        return self.forward(seqs, layers)
+        return self.forward(seqs, layers, logits_from)
 
 
 def test_each_record_is_run_once_while_kept_and_the_gate_scores_served_features(served, f32, serving):
@@ -181,10 +183,73 @@ def test_each_record_is_run_once_while_kept_and_the_gate_scores_served_features(
     assert counting.sequences == 2 * len(records)  # a head of other layers: through the served forward too
 
 
+@pytest.mark.parametrize("logits_from", [0, 1, 5, 16, 17, 40])
+def test_rows_without_their_greedy_token_have_the_same_features(served, serving, logits_from):
+    """Rows before `logits_from` skip the LM head (a prefill), in the same block or an earlier one
+    (blocks of 16 rows here): their features and final hidden are the same bits, the greedy
+    tokens from `logits_from` on too, and -1 before it."""
+    records, _ = serving
+    served.block = 16  # the native forward's blocks are 256 rows: several blocks in these records
+    try:
+        tokens = [rec.prompt_ids.tolist() + rec.output_ids.tolist() for rec in records]
+        full = served(tokens, LAYERS)
+        part = served(tokens, LAYERS, [logits_from] * len(tokens))
+    finally:
+        served.block = 256
+    for a, b in zip(full, part):
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.feats, b.feats) and torch.equal(a.final, b.final)
+        assert torch.equal(a.argmax[logits_from:], b.argmax[logits_from:])
+        assert bool((b.argmax[:logits_from] == -1).all())
+
+
+def test_the_features_carry_the_greedy_tokens_their_use_reads(served, f32, serving):
+    """Scores read the records' own top-k: no greedy token; a step on output rows reads them from
+    each record's start on; a record scored first and then trained on is run again for them, one
+    trained on first is not run again for its scores; and the step's loss is the same bits as on
+    features with every row's greedy token."""
+    from train.distill.head import collate
+    from train.online.served import GREEDY_ROWS
+
+    records, _ = serving
+    counting = _Counting(served)
+    head = _head(f32)
+    fam = HeadFamily(f32, _train(head_loss_rows="outputs"), head, counting)
+    scored = fam.features(records[:1], "none")
+    assert bool((scored.argmax[0] == -1).all()) and counting.sequences == 1
+    fam.score(head, records[1:])
+    assert counting.sequences == len(records)
+    batch = fam.batch(records)  # every record again: kept with no greedy token
+    assert counting.sequences == 2 * len(records)
+    fam.score(head, records)
+    assert counting.sequences == 2 * len(records)
+    fs = fam.features(records, "outputs")
+    for argmax, start in zip(fs.argmax, fs.start):
+        assert bool((argmax[:start] == -1).all()) and bool((argmax[start:] >= 0).all())
+    whole = served_features(served, records, LAYERS, fam.tc.max_seq_len)
+    loss = fam.loss_fn()
+    out_of_vocab = int((~head.t2d()).nonzero()[0])
+
+    def step_loss(fs, upto=None, token=out_of_vocab):  # greedy tokens [0, start + upto) replaced
+        fs = copy.deepcopy(fs)
+        if upto is not None:
+            for argmax, start in zip(fs.argmax, fs.start):
+                argmax[:start + upto] = token
+        with torch.no_grad(), autocast_context(fam.autocast, "cpu"):
+            return loss(head, collate(fs, range(len(fs))))
+
+    assert torch.equal(step_loss(fs), step_loss(whole))
+    for token in (out_of_vocab, int(head.d2t[0])):  # what the skipped rows hold does not matter
+        assert torch.equal(step_loss(whole, 1, token), step_loss(whole))
+    assert not torch.equal(step_loss(whole, 2), step_loss(whole))  # the row at start + 1 is read
+    with pytest.raises(ValueError, match="greedy must be one of"):
+        served_features(served, records, LAYERS, 1024, greedy="some")
+    assert GREEDY_ROWS == ("none", "outputs", "all")
+
+
 def test_rows_of_other_tokens_are_refused(served, serving):
     records, _ = serving
 
-    def shifted(seqs, layers):
+    def shifted(seqs, layers, logits_from=None):
         return served([s[1:] for s in seqs], layers)
 
     with pytest.raises(ValueError, match="not those of the records' tokens"):

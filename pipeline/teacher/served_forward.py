@@ -13,6 +13,11 @@ each holds. PyTorch's int4 kernels (the runner where the native one cannot load)
 only up to ROW_EXACT_MAX_T rows, the decode's arithmetic, so they take blocks of that many:
 an output row then equals its decode; a prompt row differs from serving's wide prompt chunks
 by rounding only.
+
+Greedy tokens. A row's greedy token takes the LM head, about a fifth of a row's arithmetic; the
+trainer asks for it only where it reads it (`logits_from`: the output rows its loss counts; none
+for the records it scores), and the rows before run as a prompt does (`prefill`), whose
+features are the same bits.
 """
 
 from __future__ import annotations
@@ -61,11 +66,18 @@ class RunnerForward:
         self.block = BLOCK_ROWS if native else ROW_EXACT_MAX_T
         self._cache: Any = None
 
-    def __call__(self, seqs: Sequence[Sequence[int]], layers: tuple[int, ...]) -> list[FeatureRows]:
+    def __call__(self, seqs: Sequence[Sequence[int]], layers: tuple[int, ...],
+                 logits_from: Sequence[int] | None = None) -> list[FeatureRows]:
+        """`logits_from[i]`: sequence i's first row whose greedy token is wanted (argmax -1 before
+        it; None: every row's)."""
         asked = with_last(tuple(layers), self.model.config.num_hidden_layers)
-        return [self._rows([int(t) for t in seq], tuple(layers), asked) for seq in seqs]
+        froms = [0] * len(seqs) if logits_from is None else list(logits_from)
+        if len(froms) != len(seqs):
+            raise ValueError(f"logits_from has {len(froms)} rows for {len(seqs)} sequences")
+        return [self._rows([int(t) for t in seq], tuple(layers), asked, start) for seq, start in zip(seqs, froms)]
 
-    def _rows(self, tokens: list[int], layers: tuple[int, ...], asked: tuple[int, ...]) -> FeatureRows:
+    def _rows(self, tokens: list[int], layers: tuple[int, ...], asked: tuple[int, ...],
+              logits_from: int) -> FeatureRows:
         """One sequence's rows: its tokens but the last (serving never feeds that one)."""
         ids = torch.tensor(tokens[:-1], dtype=torch.long)
         if self._cache is None:
@@ -73,11 +85,20 @@ class RunnerForward:
         self._cache.truncate(0)
         feats, final, argmax = [], [], []
         for s in range(0, ids.numel(), self.block):
-            logits, f = self.runner.forward_features(ids[s:s + self.block], self._cache, asked)
-            head, fin = split_final(f, asked, layers, self.model.model.norm.weight, self.model.config.rms_norm_eps)
+            e = min(s + self.block, ids.numel())
+            cut = min(max(logits_from, s), e)  # rows [s, cut) without their greedy token
+            f = []
+            if cut > s:
+                f.append(self.runner.prefill(ids[s:cut], self._cache, asked))
+                argmax.append(torch.full((cut - s,), -1, dtype=torch.long))
+            if e > cut:
+                logits, rest = self.runner.forward_features(ids[cut:e], self._cache, asked)
+                f.append(rest)
+                argmax.append(logits.argmax(-1))  # the served runner's own greedy token
+            head, fin = split_final(torch.cat(f), asked, layers, self.model.model.norm.weight,
+                                    self.model.config.rms_norm_eps)
             feats.append(head.to(torch.bfloat16))
             final.append(fin.to(torch.bfloat16))
-            argmax.append(logits.argmax(-1))  # the served runner's own greedy token
         if not feats:  # a one-token sequence has no row
             width, h = len(layers) * self.model.config.hidden_size, self.model.config.hidden_size
             return FeatureRows(ids, torch.empty(0, width, dtype=torch.bfloat16), torch.empty(0, h, dtype=torch.bfloat16),

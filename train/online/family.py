@@ -58,7 +58,7 @@ def per_record(draft: Any, target: Any, records: list, max_seq_len: int,
         key = tuple(draft.feature_layers)
         feats = feature_cache.get(key) if feature_cache is not None else None
         if feats is None:
-            feats = head_features(target, forward, records, key, max_seq_len)
+            feats = head_features(target, forward, records, key, max_seq_len, greedy="none")  # scores read top-k
             if feature_cache is not None:
                 feature_cache[key] = feats
         return per_record_acceptance_head(draft, target, records, max_seq_len, features=feats)
@@ -68,16 +68,17 @@ def per_record(draft: Any, target: Any, records: list, max_seq_len: int,
 
 
 def head_features(target: Any, forward: ServedForward | None, records: list, layers: tuple[int, ...],
-                  max_seq_len: int) -> Any:
-    """The FeatureSet of `records` at `layers`: from the served forward where there is one, else
-    from the float32 `target`."""
+                  max_seq_len: int, greedy: str = "all") -> Any:
+    """The FeatureSet of `records` at `layers`: from the served forward where there is one, with the
+    greedy tokens of the rows `greedy` names (train/online/served.py GREEDY_ROWS), else from the
+    float32 `target` (every row's)."""
     from train.distill.head import records_features
 
     if forward is None:
         return records_features(target, records, layers, max_seq_len)
     from train.online.served import served_features
 
-    return served_features(forward, records, layers, max_seq_len, target.lm_head.weight.device)
+    return served_features(forward, records, layers, max_seq_len, target.lm_head.weight.device, greedy)
 
 
 class LayerFamily:
@@ -134,27 +135,33 @@ class HeadFamily:
         # Kept from the init head before DeepSpeed wraps it: every export is rebuilt on them.
         self.spec, self.d2t = head.spec, head.d2t.detach().cpu().clone()
         self.layers = tuple(head.feature_layers)
-        self._kept: OrderedDict[str, tuple] = OrderedDict()  # record id -> its features (FeatureSet fields)
+        # record id -> (its features as FeatureSet fields, the GREEDY_ROWS index of their greedy tokens)
+        self._kept: OrderedDict[str, tuple[tuple, int]] = OrderedDict()
         # The head's steps and gate scores run under bfloat16 autocast where its GEMMs
         # are native, as its warm start's steps do: the step is most of the trainer's time.
         self.autocast = autocast_dtype("auto", tc.device)
 
-    def features(self, records: list) -> Any:
-        """The target's features of `records` as one FeatureSet, each record's computed once while
-        it stays among the FEATURES_KEPT most recently used: replay steps and the gate read the
-        same records many times."""
+    def features(self, records: list, greedy: str = "all") -> Any:
+        """The target's features of `records` as one FeatureSet, with the greedy tokens of the rows
+        `greedy` names (train/online/served.py GREEDY_ROWS), each record's computed once while it
+        stays among the FEATURES_KEPT most recently used (and again where it was kept with fewer
+        greedy tokens than asked): replay steps and the gate read the same records many times."""
         from train.distill.head import FeatureSet
+        from train.online.served import GREEDY_ROWS
 
-        todo = [r for r in records if r.record_id not in self._kept]
+        need = GREEDY_ROWS.index(greedy)
+        todo = [r for r in records if r.record_id not in self._kept or self._kept[r.record_id][1] < need]
         if todo:
-            fresh = head_features(self.target, self.forward, todo, self.layers, self.tc.max_seq_len)
+            fresh = head_features(self.target, self.forward, todo, self.layers, self.tc.max_seq_len, greedy)
+            # The float32 copy's carry every row's greedy token.
+            has = need if self.forward is not None else GREEDY_ROWS.index("all")
             for i, r in enumerate(todo):
-                self._kept[r.record_id] = (fresh.ids[i], fresh.feats[i], fresh.final[i], fresh.argmax[i],
-                                           fresh.start[i])
+                self._kept[r.record_id] = ((fresh.ids[i], fresh.feats[i], fresh.final[i], fresh.argmax[i],
+                                            fresh.start[i]), has)
         fs = FeatureSet()
         for r in records:
             self._kept.move_to_end(r.record_id)
-            for name, value in zip(("ids", "feats", "final", "argmax", "start"), self._kept[r.record_id]):
+            for name, value in zip(("ids", "feats", "final", "argmax", "start"), self._kept[r.record_id][0]):
                 getattr(fs, name).append(value)
         while len(self._kept) > max(FEATURES_KEPT, len(records)):
             self._kept.popitem(last=False)
@@ -164,7 +171,7 @@ class HeadFamily:
         """All `records` as one HeadBatch, their features from a no-grad target forward (kept)."""
         from train.distill.head import collate
 
-        fs = self.features(records)
+        fs = self.features(records, self.tc.head_loss_rows)  # "outputs" or "all": the rows its loss counts
         return collate(fs, range(len(fs)))
 
     def null_batch(self) -> Any:
@@ -189,7 +196,7 @@ class HeadFamily:
         if family_name(draft) == "head" and tuple(draft.feature_layers) == self.layers:
             from train.distill.head import per_record_acceptance_head
 
-            fs = self.features(records)
+            fs = self.features(records, "none")  # the scores read the records' own top-k
             with autocast_context(self.autocast, self.tc.device):
                 return per_record_acceptance_head(draft, self.target, records, self.tc.max_seq_len, features=fs)
         return per_record(draft, self.target, records, self.tc.max_seq_len, forward=self.forward)
