@@ -49,6 +49,24 @@ def test_levels_run_their_clients_together_and_each_level_on_prompts_of_its_own(
         run_levels(eng, draft, ids, [16], 2, 6, (True, False), log=lambda s: None)
 
 
+def test_a_run_never_reuses_the_prompts_its_level_s_other_run_left_in_the_slots():
+    """Speculation on, then off, on the same prompts with prefix reuse: each run takes from the
+    slots the prefix its own requests share (a system turn), never the other run's whole prompts,
+    so both compute the same prompt tokens (the second run once found every prompt cached)."""
+    target = build_tiny_llama(seed=3, num_layers=2, max_positions=128)
+    target.config.eos_token_id = None
+    eng = SpecEngine(target, build_draft("truncate:1", target),
+                     options=small_options(k=2, max_seq_len=128, max_concurrency=8, k_policy="fixed",
+                                           prefix_reuse=True))
+    gen = torch.Generator().manual_seed(1)
+    system = torch.randint(0, 256, (12,), generator=gen).tolist()
+    ids = [system + torch.randint(0, 256, (6,), generator=gen).tolist() for _ in range(3)]
+    rows = run_levels(eng, lambda e: e.make_draft(build_draft("truncate:1", target)), ids, [1], 2, 4, (True, False),
+                      log=lambda s: None)
+    shares = [r["cached_share"] for r in rows]
+    assert shares[0] == shares[1] and 0.3 < shares[0] < 0.9  # the system turn only, in both runs
+
+
 def test_conversations_send_each_turn_after_the_answer_and_reuse_is_compared_on_the_same_requests():
     """--workload multiturn, --prefix-reuse both: each second turn goes out after the engine's
     answer to the first and takes that exchange from a slot; the engine without reuse serves

@@ -5,8 +5,8 @@ one request a client, not timed, as a replica's warm-up), every request a prompt
 request of the run has sent (so the suffix draft meets first-time prompts,
 and a fresh draft serves each level). With `--speculation both` each level runs speculation
 on and off one after the other on the same prompts (each run's untimed round fills the KV
-slots with the same prompts first), so the two are compared at the same load and on the same
-answers in one run (`on_off`). Per
+slots first, and each run reuses the prefixes of its own requests alone: its own cache salt),
+so the two are compared at the same load and on the same answers in one run (`on_off`). Per
 level: output tokens/s, sequences and rows per target forward (the scheduler's step log:
 continuous batching at work), the ratio to one client, the median time to a first token and
 the share of prompt tokens a KV slot already held (serve/engine/prefix.py).
@@ -121,7 +121,10 @@ def run_levels(engine: Any, make_draft: Callable[[Any], Any], items: list[Any], 
     rows, at = [], 0
     for li, c in enumerate(clients):
         for reuse, spec, eng in arms if li % 2 == 0 else arms[::-1]:
-            params = GenerationParams(max_new_tokens=max_new, speculate=spec, capture=False)
+            # A cache salt per run: a run reuses the prefixes of its own requests only, never the
+            # prompts the level's other run left in the KV slots (with a few requests, every one).
+            params = GenerationParams(max_new_tokens=max_new, speculate=spec, capture=False,
+                                      cache_salt=f"osd-bench-batch-{c}-{reuse}-{'on' if spec else 'off'}")
             rows.append(_run(eng, make_draft if spec else None, params, items[at:at + need[li]], c, per_client,
                              tokenizer, reuse, log))
         at += need[li]
