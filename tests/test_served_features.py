@@ -241,8 +241,10 @@ def test_the_features_carry_the_greedy_tokens_their_use_reads(served, f32, servi
     for token in (out_of_vocab, int(head.d2t[0])):  # what the skipped rows hold does not matter
         assert torch.equal(step_loss(whole, 1, token), step_loss(whole))
     assert not torch.equal(step_loss(whole, 2), step_loss(whole))  # the row at start + 1 is read
-    with pytest.raises(ValueError, match="greedy must be one of"):
-        served_features(served, records, LAYERS, 1024, greedy="some")
+    for bad in (lambda: served_features(served, records, LAYERS, 1024, greedy="some"),
+                lambda: fam.features(records, "outputs only")):
+        with pytest.raises(ValueError, match="greedy must be one of"):
+            bad()
     assert GREEDY_ROWS == ("none", "outputs", "all")
 
 

@@ -149,6 +149,8 @@ class HeadFamily:
         from train.distill.head import FeatureSet
         from train.online.served import GREEDY_ROWS
 
+        if greedy not in GREEDY_ROWS:
+            raise ValueError(f"greedy must be one of {', '.join(GREEDY_ROWS)}, got {greedy!r}")
         need = GREEDY_ROWS.index(greedy)
         todo = [r for r in records if r.record_id not in self._kept or self._kept[r.record_id][1] < need]
         if todo:
