@@ -189,13 +189,13 @@ def test_rows_without_their_greedy_token_have_the_same_features(served, serving,
     (blocks of 16 rows here): their features and final hidden are the same bits, the greedy
     tokens from `logits_from` on too, and -1 before it."""
     records, _ = serving
-    served.block = 16  # the native forward's blocks are 256 rows: several blocks in these records
+    block, served.block = served.block, 16  # the native forward's are 256 rows: several blocks here
     try:
         tokens = [rec.prompt_ids.tolist() + rec.output_ids.tolist() for rec in records]
         full = served(tokens, LAYERS)
         part = served(tokens, LAYERS, [logits_from] * len(tokens))
     finally:
-        served.block = 256
+        served.block = block
     for a, b in zip(full, part):
         assert torch.equal(a.ids, b.ids) and torch.equal(a.feats, b.feats) and torch.equal(a.final, b.final)
         assert torch.equal(a.argmax[logits_from:], b.argmax[logits_from:])
