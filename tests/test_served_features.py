@@ -245,6 +245,8 @@ def test_the_features_carry_the_greedy_tokens_their_use_reads(served, f32, servi
                 lambda: fam.features(records, "outputs only")):
         with pytest.raises(ValueError, match="greedy must be one of"):
             bad()
+    with pytest.raises(ValueError, match="logits_from has 2 rows for 1 sequences"):
+        served([[5, 6, 7]], LAYERS, [0, 0])
     assert GREEDY_ROWS == ("none", "outputs", "all")
 
 

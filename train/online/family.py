@@ -147,16 +147,14 @@ class HeadFamily:
         stays among the FEATURES_KEPT most recently used (and again where it was kept with fewer
         greedy tokens than asked): replay steps and the gate read the same records many times."""
         from train.distill.head import FeatureSet
-        from train.online.served import GREEDY_ROWS
+        from train.online.served import greedy_rank
 
-        if greedy not in GREEDY_ROWS:
-            raise ValueError(f"greedy must be one of {', '.join(GREEDY_ROWS)}, got {greedy!r}")
-        need = GREEDY_ROWS.index(greedy)
+        need = greedy_rank(greedy)
         todo = [r for r in records if r.record_id not in self._kept or self._kept[r.record_id][1] < need]
         if todo:
             fresh = head_features(self.target, self.forward, todo, self.layers, self.tc.max_seq_len, greedy)
             # The float32 copy's carry every row's greedy token.
-            has = need if self.forward is not None else GREEDY_ROWS.index("all")
+            has = need if self.forward is not None else greedy_rank("all")
             for i, r in enumerate(todo):
                 self._kept[r.record_id] = ((fresh.ids[i], fresh.feats[i], fresh.final[i], fresh.argmax[i],
                                             fresh.start[i]), has)

@@ -39,13 +39,20 @@ ServedFactory = Callable[[OSDConfig], tuple[ServedForward | None, str]]
 GREEDY_ROWS = ("none", "outputs", "all")  # in the order of what they cover
 
 
+def greedy_rank(greedy: str) -> int:
+    """`greedy`'s place in GREEDY_ROWS (a higher one covers the lower ones' rows); ValueError
+    naming the choices for any other name."""
+    if greedy not in GREEDY_ROWS:
+        raise ValueError(f"greedy must be one of {', '.join(GREEDY_ROWS)}, got {greedy!r}")
+    return GREEDY_ROWS.index(greedy)
+
+
 def served_features(forward: ServedForward, records: Sequence[Any], layers: tuple[int, ...],
                     max_seq_len: int | None, device: torch.device | str = "cpu", greedy: str = "all") -> FeatureSet:
     """records_features (train/distill/head.py) through the served forward: the records cut as
     `trim` cuts them, evaluation from the row predicting the second output token; the greedy
     tokens of the rows `greedy` names (GREEDY_ROWS), -1 elsewhere."""
-    if greedy not in GREEDY_ROWS:
-        raise ValueError(f"greedy must be one of {', '.join(GREEDY_ROWS)}, got {greedy!r}")
+    greedy_rank(greedy)
     cut = [trim(r, max_seq_len or sys.maxsize) for r in records]
     starts = [max(p - 2, 0) for _, p, _ in cut]
     froms = {"all": [0] * len(cut), "outputs": starts, "none": [len(seq) for seq, _, _ in cut]}[greedy]
