@@ -572,6 +572,13 @@ class TrainConfig(_Section):
     # a record's answer alone, the tokens serving drafts and the gate scores; "all", its prompt
     # rows too (most of a served record's rows). The warm start trains on every row.
     head_loss_rows: Literal["outputs", "all"] = "outputs"
+    # An online head step's loss at each depth (train/distill/head.py HEAD_LOSSES): "ce", the soft
+    # cross-entropy the warm start trains; "tv", the total variation 1 - sum(min(p, q)), the
+    # rejection rate of speculative sampling, whose complement the gate's acceptance bound sums;
+    # "ce+tv", their sum. After the demo's shift "ce+tv" learned more than "ce" on both the gate's
+    # bound and greedy agreement at 48, 192 and 384 records; "tv" alone the most on the bound and
+    # the least greedy agreement at 384 (`osd bench adapt --variants ce tv ce_tv`, docs/benchmarks.md).
+    head_loss: Literal["ce", "tv", "ce+tv"] = "ce+tv"
     # Publish a candidate every this many records or seconds, whichever comes first.
     export_every_records: int = Field(2000, ge=1)
     export_every_s: float = Field(600.0, gt=0)  # or after this many seconds, whichever comes first

@@ -41,7 +41,9 @@ def test_each_head_variant_changes_only_its_own_setting():
     assert head_variant_config(demo, "three_replays").train == demo.train.model_copy(update={"replay_steps": 3})
     assert head_variant_config(demo, "no_replay").train == demo.train.model_copy(update={"replay_steps": 0})
     assert set(HEAD_VARIANTS) == {"base", "all_rows", "low_lr", "high_lr", "more_replay", "no_replay",
-                                  "three_replays"}
+                                  "three_replays", "ce", "tv", "ce_tv"}
+    for name, loss in (("ce", "ce"), ("tv", "tv"), ("ce_tv", "ce+tv")):
+        assert head_variant_config(cfg, name).train == cfg.train.model_copy(update={"head_loss": loss})
 
 
 def test_a_variant_of_the_other_family_is_a_users_error(capsys):

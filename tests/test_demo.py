@@ -111,6 +111,10 @@ def test_a_head_version_is_scored_by_its_own_family_beside_a_layer_version(tiny,
     assert got["h1"]["alpha_est"] == pytest.approx(sum(a for a, _ in scores) / out["positions"], rel=1e-5)
     # The records are the layer draft's own distribution: it matches their top-k, the head does not.
     assert got["l2"]["alpha_est"] > 0.85 > got["h1"]["alpha_est"]
+    # A head's greedy agreement beside its bound, from the same unroll; a layer version has none.
+    greedy = per_record_acceptance_head(head, tiny.model, held, cfg.train.max_seq_len, greedy=True)
+    assert got["h1"]["greedy_est"] == pytest.approx(sum(a for a, _ in greedy) / out["positions"], rel=1e-5)
+    assert got["h1"]["greedy_est"] != pytest.approx(got["h1"]["alpha_est"]) and got["l2"]["greedy_est"] is None
 
 
 @pure

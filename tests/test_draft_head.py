@@ -425,12 +425,13 @@ def _loss_and_grads(head, fn, batch):
     return float(loss.detach()), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("tv, ce", [(0.0, 1.0), (1.0, 0.0), (0.5, 1.0)])
 @pytest.mark.parametrize("rows", ["outputs", "all"])
-def test_the_loss_is_the_full_unrolls_loss_on_the_rows_it_counts(target, head, rows):
+def test_the_loss_is_the_full_unrolls_loss_on_the_rows_it_counts(target, head, rows, tv, ce):
     """The LM head runs on the counted rows alone, from the batch's first chain start: the loss
-    and its gradients equal the full unroll's soft cross-entropy masked to rows t >= start
-    (rows="outputs", the online trainer's) or every in-vocab row (rows="all", the warm start's),
-    and t >= j-1 at depth j, computed here directly."""
+    and its gradients equal the full unroll's soft cross-entropy (and, weighted by tv, total
+    variation) masked to rows t >= start (rows="outputs", the online trainer's) or every
+    in-vocab row (rows="all", the warm start's), and t >= j-1 at depth j, computed here directly."""
     from train.distill.head import collate, compute_features, head_loss_fn
 
     g = torch.Generator().manual_seed(5)
@@ -447,17 +448,19 @@ def test_the_loss_is_the_full_unrolls_loss_on_the_rows_it_counts(target, head, r
         for j, logits in enumerate(model.unroll(b.feats, b.next_ids, 3), start=1):
             counted_from = b.start if rows == "outputs" else torch.zeros_like(b.start)
             m = (in_vocab & (t >= j - 1) & (t.view(1, -1) >= counted_from.view(-1, 1))).float()
-            ce = -(p * F.log_softmax(logits, -1)).sum(-1)
-            total = total + 0.8 ** (j - 1) * (ce * m).sum() / m.sum()
+            q = torch.softmax(logits, -1)
+            per_row = -ce * (p * q.log()).sum(-1) + tv * 0.5 * (p - q).abs().sum(-1)
+            total = total + 0.8 ** (j - 1) * (per_row * m).sum() / m.sum()
         return total
 
-    got, got_g = _loss_and_grads(head, head_loss_fn(w, rows=rows), batch)
+    got, got_g = _loss_and_grads(head, head_loss_fn(w, rows=rows, tv=tv, ce=ce), batch)
     want, want_g = _loss_and_grads(head, reference, batch)
     assert got == pytest.approx(want, rel=1e-5)
     assert got_g.keys() == want_g.keys()
     for n in want_g:
         assert torch.allclose(got_g[n], want_g[n], atol=1e-6, rtol=1e-4), n
-    other, _ = _loss_and_grads(head, head_loss_fn(w, rows="all" if rows == "outputs" else "outputs"), batch)
+    other, _ = _loss_and_grads(head, head_loss_fn(w, rows="all" if rows == "outputs" else "outputs", tv=tv, ce=ce),
+                               batch)
     assert other != pytest.approx(got, rel=1e-3)  # the prompt rows count in one and not the other
 
 
@@ -476,3 +479,6 @@ def test_an_unknown_loss_row_choice_is_refused(target):
 
     with pytest.raises(ValueError, match="rows must be"):
         head_loss_fn(target.lm_head.weight.detach(), rows="prompt")
+    for tv, ce in ((0.0, 0.0), (-1.0, 1.0), (1.0, -0.5)):
+        with pytest.raises(ValueError, match="tv and ce are weights"):
+            head_loss_fn(target.lm_head.weight.detach(), tv=tv, ce=ce)

@@ -130,6 +130,67 @@ def test_per_record_acceptance_of_a_head_matches_a_direct_computation(target, re
 
 @pytest.mark.pure
 @pytest.mark.usefixtures("one_thread")
+def test_greedy_agreement_of_a_head_matches_a_direct_computation(target, recs):
+    """greedy=True: per output, whether the head's greedy token at depth 1 is the record's top-1
+    (the target's greedy token); a head whose vocabulary lacks that token never agrees there."""
+    from train.distill.head import compute_features, per_record_acceptance_head
+
+    head = fresh_head(target, 150)
+    got = per_record_acceptance_head(head, target, recs[:4], 1024, depth=1, greedy=True)
+    agreed = 0
+    for rec, (s, n) in zip(recs[:4], got):
+        seq = rec.prompt_ids.tolist() + rec.output_ids.tolist()
+        fs = compute_features(target, [seq], LAYERS)
+        with torch.no_grad():
+            z = head.unroll(fs.feats[0][None, :-1].float(), fs.ids[0][None, 1:], 1)[0][0]
+        p = len(rec.prompt_ids)
+        mine = head.d2t[z[p - 2: p - 2 + len(rec.output_ids)].argmax(-1)]
+        want = (mine == torch.as_tensor(rec.topk_ids[:, 0]).long()).sum()
+        assert n == len(rec.output_ids) and s == float(want)
+        agreed += int(want)
+    assert agreed > 0  # the check saw agreements, not only zeros
+    bound = per_record_acceptance_head(head, target, recs[:4], 1024, depth=1)
+    assert [s for s, _ in bound] != [s for s, _ in got]
+
+
+@pytest.mark.pure
+@pytest.mark.usefixtures("one_thread")
+def test_the_family_steps_on_the_configured_head_loss(target, recs):
+    """train.head_loss picks head_loss_fn's terms: the soft cross-entropy and total variation
+    summed by default, either alone by name; an unknown name is refused by the config."""
+    from train.distill.head import HEAD_LOSSES, head_loss_fn
+    from train.online.family import HeadFamily
+
+    head = fresh_head(target, 150)
+    assert train_cfg().head_loss == "ce+tv"
+    got = {}
+    for name, terms in HEAD_LOSSES.items():
+        fam = HeadFamily(target, train_cfg(head_loss=name), head)
+        batch = fam.batch(recs[:3])
+        got[name] = float(fam.loss_fn()(head, batch))
+        want = head_loss_fn(target.lm_head.weight.detach(), rows="outputs", **terms)(head, batch)
+        assert got[name] == pytest.approx(float(want), rel=1e-6)
+    assert 0 < got["tv"] < 1 + 0.8 + 0.8 ** 2 and got["ce+tv"] == pytest.approx(got["ce"] + got["tv"], rel=1e-5)
+    with pytest.raises(Exception, match="head_loss"):
+        train_cfg(head_loss="kl")
+
+
+@pytest.mark.pure
+@pytest.mark.usefixtures("one_thread")
+def test_the_family_scores_greedy_agreement_of_its_own_heads_only(target, recs):
+    from train.online.family import HeadFamily
+
+    head = fresh_head(target, 150)
+    fam = HeadFamily(target, train_cfg(), head)
+    greedy = fam.score(head, recs[:3], greedy=True)
+    assert all(0 <= s <= n for s, n in greedy) and greedy != fam.score(head, recs[:3])
+    other = build_head(target, DraftSpec(family="head", feature_layers=(0,), draft_vocab=259), None)
+    with pytest.raises(ValueError, match="greedy agreement is measured for a head on this family's"):
+        fam.score(other, recs[:3], greedy=True)
+
+
+@pytest.mark.pure
+@pytest.mark.usefixtures("one_thread")
 def test_scores_on_the_counted_rows_alone_equal_those_of_the_full_unroll(target):
     """evaluate and per_record_acceptance_head unroll prompt rows as depth-1 keys only and take the
     LM head on the rows they count: the same figures as the full unroll's logits everywhere, on

@@ -201,10 +201,12 @@ def _print(out: dict[str, Any]) -> None:
         return f"{x['diff']:+.4f} [{x['lower']:+.4f}, {x['upper']:+.4f}]"
 
     rows = [[r["variant"], r["records"], cell(r["held_code"]), cell(r["held_general"]),
-             f"{r['ms_per_step']:.0f}" if "ms_per_step" in r else "-"] for r in out["rows"]]
+             f"{r['held_code_greedy']['diff']:+.4f}" if "held_code_greedy" in r else "-",
+             f"{r['ms_per_step']:.0f}" if "ms_per_step" in r else "-",
+             f"{r['features_s']:.1f}" if "features_s" in r else "-"] for r in out["rows"]]
     print("\n" + tabulate(rows, headers=["variant", "records", "code - v1 [95% interval]", "general - v1",
-                                         "ms a step"],
-                         disable_numparse=True, colalign=("left", "right", "right", "right", "right")))
+                                         "greedy code - v1", "ms a step", "features s"],
+                         disable_numparse=True, colalign=("left",) + ("right",) * 6))
 
 
 # -- the command line: `osd bench adapt` -------------------------------------------------------

@@ -16,9 +16,15 @@ Variants (each from v1, the same seeded record order):
   steps could buy in the same trainer time);
 - `no_replay`, `three_replays`: no replay step after each new step, or three (the demo's
   setting before 2026-12-06): in the demo the trainer skips most records as stale, so a replay
-  step costs a new record's step; compare variants at equal trainer time, not equal records.
-Each row also says how long the variant's optimizer steps took: the rows a loss counts decide
-a step's cost.
+  step costs a new record's step; compare variants at equal trainer time, not equal records;
+- `ce`, `tv`, `ce_tv`: train.head_loss "ce" (the soft cross-entropy, the default before
+  2026-12-07), "tv" (the total variation 1 - sum(min(p, q)), what the gate's acceptance bound
+  counts) or "ce+tv" (their sum, the default).
+Each checkpoint scores both the acceptance bound (speculative sampling's) and greedy agreement
+(what a greedy request's verify accepts): a loss can move one and not the other.
+Each row also says how long the variant's optimizer steps took (the rows a loss counts decide
+a step's cost) and how long the target's forwards for its records' features took (once a
+record: the family keeps them), the trainer's two costs a record.
 
 Records are teacher records (the target's own greedy answers, the head warm start's answer
 length) in place of served ones.
@@ -33,7 +39,8 @@ from typing import Any, Sequence
 
 from infra.config import OSDConfig
 
-HEAD_VARIANTS = ("base", "all_rows", "low_lr", "high_lr", "more_replay", "no_replay", "three_replays")
+HEAD_VARIANTS = ("base", "all_rows", "low_lr", "high_lr", "more_replay", "no_replay", "three_replays", "ce", "tv",
+                 "ce_tv")
 
 
 class VariantError(ValueError):
@@ -49,7 +56,8 @@ def head_variant_config(cfg: OSDConfig, name: str) -> OSDConfig:
     tc = cfg.train
     changes = {"base": {}, "all_rows": {"head_loss_rows": "all"}, "low_lr": {"lr": tc.lr / 3},
                "high_lr": {"lr": tc.lr * 3}, "more_replay": {"replay_steps": 2 * tc.replay_steps},
-               "no_replay": {"replay_steps": 0}, "three_replays": {"replay_steps": 3}}
+               "no_replay": {"replay_steps": 0}, "three_replays": {"replay_steps": 3},
+               "ce": {"head_loss": "ce"}, "tv": {"head_loss": "tv"}, "ce_tv": {"head_loss": "ce+tv"}}
     if name not in changes:
         raise VariantError(f"unknown head variant {name!r}; known: {', '.join(HEAD_VARIANTS)}")
     return cfg.model_copy(update={"train": tc.model_copy(update=changes[name])})
@@ -107,11 +115,13 @@ def run_head_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets:
     loss_fn = fam.loss_fn()
     rng = random.Random(seed)
     stream, recent, out = list(sets["stream"]), [], []
-    train_s, steps, tokens = 0.0, 0, 0
+    train_s, features_s, steps, tokens = 0.0, 0.0, 0, 0
 
     def step(recs: list) -> None:
-        nonlocal train_s, steps, tokens
-        batch = fam.batch(recs)  # the features, as the trainer's: outside the step's time
+        nonlocal train_s, features_s, steps, tokens
+        t = time.perf_counter()
+        batch = fam.batch(recs)  # the features, as the trainer's (kept: a replay reads them again)
+        features_s += time.perf_counter() - t
         t = time.perf_counter()
         engine.train_batch(batch, loss_fn)
         train_s += time.perf_counter() - t
@@ -127,13 +137,17 @@ def run_head_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets:
         seen = i + len(chunk)
         if seen in checkpoints:
             cand = fam.rebuild(engine.export_weights())
-            row = {"variant": name, "records": seen, "train_s": train_s, "steps": steps, "tokens": tokens,
+            row = {"variant": name, "records": seen, "train_s": train_s, "features_s": features_s, "steps": steps,
+                   "tokens": tokens,
                    "ms_per_step": 1e3 * train_s / steps}
             for key in ("held_code", "held_general"):
                 row[key] = paired_scores(scorer.score(cand, sets[key]), parent[key])
+                row[f"{key}_greedy"] = paired_scores(scorer.score(cand, sets[key], greedy=True),
+                                                     parent[f"{key}_greedy"])
             _log(f"{name:9s} after {seen:4d} records: code {row['held_code']['diff']:+.4f} "
                  f"[{row['held_code']['lower']:+.4f}, {row['held_code']['upper']:+.4f}], general "
-                 f"{row['held_general']['diff']:+.4f}; {steps} steps in {train_s:.1f} s")
+                 f"{row['held_general']['diff']:+.4f}; greedy code {row['held_code_greedy']['diff']:+.4f}, general "
+                 f"{row['held_general_greedy']['diff']:+.4f}; {steps} steps in {train_s:.1f} s, features {features_s:.1f} s")
             out.append(row)
     return out
 
@@ -164,11 +178,13 @@ def run_head_adapt(cfg: OSDConfig, *, records: int, eval_prompts: int, checkpoin
     v1, _ = load_draft(str(v1_dir), loaded.model)
     scorer = HeadFamily(loaded.model, cfg.train, v1, forward)  # keeps the held-out records' features
     parent = {k: scorer.score(v1, sets[k]) for k in ("held_code", "held_general")}
+    parent.update({f"{k}_greedy": scorer.score(v1, sets[k], greedy=True) for k in ("held_code", "held_general")})
     v1_alpha = {k: mean_alpha(v) for k, v in parent.items()}
-    _log(f"v1: code {v1_alpha['held_code']:.4f}, general {v1_alpha['held_general']:.4f}")
+    _log(f"v1: code {v1_alpha['held_code']:.4f}, general {v1_alpha['held_general']:.4f}; greedy agreement code "
+         f"{v1_alpha['held_code_greedy']:.4f}, general {v1_alpha['held_general_greedy']:.4f}")
     init_distributed(0, 1, "127.0.0.1", free_port(), cfg.train.device)
     rows = []
     for v in variants:
         rows += run_head_variant(cfg, v, loaded, v1_dir, sets, scorer, parent, checkpoints, arrive, seed, forward)
     return {"family": "head", "v1_alpha": v1_alpha, "rows": rows, "records": len(sets["stream"]),
-            "eval_records": {k: len(sets[k]) for k in parent}, "features": why}
+            "eval_records": {k: len(sets[k]) for k in ("held_code", "held_general")}, "features": why}

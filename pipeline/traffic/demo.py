@@ -354,7 +354,7 @@ def paired_alpha(cfg: OSDConfig, records: list, shift_time: float, target: Any, 
     trainer held out, whose prompt it never trained on either, so no version saw them. Served α per version comes from different
     requests, and acceptance varies far more between prompts than between drafts; on identical
     positions the versions are compared paired, and the trainer's lineage shows whether it learns."""
-    from train.online.family import family_name, per_record
+    from train.online.family import family_name, per_record, per_record_head
     from train.online.trainer import is_held_out
 
     every = cfg.train.held_out_every
@@ -381,12 +381,20 @@ def paired_alpha(cfg: OSDConfig, records: list, shift_time: float, target: Any, 
             continue
         # Each version by its own family (a head reads the target's features), on the same
         # positions and measure, as the gate scores them: a ratio of sums over positions.
-        scores = per_record(draft, target, held, cfg.train.max_seq_len, features)
+        # The bound is speculative sampling's acceptance; the demo's requests are greedy, whose
+        # verify accepts where the head's greedy token is the target's: a head's loss may move
+        # the two apart, so a head's entry gives both (one unroll).
+        if family_name(draft) == "head":
+            both = per_record_head(draft, target, held, cfg.train.max_seq_len, features)
+            scores, greedy = [(b, n) for b, _, n in both], sum(g for _, g, _ in both)
+        else:
+            scores, greedy = per_record(draft, target, held, cfg.train.max_seq_len, features), None
         n = sum(p for _, p in scores)
         out["versions"].append({"version": v.id, "parent": v.lineage.get("parent"),
                                 "records_consumed": v.lineage.get("records_consumed"),
                                 "family": family_name(draft),
-                                "alpha_est": sum(a for a, _ in scores) / n if n else None})
+                                "alpha_est": sum(a for a, _ in scores) / n if n else None,
+                                "greedy_est": greedy / n if greedy is not None and n else None})
         del draft
     return out
 
@@ -741,7 +749,7 @@ def _print(r: dict[str, Any], out_dir: Path) -> None:
           f"post-shift code records ({pp.get('positions', 0)} positions), which no version trained on")
     for v in pp.get("versions", []):
         print(f"  {v['version']:<16}parent {str(v['parent'] or '-'):<16}records {v['records_consumed'] or 0:>6}"
-              f"  alpha_est {v['alpha_est']:.3f}")
+              f"  alpha_est {v['alpha_est']:.3f}  greedy agreement {_num(v.get('greedy_est'))}")
     for g in r.get("gated", []):
         iv = "-" if g["lower"] is None else f"[{g['lower']:+.3f}, {g['upper']:+.3f}]"
         print(f"  gated {g['version']:<16}vs {str(g['stable'] or '-'):<16}records {g['records'] or 0:>4}  "

@@ -30,6 +30,8 @@ from train.distill.losses import expected_acceptance
 
 DEPTH = 3
 DECAY = 0.8
+# train.head_loss's names: head_loss_fn's (tv, ce) weights.
+HEAD_LOSSES = {"tv": {"tv": 1.0, "ce": 0.0}, "ce": {"tv": 0.0, "ce": 1.0}, "ce+tv": {"tv": 1.0, "ce": 1.0}}
 
 
 @dataclass
@@ -143,7 +145,8 @@ def null_head_batch(feat_dim: int, hidden: int) -> HeadBatch:
                      n_tokens=0, n_records=0)
 
 
-def head_loss_fn(w_target: torch.Tensor, depth: int = DEPTH, decay: float = DECAY, rows: str = "all"):
+def head_loss_fn(w_target: torch.Tensor, depth: int = DEPTH, decay: float = DECAY, rows: str = "all",
+                 tv: float = 0.0, ce: float = 1.0):
     """loss_fn(model, batch) for DistillEngine.train_batch: soft cross-entropy of each depth's
     draft logits against the target over the draft vocab, depth j weighted decay^(j-1).
     w_target: the target's LM head [V, h] (frozen). A batch with no records or no in-vocab row
@@ -151,16 +154,21 @@ def head_loss_fn(w_target: torch.Tensor, depth: int = DEPTH, decay: float = DECA
     rows: "all", every row of the sequence (prompt rows included: the warm start's teacher
     records and ShareGPT text); "outputs", the rows from each sequence's `start` on, the rows
     whose token serving drafts and the gate scores (an online record's prompt is most of its
-    rows, and text the head is never asked to draft)."""
+    rows, and text the head is never asked to draft).
+    tv, ce: each depth's loss is ce x the soft cross-entropy + tv x the total variation
+    1 - sum(min(p, q)), the rejection rate the gate's acceptance bound measures (HEAD_LOSSES
+    names the online trainer's choices, train.head_loss)."""
     if rows not in ("all", "outputs"):
         raise ValueError(f"rows must be 'all' or 'outputs', got {rows!r}")
+    if tv < 0 or ce < 0 or tv + ce <= 0:
+        raise ValueError(f"tv and ce are weights >= 0, not both 0; got tv={tv}, ce={ce}")
 
     def fn(model: torch.nn.Module, batch: HeadBatch) -> torch.Tensor:
         inner = model.module if hasattr(model, "module") else model
         with torch.no_grad():
             in_vocab = inner.t2d()[batch.target_argmax.clamp(min=0)] & batch.valid
         counted_from = batch.start if rows == "outputs" else torch.zeros_like(batch.start)
-        return _rows_loss(model, batch, w_target[inner.d2t], in_vocab, counted_from, depth, decay)
+        return _rows_loss(model, batch, w_target[inner.d2t], in_vocab, counted_from, depth, decay, tv, ce)
 
     return fn
 
@@ -174,7 +182,8 @@ def windows(valid: torch.Tensor, start: torch.Tensor, back: int) -> tuple[torch.
 
 
 def _rows_loss(model: torch.nn.Module, batch: HeadBatch, w_d: torch.Tensor, in_vocab: torch.Tensor,
-               counted_from: torch.Tensor, depth: int, decay: float) -> torch.Tensor:
+               counted_from: torch.Tensor, depth: int, decay: float, tv: float = 0.0, ce: float = 1.0
+               ) -> torch.Tensor:
     """head_loss_fn's loss on the in-vocab rows from each sequence's `counted_from` row on: the
     unroll in a window per sequence from its first chain start that reaches them
     (HeadDraft.unroll_windows), the LM head and the targets on the counted rows alone (the same
@@ -196,8 +205,11 @@ def _rows_loss(model: torch.nn.Module, batch: HeadBatch, w_d: torch.Tensor, in_v
     total = outs[0].new_zeros(()) + outs[0].sum() * 0  # attached to the graph with no counted row
     for j, logits in enumerate(outs, start=1):
         m = (at >= j - 1).float()
-        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)
-        total = total + decay ** (j - 1) * (ce * m).sum() / m.sum().clamp(min=1)
+        log_q = F.log_softmax(logits, dim=-1)
+        loss = -(p * log_q).sum(-1) * ce if ce else 0.0
+        if tv:
+            loss = loss + tv * (1 - torch.minimum(p, log_q.float().exp()).sum(-1))
+        total = total + decay ** (j - 1) * (loss * m).sum() / m.sum().clamp(min=1)
     return total
 
 
@@ -282,7 +294,8 @@ def estimate_alpha_head(head: Any, target: Any, records: Sequence[Any], max_seq_
 
 @torch.no_grad()
 def per_record_acceptance_head(head: Any, target: Any, records: Sequence[Any], max_seq_len: int,
-                               depth: int = DEPTH, features: Any = None) -> list[tuple[float, int]]:
+                               depth: int = DEPTH, features: Any = None, greedy: bool = False
+                               ) -> list[tuple[float, int]]:
     """(sum over its positions of the head's expected acceptance, positions) per record, in
     order: what the paired gate needs, on the terms train/gate/evaluator.py's per_record_acceptance
     scores a layer draft, so a head and a layer version pair up. The same positions (the
@@ -290,13 +303,24 @@ def per_record_acceptance_head(head: Any, target: Any, records: Sequence[Any], m
     top-k, the lower bound); per position, the mean over the depths 1..depth whose chain
     starts at a real row, the head unrolled on its own state, as drafting runs it.
     `features`: records_features(target, records, head.feature_layers, max_seq_len) when the
-    caller scores several heads on the same records (the target's forward is most of the cost)."""
+    caller scores several heads on the same records (the target's forward is most of the cost).
+    greedy: the measure is instead whether the head's greedy token is the target's (the top-1 of
+    the record's top-k), what a greedy request's verify accepts."""
+    both = per_record_scores_head(head, target, records, max_seq_len, depth, features)
+    return [(g if greedy else b, n) for b, g, n in both]
+
+
+@torch.no_grad()
+def per_record_scores_head(head: Any, target: Any, records: Sequence[Any], max_seq_len: int,
+                           depth: int = DEPTH, features: Any = None) -> list[tuple[float, float, int]]:
+    """(acceptance bound sum, greedy agreement sum, positions) per record from one unroll: the
+    two measures of per_record_acceptance_head."""
     head.eval()
     fs = features if features is not None else records_features(target, records, head.feature_layers, max_seq_len)
     dev = head.d2t.device
     inv = torch.full((head.vocab_size,), head.draft_vocab, dtype=torch.long, device=dev)  # V_d: not in vocab
     inv[head.d2t] = torch.arange(head.draft_vocab, device=dev)
-    out: list[tuple[float, int]] = [(0.0, 0)] * len(records)
+    out: list[tuple[float, float, int]] = [(0.0, 0.0, 0)] * len(records)
     for group in _batches([x.numel() for x in fs.ids], 4096):
         b = collate(fs, group)
         # A record's first output is drafted from row start-depth+1.
@@ -309,9 +333,9 @@ def per_record_acceptance_head(head: Any, target: Any, records: Sequence[Any], m
 
 
 def _record_acceptance(head: Any, states: list[torch.Tensor], first: int, inv: torch.Tensor, rec: Any,
-                       max_seq_len: int) -> tuple[float, int]:
-    """One record's (sum, positions) from the output states per depth of its rows first.. ([T -
-    first, h] each), the LM head taken on the rows that draft its outputs alone.
+                       max_seq_len: int) -> tuple[float, float, int]:
+    """One record's (bound sum, greedy sum, positions) from the output states per depth of its
+    rows first.. ([T - first, h] each), the LM head taken on the rows that draft its outputs alone.
     Output k sits at sequence index p+k, so row p+k-2 drafts it; a position with no row
     (a one-token prompt's first output) the head cannot draft: acceptance 0."""
     _, p, n = trim(rec, max_seq_len)
@@ -320,6 +344,7 @@ def _record_acceptance(head: Any, states: list[torch.Tensor], first: int, inv: t
     lp = torch.as_tensor(np.asarray(rec.topk_logprobs[:n], dtype=np.float32), device=dev)
     rows = torch.arange(n, device=dev) + p - 2
     total = torch.zeros(n, dtype=torch.float64, device=dev)
+    agree = torch.zeros(n, dtype=torch.float64, device=dev)
     depths = torch.zeros(n, device=dev)
     for j, o in enumerate(states, start=1):
         ok = rows >= j - 1  # the depth-j chain through this row starts at row >= 0
@@ -328,5 +353,7 @@ def _record_acceptance(head: Any, states: list[torch.Tensor], first: int, inv: t
         z = head.logits(o[rows[ok] - first])
         z = torch.cat([z, z.new_full((z.shape[0], 1), float("-inf"))], -1)  # the out-of-vocab column
         total[ok] += expected_acceptance(z, ids[ok], lp[ok]).lower.double()
+        agree[ok] += (z.argmax(-1) == ids[ok, 0]).double()  # out of the draft vocab: never equal
         depths[ok] += 1
-    return float((total / depths.clamp(min=1)).sum()), n
+    d = depths.clamp(min=1)
+    return float((total / d).sum()), float((agree / d).sum()), n

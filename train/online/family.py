@@ -53,18 +53,25 @@ def per_record(draft: Any, target: Any, records: list, max_seq_len: int,
     for a head are computed once per set of feature layers, not once per head.
     `forward`: a head's features from the served target (train/online/served.py), not `target`."""
     if family_name(draft) == "head":
-        from train.distill.head import per_record_acceptance_head
-
-        key = tuple(draft.feature_layers)
-        feats = feature_cache.get(key) if feature_cache is not None else None
-        if feats is None:
-            feats = head_features(target, forward, records, key, max_seq_len, greedy="none")  # scores read top-k
-            if feature_cache is not None:
-                feature_cache[key] = feats
-        return per_record_acceptance_head(draft, target, records, max_seq_len, features=feats)
+        return [(b, n) for b, _, n in per_record_head(draft, target, records, max_seq_len, feature_cache, forward)]
     from train.gate.evaluator import per_record_acceptance
 
     return per_record_acceptance(draft, records, max_seq_len)
+
+
+def per_record_head(head: Any, target: Any, records: list, max_seq_len: int, feature_cache: dict | None = None,
+                    forward: ServedForward | None = None) -> list[tuple[float, float, int]]:
+    """A head's (acceptance bound sum, greedy agreement sum, positions) per record, from one
+    unroll (train/distill/head.py per_record_scores_head); feature_cache and forward as per_record's."""
+    from train.distill.head import per_record_scores_head
+
+    key = tuple(head.feature_layers)
+    feats = feature_cache.get(key) if feature_cache is not None else None
+    if feats is None:
+        feats = head_features(target, forward, records, key, max_seq_len, greedy="none")  # scores read top-k
+        if feature_cache is not None:
+            feature_cache[key] = feats
+    return per_record_scores_head(head, target, records, max_seq_len, features=feats)
 
 
 def head_features(target: Any, forward: ServedForward | None, records: list, layers: tuple[int, ...],
@@ -181,24 +188,30 @@ class HeadFamily:
         return null_head_batch(len(self.layers) * h, h)
 
     def loss_fn(self) -> Callable:
-        from train.distill.head import head_loss_fn
+        """The online head's loss: train.head_loss on the rows of train.head_loss_rows."""
+        from train.distill.head import HEAD_LOSSES, head_loss_fn
 
-        return head_loss_fn(self.target.lm_head.weight.detach(), rows=self.tc.head_loss_rows)
+        return head_loss_fn(self.target.lm_head.weight.detach(), rows=self.tc.head_loss_rows,
+                            **HEAD_LOSSES[self.tc.head_loss])
 
     def rebuild(self, weights: dict[str, torch.Tensor]) -> Any:
         from infra.drafts.head import head_with_weights
 
         return head_with_weights(self.target, self.spec, self.d2t, weights)
 
-    def score(self, draft: Any, records: list) -> list[tuple[float, int]]:
+    def score(self, draft: Any, records: list, greedy: bool = False) -> list[tuple[float, int]]:
         """The gate's per-record sums for `draft` on `records`; a head on this family's feature
-        layers reads the kept features, any other draft is scored by its own family."""
+        layers reads the kept features, any other draft is scored by its own family. greedy (a
+        head on this family's layers): greedy agreement in place of the acceptance bound."""
         if family_name(draft) == "head" and tuple(draft.feature_layers) == self.layers:
             from train.distill.head import per_record_acceptance_head
 
             fs = self.features(records, "none")  # the scores read the records' own top-k
             with autocast_context(self.autocast, self.tc.device):
-                return per_record_acceptance_head(draft, self.target, records, self.tc.max_seq_len, features=fs)
+                return per_record_acceptance_head(draft, self.target, records, self.tc.max_seq_len, features=fs,
+                                                  greedy=greedy)
+        if greedy:
+            raise ValueError("greedy agreement is measured for a head on this family's feature layers only")
         return per_record(draft, self.target, records, self.tc.max_seq_len, forward=self.forward)
 
     def save(self, draft: Any, directory: Path, **kw: Any) -> Path:
