@@ -308,3 +308,36 @@ def test_a_trainer_given_no_served_forward_or_training_a_layer_draft_uses_the_fl
     assert TrainerWorker(cfg, 0, 1, str(tmp_path), served=factory)._served_forward(layer) is None and not asked
     assert TrainerWorker(cfg, 0, 1, str(tmp_path), served=factory)._served_forward(_head(f32)) == "a forward"
     assert "the line" in capsys.readouterr().out and len(asked) == 1
+
+
+def test_the_engine_bench_scores_a_head_offline_on_the_served_features(served, serving):
+    """`osd bench engine`'s offline figure for a head (pipeline/bench/engine.py offline_figures):
+    its greedy agreement per depth on the prompts' answers from the row that drafts a request's
+    second output, on the served runner's features; the ratio to the online depth-1 acceptance
+    only for a head alone (head+suffix counts the suffix draft's positions online)."""
+    from pipeline.bench.engine import offline_figures
+    from train.distill.head import evaluate
+    from train.online.served import feature_set
+
+    records, _ = serving
+    head = _head(served.model)
+    ids = [r.prompt_ids.tolist() for r in records]
+    outs = [r.output_ids.tolist() for r in records]
+    got = offline_figures(served.model, served.runner, head, ids, outs, [0.25, 0.1, 0.0])
+    starts = [len(p) - 1 for p in ids]
+    def agreement(starts):
+        fs = feature_set(served([p + o for p, o in zip(ids, outs)], LAYERS, starts), starts)
+        return evaluate(copy.deepcopy(head).float(), fs)["agree_per_depth"]
+
+    want = agreement(starts)
+    assert got["offline_agreement_per_depth"] == pytest.approx(want) and len(want) == 3
+    assert got["online_over_offline_depth1"] == pytest.approx(0.25 / want[0])
+    assert agreement([s - 1 for s in starts]) != pytest.approx(want)  # the row drafting the first output, never drafted online, is left out
+
+    class WithHead:  # head+suffix's shape: the head as .model
+        model = head
+
+    hybrid = offline_figures(served.model, served.runner, WithHead(), ids, outs, [0.25])
+    assert hybrid["offline_agreement_per_depth"] == pytest.approx(want) and hybrid["online_over_offline_depth1"] is None
+    assert offline_figures(served.model, served.runner, object(), ids, outs, [0.25]) == {
+        "offline_agreement_per_depth": None, "online_over_offline_depth1": None}

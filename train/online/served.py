@@ -60,6 +60,11 @@ def served_features(forward: ServedForward, records: Sequence[Any], layers: tupl
     if len(rows) != len(cut) or not all(torch.equal(r.ids, torch.from_numpy(seq[:-1])) for r, (seq, _, _) in
                                         zip(rows, cut)):
         raise ValueError("the served forward's feature rows are not those of the records' tokens")
+    return feature_set(rows, starts, device)
+
+
+def feature_set(rows: Sequence[FeatureRows], starts: Sequence[int], device: torch.device | str = "cpu") -> FeatureSet:
+    """A FeatureSet of sequences' feature rows, evaluation counting each from its `starts` row."""
     fs = FeatureSet()
     for r, start in zip(rows, starts):
         fs.ids.append(r.ids)
