@@ -332,7 +332,8 @@ def test_the_engine_bench_scores_a_head_offline_on_the_served_features(served, s
     want = agreement(starts)
     assert got["offline_agreement_per_depth"] == pytest.approx(want) and len(want) == 3
     assert got["online_over_offline_depth1"] == pytest.approx(0.25 / want[0])
-    assert agreement([s - 1 for s in starts]) != pytest.approx(want)  # the row drafting the first output, never drafted online, is left out
+    # the row drafting the first output, which no step drafts online, is left out
+    assert agreement([s - 1 for s in starts]) != pytest.approx(want)
 
     class WithHead:  # head+suffix's shape: the head as .model
         model = head

@@ -147,7 +147,8 @@ def run_head_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets:
             _log(f"{name:9s} after {seen:4d} records: code {row['held_code']['diff']:+.4f} "
                  f"[{row['held_code']['lower']:+.4f}, {row['held_code']['upper']:+.4f}], general "
                  f"{row['held_general']['diff']:+.4f}; greedy code {row['held_code_greedy']['diff']:+.4f}, general "
-                 f"{row['held_general_greedy']['diff']:+.4f}; {steps} steps in {train_s:.1f} s, features {features_s:.1f} s")
+                 f"{row['held_general_greedy']['diff']:+.4f}; {steps} steps in {train_s:.1f} s, "
+                 f"features {features_s:.1f} s")
             out.append(row)
     return out
 

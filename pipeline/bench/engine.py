@@ -568,12 +568,12 @@ def draft_figures(st: SpecStats, runs: dict[str, MethodRun], draft: Any) -> dict
 
 def offline_figures(model: Any, runner: Any, draft: Any, ids_list: list[list[int]], outputs: list[list[int]],
                     online: list[float]) -> dict[str, Any]:
-    """For a head: its greedy agreement per depth offline on the prompts' own-AR answers, the
-    head's weights in float32 (not the engine's kernels) on the served runner's features (train/distill/head.py evaluate: unrolled on
-    its own state, from the row that drafts a request's second output, the first a step drafts),
-    and the online acceptance at depth 1 over it: issue 42's "online acceptance / offline
-    agreement". Depth 1 alone compares like with like: deeper online positions count only
-    where the ones before were accepted."""
+    """For a head: its greedy agreement per depth offline on the prompts' own-AR answers, its
+    weights in float32 (not the engine's kernels) on the served runner's features
+    (train/distill/head.py evaluate: unrolled on its own state, from the row that drafts a
+    request's second output, the first a step drafts), and the online acceptance at depth 1 over
+    it: issue 42's "online acceptance / offline agreement". Depth 1 alone compares like with
+    like: deeper online positions count only where the ones before were accepted."""
     head = getattr(draft, "model", draft)  # head+suffix: its head
     if getattr(head, "osd_family", None) != "head":
         return {"offline_agreement_per_depth": None, "online_over_offline_depth1": None}
