@@ -88,7 +88,7 @@ def test_a_head_version_is_scored_by_its_own_family_beside_a_layer_version(tiny,
     from pipeline.traffic.demo import paired_alpha
     from infra.drafts.head import build_head, save_head
     from infra.drafts.layer import DraftSpec, build_draft, save_draft
-    from train.distill.head import per_record_acceptance_head
+    from train.distill.head import per_record_acceptance_head, per_record_scores_head
 
     torch.manual_seed(0)
     cfg = OSDConfig.model_validate({"train": {"held_out_every": 2}})
@@ -112,8 +112,8 @@ def test_a_head_version_is_scored_by_its_own_family_beside_a_layer_version(tiny,
     # The records are the layer draft's own distribution: it matches their top-k, the head does not.
     assert got["l2"]["alpha_est"] > 0.85 > got["h1"]["alpha_est"]
     # A head's greedy agreement beside its bound, from the same unroll; a layer version has none.
-    greedy = per_record_acceptance_head(head, tiny.model, held, cfg.train.max_seq_len, greedy=True)
-    assert got["h1"]["greedy_est"] == pytest.approx(sum(a for a, _ in greedy) / out["positions"], rel=1e-5)
+    greedy = per_record_scores_head(head, tiny.model, held, cfg.train.max_seq_len)
+    assert got["h1"]["greedy_est"] == pytest.approx(sum(g for _, g, _ in greedy) / out["positions"], rel=1e-5)
     assert got["h1"]["greedy_est"] != pytest.approx(got["h1"]["alpha_est"]) and got["l2"]["greedy_est"] is None
 
 

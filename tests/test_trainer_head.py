@@ -131,12 +131,14 @@ def test_per_record_acceptance_of_a_head_matches_a_direct_computation(target, re
 @pytest.mark.pure
 @pytest.mark.usefixtures("one_thread")
 def test_greedy_agreement_of_a_head_matches_a_direct_computation(target, recs):
-    """greedy=True: per output, whether the head's greedy token at depth 1 is the record's top-1
-    (the target's greedy token); a head whose vocabulary lacks that token never agrees there."""
-    from train.distill.head import compute_features, per_record_acceptance_head
+    """per_record_scores_head's greedy agreement: per output, whether the head's greedy token at
+    depth 1 is the record's top-1 (the target's greedy token); a head whose vocabulary lacks that
+    token never agrees there. Its bound is per_record_acceptance_head's."""
+    from train.distill.head import compute_features, per_record_acceptance_head, per_record_scores_head
 
     head = fresh_head(target, 150)
-    got = per_record_acceptance_head(head, target, recs[:4], 1024, depth=1, greedy=True)
+    both = per_record_scores_head(head, target, recs[:4], 1024, depth=1)
+    got = [(g, n) for _, g, n in both]
     agreed = 0
     for rec, (s, n) in zip(recs[:4], got):
         seq = rec.prompt_ids.tolist() + rec.output_ids.tolist()
@@ -150,7 +152,7 @@ def test_greedy_agreement_of_a_head_matches_a_direct_computation(target, recs):
         agreed += int(want)
     assert agreed > 0  # the check saw agreements, not only zeros
     bound = per_record_acceptance_head(head, target, recs[:4], 1024, depth=1)
-    assert [s for s, _ in bound] != [s for s, _ in got]
+    assert [s for s, _ in bound] != [s for s, _ in got] and bound == [(b, n) for b, _, n in both]
 
 
 @pytest.mark.pure
@@ -182,11 +184,11 @@ def test_the_family_scores_greedy_agreement_of_its_own_heads_only(target, recs):
 
     head = fresh_head(target, 150)
     fam = HeadFamily(target, train_cfg(), head)
-    greedy = fam.score(head, recs[:3], greedy=True)
+    greedy = [(g, n) for _, g, n in fam.scores(head, recs[:3])]
     assert all(0 <= s <= n for s, n in greedy) and greedy != fam.score(head, recs[:3])
     other = build_head(target, DraftSpec(family="head", feature_layers=(0,), draft_vocab=259), None)
     with pytest.raises(ValueError, match="greedy agreement is measured for a head on this family's"):
-        fam.score(other, recs[:3], greedy=True)
+        fam.scores(other, recs[:3])
 
 
 @pytest.mark.pure

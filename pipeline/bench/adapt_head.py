@@ -97,6 +97,12 @@ def paired_scores(cand: list, parent: list) -> dict[str, float]:
     return {"alpha": mean_alpha(cand), "diff": d, "lower": lo, "upper": hi}
 
 
+def both_scores(scorer: Any, head: Any, records: list) -> tuple[list, list]:
+    """(acceptance bound, greedy agreement) per record as (sum, positions), from one unroll."""
+    both = scorer.scores(head, records)
+    return [(b, n) for b, _, n in both], [(g, n) for _, g, n in both]
+
+
 def run_head_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets: dict[str, list],
                      scorer: Any, parent: dict[str, list], checkpoints: Sequence[int], arrive: int, seed: int,
                      forward: Any) -> list[dict]:
@@ -141,9 +147,9 @@ def run_head_variant(cfg: OSDConfig, name: str, loaded: Any, v1_dir: Path, sets:
                    "tokens": tokens,
                    "ms_per_step": 1e3 * train_s / steps}
             for key in ("held_code", "held_general"):
-                row[key] = paired_scores(scorer.score(cand, sets[key]), parent[key])
-                row[f"{key}_greedy"] = paired_scores(scorer.score(cand, sets[key], greedy=True),
-                                                     parent[f"{key}_greedy"])
+                bound, greedy = both_scores(scorer, cand, sets[key])
+                row[key] = paired_scores(bound, parent[key])
+                row[f"{key}_greedy"] = paired_scores(greedy, parent[f"{key}_greedy"])
             _log(f"{name:9s} after {seen:4d} records: code {row['held_code']['diff']:+.4f} "
                  f"[{row['held_code']['lower']:+.4f}, {row['held_code']['upper']:+.4f}], general "
                  f"{row['held_general']['diff']:+.4f}; greedy code {row['held_code_greedy']['diff']:+.4f}, general "
@@ -178,8 +184,9 @@ def run_head_adapt(cfg: OSDConfig, *, records: int, eval_prompts: int, checkpoin
     _log(why)
     v1, _ = load_draft(str(v1_dir), loaded.model)
     scorer = HeadFamily(loaded.model, cfg.train, v1, forward)  # keeps the held-out records' features
-    parent = {k: scorer.score(v1, sets[k]) for k in ("held_code", "held_general")}
-    parent.update({f"{k}_greedy": scorer.score(v1, sets[k], greedy=True) for k in ("held_code", "held_general")})
+    parent = {}
+    for k in ("held_code", "held_general"):
+        parent[k], parent[f"{k}_greedy"] = both_scores(scorer, v1, sets[k])
     v1_alpha = {k: mean_alpha(v) for k, v in parent.items()}
     _log(f"v1: code {v1_alpha['held_code']:.4f}, general {v1_alpha['held_general']:.4f}; greedy agreement code "
          f"{v1_alpha['held_code_greedy']:.4f}, general {v1_alpha['held_general_greedy']:.4f}")

@@ -294,8 +294,7 @@ def estimate_alpha_head(head: Any, target: Any, records: Sequence[Any], max_seq_
 
 @torch.no_grad()
 def per_record_acceptance_head(head: Any, target: Any, records: Sequence[Any], max_seq_len: int,
-                               depth: int = DEPTH, features: Any = None, greedy: bool = False
-                               ) -> list[tuple[float, int]]:
+                               depth: int = DEPTH, features: Any = None) -> list[tuple[float, int]]:
     """(sum over its positions of the head's expected acceptance, positions) per record, in
     order: what the paired gate needs, on the terms train/gate/evaluator.py's per_record_acceptance
     scores a layer draft, so a head and a layer version pair up. The same positions (the
@@ -303,18 +302,17 @@ def per_record_acceptance_head(head: Any, target: Any, records: Sequence[Any], m
     top-k, the lower bound); per position, the mean over the depths 1..depth whose chain
     starts at a real row, the head unrolled on its own state, as drafting runs it.
     `features`: records_features(target, records, head.feature_layers, max_seq_len) when the
-    caller scores several heads on the same records (the target's forward is most of the cost).
-    greedy: the measure is instead whether the head's greedy token is the target's (the top-1 of
-    the record's top-k), what a greedy request's verify accepts."""
-    both = per_record_scores_head(head, target, records, max_seq_len, depth, features)
-    return [(g if greedy else b, n) for b, g, n in both]
+    caller scores several heads on the same records (the target's forward is most of the cost)."""
+    return [(b, n) for b, _, n in per_record_scores_head(head, target, records, max_seq_len, depth, features)]
 
 
 @torch.no_grad()
 def per_record_scores_head(head: Any, target: Any, records: Sequence[Any], max_seq_len: int,
                            depth: int = DEPTH, features: Any = None) -> list[tuple[float, float, int]]:
     """(acceptance bound sum, greedy agreement sum, positions) per record from one unroll: the
-    two measures of per_record_acceptance_head."""
+    bound is per_record_acceptance_head's; greedy agreement is whether the head's greedy token
+    is the target's (the top-1 of the record's top-k), what a greedy request's verify accepts,
+    on the same positions and depths."""
     head.eval()
     fs = features if features is not None else records_features(target, records, head.feature_layers, max_seq_len)
     dev = head.d2t.device

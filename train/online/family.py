@@ -199,20 +199,26 @@ class HeadFamily:
 
         return head_with_weights(self.target, self.spec, self.d2t, weights)
 
-    def score(self, draft: Any, records: list, greedy: bool = False) -> list[tuple[float, int]]:
+    def score(self, draft: Any, records: list) -> list[tuple[float, int]]:
         """The gate's per-record sums for `draft` on `records`; a head on this family's feature
-        layers reads the kept features, any other draft is scored by its own family. greedy (a
-        head on this family's layers): greedy agreement in place of the acceptance bound."""
-        if family_name(draft) == "head" and tuple(draft.feature_layers) == self.layers:
-            from train.distill.head import per_record_acceptance_head
-
-            fs = self.features(records, "none")  # the scores read the records' own top-k
-            with autocast_context(self.autocast, self.tc.device):
-                return per_record_acceptance_head(draft, self.target, records, self.tc.max_seq_len, features=fs,
-                                                  greedy=greedy)
-        if greedy:
-            raise ValueError("greedy agreement is measured for a head on this family's feature layers only")
+        layers reads the kept features, any other draft is scored by its own family."""
+        if self._own_head(draft):
+            return [(b, n) for b, _, n in self.scores(draft, records)]
         return per_record(draft, self.target, records, self.tc.max_seq_len, forward=self.forward)
+
+    def scores(self, draft: Any, records: list) -> list[tuple[float, float, int]]:
+        """A head on this family's feature layers: per record (acceptance bound sum, greedy
+        agreement sum, positions) from one unroll on the kept features (the bound is score()'s)."""
+        if not self._own_head(draft):
+            raise ValueError("greedy agreement is measured for a head on this family's feature layers only")
+        from train.distill.head import per_record_scores_head
+
+        fs = self.features(records, "none")  # the scores read the records' own top-k
+        with autocast_context(self.autocast, self.tc.device):
+            return per_record_scores_head(draft, self.target, records, self.tc.max_seq_len, features=fs)
+
+    def _own_head(self, draft: Any) -> bool:
+        return family_name(draft) == "head" and tuple(draft.feature_layers) == self.layers
 
     def save(self, draft: Any, directory: Path, **kw: Any) -> Path:
         from infra.drafts.head import save_head
