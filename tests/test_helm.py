@@ -472,7 +472,7 @@ def test_redis_is_durable_password_protected_and_sized_from_the_config(rendered)
     for sts in of_kind(docs, "StatefulSet"):
         (c,) = sts["spec"]["template"]["spec"]["containers"]
         script = " ".join(c["args"])
-        assert "--appendonly yes" in script and "--appendfsync everysec" in script
+        assert "--appendonly yes" in script and "--appendfsync always" in script
         assert "requirepass" in script and "$REDIS_PASSWORD" in script
         assert "secretKeyRef" in {e["name"]: e for e in c["env"]}["REDIS_PASSWORD"]["valueFrom"]
         cfg = OSDConfig.model_validate(yaml.safe_load(config_of(docs)))

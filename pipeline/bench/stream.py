@@ -134,7 +134,7 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
             ("decode p50 (us)", f"{result['decode_us_p50']:,.1f}"), ("XADD p50 (us)", f"{result['xadd_us_p50']:,.1f}"),
             (f"submit p50 (us){', spooled' if spool else ''}", f"{result['submit_us_p50']:,.1f}"),
             ("dropped", str(result["dropped"]))]
-    print(f"stream bench: {tokens} tokens x top-{top_k}, loopback redis-server (AOF everysec)")
+    print(f"stream bench: {tokens} tokens x top-{top_k}, loopback redis-server (AOF, appendfsync always)")
     for line in tabulate(rows, tablefmt="plain", disable_numparse=True, colalign=("left", "right")).splitlines():
         print(f"  {line}")
     if json_path is not None:

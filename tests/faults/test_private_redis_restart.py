@@ -26,7 +26,6 @@ def test_a_private_redis_that_exits_is_started_again_on_its_port_with_its_data(t
     watcher.start()
     try:
         redis.Redis.from_url(first.url).xadd("f:s", {"rec": b"1"})
-        time.sleep(1.2)  # appendfsync everysec: what was acked a second ago is on disk
         os.kill(first.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
         while stack.redis is first or not stack.redis.running:
