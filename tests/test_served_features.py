@@ -311,11 +311,11 @@ def test_a_trainer_given_no_served_forward_or_training_a_layer_draft_uses_the_fl
 
 
 def test_the_engine_bench_scores_a_head_offline_on_the_served_features(served, serving):
-    """`osd bench engine`'s offline figure for a head (pipeline/bench/engine.py offline_figures):
+    """`osd bench engine`'s offline figure for a head (pipeline/bench/online_offline.py offline_figures):
     its greedy agreement per depth on the prompts' answers from the row that drafts a request's
     second output, on the served runner's features; the ratio to the online depth-1 acceptance
     only for a head alone (head+suffix counts the suffix draft's positions online)."""
-    from pipeline.bench.engine import offline_figures
+    from pipeline.bench.online_offline import offline_figures
     from train.distill.head import evaluate
     from train.online.served import feature_set
 
@@ -324,7 +324,7 @@ def test_the_engine_bench_scores_a_head_offline_on_the_served_features(served, s
     ids = [r.prompt_ids.tolist() for r in records]
     outs = [r.output_ids.tolist() for r in records]
     got = offline_figures(served.model, served.runner, head, ids, outs, [0.25, 0.1, 0.0])
-    starts = [len(p) - 1 for p in ids]
+    starts = [len(p) - 2 for p in ids]  # the rows drafting each first output (PROMPTS: two tokens or more)
     def agreement(starts):
         fs = feature_set(served([p + o for p, o in zip(ids, outs)], LAYERS, starts), starts)
         return evaluate(copy.deepcopy(head).float(), fs)["agree_per_depth"]
@@ -332,8 +332,8 @@ def test_the_engine_bench_scores_a_head_offline_on_the_served_features(served, s
     want = agreement(starts)
     assert got["offline_agreement_per_depth"] == pytest.approx(want) and len(want) == 3
     assert got["online_over_offline_depth1"] == pytest.approx(0.25 / want[0])
-    # the row drafting the first output, which no step drafts online, is left out
-    assert agreement([s - 1 for s in starts]) != pytest.approx(want)
+    # from the row drafting the first output, which a request's first step drafts online
+    assert agreement([s + 1 for s in starts]) != pytest.approx(want)
 
     class WithHead:  # head+suffix's shape: the head as .model
         model = head
@@ -341,4 +341,74 @@ def test_the_engine_bench_scores_a_head_offline_on_the_served_features(served, s
     hybrid = offline_figures(served.model, served.runner, WithHead(), ids, outs, [0.25])
     assert hybrid["offline_agreement_per_depth"] == pytest.approx(want) and hybrid["online_over_offline_depth1"] is None
     assert offline_figures(served.model, served.runner, object(), ids, outs, [0.25]) == {
-        "offline_agreement_per_depth": None, "online_over_offline_depth1": None}
+        "offline_agreement_per_depth": None, "online_over_offline_depth1": None, "depth1_same_rows": None}
+    assert got["depth1_same_rows"] is None and hybrid["depth1_same_rows"] is None  # no online rows given
+
+
+def test_step_starts_are_the_outputs_after_one_that_was_not_an_accepted_draft():
+    from pipeline.bench.online_offline import step_starts
+
+    # outputs: the first step drafted nothing (0); a step of 3 drafts, 2 kept (reject at 3); a step
+    # all kept + bonus (4, 5 accepted, 6 the bonus); a step that drafted nothing (7); a step whose
+    # first draft fails (8)
+    accepted = [False, True, True, False, True, True, False, False, False]
+    drafts = [-1, 11, 12, 99, 14, 15, -1, -1, 98]
+    assert step_starts(accepted, drafts) == [(1, True), (4, True), (8, False)]
+    assert step_starts([True, False], [5, -1]) == [(0, True)]  # the first step drafts beside the prompt's last token
+    assert step_starts([False], [-1]) == [] and step_starts([], []) == []
+
+
+def test_agreement_rows_are_evaluates_depth_one_row_by_row(served, serving):
+    from train.distill.head import agreement_rows, evaluate
+    from train.online.served import feature_set
+
+    records, _ = serving
+    ids = [r.prompt_ids.tolist() for r in records]
+    outs = [r.output_ids.tolist() for r in records]
+    starts = [len(p) - 2 for p in ids]
+    fs = feature_set(served([p + o for p, o in zip(ids, outs)], LAYERS, starts), starts)
+    head = copy.deepcopy(_head(served.model)).float()
+    flags = agreement_rows(head, fs)
+    assert [len(f) for f in flags] == [len(o) for o in outs]  # a row per output
+    assert float(torch.cat(flags).float().mean()) == pytest.approx(evaluate(head, fs)["agree_per_depth"][0])
+    for p, o, f in zip(ids, outs, flags):  # row by row: alone, each row's flag is its own
+        start = [len(p) - 2]
+        assert torch.equal(agreement_rows(head, feature_set(served([p + o], LAYERS, start), start))[0], f)
+        for j in (0, len(o) // 2, len(o) - 1):  # the sequence cut after output j: its last row drafts it
+            cut = feature_set(served([p + o[: j + 1]], LAYERS, start), start)
+            assert bool(agreement_rows(head, cut)[0][-1]) == bool(f[j]), j
+
+
+def test_the_engine_bench_compares_a_head_online_and_offline_on_the_rows_it_drafted(served, serving):
+    """drafted_rows reads, from a captured speculative pass, the rows every step drafted its
+    first token from and whether it was kept: as many as the engine's depth-1 counts; the
+    offline figure over every row is evaluate's, over the drafted rows their own mean."""
+    from pipeline.bench.online_offline import drafted_rows, offline_figures, same_rows
+    from train.distill.head import agreement_rows
+    from train.online.served import feature_set
+
+    records, _ = serving
+    ids = [r.prompt_ids.tolist() for r in records]
+    outs = [r.output_ids.tolist() for r in records]
+    head = _head(served.model)
+    eng = SpecEngine(served.model, head, options=small_options(k=3, k_policy="fixed", max_seq_len=128, quant="int4",
+                                                               cpu_kernels="native", capture_top_k=K))
+    drafted = drafted_rows(eng, ids, outs, NEW)
+    for p, o, rows in zip(ids, outs, drafted):
+        st = eng.generate(p, GenerationParams(max_new_tokens=NEW, speculate=True)).stats
+        assert len(rows) == st.drafted_per_pos[0] > 0
+        assert sum(acc for _, acc in rows) == st.accepted_per_pos[0]
+    assert drafted_rows(eng, ids, [o[:-1] + [o[-1] + 1] for o in outs], NEW) == [[]] * len(ids)  # not own AR's
+    got = offline_figures(served.model, served.runner, head, ids, outs, [0.3], {"sd": drafted})
+    starts = [len(p) - 2 for p in ids]
+    flags = agreement_rows(copy.deepcopy(head).float(),
+                           feature_set(served([p + o for p, o in zip(ids, outs)], LAYERS, starts), starts))
+    want = [(bool(f[i]), acc) for f, rows in zip(flags, drafted) for i, acc in rows]
+    same = got["depth1_same_rows"]["sd"]
+    assert same["rows"] == len(want)
+    assert same["offline"] == pytest.approx(sum(a for a, _ in want) / len(want))
+    assert same["online"] == pytest.approx(sum(b for _, b in want) / len(want))
+    every = [[(i, False) for i in range(len(o))] for o in outs]  # every row: evaluate's depth 1
+    zero = [0] * len(ids)
+    assert same_rows(flags, every, zero)["offline"] == pytest.approx(got["offline_agreement_per_depth"][0])
+    assert same_rows(flags, [[]] * len(ids), zero) is None

@@ -9,7 +9,6 @@ interleaved order per prompt so slow drift of the machine hits all of them alike
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import platform
@@ -25,6 +24,7 @@ from tabulate import tabulate
 from infra.config import OSDConfig
 from infra.prompts import Prompt, messages_ids, select_prompts, sharegpt_second_turns
 from pipeline.argtypes import positive_int, probability_below_1
+from pipeline.bench.online_offline import drafted_rows, offline_figures
 
 if TYPE_CHECKING:  # the model libraries load when a bench runs, not when the CLI parses its flags
     from serve.engine.core import EngineOptions, SpecEngine, SpecStats
@@ -283,8 +283,11 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     result["ar_vs_hf_mismatches"] = (hf_mismatches(engine.target, runs, ids_list)
                                      if reference == "ar" and "hf_ar" in runs else None)
     result.update(draft_figures(sd_stats, runs, draft))
+    head_engines = {"sd": engine, **({"sd_torch_head": sweep["sd_torch_head"]} if vs_torch_head else {})}
+    drafted = ({m: drafted_rows(e, ids_list, runs["ar"].outputs, max_new_tokens) for m, e in head_engines.items()}
+               if getattr(draft, "osd_family", None) == "head" else None)
     result.update(offline_figures(loaded.model, engine.target, draft, ids_list, runs["ar"].outputs,
-                                  result["acceptance_per_pos"]))
+                                  result["acceptance_per_pos"], drafted))
     result.update(step_cost_figures(stats, runs))
     result["torch_head"] = torch_head_figures(stats, runs, draft) if vs_torch_head else None
     result["k_sweep"] = sweep_rows(runs, stats, "k", k) if k_sweep else None
@@ -566,31 +569,6 @@ def draft_figures(st: SpecStats, runs: dict[str, MethodRun], draft: Any) -> dict
                           for src, (n, d, a) in sorted(st.by_source.items())}}
 
 
-def offline_figures(model: Any, runner: Any, draft: Any, ids_list: list[list[int]], outputs: list[list[int]],
-                    online: list[float]) -> dict[str, Any]:
-    """For a head: its greedy agreement per depth offline on the prompts' own-AR answers, its
-    weights in float32 (not the engine's kernels) on the served runner's features
-    (train/distill/head.py evaluate: unrolled on its own state, from the row that drafts a
-    request's second output, the first a step drafts), and the online acceptance at depth 1 over
-    it: issue 42's "online acceptance / offline agreement". Depth 1 alone compares like with
-    like: deeper online positions count only where the ones before were accepted."""
-    head = getattr(draft, "model", draft)  # head+suffix: its head
-    if getattr(head, "osd_family", None) != "head":
-        return {"offline_agreement_per_depth": None, "online_over_offline_depth1": None}
-    from pipeline.teacher.served_forward import RunnerForward
-    from train.distill.head import evaluate
-    from train.online.served import feature_set
-
-    seqs = [ids + out for ids, out in zip(ids_list, outputs)]
-    starts = [max(len(ids) - 1, 0) for ids in ids_list]
-    rows = RunnerForward(model, runner)(seqs, tuple(head.feature_layers), starts)
-    fs = feature_set(rows, starts)
-    offline = evaluate(copy.deepcopy(head).float(), fs)["agree_per_depth"]  # evaluate's batches are float32
-    # head+suffix: the online figure counts the suffix draft's positions too, so no ratio
-    ratio = online[0] / offline[0] if head is draft and online and offline and offline[0] else None
-    return {"offline_agreement_per_depth": offline, "online_over_offline_depth1": ratio}
-
-
 def torch_head_engine(loaded: Any, draft: Any, options: EngineOptions) -> SpecEngine:
     """An engine whose head drafts through PyTorch (LeanHead) beside the same target."""
     from serve.engine.core import SpecEngine
@@ -695,6 +673,11 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
             "depth " + ", ".join(f"{a:.3f}" for a in result["offline_agreement_per_depth"])
             + f"; online acceptance / offline agreement at depth 1 "
             f"{_fmt(result['online_over_offline_depth1'], '.3f', '')}")
+    for method, same in (result.get("depth1_same_rows") or {}).items():
+        if same:
+            log(f"{LABELS.get(method, method)}, depth 1 on the {same['rows']} rows it drafted from: online "
+                f"{same['online']:.3f}, offline {same['offline']:.3f}, online / offline "
+                f"{_fmt(same['online_over_offline'], '.3f', '')}")
     if len(result.get("by_source") or {}) > 1:
         log("by source: " + "; ".join(f"{src} {f['steps']} steps, acceptance {f['acceptance']:.3f}, "
                                       f"{f['tokens_per_step']:.2f} tokens/step"

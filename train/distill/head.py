@@ -245,6 +245,25 @@ def evaluate(head: Any, fs: FeatureSet, depth: int = DEPTH, token_budget: int = 
             "rows": counts[0]}
 
 
+@torch.no_grad()
+def agreement_rows(head: Any, fs: FeatureSet, token_budget: int = 4096) -> list[torch.Tensor]:
+    """Per sequence, evaluate's depth-1 agreement row by row: bool [rows from its start on],
+    entry j whether the head's greedy token from row start + j is the target's. Their mean over
+    every sequence is evaluate's agree_per_depth[0]; a caller picks the rows it wants (the
+    ones a serving engine drafted from)."""
+    head.eval()
+    out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.bool)] * len(fs.ids)
+    for group in _batches([x.numel() for x in fs.ids], token_budget):
+        b = collate(fs, group)
+        first, rows = windows(b.valid, b.start, 0)
+        (o,) = head.unroll_windows(b.feats, b.next_ids, 1, first, rows.shape[1])
+        t = b.valid.shape[1]
+        agree = head.d2t[head.logits(o).argmax(-1)] == b.target_argmax.gather(1, rows.clamp(max=t - 1))
+        for n, i in enumerate(group):
+            out[i] = agree[n, : max(int(b.valid[n].sum()) - int(first[n]), 0)].cpu()
+    return out
+
+
 def coverage_curve(train_argmax: torch.Tensor, eval_argmax: torch.Tensor, vocab: int,
                    sizes: Sequence[int] = (1024, 2048, 4096, 8192, 16384, 32768)) -> dict[int, float]:
     """Fraction of `eval_argmax` tokens inside the V_d most frequent of `train_argmax`, per V_d."""
