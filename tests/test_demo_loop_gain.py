@@ -416,31 +416,71 @@ def test_the_batched_check_sends_each_mode_s_prompts_together_and_pairs_them(mon
     assert {salt for _, spec, salt in sent if spec} == {"s-on"} and {salt for _, spec, salt in sent if not spec} == {"s-off"}
     assert [p["prompt"] for p in out["pairs"]] == ["0", "1", "2"] and out["speedup_vs_ar"] == 2.0
     assert out["clients"] == 3
+    # the round's throughput: each mode's tokens over its own wall time (30 tokens, whatever the
+    # requests' own latencies say), and their ratio
+    tp = out["throughput"]
+    assert tp["sd_tok_s"] > 0 and tp["ar_tok_s"] > 0 and out["round_ratios"] == [pytest.approx(tp["sd_tok_s"] / tp["ar_tok_s"])]
+    assert demo.throughput_speedup(out) == pytest.approx(tp["ratio"]) and demo.throughput_speedup({}) is None
+
+
+def test_a_batched_round_s_throughput_is_its_tokens_over_its_wall_time(monkeypatch):
+    """A failed request's tokens do not count; a mode's seconds run from its first request out
+    to its last answer in."""
+    from types import SimpleNamespace
+
+    import pipeline.traffic.demo as demo
+
+    clock = iter([0.0, 2.0, 10.0, 14.0])  # speculative: 2 s; autoregressive: 4 s
+    monkeypatch.setattr(demo.time, "perf_counter", lambda: next(clock))
+
+    def post(url, text, max_tokens, **extra):
+        ok = not (extra["osd_speculate"] and text == "p1")
+        return {"ok": ok, "latency_s": 1.0, "tokens": 10, "version": "v3"} if ok else {"ok": False, "latency_s": 1.0}
+
+    monkeypatch.setattr(demo, "post_chat", post)
+    prompts = [SimpleNamespace(id=str(i), text=f"p{i}") for i in range(3)]
+    out = demo.batched_check("http://x", prompts, 8, "s", clients=3)
+    assert out["throughput"] == {"sd_tok_s": 10.0, "ar_tok_s": 7.5, "ratio": pytest.approx(10.0 / 7.5)}
+    assert len(out["pairs"]) == 2  # the failed request's prompt has no pair
 
 
 def test_the_batched_rounds_give_their_own_contribution(monkeypatch):
+    """Each round runs the batched check BATCHED_REPEATS times, modes' order alternating; the
+    contribution is the difference of the two drafts' mean round throughput ratios, with the
+    range over every pair of a final and a frozen round (not a bootstrap over prompts, which
+    share their round)."""
     import pipeline.traffic.demo as demo
 
     reg = FakeRegistry("v3")
     batched = []
+    ratios = iter([1.5, 1.3, 1.2, 1.0, 1.1, 0.9, 1.7, 1.5])  # final-1 x2, frozen-1 x2, frozen-2 x2, final-2 x2
 
     def one(url, prompts, max_tokens, salt):
         return {"pairs": [full_pair("a", 150.0, 100.0, reg.stable)], "speedup_vs_ar": 1.5}
 
     def many(url, prompts, max_tokens, salt, clients, on_first=True):
         batched.append((salt, reg.stable, on_first))
-        sd = 300.0 if reg.stable == "v3" else 240.0
-        return {"pairs": [full_pair("a", sd, 200.0, reg.stable)], "speedup_vs_ar": sd / 200.0, "clients": clients}
+        r = next(ratios)
+        return {"pairs": [full_pair("a", 200.0 * r, 200.0, reg.stable)], "speedup_vs_ar": r, "clients": clients,
+                "round_ratios": [r]}
 
     monkeypatch.setattr(demo, "wait_until_served", lambda url, version, **kw: 0.5)
     monkeypatch.setattr(demo, "speed_check", one)
     monkeypatch.setattr(demo, "batched_check", many)
+    monkeypatch.setattr(demo, "BATCHED_REPEATS", 2)
     final, frozen = demo.final_and_frozen(FakeLoop(reg), reg, ["p"], 8, "v1", clients=8)
-    assert batched == [("osd-demo-final-1-batched", "v3", True), ("osd-demo-frozen-1-batched", "v1", False),
-                       ("osd-demo-frozen-2-batched", "v1", True), ("osd-demo-final-2-batched", "v3", False)]
-    assert final["batched"]["clients"] == 8 and final["batched"]["speedup_vs_ar"] == pytest.approx(1.5)
+    assert batched == [("osd-demo-final-1-batched", "v3", True), ("osd-demo-final-1-batched-2", "v3", False),
+                       ("osd-demo-frozen-1-batched", "v1", False), ("osd-demo-frozen-1-batched-2", "v1", True),
+                       ("osd-demo-frozen-2-batched", "v1", True), ("osd-demo-frozen-2-batched-2", "v1", False),
+                       ("osd-demo-final-2-batched", "v3", False), ("osd-demo-final-2-batched-2", "v3", True)]
+    assert final["batched"]["clients"] == 8 and final["batched"]["round_ratios"] == [1.5, 1.3, 1.7, 1.5]
+    assert frozen["batched"]["round_ratios"] == [1.2, 1.0, 1.1, 0.9]
+    assert demo.throughput_speedup(final["batched"]) == pytest.approx(1.5)
+    assert demo.throughput_speedup(frozen["batched"]) == pytest.approx(1.05)
     lc = demo.batched_contribution(final, frozen)
-    assert lc["median"] == pytest.approx(1.5 - 1.2) and lc["n"] == 1
+    assert lc["mean"] == pytest.approx(0.45) and lc["lower"] == pytest.approx(0.1) and lc["upper"] == pytest.approx(0.8)
     assert demo.loop_contribution(final, frozen)["median"] == pytest.approx(0.0)
     assert demo.batched_contribution({"pairs": []}, {"skipped": None, "pairs": []})["skipped"] == "no batched check ran"
     assert demo.batched_contribution(final, {"skipped": "why"})["skipped"] == "why"
+    no_rounds = {"skipped": None, "batched": {"pairs": []}}
+    assert "no batched round" in demo.batched_contribution(final, no_rounds)["skipped"]
