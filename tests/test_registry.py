@@ -52,6 +52,9 @@ def test_publish_get_list_and_load(reg, draft_dir, tiny):
 
     ref, _ = load_draft(draft_dir, tiny.model)
     assert torch.equal(model(ids).logits, ref(ids).logits) and info["version"] == "v1"
+    # the version's own directory, as the demo's report names it, loads as the draft it holds
+    by_dir, _ = load_draft(Path(reg.uri.removeprefix("file://")) / "versions" / "v1", tiny.model)
+    assert torch.equal(by_dir(ids).logits, ref(ids).logits)
     with pytest.raises(VersionNotFound, match="v9 does not exist"):
         reg.get("v9")
     with pytest.raises(RegistryError, match="bad version id"):

@@ -351,6 +351,20 @@ def _check_fits(directory: Path, cfg: Any, shared_meta: dict[str, Any], target_m
                                  f"the target has {got}; this draft belongs to another target")
 
 
+def version_payload(directory: Path) -> Path:
+    """A file:// registry version's own directory (`<registry>/versions/<id>`, what `make demo`
+    tells users to pass as a draft) as the draft it holds: the payload folder its manifest.json
+    names. Any other directory as it is."""
+    if (directory / MANIFEST).is_file():
+        return directory
+    try:
+        payload = json.loads((directory / "manifest.json").read_text())["payload"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return directory
+    inner = directory / str(payload)
+    return inner if isinstance(payload, str) and "/" not in payload and inner.is_dir() else directory
+
+
 def load_draft(directory: str | Path, target_model: Any, *, expect_target_sha256: str | None = None,
                verified: dict[str, str] | None = None) -> tuple[Any, dict[str, Any]]:
     """Load a draft saved by save_draft onto `target_model`'s shared tensors.
@@ -362,7 +376,7 @@ def load_draft(directory: str | Path, target_model: Any, *, expect_target_sha256
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    directory = Path(directory)
+    directory = version_payload(Path(directory))
     if not directory.is_dir():
         raise DraftLoadError(f"draft directory {directory} does not exist")
     manifest = _checked_manifest(directory, verified)
