@@ -479,6 +479,9 @@ def test_the_batched_rounds_give_their_own_contribution(monkeypatch):
     assert demo.throughput_speedup(frozen["batched"]) == pytest.approx(1.05)
     lc = demo.batched_contribution(final, frozen)
     assert lc["mean"] == pytest.approx(0.45) and lc["lower"] == pytest.approx(0.1) and lc["upper"] == pytest.approx(0.8)
+    assert lc["served_by_another_version"] == 0
+    canary = dict(final, batched=dict(final["batched"], pairs=final["batched"]["pairs"] + [full_pair("b", 1.0, 1.0, "v4")]))
+    assert demo.batched_contribution(canary, frozen)["served_by_another_version"] == 1
     assert demo.loop_contribution(final, frozen)["median"] == pytest.approx(0.0)
     assert demo.batched_contribution({"pairs": []}, {"skipped": None, "pairs": []})["skipped"] == "no batched check ran"
     assert demo.batched_contribution(final, {"skipped": "why"})["skipped"] == "why"

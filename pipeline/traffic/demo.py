@@ -240,8 +240,11 @@ def batched_contribution(final: dict[str, Any], frozen: dict[str, Any]) -> dict[
     if not f or not z:
         return {"skipped": "no batched round measured both modes with each draft"}
     diffs = [a - b for a in f for b in z]
+    # a round's throughput counts every answer; a live canary's share is reported, not left out
+    other = (sum(p["version"] != frozen.get("final_version") for p in final["batched"].get("pairs", []))
+             + sum(p["version"] != frozen.get("version") for p in frozen["batched"].get("pairs", [])))
     return {"skipped": None, "mean": statistics.fmean(f) - statistics.fmean(z), "lower": min(diffs),
-            "upper": max(diffs), "rounds_final": f, "rounds_frozen": z}
+            "upper": max(diffs), "rounds_final": f, "rounds_frozen": z, "served_by_another_version": other}
 
 
 def frozen_skip_reason(start_stable: str | None, end_stable: str | None, start_kept: bool = True) -> str | None:
