@@ -15,7 +15,8 @@ from pipeline.cli.bench import BENCHES
 pytestmark = pytest.mark.pure
 
 ROOT = Path(__file__).resolve().parents[1]
-HELPERS = {"llamacpp", "adapt_head"}  # timed beside engine and forward; the head family of `osd bench adapt`
+HELPERS = {"llamacpp", "adapt_head", "online_offline"}  # timed beside engine and forward; the head family of
+# `osd bench adapt`; a head online against offline in `osd bench engine`
 
 
 def test_every_bench_module_is_listed_and_owns_its_command_line():
