@@ -143,12 +143,15 @@ def _on_off(rows: list[dict[str, Any]]) -> None:
 def _run(eng: Any, make_draft: Callable[[Any], Any] | None, params: Any, items: list[Any], c: int,
          per_client: int, tokenizer: Any, reuse: str, log: Callable[[str], None]) -> dict[str, Any]:
     # A round of one request a client first, not timed: what a replica does once in its life
-    # (CUDA graphs captured for the level's shapes, the cost profile) stays out.
-    asyncio.run(_level(eng, params, make_draft(eng) if make_draft else None, items[:c], c, 1, tokenizer))
+    # (CUDA graphs captured for the level's shapes, the cost profile) stays out. One draft for
+    # both rounds, as a replica keeps its draft: one that reads the target's features takes a
+    # held prefix only where its own draft object left it (serve/engine/scheduler.py _usable),
+    # so a fresh one could not reuse the prefixes the warm-up left, which plain requests do.
+    draft = make_draft(eng) if make_draft else None
+    asyncio.run(_level(eng, params, draft, items[:c], c, 1, tokenizer))
     sched = eng.scheduler
     seen, prompt0, cached0 = sched.log.total, sched.prompt_tokens, sched.cached_tokens
-    tokens, secs, ttfts = asyncio.run(_level(eng, params, make_draft(eng) if make_draft else None, items[c:], c,
-                                             per_client, tokenizer))
+    tokens, secs, ttfts = asyncio.run(_level(eng, params, draft, items[c:], c, per_client, tokenizer))
     steps = sched.log.since(seen)
     prompt = sched.prompt_tokens - prompt0
     row = {"clients": c, "speculation": params.speculate, "requests": len(items) - c, "tokens": tokens,
