@@ -419,7 +419,8 @@ def test_the_batched_check_sends_each_mode_s_prompts_together_and_pairs_them(mon
     # the round's throughput: each mode's tokens over its own wall time (30 tokens, whatever the
     # requests' own latencies say), and their ratio
     tp = out["throughput"]
-    assert tp["sd_tok_s"] > 0 and tp["ar_tok_s"] > 0 and out["round_ratios"] == [pytest.approx(tp["sd_tok_s"] / tp["ar_tok_s"])]
+    assert tp["sd_tok_s"] > 0 and tp["ar_tok_s"] > 0
+    assert out["round_ratios"] == [pytest.approx(tp["sd_tok_s"] / tp["ar_tok_s"])]
     assert demo.throughput_speedup(out) == pytest.approx(tp["ratio"]) and demo.throughput_speedup({}) is None
 
 
@@ -480,7 +481,8 @@ def test_the_batched_rounds_give_their_own_contribution(monkeypatch):
     lc = demo.batched_contribution(final, frozen)
     assert lc["mean"] == pytest.approx(0.45) and lc["lower"] == pytest.approx(0.1) and lc["upper"] == pytest.approx(0.8)
     assert lc["served_by_another_version"] == 0
-    canary = dict(final, batched=dict(final["batched"], pairs=final["batched"]["pairs"] + [full_pair("b", 1.0, 1.0, "v4")]))
+    with_canary = final["batched"]["pairs"] + [full_pair("b", 1.0, 1.0, "v4")]
+    canary = dict(final, batched=dict(final["batched"], pairs=with_canary))
     assert demo.batched_contribution(canary, frozen)["served_by_another_version"] == 1
     assert demo.loop_contribution(final, frozen)["median"] == pytest.approx(0.0)
     assert demo.batched_contribution({"pairs": []}, {"skipped": None, "pairs": []})["skipped"] == "no batched check ran"

@@ -358,8 +358,14 @@ def test_step_starts_are_the_outputs_after_one_that_was_not_an_accepted_draft():
     assert step_starts([False], [-1]) == [] and step_starts([], []) == []
 
 
+def agreement_rows(head, fs):
+    from train.distill.head import evaluate
+
+    return evaluate(head, fs, depth=1, per_row=True)["agree_rows"]
+
+
 def test_agreement_rows_are_evaluates_depth_one_row_by_row(served, serving):
-    from train.distill.head import agreement_rows, evaluate
+    from train.distill.head import evaluate
     from train.online.served import feature_set
 
     records, _ = serving
@@ -371,6 +377,9 @@ def test_agreement_rows_are_evaluates_depth_one_row_by_row(served, serving):
     flags = agreement_rows(head, fs)
     assert [len(f) for f in flags] == [len(o) for o in outs]  # a row per output
     assert float(torch.cat(flags).float().mean()) == pytest.approx(evaluate(head, fs)["agree_per_depth"][0])
+    ev = evaluate(head, fs, per_row=True)  # the rows ride along a full evaluation, changing none of its figures
+    assert ev["agree_per_depth"] == evaluate(head, fs)["agree_per_depth"]
+    assert all(torch.equal(a, b) for a, b in zip(ev["agree_rows"], flags)) and "agree_rows" not in evaluate(head, fs)
     for p, o, f in zip(ids, outs, flags):  # row by row: alone, each row's flag is its own
         start = [len(p) - 2]
         assert torch.equal(agreement_rows(head, feature_set(served([p + o], LAYERS, start), start))[0], f)
@@ -384,7 +393,6 @@ def test_the_engine_bench_compares_a_head_online_and_offline_on_the_rows_it_draf
     first token from and whether it was kept: as many as the engine's depth-1 counts; the
     offline figure over every row is evaluate's, over the drafted rows their own mean."""
     from pipeline.bench.online_offline import drafted_rows, offline_figures, same_rows
-    from train.distill.head import agreement_rows
     from train.online.served import feature_set
 
     records, _ = serving

@@ -361,8 +361,10 @@ def version_payload(directory: Path) -> Path:
         payload = json.loads((directory / "manifest.json").read_text())["payload"]
     except (OSError, ValueError, KeyError, TypeError):
         return directory
-    inner = directory / str(payload)
-    return inner if isinstance(payload, str) and "/" not in payload and inner.is_dir() else directory
+    if not isinstance(payload, str) or "/" in payload:
+        return directory
+    inner = directory / payload
+    return inner if inner.is_dir() else directory
 
 
 def load_draft(directory: str | Path, target_model: Any, *, expect_target_sha256: str | None = None,

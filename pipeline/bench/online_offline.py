@@ -47,7 +47,7 @@ def drafted_rows(engine: Any, ids_list: Sequence[list[int]], outputs: Sequence[l
 def same_rows(flags: Sequence[Any], drafted: Sequence[list[tuple[int, bool]]],
               first: Sequence[int]) -> dict[str, Any] | None:
     """Online and offline depth-1 agreement over the rows drafted online. flags[p]: prompt p's
-    offline agreement by row (agreement_rows), entry j for its output first[p] + j."""
+    offline agreement by row (evaluate's agree_rows), entry j for its output first[p] + j."""
     online = offline = n = 0
     for rows, got, f in zip(flags, drafted, first):
         for i, acc in got:
@@ -76,20 +76,20 @@ def offline_figures(model: Any, runner: Any, draft: Any, ids_list: list[list[int
     if getattr(head, "osd_family", None) != "head":
         return dict(NONE)
     from pipeline.teacher.served_forward import RunnerForward
-    from train.distill.head import agreement_rows, evaluate
+    from train.distill.head import evaluate
     from train.online.served import feature_set
 
     seqs = [ids + out for ids, out in zip(ids_list, outputs)]
     starts = [max(len(ids) - 2, 0) for ids in ids_list]
     rows = RunnerForward(model, runner)(seqs, tuple(head.feature_layers), starts)
     fs = feature_set(rows, starts)
-    f32 = copy.deepcopy(head).float()  # evaluate's batches are float32
-    offline = evaluate(f32, fs)["agree_per_depth"]
     alone = head is draft  # head+suffix: the online figures count the suffix draft's positions too
+    by_row = alone and bool(drafted)
+    ev = evaluate(copy.deepcopy(head).float(), fs, per_row=by_row)  # evaluate's batches are float32
+    offline = ev["agree_per_depth"]
     ratio = online[0] / offline[0] if alone and online and offline and offline[0] else None
     same = None
-    if alone and drafted:
-        flags = agreement_rows(f32, fs)
+    if by_row:
         first = [s + 2 - len(ids) for s, ids in zip(starts, ids_list)]  # the output row `start` drafts
-        same = {method: same_rows(flags, rows, first) for method, rows in drafted.items()}
+        same = {method: same_rows(ev["agree_rows"], rows, first) for method, rows in drafted.items()}
     return {"offline_agreement_per_depth": offline, "online_over_offline_depth1": ratio, "depth1_same_rows": same}

@@ -214,15 +214,20 @@ def _rows_loss(model: torch.nn.Module, batch: HeadBatch, w_d: torch.Tensor, in_v
 
 
 @torch.no_grad()
-def evaluate(head: Any, fs: FeatureSet, depth: int = DEPTH, token_budget: int = 4096) -> dict[str, Any]:
+def evaluate(head: Any, fs: FeatureSet, depth: int = DEPTH, token_budget: int = 4096,
+             per_row: bool = False) -> dict[str, Any]:
     """Greedy agreement with the target per draft depth, the head unrolled on its own state
     (teacher-forced features would overstate depth >= 2), on rows from each sequence's start.
-    alpha_est: mean of the depths; tokens_per_step: 1 + a1 + a1 a2 + ... for a chain of `depth`."""
+    alpha_est: mean of the depths; tokens_per_step: 1 + a1 + a1 a2 + ... for a chain of `depth`.
+    per_row: also `agree_rows`, per sequence its depth-1 agreement row by row (bool [rows from
+    its start on], entry j from row start + j), for a caller that wants some rows alone (the
+    ones a serving engine drafted from)."""
     head.eval()
     hits = [0] * depth
     counts = [0] * depth
     in_vocab = total = 0
     t2d = head.t2d()
+    rows_out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.bool)] * len(fs.ids)
     for group in _batches([x.numel() for x in fs.ids], token_budget):
         b = collate(fs, group)
         first, rows = windows(b.valid, b.start, 0)  # no counted chain starts before a sequence's start
@@ -233,34 +238,24 @@ def evaluate(head: Any, fs: FeatureSet, depth: int = DEPTH, token_budget: int = 
         target = b.target_argmax.gather(1, at)
         for j, o in enumerate(states, start=1):
             m = real & (rows >= b.start.view(-1, 1) + j - 1)
-            agree = head.d2t[head.logits(o[m]).argmax(-1)] == target[m]  # counted rows alone
+            if per_row and j == 1:  # every window row (depth 1 counts them all), then the counted ones
+                every = head.d2t[head.logits(o).argmax(-1)] == target
+                for n, i in enumerate(group):
+                    rows_out[i] = every[n, : int(real[n].sum())].cpu()
+                agree = every[m]
+            else:
+                agree = head.d2t[head.logits(o[m]).argmax(-1)] == target[m]  # counted rows alone
             hits[j - 1] += int(agree.sum())
             counts[j - 1] += int(m.sum())
         in_vocab += int((t2d[target.clamp(min=0)] & real).sum())  # real: the rows from each start
         total += int(real.sum())
     acc = [h / c if c else 0.0 for h, c in zip(hits, counts)]
     chain = [math.prod(acc[: i + 1]) for i in range(depth)]
-    return {"agree_per_depth": acc, "alpha_est": sum(acc) / depth if depth else None,
-            "tokens_per_step_est": 1 + sum(chain), "coverage": in_vocab / total if total else None,
-            "rows": counts[0]}
-
-
-@torch.no_grad()
-def agreement_rows(head: Any, fs: FeatureSet, token_budget: int = 4096) -> list[torch.Tensor]:
-    """Per sequence, evaluate's depth-1 agreement row by row: bool [rows from its start on],
-    entry j whether the head's greedy token from row start + j is the target's. Their mean over
-    every sequence is evaluate's agree_per_depth[0]; a caller picks the rows it wants (the
-    ones a serving engine drafted from)."""
-    head.eval()
-    out: list[torch.Tensor] = [torch.zeros(0, dtype=torch.bool)] * len(fs.ids)
-    for group in _batches([x.numel() for x in fs.ids], token_budget):
-        b = collate(fs, group)
-        first, rows = windows(b.valid, b.start, 0)
-        (o,) = head.unroll_windows(b.feats, b.next_ids, 1, first, rows.shape[1])
-        t = b.valid.shape[1]
-        agree = head.d2t[head.logits(o).argmax(-1)] == b.target_argmax.gather(1, rows.clamp(max=t - 1))
-        for n, i in enumerate(group):
-            out[i] = agree[n, : max(int(b.valid[n].sum()) - int(first[n]), 0)].cpu()
+    out = {"agree_per_depth": acc, "alpha_est": sum(acc) / depth if depth else None,
+           "tokens_per_step_est": 1 + sum(chain), "coverage": in_vocab / total if total else None,
+           "rows": counts[0]}
+    if per_row:
+        out["agree_rows"] = rows_out
     return out
 
 
