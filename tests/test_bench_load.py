@@ -30,8 +30,8 @@ def test_a_sweep_streams_both_modes_and_writes_json_and_a_chart(app, tmp_path):
                          prompts=prompts, json_path=out, png_path=png)
     assert json.loads(out.read_text())["levels"] == res["levels"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert [(r["concurrency"], r["speculation"]) for r in res["levels"]] == [(1, True), (1, False), (3, False),
-                                                                            (3, True)]
+    assert [(r["concurrency"], r["speculation"]) for r in res["levels"]] == [(1, True), (1, False), (3, True),
+                                                                            (3, False)]
     for r in res["levels"]:
         assert r["ok"] > 0 and r["errors"] == 0 and r["timeouts"] == 0, r
         assert r["ttft_p50_ms"] > 0 and r["itl_p50_ms"] > 0 and r["completion_tok_per_s"] > 0
@@ -119,10 +119,11 @@ def test_a_request_count_sends_each_mode_the_same_requests_after_an_untimed_warm
         run_load_bench("http://fake", levels=(1,), requests=0)
 
 
-def test_timed_levels_send_every_prompt_once_until_the_list_runs_out_and_count_the_repeats(monkeypatch):
-    """With a fixed time, each request takes a prompt no earlier request took, across clients,
-    levels and modes (the suffix pool would answer a repeat from memory); a list too short
-    wraps, and the repeats are reported."""
+def test_timed_levels_send_new_prompts_and_both_modes_of_a_level_the_same_ones(monkeypatch):
+    """With a fixed time, each level takes prompts no earlier level took, and its two modes
+    take them from the same place in the list, speculation on first (the suffix pool would
+    answer its repeat from memory; plain decoding drafts nothing); a list too short wraps, and
+    the repeats are reported."""
     import threading
     import time
 
@@ -135,7 +136,7 @@ def test_timed_levels_send_every_prompt_once_until_the_list_runs_out_and_count_t
         msg = json.loads(body)
         if msg.get("cache_salt"):  # a timed request (the warm-up sends no salt)
             with mu:
-                sent.append(msg["messages"][0]["content"])
+                sent.append((msg["osd_speculate"], int(msg["messages"][0]["content"].split()[1])))
         return load.Outcome(200, 0.002, completion_tokens=2, ttft_s=0.001)
 
     monkeypatch.setattr(load, "send_chat", fake_send)
@@ -145,15 +146,26 @@ def test_timed_levels_send_every_prompt_once_until_the_list_runs_out_and_count_t
     # Windows far longer than the counts asked of them need (about 2 ms a request): a loaded CI
     # host once fitted 5 requests into 0.1 s.
     res = run_load_bench("http://fake", levels=(1, 3), seconds=0.5, prompts=many, speculation="both")
-    assert [(r["concurrency"], r["speculation"]) for r in res["levels"]] == [(1, True), (1, False), (3, False),
-                                                                            (3, True)]
-    assert len(sent) == res["prompts_sent"] == sum(r["requests"] for r in res["levels"]) > 20
-    assert len(set(sent)) == len(sent) and res["repeated_prompts"] == 0
+    rows = res["levels"]
+    assert [(r["concurrency"], r["speculation"]) for r in rows] == [(1, True), (1, False), (3, True), (3, False)]
+    assert len(sent) == res["prompts_sent"] == sum(r["requests"] for r in rows) > 20
+    parts, at = [], 0
+    for r in rows:
+        parts.append(sent[at:at + r["requests"]])
+        at += r["requests"]
+    assert all(spec == r["speculation"] for part, r in zip(parts, rows) for spec, _ in part)
+    taken = [sorted(i for _, i in part) for part in parts]
+    for on, off in (taken[:2], taken[2:]):  # a level's modes: the same prompts, as far as both went
+        n = min(len(on), len(off))
+        assert on[:n] == off[:n] and on == list(range(on[0], on[0] + len(on)))
+    first_level = max(taken[0][-1], taken[1][-1])
+    assert taken[0][0] == 0 and taken[2][0] == taken[3][0] == first_level + 1  # the next level's are new
+    assert res["distinct_prompts"] == max(taken[2][-1], taken[3][-1]) + 1 and res["repeated_prompts"] == 0
     sent.clear()
     few = many[:7]
     res = run_load_bench("http://fake", levels=(2,), seconds=0.5, prompts=few, speculation="on")
     assert res["prompts_sent"] == len(sent) > 7 and res["repeated_prompts"] == len(sent) - 7
-    assert set(sent) == set(few)
+    assert {i for _, i in sent} == set(range(7)) and res["distinct_prompts"] == 7
 
 
 def test_a_conversation_sends_its_second_turn_with_the_servers_answer_and_each_mode_its_salt(monkeypatch):

@@ -9,11 +9,15 @@ request's `osd_speculate`), one after the other, so the two are compared at the 
 in one run.
 
 Prompts are first-time prompts while the list lasts. The server's suffix pool learns every
-answer it serves, so a prompt sent again is answered from memory, a different workload: with
-a fixed time every request takes the next prompt no earlier request of the bench took (the
-modes then differ in prompts, as they differ in count); with `--requests` each level takes
-new prompts, both modes send the same ones, and speculation on goes first (run second, it
-would find the other mode's answers to its very prompts). Repeats are counted and reported.
+answer it serves, so a prompt sent again is answered from memory, a different workload. So
+each level takes prompts no earlier level took, both modes of a level send the same ones
+from the same place in the list, and speculation on goes first (run second, it would find the
+other mode's answers to its very prompts; plain decoding drafts nothing, so it cannot). With
+a fixed time the faster mode walks further down the list, and the next level starts past the
+furthest prompt either took. Until 2026-12-07 a timed level's second mode took the prompts
+after the first one's: at 16 clients on an AMX Xeon, with speculation off in both modes
+(`serve.k` 0), the first mode's prompts read 0.82x and 0.85x the second's tok/s, so the
+on/off ratios of timed runs compared prompt sets, not modes. Repeats are counted and reported.
 
 Per level it reports what a capacity plan needs: answered requests, output tokens/s, time
 to first token and inter-token latency (p50/p99; ITL is the gap between streamed chunks, one
@@ -187,21 +191,27 @@ def summarize(concurrency: int, outcomes: list[Outcome], elapsed_s: float, specu
 
 
 class PromptCursor:
-    """The prompts of the timed levels (module doc): each request takes the next one, across
-    clients, levels and modes; past the list's end they wrap, and each wrapped one is a repeat."""
+    """A timed level's prompts in one mode (module doc): each request takes the next one across
+    the level's clients, from `start`; past the list's end they wrap, and each wrapped one is a
+    repeat of an earlier level's."""
 
-    def __init__(self, n: int):
-        self.n, self.taken = n, 0
+    def __init__(self, n: int, start: int = 0):
+        self.n, self.start, self.taken = n, start, 0
         self._lock = threading.Lock()
 
     def take(self) -> int:
         with self._lock:
             self.taken += 1
-            return (self.taken - 1) % self.n
+            return (self.start + self.taken - 1) % self.n
+
+    @property
+    def end(self) -> int:
+        """One past the furthest place in the list taken (unwrapped)."""
+        return self.start + self.taken
 
     @property
     def repeats(self) -> int:
-        return max(0, self.taken - self.n)
+        return max(0, self.end - max(self.start, self.n))
 
 
 def _client(url: str, headers: dict[str, str], prompts: Sequence[Turns], max_tokens: int, speculate: bool,
@@ -284,13 +294,10 @@ def run_level(url: str, headers: dict[str, str], concurrency: int, seconds: floa
     return summarize(concurrency, outcomes, elapsed, speculate, forwards)
 
 
-def _order(modes: tuple[bool, ...], level: int, same_prompts: bool) -> tuple[bool, ...]:
-    """The modes of a level in the order they run: alternating from level to level, so neither
-    always runs on the warmer server; with the same prompts in both (--requests), speculation
-    on always first (module doc)."""
-    if same_prompts:
-        return tuple(sorted(modes, reverse=True))
-    return modes if level % 2 == 0 else modes[::-1]
+def _order(modes: tuple[bool, ...]) -> tuple[bool, ...]:
+    """The modes of a level in the order they run: speculation on first, since both send the
+    same prompts (module doc)."""
+    return tuple(sorted(modes, reverse=True))
 
 
 def preflight(url: str, headers: dict[str, str]) -> None:
@@ -499,28 +506,32 @@ def run_load_bench(url: str, *, api_key: str | None = None, levels: Sequence[int
     per_level = f"{seconds:g} s per level" if requests is None else f"{requests} requests per client and level"
     print(f"load bench: {url}{CHAT_PATH}, streaming, max_tokens {max_tokens}, {len(prompts)} prompts, "
           f"{per_level}, speculation {speculation}, client timeout {timeout_s:g} s", flush=True)
-    rows, start, cursor = [], 0, PromptCursor(len(prompts))
+    rows, start, cursors = [], 0, []
     if requests is not None and sum(levels) * requests > len(prompts):
         print(f"note: {sum(levels) * requests} requests a mode over {len(prompts)} prompts: some repeat", flush=True)
-    for i, c in enumerate(levels):  # a line as each level ends: a long run shows progress
-        for spec in _order(MODES[speculation], i, requests is not None):
+    for c in levels:  # a line as each level ends: a long run shows progress
+        level = [PromptCursor(len(prompts), start) for _ in MODES[speculation]] if requests is None else []
+        for j, spec in enumerate(_order(MODES[speculation])):
             rows.append(run_level(url, headers, c, seconds, max_tokens, timeout_s, prompts, spec, requests, start,
-                                  cursor))
+                                  level[j] if level else None))
             r = rows[-1]
             turns = r["ttft_p50_ms_by_turn"]
             by_turn = (", first token by turn " + " / ".join(_fmt(t, ".0f") for t in turns) + " ms"
                        if len(turns) > 1 else "")
             print(f"level {c} speculation {'on' if spec else 'off'}: {r['ok']} ok, "
                   f"{r['completion_tok_per_s']:.1f} tok/s, {r['rejected']} refused{by_turn}", flush=True)
-        start += c * (requests or 0)  # the next level's requests are new to the server
+        cursors += level
+        # the next level's requests are new to the server
+        start = max(cur.end for cur in level) if level else start + c * requests
     print(format_table(rows), flush=True)
     result = {"url": url, "path": CHAT_PATH, "max_tokens": max_tokens,
               "seconds_per_level": seconds if requests is None else None, "requests_per_client": requests,
               "timeout_s": timeout_s, "prompts": len(prompts), "levels": rows}
     if requests is None:  # the timed levels' prompts (module doc)
-        result.update(prompts_sent=cursor.taken, repeated_prompts=cursor.repeats)
-        if cursor.repeats:
-            print(f"note: {cursor.repeats} of {cursor.taken} timed requests repeated a prompt (the list has "
+        sent, repeats = sum(cur.taken for cur in cursors), sum(cur.repeats for cur in cursors)
+        result.update(prompts_sent=sent, distinct_prompts=min(start, len(prompts)), repeated_prompts=repeats)
+        if repeats:
+            print(f"note: {repeats} of {sent} timed requests repeated an earlier level's prompt (the list has "
                   f"{len(prompts)}): the server had answered those before", flush=True)
     result["ratios"] = ratios(rows)
     if long_prompt:
