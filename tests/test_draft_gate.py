@@ -3,7 +3,7 @@ outcomes: it never reads a clock, so nothing here depends on the machine's speed
 
 import pytest
 
-from serve.spec_decode.draft_gate import BLOCK, EXPLORE, MIN_PAIRS, DraftGate
+from serve.spec_decode.draft_gate import BLOCK, EXPLORE, EXPLORE_MAX, MIN_PAIRS, DraftGate
 from serve.spec_decode.k_policy import Acceptance, KPolicy, StepCosts
 from serve.spec_decode.protocol import StepContext
 
@@ -29,15 +29,27 @@ def test_the_kinds_alternate_in_blocks_until_enough_pairs():
     assert kinds[:WARM] == ([True] * BLOCK + [False] * BLOCK) * (MIN_PAIRS // 2) + [True] * BLOCK
 
 
+def exploring_gaps(kinds: list[bool], chosen: bool) -> list[int]:
+    """Blocks from the start of `kinds` to its first block of the other kind, then between
+    such blocks; every block must be all of one kind."""
+    blocks = [kinds[i:i + BLOCK] for i in range(0, len(kinds), BLOCK)]
+    assert all(len(set(b)) == 1 for b in blocks)
+    at = [i for i, b in enumerate(blocks) if b[0] != chosen]
+    return [at[0] + 1] + [b - a for a, b in zip(at, at[1:])] if at else []
+
+
 @pytest.mark.parametrize("drafting_tok_s,plain_tok_s,expect", [(80.0, 100.0, False), (120.0, 100.0, True)])
-def test_the_faster_kind_runs_and_the_other_one_block_in_explore(drafting_tok_s, plain_tok_s, expect):
+def test_the_faster_kind_runs_and_the_other_one_more_rarely_while_the_choice_holds(drafting_tok_s, plain_tok_s,
+                                                                                    expect):
     gate = DraftGate()
-    run(gate, WARM + BLOCK, 16, drafting_tok_s, plain_tok_s)
-    later = run(gate, 4 * EXPLORE * BLOCK, 16, drafting_tok_s, plain_tok_s)
-    assert later.count(not expect) == 4 * BLOCK  # one block in EXPLORE, the other kind
-    assert later.count(expect) == 4 * (EXPLORE - 1) * BLOCK
+    run(gate, WARM, 16, drafting_tok_s, plain_tok_s)
+    later = run(gate, 300 * BLOCK, 16, drafting_tok_s, plain_tok_s)
+    gaps = exploring_gaps(later, expect)
+    # one block in EXPLORE first, then twice as far apart each time, up to EXPLORE_MAX
+    assert gaps[:3] == [EXPLORE, 2 * EXPLORE, 4 * EXPLORE] and set(gaps[3:]) == {EXPLORE_MAX}
     state = gate.state()["16"]
     assert state["drafting_vs_plain"] == pytest.approx(drafting_tok_s / plain_tok_s, rel=1e-3)
+    assert state["explore_every"] == EXPLORE_MAX and state["explored"] == len(gaps)
 
 
 def test_a_near_tie_keeps_drafting():
@@ -59,9 +71,18 @@ def test_the_machines_drift_is_not_taken_for_the_kinds():
 
 def test_it_follows_a_change_through_its_exploring_blocks():
     gate = DraftGate()
-    run(gate, WARM + 200, 16, 80.0, 100.0)
-    kinds = run(gate, 600, 16, 150.0, 100.0)  # the draft starts to match (a repeated document, say)
-    assert kinds[-EXPLORE * BLOCK:].count(True) == (EXPLORE - 1) * BLOCK
+    run(gate, WARM + 100 * BLOCK, 16, 80.0, 100.0)  # long enough to explore at its slowest
+    b = gate.buckets[DraftGate.bucket(16)]
+    assert b.choice is False and b.explore_every == EXPLORE_MAX
+    blocks = 0  # the draft starts to match (a repeated document, say)
+    while b.choice is not True:
+        run(gate, BLOCK, 16, 150.0, 100.0)
+        blocks += 1
+        assert blocks <= 2 * EXPLORE_MAX  # within two explorations at the slowest
+    # the new choice explores at the base rate again, then slows down as before
+    assert b.explore_every == EXPLORE
+    later = run(gate, 4 * EXPLORE * BLOCK, 16, 150.0, 100.0)
+    assert exploring_gaps(later, True)[:2] == [EXPLORE - 1, 2 * EXPLORE]
 
 
 def test_batch_sizes_are_judged_apart():

@@ -15,7 +15,11 @@ a decayed mean of those pairs' log ratios: on 2 shared cores the machine's speed
 recent steps against the other kind's last exploring block) would compare the drift, not the
 kinds. The kinds alternate until MIN_PAIRS pairs; then the faster kind runs, and one block in
 EXPLORE runs the other (two pairs: the blocks before and after it), so a change (a draft that
-starts to match, longer contexts) is seen. Steps that carry prompt rows are not counted: a
+starts to match, longer contexts) is seen. Each exploring block that leaves the choice as it
+was doubles the blocks to the next one, up to EXPLORE_MAX; a new choice starts again at
+EXPLORE. Exploring runs the slower kind, so with drafting 10% slower at 16 requests one block
+in 8 cost 1.25% of the tokens, and one in 32 costs 0.3%; a change now shows within about two
+explorations, at most 2 x EXPLORE_MAX blocks. Steps that carry prompt rows are not counted: a
 prompt chunk costs up to a few decode steps' time (the scheduler's pacing), so which kind
 happened to carry the chunks would decide (counted with their prompt rows as tokens, one served
 run read drafting steps 1.4x plain ones at 8-15 requests where they had drafted nothing;
@@ -31,7 +35,8 @@ import math
 from dataclasses import dataclass, field
 
 BLOCK = 4  # consecutive steps of one kind: a block outlasts the effect of the kind before it
-EXPLORE = 8  # one block in this many runs the slower kind
+EXPLORE = 8  # one block in this many runs the slower kind, after a new choice
+EXPLORE_MAX = 32  # ... and at most this many blocks apart while the choice holds
 MIN_PAIRS = 8  # adjacent blocks of the two kinds compared before the gate decides
 PAIR_DECAY = 0.9  # per pair, of the accumulated log ratios
 DECAY = 0.98  # per observed step of a kind, of the rates shown (state())
@@ -74,6 +79,10 @@ class Bucket:
     log_ratio: float = 0.0  # decayed sum over pairs of log(drafting rate / plain rate)
     pair_weight: float = 0.0  # the same decayed sum of 1 a pair: log_ratio / pair_weight is the mean
     paired: int = 0  # pairs compared
+    choice: bool | None = None  # the faster kind as last judged (None until warm)
+    explore_every: int = EXPLORE  # blocks from one exploring block to the next
+    since: int = 0  # blocks since the last exploring one (or the choice)
+    explored: int = 0  # exploring blocks run
 
     @property
     def warm(self) -> bool:
@@ -81,6 +90,20 @@ class Bucket:
 
     def drafting_pays(self) -> bool:
         return self.log_ratio / self.pair_weight >= -math.log1p(MARGIN)
+
+    def next_kind(self) -> bool:
+        """The kind of the block that starts now (whether it drafts)."""
+        if not self.warm:
+            return self.steps // BLOCK % 2 == 0
+        pays = self.drafting_pays()
+        if pays != self.choice:  # a new choice: explore at the base rate again
+            self.choice, self.explore_every, self.since = pays, EXPLORE, 0
+        self.since += 1
+        if self.since < self.explore_every:
+            return pays
+        self.since, self.explored = 0, self.explored + 1
+        self.explore_every = min(2 * self.explore_every, EXPLORE_MAX)  # back to EXPLORE if it flips the choice
+        return not pays
 
     def finish_block(self) -> None:
         done, self.block = self.block, None
@@ -110,9 +133,7 @@ class DraftGate:
         b = self.buckets.setdefault(self.bucket(sequences), Bucket())
         if b.steps % BLOCK == 0:
             b.finish_block()
-            n = b.steps // BLOCK
-            drafting = n % 2 == 0 if not b.warm else b.drafting_pays() != (n % EXPLORE == EXPLORE - 1)
-            b.block = Block(drafting)
+            b.block = Block(b.next_kind())
         b.steps += 1
         assert b.block is not None
         return b.block.drafting
@@ -133,5 +154,5 @@ class DraftGate:
         return {str(1 << (k - 1)): {"drafting_tok_s": round(b.drafting.per_s, 1), "plain_tok_s": round(b.plain.per_s, 1),
                                     "drafting_steps": b.drafting.steps, "plain_steps": b.plain.steps,
                                     "drafting_vs_plain": round(math.exp(b.log_ratio / b.pair_weight), 3) if b.pair_weight else None,
-                                    "pairs": b.paired}
+                                    "pairs": b.paired, "explored": b.explored, "explore_every": b.explore_every}
                 for k, b in sorted(self.buckets.items())}
