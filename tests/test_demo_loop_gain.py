@@ -36,6 +36,20 @@ def test_equal_differences_give_a_zero_width_interval_and_none_give_none():
     assert bootstrap_median([]) is None
 
 
+def test_the_bootstrap_mean_is_the_mean_with_an_interval_around_it():
+    from pipeline.traffic.demo import bootstrap_mean, bootstrap_median
+
+    diffs = [0.12, -0.03, 0.08, 0.21, 0.05, 0.0, 0.15, 0.09, -0.01, 0.11, 0.07, 0.3]
+    a = bootstrap_mean(diffs, seed=3)
+    assert a == bootstrap_mean(diffs, seed=3) and "median" not in a
+    assert a["mean"] == pytest.approx(sum(diffs) / 12) and a["lower"] < a["mean"] < a["upper"] and a["n"] == 12
+    # one far prompt moves the mean, not the median: each figure is its own statistic
+    far = diffs[:-1] + [3.0]
+    assert bootstrap_mean(far)["mean"] > a["mean"] + 0.2
+    assert bootstrap_median(far)["median"] == bootstrap_median(diffs)["median"]
+    assert bootstrap_mean([0.2] * 5)["lower"] == pytest.approx(0.2) and bootstrap_mean([]) is None
+
+
 def pair(prompt, ratio, version):
     return {"prompt": prompt, "ratio": ratio, "version": version}
 
@@ -50,8 +64,20 @@ def test_loop_contribution_pairs_prompts_served_by_the_versions_checked():
     lc = loop_contribution(final, frozen)
     assert [(p["prompt"], p["diff"]) for p in lc["per_prompt"]] == [("a", 0.5)]
     assert lc["served_by_another_version"] == 2 and lc["median"] == 0.5 and lc["skipped"] is None
+    assert lc["mean"] == 0.5 and lc["lower"] == lc["upper"] == pytest.approx(0.5) and lc["n"] == 1
     none = loop_contribution(final, dict(frozen, pairs=[pair("b", 1.3, "v4")]))
-    assert none["skipped"] == "no prompt measured with both drafts" and "median" not in none
+    assert none["skipped"] == "no prompt measured with both drafts" and "median" not in none and "mean" not in none
+
+
+def test_the_loop_contribution_is_the_mean_of_the_prompts_differences_beside_their_median():
+    from pipeline.traffic.demo import loop_contribution
+
+    final = {"pairs": [pair(p, r, "v3") for p, r in (("a", 1.5), ("b", 1.2), ("c", 1.3))]}
+    frozen = {"version": "v1", "final_version": "v3", "skipped": None,
+              "pairs": [pair(p, r, "v1") for p, r in (("a", 1.0), ("b", 1.2), ("c", 1.2))]}
+    lc = loop_contribution(final, frozen)
+    assert lc["mean"] == pytest.approx(0.2) and lc["median"] == pytest.approx(0.1)
+    assert lc["lower"] <= lc["mean"] <= lc["upper"] and lc["n"] == 3
     assert loop_contribution(final, {"skipped": "why"}) == {"skipped": "why", "per_prompt": []}
 
 
@@ -181,7 +207,8 @@ def test_report_carries_time_to_adapt_and_the_loop_s_contribution():
     assert r["minutes_to_first_promotion"] == pytest.approx(1.0) and r["first_promotion"] == "v3"
     assert r["speedup_vs_ar_frozen"] == 1.1 and r["speed_check_frozen"] is frozen and r["start_stable"] == "v1"
     lc = r["loop_contribution"]
-    assert lc["median"] == pytest.approx(0.3) and lc["lower"] == pytest.approx(0.3) and lc["n"] == 2
+    assert lc["median"] == pytest.approx(0.3) and lc["mean"] == pytest.approx(0.3) and lc["n"] == 2
+    assert lc["lower"] == pytest.approx(0.3)
     assert r["promoted"] == ["v2", "v3"] and r["speedup_vs_ar"] == 1.4  # the old keys stay
 
 
@@ -192,13 +219,13 @@ def test_the_summary_prints_time_to_adapt_and_the_contribution_with_its_interval
          "speedup_vs_ar_frozen": 1.1,
          "speed_check_frozen": {"skipped": None, "version": "v1", "final_version": "v3", "canary_during": "v4",
                                 "decisions_during": [{"action": "gated", "version": "v5", "reason": "not vs v1"}]},
-         "loop_contribution": {"skipped": None, "median": 0.3, "lower": 0.1, "upper": 0.4, "n": 11, "level": 0.95,
-                               "served_by_another_version": 1}}
+         "loop_contribution": {"skipped": None, "mean": 0.25, "median": 0.3, "lower": 0.1, "upper": 0.4, "n": 11,
+                               "level": 0.95, "served_by_another_version": 1}}
     _print_loop_gain(r)
     out = capsys.readouterr().out
     assert "6.5 minutes from the shift to promoting v3" in out
     assert "final v3 vs frozen v1: 1.40x vs 1.10x" in out
-    assert "median over 11 prompts): +0.300, 95% bootstrap interval [+0.100, +0.400]" in out
+    assert "mean over 11 prompts): +0.250, 95% bootstrap interval [+0.100, +0.400] (median +0.300)" in out
     assert "canary v4 was live" in out and "1 speed measurements" in out and "gated v5 (not vs v1)" in out
     _print_loop_gain({"minutes_to_first_promotion": None, "speed_check_frozen": {"skipped": "stable is still v1"},
                       "loop_contribution": {"skipped": "stable is still v1"}})
@@ -269,7 +296,7 @@ def test_osd_demo_defaults_fit_the_twenty_minute_run():
     from pipeline.cli import build_parser
 
     args = build_parser().parse_args(["demo"])
-    assert (args.clients, args.general_seconds, args.code_seconds) == (8, 120, 600)
+    assert (args.clients, args.general_seconds, args.code_seconds, args.speed_prompts) == (8, 120, 600, 48)
     assert build_parser().parse_args(["demo", "--clients", "3"]).clients == 3
     with pytest.raises(SystemExit):
         build_parser().parse_args(["demo", "--clients", "0"])
@@ -489,3 +516,27 @@ def test_the_batched_rounds_give_their_own_contribution(monkeypatch):
     assert demo.batched_contribution(final, {"skipped": "why"})["skipped"] == "why"
     no_rounds = {"skipped": None, "batched": {"pairs": []}}
     assert "no batched round" in demo.batched_contribution(final, no_rounds)["skipped"]
+
+def test_the_batched_check_sends_only_the_speed_set_s_first_prompts(monkeypatch):
+    """A round's one-request check sends every prompt; its batched checks the first
+    BATCHED_PROMPTS, each BATCHED_REPEATS times in both modes."""
+    from types import SimpleNamespace
+
+    import pipeline.traffic.demo as demo
+
+    sent = []
+
+    def post(url, text, max_tokens, **extra):
+        sent.append((text, extra["cache_salt"]))
+        return {"ok": True, "latency_s": 0.5, "tokens": 10, "version": "v3"}
+
+    monkeypatch.setattr(demo, "post_chat", post)
+    n = demo.BATCHED_PROMPTS + 5
+    prompts = [SimpleNamespace(id=str(i), text=f"p{i}") for i in range(n)]
+    out = demo.check_round("http://x", prompts, 8, "s", clients=2)
+    one = [t for t, salt in sent if "batched" not in salt]
+    batched = [t for t, salt in sent if "batched" in salt]
+    assert sorted(one) == sorted(f"p{i}" for i in range(n) for _ in range(2)) and len(out["pairs"]) == n
+    assert set(batched) == {f"p{i}" for i in range(demo.BATCHED_PROMPTS)}
+    assert len(batched) == demo.BATCHED_PROMPTS * 2 * demo.BATCHED_REPEATS
+    assert len(out["batched"]["pairs"]) == demo.BATCHED_PROMPTS

@@ -55,7 +55,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     demo.add_argument("--code-seconds", type=float, default=600, help="then code traffic (default 600)")
     demo.add_argument("--clients", type=positive_int, default=8,
                       help="concurrent clients sending the traffic, each one request at a time (default 8)")
-    demo.add_argument("--speed-prompts", type=int, default=12, help="post-shift prompts for the AR comparison")
+    demo.add_argument("--speed-prompts", type=positive_int, default=48,
+                      help="post-shift prompts for the AR comparison (the batched check sends the first 12)")
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--out", default="reports/demo", help="report directory (default reports/demo)")
     demo.add_argument("--family", choices=DRAFT_FAMILIES, default="head",
