@@ -220,12 +220,15 @@ def test_the_summary_prints_time_to_adapt_and_the_contribution_with_its_interval
          "speed_check_frozen": {"skipped": None, "version": "v1", "final_version": "v3", "canary_during": "v4",
                                 "decisions_during": [{"action": "gated", "version": "v5", "reason": "not vs v1"}]},
          "loop_contribution": {"skipped": None, "mean": 0.25, "median": 0.3, "lower": 0.1, "upper": 0.4, "n": 11,
-                               "level": 0.95, "served_by_another_version": 1}}
+                               "level": 0.95, "served_by_another_version": 1},
+         "drafting_one_request": {"final": {"draft_per_output": 0.8, "acceptance": 0.41},
+                                  "frozen": {"draft_per_output": 0.6, "acceptance": 0.5}}}
     _print_loop_gain(r)
     out = capsys.readouterr().out
     assert "6.5 minutes from the shift to promoting v3" in out
     assert "final v3 vs frozen v1: 1.40x vs 1.10x" in out
     assert "mean over 11 prompts): +0.250, 95% bootstrap interval [+0.100, +0.400] (median +0.300)" in out
+    assert "final vs frozen: 0.80 vs 0.60 draft tokens an output token, 0.410 vs 0.500 of them accepted" in out
     assert "canary v4 was live" in out and "1 speed measurements" in out and "gated v5 (not vs v1)" in out
     _print_loop_gain({"minutes_to_first_promotion": None, "speed_check_frozen": {"skipped": "stable is still v1"},
                       "loop_contribution": {"skipped": "stable is still v1"}})
@@ -372,6 +375,30 @@ def test_merged_rounds_average_each_prompt_and_version():
     assert got[("b", "v3")]["rounds"] == 1 and got[("b", "v4")]["ratio"] == pytest.approx(0.9)  # a canary's pair stays its own
     assert m["speedup_vs_ar"] == pytest.approx(1.5) and m["rounds"] == 2 and m["round_speedups"] == [1.75, 1.2]
     assert merge_checks([{"pairs": [], "speedup_vs_ar": None}])["speedup_vs_ar"] is None
+
+
+def test_a_check_keeps_what_each_speculative_request_drafted_and_sums_it_up(monkeypatch):
+    from types import SimpleNamespace
+
+    import pipeline.traffic.demo as demo
+
+    def post(url, text, max_tokens, **extra):
+        spec = extra["osd_speculate"]
+        drafted = {"p0": 40, "p1": 20}[text] if spec else 0
+        return {"ok": True, "latency_s": 0.5, "tokens": 64, "version": "v3", "mean_accepted_len": None,
+                "draft_tokens": drafted, "accepted_tokens": drafted // 4}
+
+    monkeypatch.setattr(demo, "post_chat", post)
+    prompts = [SimpleNamespace(id=str(i), text=f"p{i}") for i in range(2)]
+    one = demo.speed_check("http://x", prompts, 64, salt="s")
+    assert [(p["draft_tokens"], p["accepted_tokens"]) for p in one["pairs"]] == [(40, 10), (20, 5)]
+    d = demo.drafting(one)
+    assert d["draft_per_output"] == pytest.approx(60 / 128) and d["acceptance"] == pytest.approx(15 / 60)
+    assert d["accepted_per_output"] == pytest.approx(15 / 128)
+    assert demo.merge_checks([one, one])["pairs"][0]["draft_tokens"] == 40
+    assert demo.drafting({"pairs": []}) is None and demo.drafting(None) is None
+    none = demo.drafting({"pairs": [dict(one["pairs"][0], draft_tokens=0, accepted_tokens=0)]})
+    assert none["draft_per_output"] == 0 and none["acceptance"] is None
 
 
 def test_the_final_and_frozen_checks_run_final_frozen_frozen_final(monkeypatch):

@@ -38,7 +38,8 @@ def _log(msg: str) -> None:
 
 
 def post_chat(url: str, text: str, max_tokens: int, timeout: float = 300, **extra: Any) -> dict[str, Any]:
-    """One greedy chat completion; {"ok", "latency_s", "tokens", "version", "error"}."""
+    """One greedy chat completion; {"ok", "latency_s", "tokens", "version", "mean_accepted_len",
+    "draft_tokens", "accepted_tokens"} or {"ok": False, "latency_s", "error"}."""
     body = {**build_body(text, chat=True, max_tokens=max_tokens, temperature=0.0, record=None), **extra}
     t0 = time.perf_counter()
     try:
@@ -50,7 +51,8 @@ def post_chat(url: str, text: str, max_tokens: int, timeout: float = 300, **extr
     except (httpx.HTTPError, OSError, ValueError, KeyError) as e:
         return {"ok": False, "latency_s": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}"}
     return {"ok": True, "latency_s": time.perf_counter() - t0, "tokens": fields["completion_tokens"],
-            "version": fields["draft_version"], "mean_accepted_len": fields["mean_accepted_len"]}
+            "version": fields["draft_version"], "mean_accepted_len": fields["mean_accepted_len"],
+            "draft_tokens": fields["num_draft_tokens"], "accepted_tokens": fields["num_accepted_tokens"]}
 
 
 # Held-out post-shift records the paired estimate scores every version on, at most: enough to
@@ -147,14 +149,28 @@ def _ask(url: str, p: Any, max_tokens: int, spec: bool, salt: str) -> dict[str, 
 
 
 def _paired(prompts: list, on: list[dict[str, Any]], off: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per prompt, its speculative and autoregressive answers' tokens/s and their ratio."""
+    """Per prompt, its speculative and autoregressive answers' tokens/s and their ratio, and
+    what the speculative one drafted (draft tokens, accepted tokens)."""
     pairs = []
     for p, a, b in zip(prompts, on, off):
         if a["ok"] and b["ok"] and a["tokens"] and b["tokens"]:
             sd, ar = a["tokens"] / a["latency_s"], b["tokens"] / b["latency_s"]
             pairs.append({"prompt": p.id, "sd_tok_s": sd, "ar_tok_s": ar, "ratio": sd / ar,
-                          "version": a["version"], "tokens": a["tokens"]})
+                          "version": a["version"], "tokens": a["tokens"],
+                          "draft_tokens": a.get("draft_tokens", 0), "accepted_tokens": a.get("accepted_tokens", 0)})
     return {"pairs": pairs, **_medians(pairs)}
+
+
+def drafting(check: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What a check's speculative requests drafted, over all its pairs: draft tokens per output
+    token and the share accepted (None without pairs)."""
+    pairs = (check or {}).get("pairs") or []
+    out, drafted = sum(p.get("tokens", 0) for p in pairs), sum(p.get("draft_tokens", 0) for p in pairs)
+    if not pairs or not out:
+        return None
+    accepted = sum(p.get("accepted_tokens", 0) for p in pairs)
+    return {"draft_per_output": drafted / out, "acceptance": accepted / drafted if drafted else None,
+            "accepted_per_output": accepted / out}
 
 
 def _medians(pairs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -176,7 +192,8 @@ def merge_checks(checks: list[dict[str, Any]]) -> dict[str, Any]:
         for p in c["pairs"]:
             by.setdefault((p["prompt"], p["version"]), []).append(p)
     pairs = [{"prompt": k[0], "version": k[1], "rounds": len(ps),
-              **{f: statistics.fmean(p[f] for p in ps) for f in ("sd_tok_s", "ar_tok_s", "ratio", "tokens")}}
+              **{f: statistics.fmean(p.get(f, 0) for p in ps)
+                 for f in ("sd_tok_s", "ar_tok_s", "ratio", "tokens", "draft_tokens", "accepted_tokens")}}
              for k, ps in by.items()]
     out: dict[str, Any] = {"pairs": pairs, **_medians(pairs), "rounds": len(checks),
                            "round_speedups": [c.get("speedup_vs_ar") for c in checks]}
@@ -731,6 +748,8 @@ def build_report(run: PhaseRun, results: list[dict[str, Any]], versions: list[di
         "speed_check_frozen": frozen,
         "speedup_vs_ar_frozen": frozen["speedup_vs_ar"],
         "loop_contribution": loop_contribution(run.speed, frozen),
+        # what each check's speculative requests drafted: where the two drafts' speeds part
+        "drafting_one_request": {"final": drafting(run.speed), "frozen": drafting(frozen)},
         # the same under the demo's eight clients (batched_check): where the head's gain is
         "speedup_vs_ar_batched": throughput_speedup(run.speed.get("batched")),
         "speedup_vs_ar_frozen_batched": throughput_speedup(frozen.get("batched")),
@@ -783,6 +802,11 @@ def _print_loop_gain(r: dict[str, Any]) -> None:
     else:
         print(f"loop contribution (final minus frozen speed-up, mean over {lc['n']} prompts): {lc['mean']:+.3f}, "
               f"{lc['level']:.0%} bootstrap interval [{lc['lower']:+.3f}, {lc['upper']:+.3f}] (median {lc['median']:+.3f})")
+    dr = r.get("drafting_one_request") or {}
+    if dr.get("final") and dr.get("frozen"):
+        f, z = dr["final"], dr["frozen"]
+        print(f"drafting at one request, final vs frozen: {f['draft_per_output']:.2f} vs {z['draft_per_output']:.2f} "
+              f"draft tokens an output token, {_num(f['acceptance'])} vs {_num(z['acceptance'])} of them accepted")
     lb = r.get("loop_contribution_batched") or {}
     if "mean" in lb:
         print(f"batched ({(r['speed_check'].get('batched') or {}).get('clients')} clients): throughput speed-up vs AR "
