@@ -91,7 +91,7 @@ def _screenshot(url):
 @pytest.mark.redis
 @pytest.mark.deepspeed
 def test_closed_loop_promotes_a_trained_candidate_and_rolls_back_a_bad_one(tiny, tmp_path):
-    from pipeline.traffic.demo import post_chat
+    from pipeline.traffic.speed_checks import post_chat
     from infra.redis.server import free_port
     from pipeline.stack.up import ClosedLoop
     from infra.drafts.layer import DraftSpec, build_draft, save_draft

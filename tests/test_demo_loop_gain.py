@@ -18,7 +18,7 @@ def test_minutes_to_first_promotion_counts_from_the_shift_only():
 
 
 def test_the_bootstrap_median_is_reproducible_by_seed_and_holds_its_point():
-    from pipeline.traffic.demo import bootstrap_median
+    from pipeline.traffic.speed_checks import bootstrap_median
 
     diffs = [0.12, -0.03, 0.08, 0.21, 0.05, 0.0, 0.15, 0.09, -0.01, 0.11, 0.07, 0.3]
     a = bootstrap_median(diffs, seed=3)
@@ -29,7 +29,7 @@ def test_the_bootstrap_median_is_reproducible_by_seed_and_holds_its_point():
 
 
 def test_equal_differences_give_a_zero_width_interval_and_none_give_none():
-    from pipeline.traffic.demo import bootstrap_median
+    from pipeline.traffic.speed_checks import bootstrap_median
 
     assert bootstrap_median([0.2] * 7) == {"median": 0.2, "lower": 0.2, "upper": 0.2, "n": 7, "level": 0.95,
                                            "resamples": 2000, "seed": 0}
@@ -37,7 +37,7 @@ def test_equal_differences_give_a_zero_width_interval_and_none_give_none():
 
 
 def test_the_bootstrap_mean_is_the_mean_with_an_interval_around_it():
-    from pipeline.traffic.demo import bootstrap_mean, bootstrap_median
+    from pipeline.traffic.speed_checks import bootstrap_mean, bootstrap_median
 
     diffs = [0.12, -0.03, 0.08, 0.21, 0.05, 0.0, 0.15, 0.09, -0.01, 0.11, 0.07, 0.3]
     a = bootstrap_mean(diffs, seed=3)
@@ -55,7 +55,7 @@ def pair(prompt, ratio, version):
 
 
 def test_loop_contribution_pairs_prompts_served_by_the_versions_checked():
-    from pipeline.traffic.demo import loop_contribution
+    from pipeline.traffic.speed_checks import loop_contribution
 
     final = {"pairs": [pair("a", 1.5, "v3"), pair("b", 1.2, "v3"), pair("c", 1.4, "v4"), pair("d", 1.1, "v3")]}
     frozen = {"version": "v1", "final_version": "v3", "skipped": None,
@@ -70,7 +70,7 @@ def test_loop_contribution_pairs_prompts_served_by_the_versions_checked():
 
 
 def test_the_loop_contribution_is_the_mean_of_the_prompts_differences_beside_their_median():
-    from pipeline.traffic.demo import loop_contribution
+    from pipeline.traffic.speed_checks import loop_contribution
 
     final = {"pairs": [pair(p, r, "v3") for p, r in (("a", 1.5), ("b", 1.2), ("c", 1.3))]}
     frozen = {"version": "v1", "final_version": "v3", "skipped": None,
@@ -82,7 +82,7 @@ def test_the_loop_contribution_is_the_mean_of_the_prompts_differences_beside_the
 
 
 def test_the_frozen_check_is_skipped_with_a_reason():
-    from pipeline.traffic.demo import frozen_skip_reason
+    from pipeline.traffic.speed_checks import frozen_skip_reason
 
     assert frozen_skip_reason("v1", "demo-v0004") is None
     assert "nothing was promoted" in frozen_skip_reason("v1", "v1")
@@ -137,7 +137,7 @@ class FakeLoop:
 @pytest.fixture
 def served(monkeypatch):
     """The replica answers at once with whatever the fake registry names stable."""
-    import pipeline.traffic.demo as demo
+    import pipeline.traffic.speed_checks as checks
 
     calls = []
 
@@ -146,13 +146,13 @@ def served(monkeypatch):
         assert salt == "osd-demo-frozen"
         return {"pairs": [pair("a", 1.0, "v1")], "speedup_vs_ar": 1.0}
 
-    monkeypatch.setattr(demo, "wait_until_served", lambda url, version, **kw: 0.5)
-    monkeypatch.setattr(demo, "speed_check", speed)
+    monkeypatch.setattr(checks, "wait_until_served", lambda url, version, **kw: 0.5)
+    monkeypatch.setattr(checks, "speed_check", speed)
     return calls
 
 
 def test_the_frozen_check_measures_v1_then_puts_the_loop_s_stable_back(served):
-    from pipeline.traffic.demo import frozen_check
+    from pipeline.traffic.speed_checks import frozen_check
 
     reg = FakeRegistry("v3", canary={"version": "v4", "weight": 0.5})
     loop = FakeLoop(reg, decide_during=[{"action": "gated", "version": "v5", "reason": "not vs v1"}])
@@ -164,7 +164,7 @@ def test_the_frozen_check_measures_v1_then_puts_the_loop_s_stable_back(served):
 
 
 def test_the_frozen_check_leaves_a_promotion_the_controller_made_meanwhile(served):
-    from pipeline.traffic.demo import frozen_check
+    from pipeline.traffic.speed_checks import frozen_check
 
     reg = FakeRegistry("v3", moved_to="v4")
     out = frozen_check(FakeLoop(reg), reg, ["p"], 8, "v1")
@@ -173,7 +173,7 @@ def test_the_frozen_check_leaves_a_promotion_the_controller_made_meanwhile(serve
 
 
 def test_a_registry_that_refuses_a_move_costs_the_frozen_check_only(served):
-    from pipeline.traffic.demo import frozen_check
+    from pipeline.traffic.speed_checks import frozen_check
 
     reg = FakeRegistry("v3", refuse=("v1",))
     out = frozen_check(FakeLoop(reg), reg, ["p"], 8, "v1")
@@ -185,7 +185,7 @@ def test_a_registry_that_refuses_a_move_costs_the_frozen_check_only(served):
 
 
 def test_the_frozen_check_moves_nothing_while_stable_is_still_v1(served):
-    from pipeline.traffic.demo import frozen_check
+    from pipeline.traffic.speed_checks import frozen_check
 
     reg = FakeRegistry("v1")
     out = frozen_check(FakeLoop(reg), reg, ["p"], 8, "v1")
@@ -307,7 +307,7 @@ def test_osd_demo_defaults_fit_the_twenty_minute_run():
 
 def test_the_frozen_check_moves_a_real_registry_s_stable_and_back(draft_dir, tmp_path, served):
     from infra.registry import Registry
-    from pipeline.traffic.demo import frozen_check
+    from pipeline.traffic.speed_checks import frozen_check
 
     reg = Registry((tmp_path / "reg").as_uri(), cache_dir=tmp_path / "cache")
     for name in ("v1", "v2", "v3"):
@@ -340,7 +340,7 @@ def test_the_speed_check_s_modes_and_checks_never_share_a_prefix_cache(monkeypat
     request would start from the first one's prefill, and a second check from the first's."""
     from types import SimpleNamespace
 
-    import pipeline.traffic.demo as demo
+    import pipeline.traffic.speed_checks as checks
 
     sent = []
 
@@ -348,10 +348,10 @@ def test_the_speed_check_s_modes_and_checks_never_share_a_prefix_cache(monkeypat
         sent.append((text, extra["osd_speculate"], extra["cache_salt"]))
         return {"ok": True, "latency_s": 1.0, "tokens": 10, "version": "v1"}
 
-    monkeypatch.setattr(demo, "post_chat", post)
+    monkeypatch.setattr(checks, "post_chat", post)
     prompts = [SimpleNamespace(id=str(i), text=f"p{i}") for i in range(3)]
-    demo.speed_check("http://x", prompts, 8, salt="a")
-    demo.speed_check("http://x", prompts, 8, salt="b")
+    checks.speed_check("http://x", prompts, 8, salt="a")
+    checks.speed_check("http://x", prompts, 8, salt="b")
     assert len(sent) == 12
     salts = {(spec, check): {s for t, sp, s in sent[6 * i: 6 * i + 6] if sp == spec}
              for i, check in enumerate("ab") for spec in (True, False)}
@@ -364,7 +364,7 @@ def full_pair(prompt, sd, ar, version):
 
 
 def test_merged_rounds_average_each_prompt_and_version():
-    from pipeline.traffic.demo import merge_checks
+    from pipeline.traffic.speed_checks import merge_checks
 
     one = {"pairs": [full_pair("a", 200.0, 100.0, "v3"), full_pair("b", 150.0, 100.0, "v3")], "speedup_vs_ar": 1.75}
     two = {"pairs": [full_pair("a", 120.0, 80.0, "v3"), full_pair("b", 90.0, 100.0, "v4")], "speedup_vs_ar": 1.2}
@@ -380,7 +380,7 @@ def test_merged_rounds_average_each_prompt_and_version():
 def test_a_check_keeps_what_each_speculative_request_drafted_and_sums_it_up(monkeypatch):
     from types import SimpleNamespace
 
-    import pipeline.traffic.demo as demo
+    import pipeline.traffic.speed_checks as checks
 
     def post(url, text, max_tokens, **extra):
         spec = extra["osd_speculate"]
@@ -388,23 +388,23 @@ def test_a_check_keeps_what_each_speculative_request_drafted_and_sums_it_up(monk
         return {"ok": True, "latency_s": 0.5, "tokens": 64, "version": "v3", "mean_accepted_len": None,
                 "draft_tokens": drafted, "accepted_tokens": drafted // 4}
 
-    monkeypatch.setattr(demo, "post_chat", post)
+    monkeypatch.setattr(checks, "post_chat", post)
     prompts = [SimpleNamespace(id=str(i), text=f"p{i}") for i in range(2)]
-    one = demo.speed_check("http://x", prompts, 64, salt="s")
+    one = checks.speed_check("http://x", prompts, 64, salt="s")
     assert [(p["draft_tokens"], p["accepted_tokens"]) for p in one["pairs"]] == [(40, 10), (20, 5)]
-    d = demo.drafting(one)
+    d = checks.drafting(one)
     assert d["draft_per_output"] == pytest.approx(60 / 128) and d["acceptance"] == pytest.approx(15 / 60)
     assert d["accepted_per_output"] == pytest.approx(15 / 128)
-    assert demo.merge_checks([one, one])["pairs"][0]["draft_tokens"] == 40
-    assert demo.drafting({"pairs": []}) is None and demo.drafting(None) is None
-    none = demo.drafting({"pairs": [dict(one["pairs"][0], draft_tokens=0, accepted_tokens=0)]})
+    assert checks.merge_checks([one, one])["pairs"][0]["draft_tokens"] == 40
+    assert checks.drafting({"pairs": []}) is None and checks.drafting(None) is None
+    none = checks.drafting({"pairs": [dict(one["pairs"][0], draft_tokens=0, accepted_tokens=0)]})
     assert none["draft_per_output"] == 0 and none["acceptance"] is None
 
 
 def test_the_final_and_frozen_checks_run_final_frozen_frozen_final(monkeypatch):
     """Each round its own salt, v1 served in the middle two, the loop's stable in the outer two;
     the contribution pairs the merged rounds."""
-    import pipeline.traffic.demo as demo
+    import pipeline.traffic.speed_checks as checks
 
     reg = FakeRegistry("v3")
     order = []
@@ -414,29 +414,29 @@ def test_the_final_and_frozen_checks_run_final_frozen_frozen_final(monkeypatch):
         return {"pairs": [full_pair("a", 150.0 if reg.stable == "v3" else 120.0, 100.0, reg.stable)],
                 "speedup_vs_ar": None}
 
-    monkeypatch.setattr(demo, "wait_until_served", lambda url, version, **kw: 0.5)
-    monkeypatch.setattr(demo, "speed_check", speed)
-    final, frozen = demo.final_and_frozen(FakeLoop(reg), reg, ["p"], 8, "v1")
+    monkeypatch.setattr(checks, "wait_until_served", lambda url, version, **kw: 0.5)
+    monkeypatch.setattr(checks, "speed_check", speed)
+    final, frozen = checks.final_and_frozen(FakeLoop(reg), reg, ["p"], 8, "v1")
     assert order == [("osd-demo-final-1", "v3"), ("osd-demo-frozen-1", "v1"), ("osd-demo-frozen-2", "v1"),
                      ("osd-demo-final-2", "v3")]
     assert final["rounds"] == 2 and frozen["rounds"] == 2 and reg.stable == "v3"
-    assert demo.loop_contribution(final, frozen)["median"] == pytest.approx(0.3)
+    assert checks.loop_contribution(final, frozen)["median"] == pytest.approx(0.3)
 
 
 def test_no_second_final_round_unless_the_loop_s_stable_is_served_again(monkeypatch):
-    import pipeline.traffic.demo as demo
+    import pipeline.traffic.speed_checks as checks
 
     reg = FakeRegistry("v3")
     salts = []
-    monkeypatch.setattr(demo, "speed_check", lambda url, prompts, max_tokens, salt: salts.append(salt) or
+    monkeypatch.setattr(checks, "speed_check", lambda url, prompts, max_tokens, salt: salts.append(salt) or
                         {"pairs": [full_pair("a", 150.0, 100.0, reg.stable)], "speedup_vs_ar": 1.5})
     served = iter([0.5, None])  # v1 comes, the loop's stable does not come back in time
-    monkeypatch.setattr(demo, "wait_until_served", lambda url, version, **kw: next(served))
-    final, frozen = demo.final_and_frozen(FakeLoop(reg), reg, ["p"], 8, "v1")
+    monkeypatch.setattr(checks, "wait_until_served", lambda url, version, **kw: next(served))
+    final, frozen = checks.final_and_frozen(FakeLoop(reg), reg, ["p"], 8, "v1")
     assert salts == ["osd-demo-final-1", "osd-demo-frozen-1", "osd-demo-frozen-2"]
     assert "rounds" not in final and final["speedup_vs_ar"] == 1.5 and final["max_tokens"] == 8
     salts.clear()
-    final, frozen = demo.final_and_frozen(FakeLoop(FakeRegistry("v1")), FakeRegistry("v1"), ["p"], 8, "v1")
+    final, frozen = checks.final_and_frozen(FakeLoop(FakeRegistry("v1")), FakeRegistry("v1"), ["p"], 8, "v1")
     assert salts == ["osd-demo-final-1"] and "nothing was promoted" in frozen["skipped"]
 
 
@@ -446,7 +446,7 @@ def test_the_batched_check_sends_each_mode_s_prompts_together_and_pairs_them(mon
     import threading
     from types import SimpleNamespace
 
-    import pipeline.traffic.demo as demo
+    import pipeline.traffic.speed_checks as checks
 
     lock, live, peak, sent = threading.Lock(), [0], {}, []
     gate = threading.Barrier(3)
@@ -462,9 +462,9 @@ def test_the_batched_check_sends_each_mode_s_prompts_together_and_pairs_them(mon
             live[0] -= 1
         return {"ok": True, "latency_s": 0.5 if spec else 1.0, "tokens": 10, "version": "v3"}
 
-    monkeypatch.setattr(demo, "post_chat", post)
+    monkeypatch.setattr(checks, "post_chat", post)
     prompts = [SimpleNamespace(id=str(i), text=f"p{i}") for i in range(3)]
-    out = demo.batched_check("http://x", prompts, 8, "s", clients=3, on_first=False)
+    out = checks.batched_check("http://x", prompts, 8, "s", clients=3, on_first=False)
     assert peak == {True: 3, False: 3}  # a mode's three prompts in flight together
     assert [spec for _, spec, _ in sent] == [False] * 3 + [True] * 3
     assert {salt for _, spec, salt in sent if spec} == {"s-on"} and {salt for _, spec, salt in sent if not spec} == {"s-off"}
@@ -475,7 +475,7 @@ def test_the_batched_check_sends_each_mode_s_prompts_together_and_pairs_them(mon
     tp = out["throughput"]
     assert tp["sd_tok_s"] > 0 and tp["ar_tok_s"] > 0
     assert out["round_ratios"] == [pytest.approx(tp["sd_tok_s"] / tp["ar_tok_s"])]
-    assert demo.throughput_speedup(out) == pytest.approx(tp["ratio"]) and demo.throughput_speedup({}) is None
+    assert checks.throughput_speedup(out) == pytest.approx(tp["ratio"]) and checks.throughput_speedup({}) is None
 
 
 def test_a_batched_round_s_throughput_is_its_tokens_over_its_wall_time(monkeypatch):
@@ -483,18 +483,18 @@ def test_a_batched_round_s_throughput_is_its_tokens_over_its_wall_time(monkeypat
     to its last answer in."""
     from types import SimpleNamespace
 
-    import pipeline.traffic.demo as demo
+    import pipeline.traffic.speed_checks as checks
 
     clock = iter([0.0, 2.0, 10.0, 14.0])  # speculative: 2 s; autoregressive: 4 s
-    monkeypatch.setattr(demo.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(checks.time, "perf_counter", lambda: next(clock))
 
     def post(url, text, max_tokens, **extra):
         ok = not (extra["osd_speculate"] and text == "p1")
         return {"ok": ok, "latency_s": 1.0, "tokens": 10, "version": "v3"} if ok else {"ok": False, "latency_s": 1.0}
 
-    monkeypatch.setattr(demo, "post_chat", post)
+    monkeypatch.setattr(checks, "post_chat", post)
     prompts = [SimpleNamespace(id=str(i), text=f"p{i}") for i in range(3)]
-    out = demo.batched_check("http://x", prompts, 8, "s", clients=3)
+    out = checks.batched_check("http://x", prompts, 8, "s", clients=3)
     assert out["throughput"] == {"sd_tok_s": 10.0, "ar_tok_s": 7.5, "ratio": pytest.approx(10.0 / 7.5)}
     assert len(out["pairs"]) == 2  # the failed request's prompt has no pair
 
@@ -504,7 +504,7 @@ def test_the_batched_rounds_give_their_own_contribution(monkeypatch):
     contribution is the difference of the two drafts' mean round throughput ratios, with the
     range over every pair of a final and a frozen round (not a bootstrap over prompts, which
     share their round)."""
-    import pipeline.traffic.demo as demo
+    import pipeline.traffic.speed_checks as checks
 
     reg = FakeRegistry("v3")
     batched = []
@@ -519,37 +519,37 @@ def test_the_batched_rounds_give_their_own_contribution(monkeypatch):
         return {"pairs": [full_pair("a", 200.0 * r, 200.0, reg.stable)], "speedup_vs_ar": r, "clients": clients,
                 "round_ratios": [r]}
 
-    monkeypatch.setattr(demo, "wait_until_served", lambda url, version, **kw: 0.5)
-    monkeypatch.setattr(demo, "speed_check", one)
-    monkeypatch.setattr(demo, "batched_check", many)
-    monkeypatch.setattr(demo, "BATCHED_REPEATS", 2)
-    final, frozen = demo.final_and_frozen(FakeLoop(reg), reg, ["p"], 8, "v1", clients=8)
+    monkeypatch.setattr(checks, "wait_until_served", lambda url, version, **kw: 0.5)
+    monkeypatch.setattr(checks, "speed_check", one)
+    monkeypatch.setattr(checks, "batched_check", many)
+    monkeypatch.setattr(checks, "BATCHED_REPEATS", 2)
+    final, frozen = checks.final_and_frozen(FakeLoop(reg), reg, ["p"], 8, "v1", clients=8)
     assert batched == [("osd-demo-final-1-batched", "v3", True), ("osd-demo-final-1-batched-2", "v3", False),
                        ("osd-demo-frozen-1-batched", "v1", False), ("osd-demo-frozen-1-batched-2", "v1", True),
                        ("osd-demo-frozen-2-batched", "v1", True), ("osd-demo-frozen-2-batched-2", "v1", False),
                        ("osd-demo-final-2-batched", "v3", False), ("osd-demo-final-2-batched-2", "v3", True)]
     assert final["batched"]["clients"] == 8 and final["batched"]["round_ratios"] == [1.5, 1.3, 1.7, 1.5]
     assert frozen["batched"]["round_ratios"] == [1.2, 1.0, 1.1, 0.9]
-    assert demo.throughput_speedup(final["batched"]) == pytest.approx(1.5)
-    assert demo.throughput_speedup(frozen["batched"]) == pytest.approx(1.05)
-    lc = demo.batched_contribution(final, frozen)
+    assert checks.throughput_speedup(final["batched"]) == pytest.approx(1.5)
+    assert checks.throughput_speedup(frozen["batched"]) == pytest.approx(1.05)
+    lc = checks.batched_contribution(final, frozen)
     assert lc["mean"] == pytest.approx(0.45) and lc["lower"] == pytest.approx(0.1) and lc["upper"] == pytest.approx(0.8)
     assert lc["served_by_another_version"] == 0
     with_canary = final["batched"]["pairs"] + [full_pair("b", 1.0, 1.0, "v4")]
     canary = dict(final, batched=dict(final["batched"], pairs=with_canary))
-    assert demo.batched_contribution(canary, frozen)["served_by_another_version"] == 1
-    assert demo.loop_contribution(final, frozen)["median"] == pytest.approx(0.0)
-    assert demo.batched_contribution({"pairs": []}, {"skipped": None, "pairs": []})["skipped"] == "no batched check ran"
-    assert demo.batched_contribution(final, {"skipped": "why"})["skipped"] == "why"
+    assert checks.batched_contribution(canary, frozen)["served_by_another_version"] == 1
+    assert checks.loop_contribution(final, frozen)["median"] == pytest.approx(0.0)
+    assert checks.batched_contribution({"pairs": []}, {"skipped": None, "pairs": []})["skipped"] == "no batched check ran"
+    assert checks.batched_contribution(final, {"skipped": "why"})["skipped"] == "why"
     no_rounds = {"skipped": None, "batched": {"pairs": []}}
-    assert "no batched round" in demo.batched_contribution(final, no_rounds)["skipped"]
+    assert "no batched round" in checks.batched_contribution(final, no_rounds)["skipped"]
 
 def test_the_batched_check_sends_only_the_speed_set_s_first_prompts(monkeypatch):
     """A round's one-request check sends every prompt; its batched checks the first
     BATCHED_PROMPTS, each BATCHED_REPEATS times in both modes."""
     from types import SimpleNamespace
 
-    import pipeline.traffic.demo as demo
+    import pipeline.traffic.speed_checks as checks
 
     sent = []
 
@@ -557,13 +557,13 @@ def test_the_batched_check_sends_only_the_speed_set_s_first_prompts(monkeypatch)
         sent.append((text, extra["cache_salt"]))
         return {"ok": True, "latency_s": 0.5, "tokens": 10, "version": "v3"}
 
-    monkeypatch.setattr(demo, "post_chat", post)
-    n = demo.BATCHED_PROMPTS + 5
+    monkeypatch.setattr(checks, "post_chat", post)
+    n = checks.BATCHED_PROMPTS + 5
     prompts = [SimpleNamespace(id=str(i), text=f"p{i}") for i in range(n)]
-    out = demo.check_round("http://x", prompts, 8, "s", clients=2)
+    out = checks.check_round("http://x", prompts, 8, "s", clients=2)
     one = [t for t, salt in sent if "batched" not in salt]
     batched = [t for t, salt in sent if "batched" in salt]
     assert sorted(one) == sorted(f"p{i}" for i in range(n) for _ in range(2)) and len(out["pairs"]) == n
-    assert set(batched) == {f"p{i}" for i in range(demo.BATCHED_PROMPTS)}
-    assert len(batched) == demo.BATCHED_PROMPTS * 2 * demo.BATCHED_REPEATS
-    assert len(out["batched"]["pairs"]) == demo.BATCHED_PROMPTS
+    assert set(batched) == {f"p{i}" for i in range(checks.BATCHED_PROMPTS)}
+    assert len(batched) == checks.BATCHED_PROMPTS * 2 * checks.BATCHED_REPEATS
+    assert len(out["batched"]["pairs"]) == checks.BATCHED_PROMPTS
