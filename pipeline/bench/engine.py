@@ -204,17 +204,15 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     import torch
 
     from infra.target import load_target
-    from serve.engine.core import EngineOptions, SpecEngine
+    from serve.engine.core import EngineOptions
     from serve.spec_decode.specs import build_draft
 
     mcfg = bench_model_config(cfg, device, target, dtype, quant)
     loaded = load_target(mcfg.target, mcfg, progress=True)
-    if draft_spec in ("head:init", "head+suffix"):  # the warm-started head: built once, then taken from disk
-        from train.warm.head import run_head_warm_start
-
-        head = run_head_warm_start(cfg.model_copy(update={"model": mcfg}))["path"]
-        draft_spec = head if draft_spec == "head:init" else f"{head}+suffix"
+    draft_spec = resolve_draft_spec(cfg, mcfg, draft_spec)
     draft = build_draft(draft_spec, loaded.model, suffix=cfg.serve.suffix)
+    if draft is None:
+        raise ValueError("osd bench engine needs a draft: --draft self, truncate:L, head:init or a directory")
     # A draft that learns from what it serves (the suffix draft's index): every engine gets its
     # own, so a method never drafts from another method's answer to the same prompt (their
     # greedy outputs are equal, so each index grows alike).
@@ -223,19 +221,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     def own_draft() -> Any:
         return build_draft(draft_spec, loaded.model, suffix=cfg.serve.suffix) if learns else draft
 
-    if draft is None:
-        raise ValueError("osd bench engine needs a draft: --draft self, truncate:L, head:init or a directory")
-    # --max-prompt-chars and --prompts pick from ShareGPT; a prompts file is used whole.
-    if workload == "multiturn":
-        if prompts_file:
-            raise ValueError("--workload multiturn takes its conversations from ShareGPT, not --prompts-file")
-        prompts = second_turn_prompts(cfg, n_prompts, max_prompt_chars)
-    else:
-        prompts = select_prompts(cfg.data, None if prompts_file else n_prompts, prompts_file,
-                                 max_prompt_chars=None if prompts_file else max_prompt_chars)
-    prompts = prompts[:limit] if limit else prompts
-    if not prompts:
-        raise ValueError("no prompts selected")
+    prompts = bench_prompts(cfg, workload, n_prompts, prompts_file, max_prompt_chars, limit)
     graphs = "on" if compile == "on" else "off" if compile == "off" else "auto"
     # Off by default: every method runs every prompt on the same slots, so with reuse on, a
     # method would start from the keys and values the method before it computed for the same
@@ -243,26 +229,17 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     serve_update = {"k": k, "cuda_graphs": graphs, "tree": tree, "prefix_reuse": prefix_reuse,
                     **({"k_policy": k_policy} if k_policy else {})}
     options = EngineOptions.from_config(cfg.serve.model_copy(update=serve_update), mcfg)
-    engine = SpecEngine(loaded.model, draft, loaded.tokenizer, options)
-    eager = chain = None
-    if engine.gpu and graphs != "off":
-        eager = SpecEngine(loaded.model, own_draft(), loaded.tokenizer, dataclasses.replace(options, cuda_graphs="off"))
-    if tree:
-        chain = SpecEngine(loaded.model, own_draft(), loaded.tokenizer, dataclasses.replace(options, tree=""))
-    # Other draft budgets and confidence stops in the same run, interleaved per prompt with own
-    # AR: the machine's speed drifts between runs, a ratio measured in one run does not.
-    sweep = {m: SpecEngine(loaded.model, own_draft(), loaded.tokenizer, o)
-             for m, o in sweep_options(options, k_sweep, confidence_sweep).items()}
-    if vs_torch_head:  # the same head drafting through PyTorch, interleaved: sd_torch_head
-        sweep["sd_torch_head"] = torch_head_engine(loaded, own_draft(), options)
+    engines = BenchEngines.build(loaded, draft, own_draft, options, graphs, tree, k_sweep, confidence_sweep,
+                                 vs_torch_head)
+    engine = engines.engine
     if workload == "multiturn":
         prompts = answer_first_turns(engine, loaded.tokenizer, prompts, max_new_tokens, log)
     ids_list = [messages_ids(loaded.tokenizer, p.chat()) for p in prompts]
     log(f"== osd bench engine: target {loaded.spec}, draft {draft_spec}, k={k}, {len(prompts)} prompts, "
         f"max_new_tokens={max_new_tokens}, device={device}, dtype={mcfg.dtype}, quant={mcfg.quant}, "
         f"k_policy={options.k_policy}, cuda graphs "
-        f"{'on' if eager else 'off'}, tree {tree or 'none (chains)'}, threads={torch.get_num_threads()}")
-    runners = method_runners(engine, loaded, draft, eager, chain, sweep)
+        f"{'on' if engines.eager else 'off'}, tree {tree or 'none (chains)'}, threads={torch.get_num_threads()}")
+    runners = method_runners(engine, loaded, draft, engines.eager, engines.chain, engines.sweep)
     if not hf:
         runners = {m: fn for m, fn in runners.items() if not m.startswith("hf_")}
     runners.update(reference_methods(mcfg, loaded, engine.max_seq_len, vs_llamacpp, vs_float32,
@@ -271,30 +248,10 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
     # from the captured run's answer: it runs right after it, as a full repeat, every prompt.
     runs, stats, capture_ratios = time_methods(runners, ids_list, max_new_tokens, log,
                                                {"sd_nocapture": "sd"} if learns else None)
-    sd_stats = stats["sd"]
-    # Lossless means equal to the same target's own decoding: in float32 that is HF's too; in
-    # bfloat16 HF rounds differently op by op, and int4 is not a model HF runs, so speculation
-    # is checked against own AR there, and own AR against HF is reported beside it.
-    reference = "ar" if (mcfg.dtype, mcfg.quant) != ("float32", "none") else None
-    result = summarize(runs, stats, None if learns else capture_ratios,
-                       greedy_mismatches(engine.target, runs, ids_list, reference), engine.options)
-    result["nocapture_is_repeat"] = learns
-    result["greedy_reference"] = reference or ("hf_ar" if "hf_ar" in runs else "ar")
-    result["ar_vs_hf_mismatches"] = (hf_mismatches(engine.target, runs, ids_list)
-                                     if reference == "ar" and "hf_ar" in runs else None)
-    result.update(draft_figures(sd_stats, runs, draft))
-    head_engines = {"sd": engine, **({"sd_torch_head": sweep["sd_torch_head"]} if vs_torch_head else {})}
-    drafted = ({m: drafted_rows(e, ids_list, runs["ar"].outputs, max_new_tokens) for m, e in head_engines.items()}
-               if getattr(draft, "osd_family", None) == "head" else None)
-    result.update(offline_figures(loaded.model, engine.target, draft, ids_list, runs["ar"].outputs,
-                                  result["acceptance_per_pos"], drafted))
-    result.update(step_cost_figures(stats, runs))
-    result["torch_head"] = torch_head_figures(stats, runs, draft) if vs_torch_head else None
-    result["k_sweep"] = sweep_rows(runs, stats, "k", k) if k_sweep else None
-    result["confidence_sweep"] = (sweep_rows(runs, stats, "draft_confidence", options.draft_confidence)
-                                  if confidence_sweep else None)
+    result = bench_figures(loaded, mcfg, engines, draft, runs, stats, capture_ratios, ids_list, max_new_tokens,
+                           learns, vs_torch_head, k_sweep, confidence_sweep)
     result.update({
-        "cuda_graphs": eager is not None,
+        "cuda_graphs": engines.eager is not None,
         "tree": tree or None,
         "dtype": mcfg.dtype,
         "quant": mcfg.quant,
@@ -304,8 +261,7 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
         "prefix_reuse": prefix_reuse,
         # Prompt tokens a request of the engines under test (not the float32 reference's) took from
         # a slot's cache instead of computing them: 0 with reuse off.
-        "cached_prompt_tokens": sum(e.scheduler.cached_tokens for e in (engine, eager, chain, *sweep.values())
-                                    if e is not None),
+        "cached_prompt_tokens": sum(e.scheduler.cached_tokens for e in engines.all()),
         "prompts": len(prompts),
         "max_new_tokens": max_new_tokens,
         "device": device,
@@ -320,6 +276,97 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(json_path).write_text(json.dumps(result, indent=2))
         log(f"wrote {json_path}")
+    return result
+
+
+def resolve_draft_spec(cfg: OSDConfig, mcfg: Any, draft_spec: str) -> str:
+    """head:init and head+suffix name the warm-started head: built once, then taken from disk."""
+    if draft_spec not in ("head:init", "head+suffix"):
+        return draft_spec
+    from train.warm.head import run_head_warm_start
+
+    head = run_head_warm_start(cfg.model_copy(update={"model": mcfg}))["path"]
+    return head if draft_spec == "head:init" else f"{head}+suffix"
+
+
+def bench_prompts(cfg: OSDConfig, workload: str, n_prompts: int, prompts_file: str | None,
+                  max_prompt_chars: int, limit: int | None) -> list:
+    """The bench's prompts: --max-prompt-chars and --prompts pick from ShareGPT; a prompts file
+    is used whole; multiturn takes held-out conversations (their first turns, answered later)."""
+    if workload == "multiturn":
+        if prompts_file:
+            raise ValueError("--workload multiturn takes its conversations from ShareGPT, not --prompts-file")
+        prompts = second_turn_prompts(cfg, n_prompts, max_prompt_chars)
+    else:
+        prompts = select_prompts(cfg.data, None if prompts_file else n_prompts, prompts_file,
+                                 max_prompt_chars=None if prompts_file else max_prompt_chars)
+    prompts = prompts[:limit] if limit else prompts
+    if not prompts:
+        raise ValueError("no prompts selected")
+    return prompts
+
+
+@dataclass
+class BenchEngines:
+    """The engines a run times: the speculative one, its eager twin (CUDA graphs on), its chain
+    twin (trees on), and the sweep's, each with its own draft where the draft learns."""
+
+    engine: Any
+    eager: Any = None
+    chain: Any = None
+    sweep: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, loaded: Any, draft: Any, own_draft: Callable[[], Any], options: Any, graphs: str, tree: str,
+              k_sweep: Sequence[int], confidence_sweep: Sequence[float], vs_torch_head: bool) -> "BenchEngines":
+        from serve.engine.core import SpecEngine
+
+        engine = SpecEngine(loaded.model, draft, loaded.tokenizer, options)
+        out = cls(engine)
+        if engine.gpu and graphs != "off":
+            out.eager = SpecEngine(loaded.model, own_draft(), loaded.tokenizer,
+                                   dataclasses.replace(options, cuda_graphs="off"))
+        if tree:
+            out.chain = SpecEngine(loaded.model, own_draft(), loaded.tokenizer, dataclasses.replace(options, tree=""))
+        # Other draft budgets and confidence stops in the same run, interleaved per prompt with own
+        # AR: the machine's speed drifts between runs, a ratio measured in one run does not.
+        out.sweep = {m: SpecEngine(loaded.model, own_draft(), loaded.tokenizer, o)
+                     for m, o in sweep_options(options, k_sweep, confidence_sweep).items()}
+        if vs_torch_head:  # the same head drafting through PyTorch, interleaved: sd_torch_head
+            out.sweep["sd_torch_head"] = torch_head_engine(loaded, own_draft(), options)
+        return out
+
+    def all(self) -> list[Any]:
+        return [e for e in (self.engine, self.eager, self.chain, *self.sweep.values()) if e is not None]
+
+
+def bench_figures(loaded: Any, mcfg: Any, engines: BenchEngines, draft: Any, runs: dict, stats: dict,
+                  capture_ratios: Any, ids_list: list, max_new_tokens: int, learns: bool, vs_torch_head: bool,
+                  k_sweep: Sequence[int], confidence_sweep: Sequence[float]) -> dict[str, Any]:
+    """What the timed runs say: speeds, greedy identity, the draft's figures, offline agreement,
+    step costs and the sweeps."""
+    engine = engines.engine
+    # Lossless means equal to the same target's own decoding: in float32 that is HF's too; in
+    # bfloat16 HF rounds differently op by op, and int4 is not a model HF runs, so speculation
+    # is checked against own AR there, and own AR against HF is reported beside it.
+    reference = "ar" if (mcfg.dtype, mcfg.quant) != ("float32", "none") else None
+    result = summarize(runs, stats, None if learns else capture_ratios,
+                       greedy_mismatches(engine.target, runs, ids_list, reference), engine.options)
+    result["nocapture_is_repeat"] = learns
+    result["greedy_reference"] = reference or ("hf_ar" if "hf_ar" in runs else "ar")
+    result["ar_vs_hf_mismatches"] = (hf_mismatches(engine.target, runs, ids_list)
+                                     if reference == "ar" and "hf_ar" in runs else None)
+    result.update(draft_figures(stats["sd"], runs, draft))
+    head_engines = {"sd": engine, **({"sd_torch_head": engines.sweep["sd_torch_head"]} if vs_torch_head else {})}
+    drafted = ({m: drafted_rows(e, ids_list, runs["ar"].outputs, max_new_tokens) for m, e in head_engines.items()}
+               if getattr(draft, "osd_family", None) == "head" else None)
+    result.update(offline_figures(loaded.model, engine.target, draft, ids_list, runs["ar"].outputs,
+                                  result["acceptance_per_pos"], drafted))
+    result.update(step_cost_figures(stats, runs))
+    result["torch_head"] = torch_head_figures(stats, runs, draft) if vs_torch_head else None
+    result["k_sweep"] = sweep_rows(runs, stats, "k", engine.options.k) if k_sweep else None
+    result["confidence_sweep"] = (sweep_rows(runs, stats, "draft_confidence", engine.options.draft_confidence)
+                                  if confidence_sweep else None)
     return result
 
 
