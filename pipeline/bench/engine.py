@@ -690,6 +690,15 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
                          disable_numparse=True, colalign=("left",) + ("right",) * 5).splitlines():
         log(line)
     log("")
+    _log_references(result, log)
+    _log_draft(result, log)
+    _log_costs(result, log)
+    _log_identity(result, ref, log)
+    sys.stdout.flush()
+
+
+def _log_references(result: dict[str, Any], log: Callable[[str], None]) -> None:
+    """Own speculation and AR against the references: HF, llama.cpp, the float32 target, graphs."""
     log(f"acceptance rate {result['acceptance_rate']:.3f}, mean accepted length {result['mean_accepted_len']:.2f} "
         f"tokens/step, own AR / HF AR {_fmt(result['ar_vs_hf_ar'])}, own SD / HF assisted "
         f"{_fmt(result['sd_vs_hf_assisted'])}, own SD / own AR {_fmt(result['sd_vs_ar'])}")
@@ -710,6 +719,10 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
     if result.get("ar_vs_ar_eager"):
         log(f"CUDA graphs: own AR graphs / eager {_fmt(result['ar_vs_ar_eager'])}, eager own SD / own AR "
             f"{_fmt(result['sd_eager_vs_ar_eager'])}")
+
+
+def _log_draft(result: dict[str, Any], log: Callable[[str], None]) -> None:
+    """What the draft did: acceptance per position, its cost, the head offline, by source."""
     log("acceptance per draft position: " + ", ".join(f"{a:.3f}" for a in result["acceptance_per_pos"])
         + "; given the earlier drafts accepted: "
         + ", ".join(f"{a:.3f}" for a in result["acceptance_per_pos_given_prefix"])
@@ -729,6 +742,10 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
         log("by source: " + "; ".join(f"{src} {f['steps']} steps, acceptance {f['acceptance']:.3f}, "
                                       f"{f['tokens_per_step']:.2f} tokens/step"
                                       for src, f in result["by_source"].items()))
+
+
+def _log_costs(result: dict[str, Any], log: Callable[[str], None]) -> None:
+    """What the steps cost: capture, decode, verify by rows, trees, stages, the sweeps."""
     if result["capture_overhead_pct"] is None:  # a learning draft: capture off ran as a repeat
         log("capture overhead n/a: the capture-off run repeats each prompt after the captured one, whose "
             "answer the draft has learned (a full repeat)")
@@ -762,6 +779,10 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
     if "self_vs_ideal" in result:
         log(f"draft=self: {result['self_ms_per_token']:.1f} ms/token vs ideal "
             f"{result['self_ideal_ms_per_token']:.1f} ms/token ({result['self_vs_ideal']:.2f}x)")
+
+
+def _log_identity(result: dict[str, Any], ref: str, log: Callable[[str], None]) -> None:
+    """Whether every own method's greedy output equals the reference's."""
     if result["greedy_identical"]:
         checked = result.get("greedy_reference") or ref
         log(f"greedy_identical: true (every own method's outputs equal {LABELS[checked]}'s on every prompt)")
@@ -770,7 +791,6 @@ def print_table(result: dict[str, Any], runs: dict[str, MethodRun], log: Callabl
         for mm in result["mismatches"]:
             log(f"  {mm['method']} prompt {mm['prompt']} position {mm['position']}: top-2 logit gap "
                 f"{mm['top2_logit_gap']}")
-    sys.stdout.flush()
 
 
 # -- the command line: `osd bench engine` ------------------------------------------------------
