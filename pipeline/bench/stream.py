@@ -58,7 +58,7 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
     """Produce, consume and ack `records` records of tokens x top_k; print a table, return the figures
     (and write them as JSON to json_path if given). spool: the producer spools each record on
     disk in submit(), as a replica's does (infra/records/spool.py); submit's p50 is what a request pays."""
-    from infra.records.schema import decode, encode, new_record_id
+    from infra.records.schema import new_record_id
     from infra.records.streams import FIELD, QUEUE_SIZE, READ_COUNT, RecordConsumer, RecordProducer, connect
 
     rng = np.random.default_rng(seed)
@@ -70,16 +70,7 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
         "maxlen": max(cfg.stream.maxlen, records + 1),
     })
 
-    enc, dec, payloads = [], [], []
-    for i in range(samples):
-        rec = pool[i % len(pool)]
-        t0 = time.perf_counter()
-        payloads.append(encode(rec))
-        enc.append(time.perf_counter() - t0)
-    for p in payloads:
-        t0 = time.perf_counter()
-        decode(p)
-        dec.append(time.perf_counter() - t0)
+    enc, dec, payloads = _time_codec(pool, samples)
     size = float(np.mean([len(p) for p in payloads]))
 
     with tempfile.TemporaryDirectory(prefix="osd-bench-redis-") as tmp, RedisServer(tmp) as server:
@@ -128,20 +119,43 @@ def run_stream_bench(cfg: OSDConfig, records: int = 2000, tokens: int = 256, top
         "duplicates": cstats.duplicates,
         "elapsed_s": elapsed,
     }
-    rows = [("records", f"{got} of {records}"), ("bytes/record", f"{result['bytes_per_record']:,}"),
-            ("records/s (produce+consume+ack)", f"{result['records_per_s']:,.0f}"),
-            ("MB/s", f"{result['mb_per_s']:,.1f}"), ("encode p50 (us)", f"{result['encode_us_p50']:,.1f}"),
-            ("decode p50 (us)", f"{result['decode_us_p50']:,.1f}"), ("XADD p50 (us)", f"{result['xadd_us_p50']:,.1f}"),
-            (f"submit p50 (us){', spooled' if spool else ''}", f"{result['submit_us_p50']:,.1f}"),
-            ("dropped", str(result["dropped"]))]
-    print(f"stream bench: {tokens} tokens x top-{top_k}, loopback redis-server (AOF, appendfsync always)")
-    for line in tabulate(rows, tablefmt="plain", disable_numparse=True, colalign=("left", "right")).splitlines():
-        print(f"  {line}")
+    _print_result(result, records)
     if json_path is not None:
         path = Path(json_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _time_codec(pool: list, samples: int) -> tuple[list[float], list[float], list[bytes]]:
+    """Seconds to encode `samples` records of the pool, to decode each payload, and the payloads."""
+    from infra.records.schema import decode, encode
+
+    enc, dec, payloads = [], [], []
+    for i in range(samples):
+        rec = pool[i % len(pool)]
+        t0 = time.perf_counter()
+        payloads.append(encode(rec))
+        enc.append(time.perf_counter() - t0)
+    for p in payloads:
+        t0 = time.perf_counter()
+        decode(p)
+        dec.append(time.perf_counter() - t0)
+    return enc, dec, payloads
+
+
+def _print_result(result: dict[str, Any], records: int) -> None:
+    """The bench's table, from its figures."""
+    rows = [("records", f"{result['records']} of {records}"), ("bytes/record", f"{result['bytes_per_record']:,}"),
+            ("records/s (produce+consume+ack)", f"{result['records_per_s']:,.0f}"),
+            ("MB/s", f"{result['mb_per_s']:,.1f}"), ("encode p50 (us)", f"{result['encode_us_p50']:,.1f}"),
+            ("decode p50 (us)", f"{result['decode_us_p50']:,.1f}"), ("XADD p50 (us)", f"{result['xadd_us_p50']:,.1f}"),
+            (f"submit p50 (us){', spooled' if result['spool'] else ''}", f"{result['submit_us_p50']:,.1f}"),
+            ("dropped", str(result["dropped"]))]
+    print(f"stream bench: {result['tokens']} tokens x top-{result['top_k']}, loopback redis-server "
+          "(AOF, appendfsync always)")
+    for line in tabulate(rows, tablefmt="plain", disable_numparse=True, colalign=("left", "right")).splitlines():
+        print(f"  {line}")
 
 
 # -- the command line: `osd bench stream` ------------------------------------------------------
