@@ -482,3 +482,54 @@ def test_an_unknown_loss_row_choice_is_refused(target):
     for tv, ce in ((0.0, 0.0), (-1.0, 1.0), (1.0, -0.5)):
         with pytest.raises(ValueError, match="tv and ce are weights"):
             head_loss_fn(target.lm_head.weight.detach(), tv=tv, ce=ce)
+
+
+class _Cache:
+    """A head cache's length, as commit_head reads and truncates it."""
+
+    def __init__(self, length: int = 0):
+        self.length = length
+
+    def truncate(self, n: int) -> None:
+        self.length = min(self.length, n)
+
+
+class _Seq:
+    def __init__(self, cache_length: int = 0):
+        self.dcache = _Cache(cache_length)
+        self.draft_state = {}
+
+
+def test_a_head_that_does_not_draft_keeps_its_backlog_in_pieces_joined_once_when_read():
+    """While the head drafts nothing (the suffix draft takes the steps, or a batch's gate holds
+    drafting back) each commit adds its rows as a piece: no step copies the whole backlog."""
+    from serve.spec_decode.head.draft import commit_head, head_state
+
+    seq = _Seq(cache_length=3)
+    head_state(seq).feats, head_state(seq).feat_start = torch.zeros(0, 4), 3  # a prompt the head has cached
+    rows = torch.arange(40.0).reshape(10, 4)
+    for step in range(10):  # one committed row a step, rows 3..12; the cache stays at 3 rows
+        commit_head(seq, base=4 + step, feats=rows[step:step + 1])
+    st = head_state(seq)
+    assert len(st.pieces) == 11 and st.feat_start == 3
+    assert torch.equal(st.feats, rows) and len(st.pieces) == 1  # joined when read, once
+    assert torch.equal(st.feats[2:], rows[2:])
+
+
+def test_a_commit_after_the_head_drafted_drops_the_rows_its_cache_took():
+    """The head's proposal cached backlog rows (and a draft row); the commit keeps target rows
+    only and the backlog starts where the cache ends, as before the pieces."""
+    from serve.spec_decode.head.draft import HeadState, commit_head, head_state
+
+    seq = _Seq(cache_length=3)
+    st = head_state(seq)
+    st.feats, st.feat_start = torch.arange(12.0).reshape(3, 4), 3  # rows 3, 4, 5
+    seq.dcache.length = 7  # the proposal cached rows 3..5 and one draft row
+    new = torch.full((2, 4), -1.0)  # this step committed two: rows 6, 7
+    commit_head(seq, base=7, feats=new)
+    assert seq.dcache.length == 6 and st.feat_start == 6
+    assert torch.equal(st.feats, new)
+    empty = HeadState()
+    assert empty.feats is None
+    empty.drop_before(5)
+    assert empty.feat_start == 5 and empty.feats is None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -75,9 +75,36 @@ def torch_head_kernels() -> Iterator[None]:
 
 @dataclass
 class HeadState:
-    """A request's head state: target features of the rows its cache lacks, from feat_start."""
-    feats: torch.Tensor | None = None
+    """A request's head state: target features of the rows its cache lacks, from feat_start.
+
+    A step's rows are appended as a piece and joined only when read: while the head does not
+    draft (the suffix draft takes the steps, or a batch's gate holds drafting back) its backlog
+    grows by every committed row, and joining it at every commit copied the whole backlog each
+    step, quadratic in the answer's length."""
+    pieces: list[torch.Tensor] = field(default_factory=list)
     feat_start: int = 0
+
+    @property
+    def feats(self) -> torch.Tensor | None:
+        """The backlog as one tensor (None before any row came)."""
+        if not self.pieces:
+            return None
+        if len(self.pieces) > 1:
+            self.pieces = [torch.cat(self.pieces)]
+        return self.pieces[0]
+
+    @feats.setter
+    def feats(self, value: torch.Tensor | None) -> None:
+        self.pieces = [] if value is None else [value]
+
+    def append(self, rows: torch.Tensor) -> None:
+        self.pieces.append(rows)
+
+    def drop_before(self, row: int) -> None:
+        """Forget the rows before `row` (the head's cache holds them now)."""
+        if row > self.feat_start and self.pieces:
+            self.feats = self.feats[row - self.feat_start:]
+        self.feat_start = row
 
 
 def head_state(seq: Any) -> HeadState:
@@ -324,6 +351,5 @@ def commit_head(seq: Any, base: int, feats: torch.Tensor) -> None:
     cache = seq.dcache
     cache.truncate(min(cache.length, base - 1))
     st = head_state(seq)
-    prev = feats[:0] if st.feats is None else st.feats  # None: a one-token prompt had no prefill
-    st.feats = torch.cat([prev, feats])[cache.length - st.feat_start:]
-    st.feat_start = cache.length
+    st.append(feats)  # no rows yet: a one-token prompt had no prefill
+    st.drop_before(cache.length)
