@@ -512,6 +512,8 @@ def test_a_head_that_does_not_draft_keeps_its_backlog_in_pieces_joined_once_when
         commit_head(seq, base=4 + step, feats=rows[step:step + 1])
     st = head_state(seq)
     assert len(st.pieces) == 11 and st.feat_start == 3
+    # each piece is its own row, not a view holding the step's whole feature output
+    assert all(p.untyped_storage().nbytes() == p.numel() * p.element_size() for p in st.pieces)
     assert torch.equal(st.feats, rows) and len(st.pieces) == 1  # joined when read, once
     assert torch.equal(st.feats[2:], rows[2:])
 

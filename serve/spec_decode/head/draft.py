@@ -98,7 +98,9 @@ class HeadState:
         self.pieces = [] if value is None else [value]
 
     def append(self, rows: torch.Tensor) -> None:
-        self.pieces.append(rows)
+        # A copy: a step's rows are a view of the step's whole feature output (every request's
+        # rows and prompt chunks), which a kept view would hold for as long as the backlog.
+        self.pieces.append(rows.clone())
 
     def drop_before(self, row: int) -> None:
         """Forget the rows before `row` (the head's cache holds them now)."""
