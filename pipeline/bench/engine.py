@@ -250,7 +250,24 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
                                                {"sd_nocapture": "sd"} if learns else None)
     result = bench_figures(loaded, mcfg, engines, draft, runs, stats, capture_ratios, ids_list, max_new_tokens,
                            learns, vs_torch_head, k_sweep, confidence_sweep)
-    result.update({
+    result.update(run_facts(loaded, mcfg, engines, tree, draft_spec, k, prefix_reuse, len(prompts), max_new_tokens,
+                            device))
+    if draft_spec == "self":
+        result.update(self_draft_cost(runs, k))
+    print_table(result, runs, log)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2))
+        log(f"wrote {json_path}")
+    return result
+
+
+def run_facts(loaded: Any, mcfg: Any, engines: "BenchEngines", tree: str, draft_spec: str, k: int,
+              prefix_reuse: bool, prompts: int, max_new_tokens: int, device: str) -> dict[str, Any]:
+    """What ran, for the JSON: the target, the draft, the engines' settings and the machine."""
+    import torch
+
+    return {
         "cuda_graphs": engines.eager is not None,
         "tree": tree or None,
         "dtype": mcfg.dtype,
@@ -262,21 +279,13 @@ def run_bench(cfg: OSDConfig, *, n_prompts: int = 8, prompts_file: str | None = 
         # Prompt tokens a request of the engines under test (not the float32 reference's) took from
         # a slot's cache instead of computing them: 0 with reuse off.
         "cached_prompt_tokens": sum(e.scheduler.cached_tokens for e in engines.all()),
-        "prompts": len(prompts),
+        "prompts": prompts,
         "max_new_tokens": max_new_tokens,
         "device": device,
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
-    })
-    if draft_spec == "self":
-        result.update(self_draft_cost(runs, k))
-    print_table(result, runs, log)
-    if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=2))
-        log(f"wrote {json_path}")
-    return result
+    }
 
 
 def resolve_draft_spec(cfg: OSDConfig, mcfg: Any, draft_spec: str) -> str:
