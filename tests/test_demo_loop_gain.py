@@ -221,7 +221,8 @@ def test_the_summary_prints_time_to_adapt_and_the_contribution_with_its_interval
                                 "decisions_during": [{"action": "gated", "version": "v5", "reason": "not vs v1"}]},
          "loop_contribution": {"skipped": None, "mean": 0.25, "median": 0.3, "lower": 0.1, "upper": 0.4, "n": 11,
                                "level": 0.95, "served_by_another_version": 1},
-         "drafting_one_request": {"final": {"draft_per_output": 0.8, "acceptance": 0.41},
+         "drafting_one_request": {"final": {"draft_per_output": 0.8, "acceptance": 0.41,
+                                            "steps_by_source": {"suffix": 40, "head": 3}},
                                   "frozen": {"draft_per_output": 0.6, "acceptance": 0.5}}}
     _print_loop_gain(r)
     out = capsys.readouterr().out
@@ -229,6 +230,7 @@ def test_the_summary_prints_time_to_adapt_and_the_contribution_with_its_interval
     assert "final v3 vs frozen v1: 1.40x vs 1.10x" in out
     assert "mean over 11 prompts): +0.250, 95% bootstrap interval [+0.100, +0.400] (median +0.300)" in out
     assert "final vs frozen: 0.80 vs 0.60 draft tokens an output token, 0.410 vs 0.500 of them accepted" in out
+    assert "drafting steps by source head 3, suffix 40 vs -" in out
     assert "canary v4 was live" in out and "1 speed measurements" in out and "gated v5 (not vs v1)" in out
     _print_loop_gain({"minutes_to_first_promotion": None, "speed_check_frozen": {"skipped": "stable is still v1"},
                       "loop_contribution": {"skipped": "stable is still v1"}})
@@ -399,6 +401,54 @@ def test_a_check_keeps_what_each_speculative_request_drafted_and_sums_it_up(monk
     assert checks.drafting({"pairs": []}) is None and checks.drafting(None) is None
     none = checks.drafting({"pairs": [dict(one["pairs"][0], draft_tokens=0, accepted_tokens=0)]})
     assert none["draft_per_output"] == 0 and none["acceptance"] is None
+
+
+def test_a_check_counts_its_drafting_steps_by_who_proposed_over_pairs_and_rounds(monkeypatch):
+    """Each answer's osd field says which draft proposed its drafting steps (a hybrid's head or
+    suffix draft); a check sums them, and merged rounds keep each prompt's mean."""
+    from types import SimpleNamespace
+
+    import pipeline.traffic.speed_checks as checks
+
+    steps = {"p0": {"suffix": {"steps": 6, "draft_tokens": 18, "accepted_tokens": 9}},
+             "p1": {"suffix": {"steps": 2, "draft_tokens": 4, "accepted_tokens": 1},
+                    "head": {"steps": 3, "draft_tokens": 3, "accepted_tokens": 1}}}
+
+    def post(url, text, max_tokens, **extra):
+        spec = extra["osd_speculate"]
+        return {"ok": True, "latency_s": 0.5, "tokens": 64, "version": "v3", "mean_accepted_len": None,
+                "draft_tokens": 10 if spec else 0, "accepted_tokens": 5 if spec else 0,
+                "by_source": steps[text] if spec else {}}
+
+    monkeypatch.setattr(checks, "post_chat", post)
+    prompts = [SimpleNamespace(id=str(i), text=f"p{i}") for i in range(2)]
+    one = checks.speed_check("http://x", prompts, 64, salt="s")
+    assert [p["by_source"] for p in one["pairs"]] == [steps["p0"], steps["p1"]]
+    assert checks.drafting(one)["steps_by_source"] == {"suffix": 8, "head": 3}
+    two = dict(one, pairs=[dict(p, by_source={}) for p in one["pairs"]])  # a round with no drafting steps
+    merged = checks.merge_checks([one, two])
+    assert merged["pairs"][1]["by_source"]["head"]["steps"] == pytest.approx(1.5)
+    assert checks.drafting(merged)["steps_by_source"] == {"suffix": pytest.approx(4), "head": pytest.approx(1.5)}
+
+
+def test_an_answer_carries_its_drafting_steps_by_source_and_the_parser_reads_them():
+    from types import SimpleNamespace
+
+    from pipeline.traffic.replay import parse_response
+    from serve.api.openai_protocol import by_source, osd_extension
+
+    stats = SimpleNamespace(by_source={"head": [3, 3, 1], "suffix": [2, 7, 5]})
+    got = by_source(stats)
+    assert got == {"head": {"steps": 3, "draft_tokens": 3, "accepted_tokens": 1},
+                   "suffix": {"steps": 2, "draft_tokens": 7, "accepted_tokens": 5}}
+    result = {"draft_version": "v3", "acceptance_rate": 0.6, "mean_accepted_len": 1.5, "num_drafts": 5,
+              "num_draft_tokens": 10, "num_accepted_tokens": 6, "record_id": None, "drafted_by_source": got}
+    osd = osd_extension(result)
+    assert osd["drafted_by_source"] == got
+    assert osd_extension({k: v for k, v in result.items() if k != "drafted_by_source"})["drafted_by_source"] == {}
+    answer = {"choices": [{"message": {"content": "hi"}, "finish_reason": "stop"}], "osd": osd}
+    assert parse_response(answer, chat=True)["drafted_by_source"] == got
+    assert parse_response({"choices": [{"text": "hi"}]}, chat=False)["drafted_by_source"] == {}
 
 
 def test_the_final_and_frozen_checks_run_final_frozen_frozen_final(monkeypatch):

@@ -456,6 +456,12 @@ def _times(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.2f}x"
 
 
+def _steps(drafting: dict[str, Any]) -> str:
+    """A check's drafting steps by who proposed, as `head 12, suffix 340` (`-` where not reported)."""
+    steps = drafting.get("steps_by_source") or {}
+    return ", ".join(f"{src} {n:.0f}" for src, n in sorted(steps.items())) or "-"
+
+
 def _print_loop_gain(r: dict[str, Any]) -> None:
     """Time to adapt, and the final draft against v1 on the same prompts."""
     m = r["minutes_to_first_promotion"]
@@ -483,7 +489,8 @@ def _print_loop_gain(r: dict[str, Any]) -> None:
     if dr.get("final") and dr.get("frozen"):
         f, z = dr["final"], dr["frozen"]
         print(f"drafting at one request, final vs frozen: {f['draft_per_output']:.2f} vs {z['draft_per_output']:.2f} "
-              f"draft tokens an output token, {_num(f['acceptance'])} vs {_num(z['acceptance'])} of them accepted")
+              f"draft tokens an output token, {_num(f['acceptance'])} vs {_num(z['acceptance'])} of them accepted; "
+              f"drafting steps by source {_steps(f)} vs {_steps(z)}")
     lb = r.get("loop_contribution_batched") or {}
     if "mean" in lb:
         print(f"batched ({(r['speed_check'].get('batched') or {}).get('clients')} clients): throughput speed-up vs AR "

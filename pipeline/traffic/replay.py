@@ -76,6 +76,8 @@ class RequestResult:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     mean_accepted_len: float | None = None
+    # drafting steps by who proposed: source -> {"steps", "draft_tokens", "accepted_tokens"}
+    drafted_by_source: dict | None = None
     error: str | None = None
 
 
@@ -125,6 +127,7 @@ def parse_response(data: Any, *, chat: bool) -> dict[str, Any]:
         "num_draft_tokens": int(osd.get("num_draft_tokens") or 0),
         "num_accepted_tokens": int(osd.get("num_accepted_tokens") or 0),
         "mean_accepted_len": None if mal is None else float(mal),
+        "drafted_by_source": osd.get("drafted_by_source") or {},
     }
 
 

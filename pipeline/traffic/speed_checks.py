@@ -24,7 +24,8 @@ def _log(msg: str) -> None:
 
 def post_chat(url: str, text: str, max_tokens: int, timeout: float = 300, **extra: Any) -> dict[str, Any]:
     """One greedy chat completion; {"ok", "latency_s", "tokens", "version", "mean_accepted_len",
-    "draft_tokens", "accepted_tokens"} or {"ok": False, "latency_s", "error"}."""
+    "draft_tokens", "accepted_tokens", "by_source"} or {"ok": False, "latency_s", "error"}; by_source: its
+    drafting steps by who proposed (the `osd` field's drafted_by_source)."""
     body = {**build_body(text, chat=True, max_tokens=max_tokens, temperature=0.0, record=None), **extra}
     t0 = time.perf_counter()
     try:
@@ -37,7 +38,8 @@ def post_chat(url: str, text: str, max_tokens: int, timeout: float = 300, **extr
         return {"ok": False, "latency_s": time.perf_counter() - t0, "error": f"{type(e).__name__}: {e}"}
     return {"ok": True, "latency_s": time.perf_counter() - t0, "tokens": fields["completion_tokens"],
             "version": fields["draft_version"], "mean_accepted_len": fields["mean_accepted_len"],
-            "draft_tokens": fields["num_draft_tokens"], "accepted_tokens": fields["num_accepted_tokens"]}
+            "draft_tokens": fields["num_draft_tokens"], "accepted_tokens": fields["num_accepted_tokens"],
+            "by_source": fields["drafted_by_source"]}
 
 
 def speed_check(url: str, prompts: list, max_tokens: int, salt: str = "osd-demo-speed") -> dict[str, Any]:
@@ -107,20 +109,32 @@ def _paired(prompts: list, on: list[dict[str, Any]], off: list[dict[str, Any]]) 
             sd, ar = a["tokens"] / a["latency_s"], b["tokens"] / b["latency_s"]
             pairs.append({"prompt": p.id, "sd_tok_s": sd, "ar_tok_s": ar, "ratio": sd / ar,
                           "version": a["version"], "tokens": a["tokens"],
-                          "draft_tokens": a.get("draft_tokens", 0), "accepted_tokens": a.get("accepted_tokens", 0)})
+                          "draft_tokens": a.get("draft_tokens", 0), "accepted_tokens": a.get("accepted_tokens", 0),
+                          "by_source": a.get("by_source") or {}})
     return {"pairs": pairs, **_medians(pairs)}
 
 
 def drafting(check: dict[str, Any] | None) -> dict[str, Any] | None:
     """What a check's speculative requests drafted, over all its pairs: draft tokens per output
-    token and the share accepted (None without pairs)."""
+    token, the share accepted, and the drafting steps by who proposed (`steps_by_source`; a
+    hybrid's head and suffix draft), None without pairs."""
     pairs = (check or {}).get("pairs") or []
     out, drafted = sum(p.get("tokens", 0) for p in pairs), sum(p.get("draft_tokens", 0) for p in pairs)
     if not pairs or not out:
         return None
     accepted = sum(p.get("accepted_tokens", 0) for p in pairs)
+    steps = source_steps(pairs)
     return {"draft_per_output": drafted / out, "acceptance": accepted / drafted if drafted else None,
-            "accepted_per_output": accepted / out}
+            "accepted_per_output": accepted / out, "steps_by_source": steps}
+
+
+def source_steps(pairs: list[dict[str, Any]]) -> dict[str, float]:
+    """Drafting steps by who proposed, summed over pairs (a merged pair's are its rounds' mean)."""
+    out: dict[str, float] = {}
+    for p in pairs:
+        for src, got in (p.get("by_source") or {}).items():
+            out[src] = out.get(src, 0) + got["steps"]
+    return out
 
 
 def _medians(pairs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -133,6 +147,17 @@ def _medians(pairs: list[dict[str, Any]]) -> dict[str, Any]:
             "ar_tok_s_median": statistics.median(p["ar_tok_s"] for p in pairs)}
 
 
+def _mean_by_source(pairs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The rounds' drafting by source for one prompt, as the mean of its rounds (each field)."""
+    out: dict[str, dict[str, float]] = {}
+    for p in pairs:
+        for src, got in (p.get("by_source") or {}).items():
+            acc = out.setdefault(src, {f: 0.0 for f in got})
+            for f, v in got.items():
+                acc[f] = acc.get(f, 0.0) + v / len(pairs)
+    return out
+
+
 def merge_checks(checks: list[dict[str, Any]]) -> dict[str, Any]:
     """Rounds of the speed check as one: per prompt and version, the mean of each round's tok/s
     and ratio. The rounds of the final and the frozen check alternate (final, frozen, frozen,
@@ -143,7 +168,8 @@ def merge_checks(checks: list[dict[str, Any]]) -> dict[str, Any]:
             by.setdefault((p["prompt"], p["version"]), []).append(p)
     pairs = [{"prompt": k[0], "version": k[1], "rounds": len(ps),
               **{f: statistics.fmean(p.get(f, 0) for p in ps)
-                 for f in ("sd_tok_s", "ar_tok_s", "ratio", "tokens", "draft_tokens", "accepted_tokens")}}
+                 for f in ("sd_tok_s", "ar_tok_s", "ratio", "tokens", "draft_tokens", "accepted_tokens")},
+              "by_source": _mean_by_source(ps)}
              for k, ps in by.items()]
     out: dict[str, Any] = {"pairs": pairs, **_medians(pairs), "rounds": len(checks),
                            "round_speedups": [c.get("speedup_vs_ar") for c in checks]}

@@ -35,6 +35,7 @@ from infra.drafts.spec import REGISTRY_DRAFTS
 from serve.api.openai_protocol import (
     SSE_DONE,
     APIError,
+    by_source,
     ChatCompletionRequest,
     CompletionRequest,
     IncrementalText,
@@ -285,6 +286,7 @@ class TargetReplica:
             "num_drafts": st.num_drafts,
             "num_draft_tokens": st.num_draft_tokens,
             "num_accepted_tokens": st.num_accepted_tokens,
+            "drafted_by_source": by_source(st),
             "record_id": record_id,
             "replica": self.replica_id,
             "latency_s": latency,

@@ -420,9 +420,18 @@ def new_id(prefix: str) -> str:
 
 
 def osd_extension(result: dict[str, Any]) -> dict[str, Any]:
-    """Acceptance stats in an extension field beside OpenAI's usage."""
-    return {k: result[k] for k in ("draft_version", "acceptance_rate", "mean_accepted_len", "num_drafts",
-                                   "num_draft_tokens", "num_accepted_tokens", "record_id")}
+    """Acceptance stats in an extension field beside OpenAI's usage; `drafted_by_source`: the
+    steps that drafted, by who proposed (a hybrid's head or suffix draft)."""
+    out = {k: result[k] for k in ("draft_version", "acceptance_rate", "mean_accepted_len", "num_drafts",
+                                  "num_draft_tokens", "num_accepted_tokens", "record_id")}
+    out["drafted_by_source"] = result.get("drafted_by_source") or {}
+    return out
+
+
+def by_source(stats: Any) -> dict[str, dict[str, int]]:
+    """A request's drafting steps by who proposed (SpecStats.by_source), as the `osd` field
+    carries them: source -> {"steps", "draft_tokens", "accepted_tokens"}."""
+    return {src: {"steps": s, "draft_tokens": d, "accepted_tokens": a} for src, (s, d, a) in stats.by_source.items()}
 
 
 # vLLM's stand-in for a log-prob of -inf, which JSON cannot carry.
