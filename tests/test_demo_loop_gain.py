@@ -410,9 +410,9 @@ def test_a_check_counts_its_drafting_steps_by_who_proposed_over_pairs_and_rounds
 
     import pipeline.traffic.speed_checks as checks
 
-    steps = {"p0": {"suffix": {"steps": 6, "draft_tokens": 18, "accepted_tokens": 9}},
-             "p1": {"suffix": {"steps": 2, "draft_tokens": 4, "accepted_tokens": 1},
-                    "head": {"steps": 3, "draft_tokens": 3, "accepted_tokens": 1}}}
+    steps = {"p0": {"suffix": {"steps": 6, "drafted": 18, "accepted": 9}},
+             "p1": {"suffix": {"steps": 2, "drafted": 4, "accepted": 1},
+                    "head": {"steps": 3, "drafted": 3, "accepted": 1}}}
 
     def post(url, text, max_tokens, **extra):
         spec = extra["osd_speculate"]
@@ -435,12 +435,12 @@ def test_an_answer_carries_its_drafting_steps_by_source_and_the_parser_reads_the
     from types import SimpleNamespace
 
     from pipeline.traffic.replay import parse_response
-    from serve.api.openai_protocol import by_source, osd_extension
+    from serve.api.openai_protocol import drafted_by_source, osd_extension
 
     stats = SimpleNamespace(by_source={"head": [3, 3, 1], "suffix": [2, 7, 5]})
-    got = by_source(stats)
-    assert got == {"head": {"steps": 3, "draft_tokens": 3, "accepted_tokens": 1},
-                   "suffix": {"steps": 2, "draft_tokens": 7, "accepted_tokens": 5}}
+    got = drafted_by_source(stats)
+    assert got == {"head": {"steps": 3, "drafted": 3, "accepted": 1},
+                   "suffix": {"steps": 2, "drafted": 7, "accepted": 5}}
     result = {"draft_version": "v3", "acceptance_rate": 0.6, "mean_accepted_len": 1.5, "num_drafts": 5,
               "num_draft_tokens": 10, "num_accepted_tokens": 6, "record_id": None, "drafted_by_source": got}
     osd = osd_extension(result)

@@ -84,8 +84,8 @@ def test_chat_completion_schema(app):
     assert ext["record_id"]
     by = ext["drafted_by_source"]  # the drafting steps by who proposed: here the draft's one family
     assert by and sum(v["steps"] for v in by.values()) == ext["num_drafts"]
-    assert sum(v["draft_tokens"] for v in by.values()) == ext["num_draft_tokens"]
-    assert sum(v["accepted_tokens"] for v in by.values()) == ext["num_accepted_tokens"]
+    assert sum(v["drafted"] for v in by.values()) == ext["num_draft_tokens"]
+    assert sum(v["accepted"] for v in by.values()) == ext["num_accepted_tokens"]
 
 
 def test_completion_schema_and_token_prompt(app):

@@ -5,9 +5,10 @@
 2. `osd up` in-process on a fresh demo state dir: serving follows the registry aliases, the
    trainer distills on the live records, the controller canaries each candidate.
 3. Workload: held-out ShareGPT prompts of general domains, then code only (the shift).
-4. Same-server speed checks (pipeline/traffic/speed_checks.py) on post-shift prompts: each prompt with speculation and without
-   (`osd_speculate: false`), alternating which goes first, each mode with its own cache_salt
-   (neither starts from the other's prefill); median of per-prompt ratios.
+4. Same-server speed checks (pipeline/traffic/speed_checks.py) on post-shift prompts: each
+   prompt with speculation and without (`osd_speculate: false`), alternating which goes first,
+   each mode with its own cache_salt (neither starts from the other's prefill); median of
+   per-prompt ratios.
    Then the frozen check: v1 made stable again for the same prompts (the suffix index as the
    loop left it), so the final draft minus v1, per prompt, is what the loop's training brought.
 5. reports/demo/report.json, a PNG of per-request acceptance over time per version, and ops.html:
@@ -28,12 +29,8 @@ from typing import Any
 from tabulate import tabulate
 
 from infra.config import OSDConfig
-from pipeline.traffic.speed_checks import (batched_contribution, drafting, final_and_frozen, loop_contribution,
-                                           post_chat, throughput_speedup)
-
-
-def _log(msg: str) -> None:
-    print(f"[osd demo] {msg}", flush=True)
+from pipeline.traffic.speed_checks import (batched_contribution, drafting, final_and_frozen, log,
+                                           loop_contribution, post_chat, throughput_speedup)
 
 
 # Held-out post-shift records the paired estimate scores every version on, at most: enough to
@@ -66,7 +63,7 @@ class Workload:
                     if time.monotonic() - last_print[0] >= 30:
                         last_print[0] = time.monotonic()
                         left = max(0, deadline - time.monotonic())
-                        _log(f"{phase}: {n} requests, {left:.0f} s left" + (f"; {status()}" if status else ""))
+                        log(f"{phase}: {n} requests, {left:.0f} s left" + (f"; {status()}" if status else ""))
 
         with ThreadPoolExecutor(self.concurrency) as pool:
             for f in [pool.submit(client) for _ in range(self.concurrency)]:
@@ -116,7 +113,7 @@ def stream_records(cfg: OSDConfig) -> list:
         finally:
             client.close()
     except redis.RedisError as e:
-        _log(f"paired estimate skipped: cannot read the record stream ({type(e).__name__}: {e})")
+        log(f"paired estimate skipped: cannot read the record stream ({type(e).__name__}: {e})")
         return []
 
 
@@ -144,12 +141,12 @@ def paired_alpha(cfg: OSDConfig, records: list, shift_time: float, target: Any, 
     features: dict = {}  # the target's features, computed once and shared by every head
     started = time.monotonic()
     for i, v in enumerate(versions, 1):
-        _log(f"paired estimate: {v.id} ({i} of {len(versions)}, {len(held)} records, "
+        log(f"paired estimate: {v.id} ({i} of {len(versions)}, {len(held)} records, "
              f"{time.monotonic() - started:.0f} s so far)")
         try:
             draft, _ = registry.load_draft(v.id, target)
         except Exception as e:  # a version gc'd or unreadable: say so, keep the others
-            _log(f"paired estimate: cannot load {v.id} ({type(e).__name__}: {e})")
+            log(f"paired estimate: cannot load {v.id} ({type(e).__name__}: {e})")
             continue
         # Each version by its own family (a head reads the target's features), on the same
         # positions and measure, as the gate scores them: a ratio of sums over positions.
@@ -238,12 +235,12 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 120, code_s: float = 600, spe
     dcfg = demo_config(cfg, state)
     ensure_stable(dcfg, warm_start_dir=v1)
     general, code, speed_set = workload_prompts(cfg, speed_prompts, family)
-    _log(f"workload: {len(general)} general then {len(code)} code held-out prompts; "
+    log(f"workload: {len(general)} general then {len(code)} code held-out prompts; "
          f"{general_s:.0f} s general, {code_s:.0f} s code, {max_tokens} tokens each, {concurrency} clients")
 
     loop = ClosedLoop(dcfg, run_name="demo").start()
     reg = Registry.from_config(dcfg)
-    _log(f"ops page (live while the demo runs): {loop.url}/ops")
+    log(f"ops page (live while the demo runs): {loop.url}/ops")
     try:
         work = Workload(loop.url, max_tokens, concurrency)
         run = run_phases(loop, reg, work, general, code, speed_set, general_s=general_s, code_s=code_s)
@@ -252,7 +249,7 @@ def run_demo(cfg: OSDConfig, *, general_s: float = 120, code_s: float = 600, spe
         loop.stop()
 
     versions = version_table(run.samples, run.shift, reg)
-    _log("paired estimate: every version on the same held-out post-shift code records")
+    log("paired estimate: every version on the same held-out post-shift code records")
     paired = paired_alpha(dcfg, run.records, run.shift, loaded.model, reg)
     report = build_report(run, work.results, versions, paired, general_s=general_s, code_s=code_s)
     report.update({"setup_s": setup_s, "loop_s": time.time() - run.t0, "total_s": time.time() - t_start,
@@ -275,13 +272,13 @@ def prepare(cfg: OSDConfig, family: str = "head") -> tuple[Any, Path]:
     from infra.drafts.spec import warm_start_path
 
     v1 = warm_start_path(cfg, family)
-    _log(f"target {cfg.model.target}: preparing (cached after the first run)")
+    log(f"target {cfg.model.target}: preparing (cached after the first run)")
     loaded = load_target(cfg.model.target, cfg.model.for_training(), progress=True)
     if not v1.is_dir():
         from pipeline.teacher.engine import teacher_for
         from train.warm.layer import warm_start_family
 
-        _log(f"no warm-started {family} draft yet: running `osd draft init --family {family}` once "
+        log(f"no warm-started {family} draft yet: running `osd draft init --family {family}` once "
              f"({'up to about 25 minutes' if family == 'head' else 'about 9 minutes'} on 2 cores; cached for later runs)")
         warm_start_family(cfg, family, generate=teacher_for(cfg))
     return loaded, v1
@@ -337,14 +334,14 @@ def run_phases(loop: Any, reg: Any, work: Workload, general: list, code: list, s
 
     start_stable = reg.aliases()["stable"]["version"]
     t0 = time.time()
-    _log("phase 1: general traffic")
+    log("phase 1: general traffic")
     work.run("general", general, general_s, status)
     shift = time.time()
-    _log(f"phase 2: the traffic shifts to code ({status()})")
+    log(f"phase 2: the traffic shifts to code ({status()})")
     work.run("code", code, code_s, status)
     lag = trainer_lag(_summary(loop.url), loop.cfg.stream.group,
                       sum(r["phase"] == "code" for r in work.results), code_s)
-    _log(f"traffic ended; the trainer's lag: {lag}")
+    log(f"traffic ended; the trainer's lag: {lag}")
     # What the loop learned by the end of traffic is what is measured: no candidate appears
     # during the checks, and no decision is taken (their requests leave no records).
     loop.stop_trainer()
@@ -352,7 +349,7 @@ def run_phases(loop: Any, reg: Any, work: Workload, general: list, code: list, s
     withdrawn = end_rollout(loop, reg)
     if withdrawn:
         time.sleep(2 * loop.cfg.serve.alias_poll_s)  # the replica re-reads the aliases on its own clock
-    _log(f"speed check: {len(speed_set)} post-shift code prompts, speculative vs autoregressive, same server")
+    log(f"speed check: {len(speed_set)} post-shift code prompts, speculative vs autoregressive, same server")
     controller = loop.controller_status()  # the loop's outcome, before the frozen check moves stable
     speed, frozen = final_and_frozen(loop, reg, speed_set, work.max_tokens, start_stable, clients=work.concurrency)
     return PhaseRun(t0, shift, speed, controller, loop.samples(), stream_records(loop.cfg), start_stable, frozen,
@@ -369,7 +366,7 @@ def end_rollout(loop: Any, reg: Any) -> str | None:
     if not canary:
         return None
     reg.clear_canary(expect=canary["version"])
-    _log(f"traffic ended with canary {canary['version']} undecided: withdrawn, so the speed checks measure "
+    log(f"traffic ended with canary {canary['version']} undecided: withdrawn, so the speed checks measure "
          f"stable alone")
     return canary["version"]
 

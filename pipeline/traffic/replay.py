@@ -76,7 +76,7 @@ class RequestResult:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     mean_accepted_len: float | None = None
-    # drafting steps by who proposed: source -> {"steps", "draft_tokens", "accepted_tokens"}
+    # drafting steps by who proposed: source -> {"steps", "drafted", "accepted"}
     drafted_by_source: dict | None = None
     error: str | None = None
 

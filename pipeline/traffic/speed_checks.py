@@ -18,14 +18,16 @@ import numpy as np
 from pipeline.traffic.replay import build_body, parse_response
 
 
-def _log(msg: str) -> None:
+def log(msg: str) -> None:
+    """A line of `make demo`'s progress (the demo's own lines too)."""
     print(f"[osd demo] {msg}", flush=True)
 
 
 def post_chat(url: str, text: str, max_tokens: int, timeout: float = 300, **extra: Any) -> dict[str, Any]:
     """One greedy chat completion; {"ok", "latency_s", "tokens", "version", "mean_accepted_len",
     "draft_tokens", "accepted_tokens", "by_source"} or {"ok": False, "latency_s", "error"}; by_source: its
-    drafting steps by who proposed (the `osd` field's drafted_by_source)."""
+    drafting steps by who proposed (the `osd` field's drafted_by_source: source -> {"steps",
+    "drafted", "accepted"})."""
     body = {**build_body(text, chat=True, max_tokens=max_tokens, temperature=0.0, record=None), **extra}
     t0 = time.perf_counter()
     try:
@@ -57,8 +59,6 @@ def speed_check(url: str, prompts: list, max_tokens: int, salt: str = "osd-demo-
 # Batched checks a round: each is one sample of the machine's moment, which every prompt of it
 # shares (a round's prompts run in the same steps), so rounds, not prompts, carry its noise.
 BATCHED_REPEATS = 2
-
-
 # ...and so a batched check sends the speed set's first prompts only: more would lengthen each
 # round without adding rounds. The one-request check sends them all: its noise is per prompt.
 BATCHED_PROMPTS = 12
@@ -152,7 +152,7 @@ def _mean_by_source(pairs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for p in pairs:
         for src, got in (p.get("by_source") or {}).items():
-            acc = out.setdefault(src, {f: 0.0 for f in got})
+            acc = out.setdefault(src, {})
             for f, v in got.items():
                 acc[f] = acc.get(f, 0.0) + v / len(pairs)
     return out
@@ -289,21 +289,21 @@ def frozen_check(loop: Any, reg: Any, prompts: list, max_tokens: int, frozen: st
                            "canary_during": (before["canary"] or {}).get("version"), "pairs": [],
                            "speedup_vs_ar": None}
     if out["skipped"]:
-        _log(f"frozen check skipped: {out['skipped']}")
+        log(f"frozen check skipped: {out['skipped']}")
         return out
     n_decisions = len(loop.controller_status()["decisions"])
     try:
         reg.set_stable(frozen, reason="osd demo: the frozen check measures v1 again; the loop's stable comes back after")
     except RegistryError as e:
         out["skipped"] = f"could not make {frozen} stable ({type(e).__name__}: {e})"
-        _log(f"frozen check skipped: {out['skipped']}")
+        log(f"frozen check skipped: {out['skipped']}")
         return out
     try:
         waited = wait_until_served(loop.url, frozen, timeout_s=wait_s, poll_s=loop.cfg.serve.alias_poll_s / 2)
         if waited is None:
             out["skipped"] = f"the replica did not serve {frozen} within {wait_s:.0f} s of the alias move"
         else:
-            _log(f"frozen check: {frozen} serves again after {waited:.1f} s; the same {len(prompts)} prompts")
+            log(f"frozen check: {frozen} serves again after {waited:.1f} s; the same {len(prompts)} prompts")
             checks = [check_round(loop.url, prompts, max_tokens, f"osd-demo-frozen{_round(i, rounds)}", clients,
                                   on_first=i % 2 == 1) for i in range(rounds)]
             out.update(checks[0] if rounds == 1 else merge_checks(checks), waited_s=waited)
@@ -342,11 +342,11 @@ def restore_stable(reg: Any, frozen: str, final: str) -> dict[str, Any]:
     try:
         now = reg.alias("stable")["version"]
         if now != frozen:
-            _log(f"frozen check: the controller moved stable to {now} meanwhile; left there")
+            log(f"frozen check: the controller moved stable to {now} meanwhile; left there")
             return {"restored": False, "stable_after": now}
         reg.set_stable(final, reason="osd demo: the frozen check is done; the loop's stable is back")
     except RegistryError as e:  # the run's report still matters more than the alias it leaves
-        _log(f"frozen check: could not put {final} back as stable ({type(e).__name__}: {e}); "
+        log(f"frozen check: could not put {final} back as stable ({type(e).__name__}: {e}); "
              f"`osd registry promote {final}` does")
         return {"restored": False, "stable_after": None, "restore_error": f"{type(e).__name__}: {e}"}
     return {"restored": True, "stable_after": final}
@@ -366,7 +366,7 @@ def final_and_frozen(loop: Any, reg: Any, prompts: list, max_tokens: int, start_
     back = wait_until_served(loop.url, frozen["final_version"], timeout_s=wait_s,
                              poll_s=loop.cfg.serve.alias_poll_s / 2)
     if back is None:
-        _log(f"the replica did not serve {frozen['final_version']} again within {wait_s:.0f} s: one final round")
+        log(f"the replica did not serve {frozen['final_version']} again within {wait_s:.0f} s: one final round")
         return final, frozen
     again = check_round(loop.url, prompts, max_tokens, "osd-demo-final-2", clients, on_first=False)
     return dict(merge_checks([final, again]), max_tokens=max_tokens), frozen

@@ -428,10 +428,11 @@ def osd_extension(result: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def by_source(stats: Any) -> dict[str, dict[str, int]]:
+def drafted_by_source(stats: Any) -> dict[str, dict[str, int]]:
     """A request's drafting steps by who proposed (SpecStats.by_source), as the `osd` field
-    carries them: source -> {"steps", "draft_tokens", "accepted_tokens"}."""
-    return {src: {"steps": s, "draft_tokens": d, "accepted_tokens": a} for src, (s, d, a) in stats.by_source.items()}
+    carries them, in the words of the replica's by-source table (/osd/stats): source ->
+    {"steps", "drafted", "accepted"}."""
+    return {src: {"steps": s, "drafted": d, "accepted": a} for src, (s, d, a) in stats.by_source.items()}
 
 
 # vLLM's stand-in for a log-prob of -inf, which JSON cannot carry.
